@@ -1,0 +1,1 @@
+"""The coordinator: membership, stage assignment, step accounting, bans and the swarm view."""

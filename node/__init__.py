@@ -1,0 +1,1 @@
+"""A volunteer node: join, sync, train its stage, average with its replicas, leave."""

@@ -1,0 +1,119 @@
+"""Message schemas and the msgpack envelope that carries them.
+
+Every message kind is a frozen pydantic model that subclasses :class:`Message` and sets a unique
+``KIND``. On the wire a message is one msgpack map ``{"v": version, "k": kind, "b": body}``, and
+on a stream each encoded message is preceded by an 8-byte big-endian length prefix, so a peer that
+dies mid-message is told apart from one that finished (libp2p reports both as EOF).
+
+Decoding trusts nothing: the length is checked against a limit before anything is allocated,
+msgpack's own limits are bounded by the buffer size, the version must be known, the kind must be
+one the caller expects, and the body is validated strictly (no type coercion). Failures raise
+:class:`~protolearn.protocol.errors.ProtocolError` naming the peer and the reason.
+
+Schema rule: sequences in messages are ``list[...]`` (msgpack decodes arrays as lists, and strict
+validation refuses lists for tuple fields); binary payloads are ``bytes``.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from protolearn.protocol.errors import ProtocolError, TooLarge
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})
+LENGTH_PREFIX = struct.Struct(">Q")
+# Default upper bound for one message. Large tensors are streamed in chunks below this size.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+M = TypeVar("M", bound="Message")
+
+
+class Message(BaseModel):
+    """Base of every message kind. Subclasses set ``KIND`` and are registered by it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    KIND: ClassVar[str] = ""
+    registry: ClassVar[dict[str, type[Message]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("KIND", "")
+        if kind:
+            other = Message.registry.get(kind)
+            if other is not None and other is not cls and other.__qualname__ != cls.__qualname__:
+                raise TypeError(f"message kind {kind!r} is used by both {other.__qualname__} and {cls.__qualname__}")
+            Message.registry[kind] = cls
+
+
+class ErrorReply(Message):
+    """A typed refusal sent back instead of a normal reply."""
+
+    KIND: ClassVar[str] = "error"
+    code: str
+    reason: str
+
+
+def encode(msg: Message) -> bytes:
+    """Return the msgpack envelope of ``msg`` (without the length prefix)."""
+    if not msg.KIND:
+        raise TypeError(f"{type(msg).__qualname__} has no KIND")
+    return msgpack.packb({"v": PROTOCOL_VERSION, "k": msg.KIND, "b": msg.model_dump()}, use_bin_type=True)
+
+
+def frame(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
+    """Return ``msg`` encoded with its length prefix, refusing to build one larger than ``max_bytes``."""
+    body = encode(msg)
+    if len(body) > max_bytes:
+        raise TooLarge("local", f"{msg.KIND} message of {len(body)} bytes exceeds the limit of {max_bytes}")
+    return LENGTH_PREFIX.pack(len(body)) + body
+
+
+def parse_length(prefix: bytes, *, peer: str, max_bytes: int = MAX_MESSAGE_BYTES) -> int:
+    """Validate a length prefix before the body is read or allocated."""
+    if len(prefix) != LENGTH_PREFIX.size:
+        raise ProtocolError(peer, f"truncated length prefix ({len(prefix)} of {LENGTH_PREFIX.size} bytes)")
+    (n,) = LENGTH_PREFIX.unpack(prefix)
+    if n == 0:
+        raise ProtocolError(peer, "empty message")
+    if n > max_bytes:
+        raise TooLarge(peer, f"declared message length {n} exceeds the limit of {max_bytes}")
+    return n
+
+
+def decode(data: bytes, *, peer: str, expect: type[M] | tuple[type[Message], ...] | None = None) -> Message:
+    """Decode one envelope from ``peer``. ``expect`` restricts which kinds are acceptable."""
+    try:
+        # msgpack >= 1.0 bounds every container and string by len(data), so a small buffer cannot
+        # claim a huge allocation.
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception as err:  # msgpack raises several unrelated types for malformed input
+        raise ProtocolError(peer, f"malformed msgpack: {type(err).__name__}") from err
+    if not isinstance(obj, dict) or set(obj) != {"v", "k", "b"}:
+        raise ProtocolError(peer, "envelope is not a map of exactly v, k, b")
+    version, kind, body = obj["v"], obj["k"], obj["b"]
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
+        raise ProtocolError(peer, f"unsupported protocol version {version!r} (supported: {sorted(SUPPORTED_VERSIONS)})")
+    if not isinstance(kind, str):
+        raise ProtocolError(peer, "message kind is not a string")
+    cls = Message.registry.get(kind)
+    if cls is None:
+        raise ProtocolError(peer, f"unknown message kind {kind[:64]!r}")
+    if expect is not None:
+        allowed = expect if isinstance(expect, tuple) else (expect,)
+        if cls not in allowed and cls is not ErrorReply:
+            names = ", ".join(c.KIND for c in allowed)
+            raise ProtocolError(peer, f"unexpected message kind {kind!r} (expected {names})")
+    if not isinstance(body, dict):
+        raise ProtocolError(peer, f"{kind} body is not a map")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise ProtocolError(peer, f"invalid {kind}: {where}: {first['msg']}") from None
