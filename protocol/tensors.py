@@ -83,6 +83,13 @@ def check_header(
     n = frame.numel()
     if n > limits.max_elements:
         raise TooLarge(peer, f"tensor of {n} elements exceeds the limit of {limits.max_elements}")
+    # A zero dimension makes numel 0, but torch still computes strides from the other dimensions,
+    # and a shape like [0, 2**62, 2**62] overflows them (RuntimeError): bound their product too.
+    span = 1
+    for d in frame.shape:
+        span *= max(d, 1)
+    if span > limits.max_elements:
+        raise TooLarge(peer, f"tensor shape {frame.shape[:MAX_DIMS]} spans more than {limits.max_elements} elements")
     if frame.nbytes() > limits.max_bytes:
         raise TooLarge(peer, f"tensor frame of {frame.nbytes()} bytes exceeds the limit of {limits.max_bytes}")
     want = DTYPES[frame.dtype]
