@@ -21,11 +21,21 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def _root() -> None:
+    # A callback keeps `protolearn <command>` a group even while only one command is registered
+    # (typer otherwise runs a lone command as the app itself).
+    """Train one language model together over the internet."""
+
+
 def _register() -> None:
     # Imported here, not at module import, so `protolearn --help` stays fast and import order is explicit.
     from protolearn.cli import local
 
     local.register(app)
+    from protolearn.cli import model
+
+    model.register(app)
 
 
 def main() -> None:

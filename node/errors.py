@@ -1,0 +1,19 @@
+"""Errors of a volunteer node. The CLI prints each as one line and exits non-zero."""
+
+from protolearn.errors import ProtolearnError
+
+
+class NodeError(ProtolearnError):
+    """Base of the errors a node raises on purpose."""
+
+
+class JoinError(NodeError):
+    """The node could not join: coordinator unreachable, wrong peer id, or a run it cannot train."""
+
+
+class StateSyncError(NodeError):
+    """No live replica could hand over a stage state that matches the hash the replicas report."""
+
+
+class ReplicaMismatch(NodeError):
+    """After a step this replica's parameter hash differs from its stage's other replicas (I2)."""

@@ -1,0 +1,35 @@
+"""`python scripts/bench.py`: the one benchmark entry point, and its `reference` suite."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_unknown_suite_is_one_line_listing_the_suites() -> None:
+    out = subprocess.run([sys.executable, "scripts/bench.py", "nope"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0
+    assert "unknown bench suite 'nope'" in out.stderr and "reference" in out.stderr
+
+
+def test_reference_suite_prints_tokens_per_s(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(4):
+        (data / f"{i}.txt").write_text("bench text\n" * 100)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        f'name = "b"\n[model]\nd_model = 32\nn_layers = 2\nn_heads = 4\nd_ff = 48\n'
+        f'[batch]\nmicrobatch_size = 2\nseq_len = 32\n[data]\npath = {json.dumps(str(data))}\n'
+    )
+    argv = [sys.executable, "scripts/bench.py", "reference", "--json", "--config", str(cfg), "--steps", "2", "--warmup", "1", "--threads", "1"]
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["suite"] == "reference" and result["steps"] == 2
+    assert result["tokens_per_s"] > 0 and result["tokens_per_step"] == 4 * 2 * 32
