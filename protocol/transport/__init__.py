@@ -1,0 +1,44 @@
+"""The libp2p adapter: a host over TCP + Noise + yamux, request/response and framed streams.
+
+Public API (other packages code against these names)::
+
+    config = TransportConfig(request_timeout_s=30.0, chunk_timeout_s=10.0, ...)
+    async with open_host(identity, ["/ip4/127.0.0.1/tcp/0"], config) as host:
+        host.peer_id -> str; host.addrs() -> list[str]            # full multiaddrs ending in /p2p/<id>
+        await host.connect("/ip4/.../tcp/.../p2p/<id>", timeout=None) -> str   # the peer id
+        host.add_peer_addrs(peer_id, ["/ip4/.../tcp/..."])
+        host.serve(name, handler, request_type=Req, max_inbound=None, max_bytes=None)  # handler(peer_id, req) -> reply
+        host.serve_stream(name, handler, max_inbound=None)                 # handler(peer_id, FramedStream)
+        await host.request(peer, name, msg, ReplyType, timeout=None) -> reply
+        async with host.open_stream(peer, name, timeout=None) as s: ...   # a FramedStream
+        host.ban(peer_id, reason); host.unban(peer_id); host.is_banned(peer_id) -> bool
+        host.gate.rejected: Counter[str]; host.gate.recent: deque[Rejection]  # see protocol/gate.py
+        host.requests_served -> int; host.active_streams(name) -> int
+
+``identity`` is anything with ``private_bytes`` (the 32-byte Ed25519 seed), e.g.
+:class:`protolearn.protocol.identity.Identity`. ``peer`` arguments take a peer ID or a full multiaddr.
+
+How it works. The host offers **Noise only** (a default py-libp2p host also accepts plaintext, which
+would make peer IDs meaningless), yamux only, one connection per peer (more makes every dial wait
+250 ms), no mDNS/UPnP. Protocol IDs are ``/protolearn/<name>/1.0.0``. Each request opens a new stream
+(about 3 ms on an existing connection) carrying one length-prefixed request and one reply; a new
+stream per request keeps a slow reply from blocking others and needs no request IDs.
+
+Every inbound stream passes the sans-IO :class:`~protolearn.protocol.gate.Gate` before a byte is read:
+a banned peer's stream is reset, and so is a stream over the protocol's limit of concurrent inbound
+streams (never queued). A banned peer's connection is also closed as soon as it is established. Every
+rejection is logged on the ``protolearn.protocol`` logger as ``rejected peer=<id> protocol=<name>
+reason=<reason>`` and counted in ``host.gate``. A request that fails to decode gets an ErrorReply
+naming the reason. A handler that raises a :class:`ProtolearnError` sends back an :class:`ErrorReply`;
+anything else is logged with the peer, protocol and reason, the stream is reset, and the host keeps
+serving. A request handler itself has no deadline: the caller's ``request`` timeout bounds the wait.
+
+Two py-libp2p 0.8.1 behaviours are worked around here: it keeps a connection the remote closed and
+then refuses to redial, and it refuses any dial for 60 s after a failed one. Both would leave a node
+that restarts unreachable, so a stream open drops dead connections and forgets past dial failures.
+"""
+
+from protolearn.protocol.transport.host import Host, TransportConfig, open_host, protocol_id
+from protolearn.protocol.transport.streams import FramedStream, TensorHeader, TensorTrailer
+
+__all__ = ["FramedStream", "Host", "TensorHeader", "TensorTrailer", "TransportConfig", "open_host", "protocol_id"]

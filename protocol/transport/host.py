@@ -1,0 +1,442 @@
+"""The libp2p host: TCP + Noise only + yamux, the ban gate, request/response and stream opening.
+
+See the package docstring of :mod:`protolearn.protocol.transport` for the API.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Protocol, TypeVar
+
+import multiaddr
+import trio
+from libp2p import create_yamux_muxer_option, new_host
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from pydantic import BaseModel, ConfigDict, Field
+
+from protolearn.errors import ConfigError, ProtolearnError
+from protolearn.protocol import wire
+from protolearn.protocol.addresses import advertised, check_port_free, parse_multiaddr, strip_p2p
+from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused
+from protolearn.protocol.gate import Gate
+from protolearn.protocol.transport.streams import FramedStream
+from protolearn.protocol.tensors import DEFAULT_LIMITS, TensorLimits
+from protolearn.protocol.wire import ErrorReply, Message
+
+PROTOCOL_PREFIX = "/protolearn/"
+PROTOCOL_VERSION = "1.0.0"
+DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+# How long a peer's address stays in the peerstore after connect/add_peer_addrs (seconds).
+ADDR_TTL_S = 3600
+
+log = logging.getLogger("protolearn.protocol")
+
+R = TypeVar("R", bound=Message)
+RequestHandler = Callable[[str, Message], Awaitable[Message]]
+StreamHandler = Callable[[str, FramedStream], Awaitable[None]]
+
+
+def protocol_id(name: str) -> str:
+    """The versioned libp2p protocol ID of a protolearn protocol name."""
+    return f"{PROTOCOL_PREFIX}{name}/{PROTOCOL_VERSION}"
+
+
+class TransportConfig(BaseModel):
+    """Deadlines and limits of the transport. Frozen; every value must be positive."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    request_timeout_s: float = Field(default=30.0, gt=0)
+    chunk_timeout_s: float = Field(default=10.0, gt=0)
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    max_message_bytes: int = Field(default=16 * 1024 * 1024, gt=wire.LENGTH_PREFIX.size)
+    chunk_bytes: int = Field(default=1024 * 1024, gt=0)
+    max_inbound_streams: int = Field(default=64, gt=0)
+    tensor_limits: TensorLimits = DEFAULT_LIMITS
+
+
+class HasSeed(Protocol):
+    @property
+    def private_bytes(self) -> bytes: ...
+
+
+class _BanNotifee(INotifee):
+    """Closes a banned peer's connection as soon as the swarm reports it."""
+
+    def __init__(self, host: Host) -> None:
+        self._host = host
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        peer = str(conn.muxed_conn.peer_id)
+        rejection = self._host.gate.check_connection(peer)
+        if rejection is not None:
+            self._host.gate.record(rejection)
+            self._host._schedule_disconnect(peer)
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        return None
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        return None
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        return None
+
+    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        return None
+
+    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        return None
+
+
+class Host:
+    """A running libp2p host. Build it with :func:`open_host`; see the module docstring for the API."""
+
+    def __init__(self, lp: IHost, config: TransportConfig) -> None:
+        self._lp = lp
+        self.config = config
+        self.peer_id = str(lp.get_id())
+        self.gate = Gate()
+        self.requests_served = 0  # requests answered with a normal (non-error) reply
+        self._active: dict[str, int] = {}
+        # Bans are decided synchronously; closing the connection is async, so a service task does it.
+        self._disconnect_send, self._disconnect_recv = trio.open_memory_channel[str](1024)
+
+    # -- addresses and dialling ---------------------------------------------------------------
+
+    def addrs(self) -> list[str]:
+        """Full multiaddrs with ``/p2p/<id>``, 127.0.0.1 first (see :func:`addresses.advertised`)."""
+        return advertised([str(a) for a in self._lp.get_addrs()], self.peer_id)
+
+    def add_peer_addrs(self, peer_id: str, addrs: Sequence[str]) -> None:
+        """Remember where ``peer_id`` listens, so requests can dial it by ID."""
+        pid = _parse_peer_id(peer_id)
+        maddrs = [strip_p2p(parse_multiaddr(a, peer_id)) for a in addrs]
+        self._lp.get_peerstore().add_addrs(pid, maddrs, ADDR_TTL_S)
+
+    async def connect(self, addr: str, *, timeout: float | None = None) -> str:
+        """Dial ``addr`` (which must end in ``/p2p/<id>``) and return the peer ID.
+
+        Noise authenticates the remote; a remote whose key does not match the ``/p2p/`` part fails.
+        """
+        maddr = parse_multiaddr(addr, "unknown")
+        try:
+            info = info_from_p2p_addr(maddr)
+        except (BaseLibp2pError, ValueError) as err:
+            raise PeerUnavailable("unknown", f"address {addr!r} has no /p2p/<peer id> part ({err}); copy the full address the peer prints") from None
+        peer = str(info.peer_id)
+        if self.is_banned(peer):
+            raise Refused(peer, f"not connecting: peer is banned ({self.gate.bans[peer]})")
+        limit = self.config.connect_timeout_s if timeout is None else timeout
+        self._forget_dial_failure(info.peer_id)
+        try:
+            with trio.fail_after(limit):
+                await self._lp.connect(info)
+        except trio.TooSlowError:
+            raise PeerUnavailable(peer, f"could not connect to {addr} within {limit:g} s") from None
+        except (BaseLibp2pError, OSError) as err:
+            raise PeerUnavailable(peer, f"could not connect to {addr}: {_why(err)}") from None
+        return peer
+
+    def _forget_dial_failure(self, pid: ID) -> None:
+        # py-libp2p refuses to dial a peer for 60 s after a failed dial, so a node that restarts
+        # quickly would stay unreachable. Callers here have their own deadlines and retry policies.
+        cache = getattr(self._lp.get_network(), "_negative_peer_cache", None)
+        if cache is not None:
+            cache.evict(str(pid))
+
+    async def _ensure_peer(self, peer: str) -> ID:
+        if peer.startswith("/"):
+            peer = await self.connect(peer)
+        pid = _parse_peer_id(peer)
+        if self.is_banned(peer):
+            raise Refused(peer, f"peer is banned ({self.gate.bans[peer]})")
+        return pid
+
+    # -- the gate -----------------------------------------------------------------------------
+
+    def ban(self, peer_id: str, reason: str) -> None:
+        """Refuse ``peer_id`` from now on and close its connections."""
+        self.gate.ban(peer_id, reason)
+        self._schedule_disconnect(peer_id)
+
+    def unban(self, peer_id: str) -> None:
+        self.gate.unban(peer_id)
+
+    def is_banned(self, peer_id: str) -> bool:
+        return self.gate.is_banned(peer_id)
+
+    def active_streams(self, name: str) -> int:
+        """How many inbound streams of protocol ``name`` are being handled right now."""
+        return self._active.get(name, 0)
+
+    def _schedule_disconnect(self, peer_id: str) -> None:
+        try:
+            self._disconnect_send.send_nowait(peer_id)
+        except trio.WouldBlock:
+            # The stream gate still refuses the peer; its idle connection just lingers a while.
+            log.warning("disconnect queue full; banned peer=%s stays connected until it idles", peer_id)
+
+    async def _disconnect_service(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async for peer_id in self._disconnect_recv:
+            with trio.move_on_after(self.config.connect_timeout_s):
+                try:
+                    await self._lp.disconnect(_parse_peer_id(peer_id))
+                except (BaseLibp2pError, OSError, ProtocolError) as err:
+                    log.info("could not close connection peer=%s reason=%s", peer_id, _why(err))
+
+    # -- serving ------------------------------------------------------------------------------
+
+    def serve(
+        self,
+        name: str,
+        handler: RequestHandler,
+        *,
+        request_type: type[Message] | tuple[type[Message], ...],
+        max_inbound: int | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
+        """Answer ``/protolearn/<name>/1.0.0``: one request and one reply per inbound stream.
+
+        A request may be at most ``max_bytes`` (default ``config.max_message_bytes``); at most
+        ``max_inbound`` requests are read at once, so this protocol buffers at most their product.
+        """
+        request_limit = self.config.max_message_bytes if max_bytes is None else max_bytes
+
+        async def on_stream(peer: str, s: FramedStream) -> None:
+            s.max_message_bytes = request_limit
+            try:
+                request = await s.receive(request_type, timeout=self.config.request_timeout_s)
+            except ProtocolError as err:
+                self.gate.reject(peer, name, type(err).__name__, err.reason)
+                await self._refuse(s, err)
+                return
+            try:
+                reply = await handler(peer, request)
+            except ProtocolError as err:
+                self.gate.reject(peer, name, type(err).__name__, err.reason)
+                reply = ErrorReply(code=type(err).__name__, reason=err.reason)
+            except ProtolearnError as err:
+                log.info("refused peer=%s protocol=%s reason=%s", peer, name, err)
+                reply = ErrorReply(code=type(err).__name__, reason=str(err))
+            await s.send(reply, timeout=self.config.request_timeout_s)
+            if not isinstance(reply, ErrorReply):
+                self.requests_served += 1
+
+        self._register(name, on_stream, max_inbound)
+
+    async def _refuse(self, s: FramedStream, err: ProtocolError) -> None:
+        # Tell an honest but mismatched peer why (e.g. an old version), then drop the stream. The
+        # grace is short and the drain bounded, so a hostile peer gains nothing by not reading.
+        with trio.move_on_after(min(1.0, self.config.chunk_timeout_s)):
+            try:
+                await s.send(ErrorReply(code=type(err).__name__, reason=err.reason))
+                await s.close()
+                await s.drain(s.max_message_bytes)
+            except ProtocolError:
+                pass  # the peer is gone or not reading; the rejection is already logged
+        await s.reset()
+
+    def serve_stream(self, name: str, handler: StreamHandler, *, max_inbound: int | None = None) -> None:
+        """Hand each inbound stream of ``/protolearn/<name>/1.0.0`` to ``handler(peer_id, stream)``.
+
+        A handler's :class:`ProtocolError` is logged as a rejection, others are logged; either way the
+        stream is reset. A normal return half-closes the stream.
+        """
+        self._register(name, handler, max_inbound)
+
+    def _register(self, name: str, handler: StreamHandler, max_inbound: int | None) -> None:
+        limit = self.config.max_inbound_streams if max_inbound is None else max_inbound
+        if limit <= 0:
+            raise ValueError(f"max_inbound must be positive, got {limit}")
+        self._active.setdefault(name, 0)
+
+        async def on_raw_stream(raw: INetStream) -> None:
+            peer = str(raw.muxed_conn.peer_id)
+            s = self._wrap(raw, peer, name)
+            rejection = self.gate.check_stream(peer, name, num_active=self._active[name], limit=limit)
+            if rejection is not None:
+                self.gate.record(rejection)
+                await s.reset()
+                if self.is_banned(peer):
+                    self._schedule_disconnect(peer)
+                return
+            self._active[name] += 1
+            try:
+                await self._run_handler(handler, peer, name, s)
+            finally:
+                self._active[name] -= 1
+
+        self._lp.set_stream_handler(protocol_id(name), on_raw_stream)  # type: ignore[arg-type]
+
+    async def _run_handler(self, handler: StreamHandler, peer: str, name: str, s: FramedStream) -> None:
+        # The one broad catch: a handler failure must never take the host down.
+        try:
+            await handler(peer, s)
+        except ProtocolError as err:
+            self.gate.reject(peer, name, type(err).__name__, err.reason)
+            await s.reset()
+            return
+        except Exception as err:
+            self.gate.reject(peer, name, "handler_error", f"handler failed: {type(err).__name__}: {err}")
+            log.exception("handler failed peer=%s protocol=%s", peer, name)
+            await s.reset()
+            return
+        await s.close()
+
+    def _wrap(self, raw: INetStream, peer: str, name: str) -> FramedStream:
+        c = self.config
+        return FramedStream(
+            raw,
+            peer_id=peer,
+            protocol=name,
+            timeout_s=c.request_timeout_s,
+            chunk_timeout_s=c.chunk_timeout_s,
+            max_message_bytes=c.max_message_bytes,
+            chunk_bytes=c.chunk_bytes,
+            limits=c.tensor_limits,
+        )
+
+    # -- calling ------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def open_stream(self, peer: str, name: str, *, timeout: float | None = None) -> AsyncIterator[FramedStream]:
+        """Open a stream of ``/protolearn/<name>/1.0.0`` to ``peer``; reset it if the body raises."""
+        pid = await self._ensure_peer(peer)
+        peer = str(pid)
+        limit = self.config.connect_timeout_s if timeout is None else timeout
+        try:
+            with trio.fail_after(limit):
+                raw = await self._new_stream(pid, name)
+        except trio.TooSlowError:
+            raise PeerUnavailable(peer, f"could not open {protocol_id(name)} within {limit:g} s") from None
+        s = self._wrap(raw, peer, name)
+        try:
+            yield s
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await s.reset()
+            raise
+        with trio.CancelScope(shield=True):
+            await s.close()
+
+    async def _new_stream(self, pid: ID, name: str) -> INetStream:
+        # py-libp2p keeps a connection the remote closed in its table and then refuses to redial
+        # ("No valid connections"); drop such a connection and try once more on a fresh dial.
+        net = self._lp.get_network()
+        for attempt in range(2):
+            self._forget_dial_failure(pid)
+            stale = net.get_connections(pid)
+            if stale and all(c.is_closed for c in stale):
+                await net.close_peer(pid)
+            try:
+                return await self._lp.new_stream(pid, [protocol_id(name)])  # type: ignore[list-item]
+            except (BaseLibp2pError, OSError) as err:
+                conns = net.get_connections(pid)
+                if attempt == 0 and conns and all(c.is_closed for c in conns):
+                    log.info("stream open failed on a closed connection peer=%s reason=%s; redialling", pid, _why(err))
+                    continue
+                raise PeerUnavailable(str(pid), f"could not open {protocol_id(name)}: {_why(err)}") from None
+        raise AssertionError("unreachable")
+
+    async def request(
+        self,
+        peer: str,
+        name: str,
+        msg: Message,
+        reply_type: type[R] | tuple[type[Message], ...],
+        *,
+        timeout: float | None = None,
+    ) -> R:
+        """Send ``msg`` on a new stream and return the reply, all within ``timeout``.
+
+        Raises PeerTimeout (no reply in time), PeerUnavailable (dial or stream failed), Refused (the
+        remote answered with an ErrorReply) or ProtocolError (a malformed reply).
+        """
+        limit = self.config.request_timeout_s if timeout is None else timeout
+        try:
+            with trio.fail_after(limit):
+                async with self.open_stream(peer, name) as s:
+                    await s.send(msg, timeout=limit)
+                    return await s.receive(reply_type, timeout=limit)
+        except trio.TooSlowError:
+            raise PeerTimeout(peer, f"no reply to {msg.KIND} on {name} within {limit:g} s") from None
+
+
+@asynccontextmanager
+async def open_host(
+    identity: HasSeed,
+    listen: Sequence[str] = DEFAULT_LISTEN,
+    config: TransportConfig | None = None,
+) -> AsyncIterator[Host]:
+    """Build, start and yield a :class:`Host` listening on ``listen``; close everything on exit.
+
+    An error raised in the body comes out as itself, not wrapped in the nurseries' ExceptionGroup.
+    A listen address that cannot be used raises :class:`ConfigError`.
+    """
+    cfg = TransportConfig() if config is None else config
+    key_pair = create_new_key_pair(bytes(identity.private_bytes))
+    listen_addrs = [parse_multiaddr(a, "local") for a in listen]
+    for addr in listen_addrs:
+        check_port_free(addr)
+    lp = new_host(
+        key_pair=key_pair,
+        sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)},
+        muxer_opt=create_yamux_muxer_option(),
+        listen_addrs=listen_addrs,
+        connection_config=ConnectionConfig(max_connections_per_peer=1),
+        enable_mDNS=False,
+        enable_upnp=False,
+    )
+    host = Host(lp, cfg)
+    lp.get_network().register_notifee(_BanNotifee(host))
+    try:
+        async with lp.run(listen_addrs), trio.open_nursery() as nursery:
+            try:
+                if not lp.get_addrs():  # py-libp2p logs a failed listen and carries on
+                    raise ConfigError(f"cannot listen on {', '.join(listen)}: use an address of this machine, e.g. /ip4/0.0.0.0/tcp/0")
+                await nursery.start(host._disconnect_service)
+                yield host
+            finally:
+                nursery.cancel_scope.cancel()
+                # Close connections explicitly: cancelling the swarm alone leaves sockets to the GC.
+                with trio.CancelScope(shield=True), trio.move_on_after(cfg.connect_timeout_s):
+                    await lp.close()
+    except BaseExceptionGroup as group:
+        leaf = _single_leaf(group)
+        if leaf is None:
+            raise
+        raise leaf from None
+
+
+def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
+    """The one exception inside nested single-member groups, else None."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        if len(exc.exceptions) != 1:
+            return None
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _parse_peer_id(text: str) -> ID:
+    try:
+        return ID.from_base58(text)
+    except Exception as err:  # base58 and multihash raise several unrelated types
+        raise PeerUnavailable(text[:80], f"invalid peer ID: {err}") from None
+
+
+def _why(err: BaseException) -> str:
+    text = str(err) or type(err).__name__
+    return text if len(text) <= 300 else text[:300] + "..."

@@ -1,0 +1,60 @@
+"""Shared fixtures for integration tests: real libp2p hosts on 127.0.0.1 inside one trio run.
+
+Tests are plain functions that call ``run_trio(main)``; ``main`` is an async function run under a
+deadline (``trio.fail_after``), so a hang fails the test instead of stalling CI. Inside ``main``,
+``async with open_hosts(2) as (a, b):`` gives started hosts, each with a fresh identity, already able
+to dial each other by peer ID (their addresses are exchanged); leaving the block closes them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+
+from protolearn.protocol.identity import Identity
+from protolearn.protocol.transport import Host, TransportConfig, open_host
+
+# Short deadlines so failure paths finish fast; generous enough for a busy 2-core CI box.
+FAST_CONFIG = TransportConfig(request_timeout_s=5.0, chunk_timeout_s=5.0, connect_timeout_s=5.0)
+
+
+@asynccontextmanager
+async def _open_hosts(n: int, config: TransportConfig | None = None, *, introduce: bool = True) -> AsyncIterator[list[Host]]:
+    cfg = FAST_CONFIG if config is None else config
+    async with AsyncExitStack() as stack:
+        hosts = [await stack.enter_async_context(open_host(Identity.generate(), config=cfg)) for _ in range(n)]
+        if introduce:
+            for h in hosts:
+                for other in hosts:
+                    if other is not h:
+                        h.add_peer_addrs(other.peer_id, other.addrs())
+        yield hosts
+
+
+@pytest.fixture
+def open_hosts() -> Callable[..., Any]:
+    """``async with open_hosts(n, config=None, introduce=True) as hosts:`` n started real hosts."""
+    return _open_hosts
+
+
+@pytest.fixture
+def run_trio() -> Callable[..., Any]:
+    """``run_trio(main, timeout=30)`` runs ``await main()`` in a fresh trio run under a deadline."""
+
+    def run(main: Callable[[], Awaitable[Any]], timeout: float = 30.0) -> Any:
+        async def guarded() -> Any:
+            with trio.fail_after(timeout):
+                return await main()
+
+        return trio.run(guarded)
+
+    return run
+
+
+@pytest.fixture
+def fast_config() -> TransportConfig:
+    return FAST_CONFIG
