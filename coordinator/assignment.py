@@ -1,0 +1,160 @@
+"""Stage assignment and rebalancing: a sans-IO policy over (stage, throughput) pairs.
+
+Throughput is measured in layer-tokens per second, so it does not depend on the stage a node holds.
+Stage ``s`` holds a share ``w_s`` of the model's layers; with a total throughput ``T_s`` among its
+replicas it passes ``T_s / w_s`` (scaled) tokens per second, and the pipeline runs at the rate of its
+slowest stage, ``min_s T_s / w_s``. *Balance quality* is that rate divided by the ideal rate with the
+same total compute, ``sum(T) / sum(w)``: 1.0 is perfect, 0.0 means some stage is empty.
+
+- A joiner goes to the stage with the least throughput relative to its share (ties: fewer replicas
+  per share, then the lower index), which is the stage that raises the bottleneck most.
+- Rebalancing (Petals-style): only a move into the bottleneck stage can raise the rate, so for every
+  source stage with at least two replicas (never empty a stage) the best node to move is the one whose
+  throughput is closest to the amount that equalises the two stages. The best such move is proposed
+  only if ``rate_before < min_quality * rate_after`` (Petals uses 0.75). Each decision is O(nodes).
+
+Every decision carries a reason string for the log.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+# A node that reports zero throughput still counts a little, so an empty stage stays distinguishable
+# from one whose replicas have not measured yet.
+MIN_THROUGHPUT = 1e-6
+
+
+@dataclass(frozen=True)
+class StageLoad:
+    throughput: float
+    replicas: int
+
+
+@dataclass(frozen=True)
+class Choice:
+    stage: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Move:
+    peer_id: str
+    src: int
+    dst: int
+    quality_before: float
+    quality_after: float
+    reason: str
+
+
+def shares_from_layers(layers_per_stage: Sequence[int]) -> list[float]:
+    """Each stage's share of the compute, proportional to its layer count (a stage with 0 layers gets 1)."""
+    weights = [max(1, int(n)) for n in layers_per_stage]
+    total = float(sum(weights))
+    return [w / total for w in weights]
+
+
+def stage_loads(nodes: Iterable[tuple[int, float]], num_stages: int) -> list[StageLoad]:
+    """Aggregate (stage, throughput) pairs into per-stage loads."""
+    thr = [0.0] * num_stages
+    cnt = [0] * num_stages
+    for stage, t in nodes:
+        if 0 <= stage < num_stages:
+            thr[stage] += max(t, MIN_THROUGHPUT)
+            cnt[stage] += 1
+    return [StageLoad(thr[s], cnt[s]) for s in range(num_stages)]
+
+
+def swarm_rate(loads: Sequence[StageLoad], shares: Sequence[float]) -> float:
+    """The pipeline's rate in share-normalised throughput: its slowest stage."""
+    return min(load.throughput / w for load, w in zip(loads, shares, strict=True))
+
+
+def balance_quality(loads: Sequence[StageLoad], shares: Sequence[float]) -> float:
+    total = sum(load.throughput for load in loads)
+    if total <= 0:
+        return 0.0
+    return swarm_rate(loads, shares) / (total / sum(shares))
+
+
+def choose_stage(loads: Sequence[StageLoad], shares: Sequence[float]) -> Choice:
+    """The stage a joiner should take: the least throughput relative to its share."""
+    if not loads:
+        raise ValueError("a run has at least one stage")
+    best = min(
+        range(len(loads)),
+        key=lambda s: (loads[s].throughput / shares[s], loads[s].replicas / shares[s], s),
+    )
+    load = loads[best]
+    if load.replicas == 0:
+        return Choice(best, f"stage {best} has no replicas")
+    return Choice(
+        best,
+        f"stage {best} has the least throughput per share ({load.throughput / shares[best]:.3g}, "
+        f"{load.replicas} replicas)",
+    )
+
+
+def propose_move(
+    nodes: Iterable[tuple[str, int, float, bool]],
+    shares: Sequence[float],
+    *,
+    min_quality: float = 0.75,
+) -> Move | None:
+    """The one move that raises the bottleneck rate most, if it beats ``min_quality``; else ``None``.
+
+    ``nodes`` yields (peer_id, stage, throughput, movable). Immovable nodes count toward their stage's
+    load and replica count but are never proposed (e.g. syncing, or recently moved).
+    """
+    num_stages = len(shares)
+    thr = [0.0] * num_stages
+    cnt = [0] * num_stages
+    movable_by_stage: list[list[tuple[str, float]]] = [[] for _ in range(num_stages)]
+    for peer_id, stage, t, movable in nodes:
+        if not 0 <= stage < num_stages:
+            continue
+        t = max(t, MIN_THROUGHPUT)
+        thr[stage] += t
+        cnt[stage] += 1
+        if movable:
+            movable_by_stage[stage].append((peer_id, t))
+    if num_stages < 2:
+        return None
+    ratios = [thr[s] / shares[s] for s in range(num_stages)]
+    order = sorted(range(num_stages), key=lambda s: (ratios[s], cnt[s] / shares[s], s))
+    dst = order[0]
+    rate_before = ratios[dst]
+    total = sum(thr)
+    ideal = total / sum(shares) if total > 0 else 0.0
+
+    best: tuple[float, str, int, float] | None = None  # (rate_after, peer, src, throughput)
+    for src in range(num_stages):
+        if src == dst or cnt[src] < 2 or not movable_by_stage[src]:
+            continue
+        # The smallest ratio among the stages this move leaves alone (at most 3 look-ups in order).
+        others = math.inf
+        for s in order:
+            if s not in (src, dst):
+                others = ratios[s]
+                break
+        w_s, w_t = shares[src], shares[dst]
+        # Moving x equalises the two stages at x* = (T_s w_t - T_t w_s) / (w_s + w_t).
+        target_x = (thr[src] * w_t - thr[dst] * w_s) / (w_s + w_t)
+        peer_id, x = min(movable_by_stage[src], key=lambda p: (abs(p[1] - target_x), p[0]))
+        rate_after = min(others, (thr[src] - x) / w_s, (thr[dst] + x) / w_t)
+        if best is None or rate_after > best[0]:
+            best = (rate_after, peer_id, src, x)
+    if best is None:
+        return None
+    rate_after, peer_id, src, x = best
+    if not rate_before < min_quality * rate_after:
+        return None
+    q_before = rate_before / ideal if ideal > 0 else 0.0
+    q_after = rate_after / ideal if ideal > 0 else 0.0
+    reason = (
+        f"move {peer_id} (throughput {x:.3g}) from stage {src} to bottleneck stage {dst}: "
+        f"balance quality {q_before:.2f} -> {q_after:.2f}"
+    )
+    return Move(peer_id, src, dst, q_before, q_after, reason)

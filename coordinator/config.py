@@ -1,0 +1,49 @@
+"""Settings of the coordinator: timing, leases, rate limits, ban policy and rebalancing.
+
+These are the coordinator's own knobs, not the run's: the run (model, stages, batch) comes from the run
+config. Defaults suit a local demo and a small internet swarm; tests shrink the timings.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class CoordinatorSettings(BaseModel):
+    """Frozen coordinator settings, validated with messages that show the bad values."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    # A member that has not been heard from for this long is expired (its leases are freed).
+    expiry_s: float = Field(5.0, gt=0)
+    # After a restart, members get this long to reconnect (with backoff) before expiry applies.
+    restart_grace_s: float = Field(30.0, ge=0)
+    lease_s: float = Field(20.0, gt=0)
+    # Most tickets one lease request gets: small blocks spread the tickets over stage-0 replicas.
+    lease_block: int = Field(4, ge=1)
+    housekeeping_interval_s: float = Field(0.25, gt=0)
+    # Token bucket per peer over all requests.
+    rate_per_s: float = Field(200.0, gt=0)
+    rate_burst: float = Field(400.0, ge=1)
+    # Ban policy: verified signed evidence bans at once; otherwise this many distinct reporters in the window.
+    ban_on_evidence: bool = True
+    reports_to_ban: int = Field(3, ge=1)
+    report_window_s: float = Field(300.0, gt=0)
+    # Rebalancing: move a node only if the swarm's bottleneck rate rises so that old < quality * new.
+    rebalance_quality: float = Field(0.75, gt=0, le=1)
+    rebalance_interval_s: float = Field(10.0, gt=0)
+    move_cooldown_s: float = Field(60.0, ge=0)
+    # Departed (left or expired) members are remembered this long so a rejoin gets its old stage.
+    departed_retention_s: float = Field(24 * 3600.0, ge=0)
+    max_members: int = Field(100_000, ge=1)
+    max_concurrent_waits: int = Field(1024, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> CoordinatorSettings:
+        if self.expiry_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"expiry_s ({self.expiry_s}) must exceed heartbeat_interval_s ({self.heartbeat_interval_s}), "
+                "or every member expires between two heartbeats"
+            )
+        return self

@@ -1,0 +1,424 @@
+"""The coordinator's request logic: one sans-IO object that turns (peer, request, now) into a reply.
+
+:class:`CoordinatorCore` ties the registry, the ticket ledger, the verdict policy and the rate
+limiter together. Every request passes the per-peer rate limit and the ban check first; a refused
+request raises :class:`~protolearn.coordinator.errors.Refusal` (code + reason) and leaves the state
+unchanged. The service (``service.py``) is a thin trio adapter: it calls :meth:`handle` with the
+wall clock, persists :meth:`drain` into SQLite, and runs the long poll of ``WaitStep`` on top of
+:meth:`step_info`.
+
+Departures cost tickets: when a member leaves, expires or is banned, the open step's tickets it
+leased *or that were routed through it* are freed, because the gradients it accumulated for them are
+gone (or untrusted), and they are redone by others (I1).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protolearn.coordinator.assignment import shares_from_layers
+from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.errors import Refusal
+from protolearn.coordinator.ratelimit import RateLimiter
+from protolearn.coordinator.registry import LIVE, HeartbeatInfo, JoinInfo, Member, Registry
+from protolearn.coordinator.tickets import ClosedStep, Ticket, TicketLedger
+from protolearn.coordinator.verdicts import Ban, VerdictPolicy
+from protolearn.protocol import coordination as cm
+from protolearn.protocol.errors import SignatureError
+from protolearn.protocol.identity import verify_peer
+from protolearn.protocol.wire import Message
+
+log = logging.getLogger("protolearn.coordinator")
+
+# Closed steps kept in memory with their full routes (older ones live in the store only).
+KEEP_CLOSED = 1000
+# Compact (step, loss, tickets, closed_at) history kept in memory for status and tokens/s.
+KEEP_HISTORY = 10_000
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What the coordinator needs to know about the run."""
+
+    name: str
+    run_hash: str
+    run_toml: str
+    layers: tuple[int, ...]
+    microbatches_per_step: int
+    tokens_per_step: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layers)
+
+    @classmethod
+    def from_run(cls, run) -> RunInfo:  # run: protolearn.stages.config.RunConfig
+        from protolearn.stages.partition import PartitionPlan
+
+        return cls(
+            name=run.name,
+            run_hash=run.run_hash(),
+            run_toml=run.to_toml(),
+            layers=tuple(PartitionPlan.from_config(run).layers),
+            microbatches_per_step=run.batch.microbatches_per_step,
+            tokens_per_step=run.batch.tokens_per_step,
+        )
+
+
+@dataclass(frozen=True)
+class LossPoint:
+    step: int
+    loss: float
+    tickets: int
+    closed_at: float
+
+
+@dataclass
+class Changes:
+    """What changed since the last :meth:`CoordinatorCore.drain`, for the store to write."""
+
+    step: int
+    members: list[Member] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    # All tickets of the open step when it changed wholesale (close or reopen), else the dirty ones.
+    tickets: list[Ticket] = field(default_factory=list)
+    tickets_reset: bool = False
+    closed: list[ClosedStep] = field(default_factory=list)
+    bans: list[Ban] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.members or self.removed or self.tickets or self.tickets_reset or self.closed or self.bans)
+
+
+def _verify_evidence(peer_id: str, data: bytes, signature: bytes) -> bool:
+    try:
+        verify_peer(peer_id, data, signature)
+    except SignatureError:
+        return False
+    return True
+
+
+class CoordinatorCore:
+    def __init__(
+        self,
+        run: RunInfo,
+        settings: CoordinatorSettings,
+        *,
+        peer_id: str,
+        started_at: float,
+        verify: Callable[[str, bytes, bytes], bool] = _verify_evidence,
+    ) -> None:
+        self.run = run
+        self.settings = settings
+        self.peer_id = peer_id
+        self.started_at = started_at
+        self.verify = verify
+        self.registry = Registry(run.num_stages, shares_from_layers(run.layers), settings)
+        self.ledger = TicketLedger(
+            run.microbatches_per_step, run.num_stages, lease_s=settings.lease_s, block=settings.lease_block
+        )
+        self.verdicts = VerdictPolicy(settings)
+        self.limiter = RateLimiter(settings.rate_per_s, settings.rate_burst, max_peers=settings.max_members * 2)
+        self.history: deque[LossPoint] = deque(maxlen=KEEP_HISTORY)
+        self._new_closed: list[ClosedStep] = []
+        self._last_rebalance = started_at
+        # Counters for metrics.
+        self.refusals: dict[str, int] = {}
+        self.reissued = 0
+        self._reported_expired: set[tuple[int, int, float]] = set()
+
+    # -- restore ------------------------------------------------------------------------------
+
+    def restore(
+        self,
+        *,
+        members: list[Member],
+        step: int,
+        tickets: list[Ticket],
+        closed: list[ClosedStep],
+        history: list[LossPoint],
+        bans: list[Ban],
+        now: float,
+    ) -> None:
+        """Load persisted state after a restart, giving live members and leases a fresh term."""
+        self.registry.members = {m.peer_id: m for m in members}
+        self.registry.view_version = 1
+        self.registry.restore_grace(now)
+        by_index = {t.index: t for t in tickets}
+        full = [by_index.get(i, Ticket(i)) for i in range(self.run.microbatches_per_step)]
+        self.ledger = TicketLedger(
+            self.run.microbatches_per_step,
+            self.run.num_stages,
+            lease_s=self.settings.lease_s,
+            block=self.settings.lease_block,
+            step=step,
+            tickets=full,
+            closed=closed[-KEEP_CLOSED:],
+        )
+        self.ledger.refresh_leases(now)
+        self.history.extend(history)
+        self.verdicts.bans = {b.peer_id: b for b in bans}
+        self.registry.dirty.clear()
+        self.verdicts.dirty.clear()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def refuse(self, code: str, reason: str) -> Refusal:
+        self.refusals[code] = self.refusals.get(code, 0) + 1
+        return Refusal(code, reason)
+
+    def admit(self, peer: str, now: float) -> None:
+        """Rate limit and ban check, done before any request is looked at."""
+        if not self.limiter.allow(peer, now):
+            raise self.refuse("rate_limited", f"over the limit of {self.settings.rate_per_s:g} requests/s; slow down")
+        if self.verdicts.is_banned(peer):
+            raise self.refuse("banned", f"banned: {self.verdicts.bans[peer].reason}")
+
+    def handle(self, peer: str, msg: Message, now: float) -> Message:
+        """Answer one request (everything except the long-poll wait, see :meth:`check_wait`)."""
+        self.admit(peer, now)
+        if isinstance(msg, cm.StatusRequest):
+            from protolearn.coordinator.status import build_status
+
+            return build_status(self, now, msg.loss_history)
+        if isinstance(msg, cm.Join):
+            return self._join(peer, msg, now)
+        if isinstance(msg, cm.Report):
+            return self._report(peer, msg, now)
+        member = self._live_member(peer)
+        if isinstance(msg, cm.Heartbeat):
+            return self._heartbeat(peer, msg, now)
+        if isinstance(msg, cm.Lease):
+            return self._lease(member, msg, now)
+        if isinstance(msg, cm.Release):
+            return cm.ReleaseReply(released=self.ledger.release(peer, msg.step, msg.indices))
+        if isinstance(msg, cm.Complete):
+            return self._complete(member, msg, now)
+        if isinstance(msg, cm.Redo):
+            return self._redo(peer, msg)
+        if isinstance(msg, cm.Leave):
+            return self._leave(peer, msg, now)
+        raise self.refuse("unknown_request", f"no handler for {msg.KIND}")
+
+    def check_wait(self, peer: str, msg: cm.WaitStep, now: float) -> None:
+        self.admit(peer, now)
+        self._live_member(peer)
+        if msg.step > self.ledger.step:
+            raise self.refuse("bad_step", f"step {msg.step} is beyond the open step {self.ledger.step}")
+
+    def _live_member(self, peer: str) -> Member:
+        m = self.registry.members.get(peer)
+        if m is None or m.status != LIVE:
+            state = "has not joined" if m is None else f"is {m.status}"
+            raise self.refuse("not_member", f"{peer} {state}; join first")
+        return m
+
+    def _join(self, peer: str, msg: cm.Join, now: float) -> cm.JoinReply:
+        if self.verdicts.is_banned(peer):
+            raise self.refuse("banned", "banned")
+        d = self.registry.join(
+            peer, JoinInfo(list(msg.addrs), msg.device, msg.memory_gb, msg.throughput, msg.name), now
+        )
+        if not d.accepted:
+            raise self.refuse(d.code, d.reason)
+        log.info("join peer=%s stage=%d rejoined=%s reason=%s", peer, d.stage, d.rejoined, d.reason)
+        s = self.settings
+        return cm.JoinReply(
+            stage=d.stage,
+            run_toml=self.run.run_toml,
+            run_hash=self.run.run_hash,
+            step=self.ledger.step,
+            rejoined=d.rejoined,
+            reason=d.reason,
+            heartbeat_interval_s=s.heartbeat_interval_s,
+            expiry_s=s.expiry_s,
+            lease_s=s.lease_s,
+            bans=sorted(self.verdicts.bans),
+            view_version=self.registry.view_version,
+            members=self.view(),
+        )
+
+    def view(self) -> list[cm.MemberView]:
+        return [
+            cm.MemberView(
+                peer_id=m.peer_id,
+                stage=m.stage,
+                addrs=list(m.addrs),
+                state=m.state,
+                throughput=float(m.throughput),
+                queue_len=m.queue_len,
+            )
+            for m in self.registry.live()
+        ]
+
+    def _heartbeat(self, peer: str, msg: cm.Heartbeat, now: float) -> cm.HeartbeatReply:
+        info = HeartbeatInfo(msg.state, msg.throughput, msg.queue_len, msg.step, msg.param_hash, msg.loss)
+        d = self.registry.heartbeat(peer, info, now)
+        if not d.accepted:
+            raise self.refuse(d.code, d.reason)
+        version = self.registry.view_version
+        changed = msg.view_version != version
+        return cm.HeartbeatReply(
+            stage=d.stage,
+            step=self.ledger.step,
+            last_closed=self.ledger.last_closed,
+            bans=sorted(self.verdicts.bans),
+            view_version=version,
+            view_changed=changed,
+            members=self.view() if changed else [],
+            reason=d.reason,
+        )
+
+    def _lease(self, member: Member, msg: cm.Lease, now: float) -> cm.LeaseReply:
+        if member.stage != 0:
+            raise self.refuse("not_stage0", f"only stage-0 members lease tickets; {member.peer_id} holds stage {member.stage}")
+        d = self.ledger.lease(member.peer_id, now, msg.max_tickets)
+        if d.reissued:
+            self.reissued += len(d.reissued)
+            log.info("re-issued expired leases step=%d tickets=%s to peer=%s", d.step, d.reissued, member.peer_id)
+        return cm.LeaseReply(step=d.step, indices=d.indices, lease_s=self.settings.lease_s, reason=d.reason)
+
+    def _complete(self, member: Member, msg: cm.Complete, now: float) -> cm.CompleteReply:
+        for stage, hop in enumerate(msg.route):
+            m = self.registry.members.get(hop)
+            if m is None or m.status != LIVE or m.stage != stage:
+                raise self.refuse(
+                    "bad_route", f"route hop {stage} is {hop}, which is not a live member of stage {stage}; redo the ticket"
+                )
+        d = self.ledger.complete(member.peer_id, msg.step, msg.index, msg.route, msg.loss, now)
+        if not d.accepted:
+            raise self.refuse(d.code, d.reason)
+        if d.closed is not None:
+            self._on_closed(d.closed)
+            log.info("step closed step=%d loss=%.4f revision=%d", d.closed.step, d.closed.loss, d.closed.revision)
+        return cm.CompleteReply(step=msg.step, index=msg.index, step_closed=d.closed is not None, remaining=d.remaining)
+
+    def _on_closed(self, closed: ClosedStep) -> None:
+        self._new_closed.append(closed)
+        while self.history and self.history[-1].step >= closed.step:
+            self.history.pop()  # a reopened step closes again: replace its point
+        self.history.append(LossPoint(closed.step, closed.loss, closed.num_tickets, closed.closed_at))
+        if len(self.ledger.closed) > KEEP_CLOSED:
+            for step in sorted(self.ledger.closed)[: len(self.ledger.closed) - KEEP_CLOSED]:
+                del self.ledger.closed[step]
+
+    def _redo(self, peer: str, msg: cm.Redo) -> cm.RedoReply:
+        d = self.ledger.redo(msg.step, msg.indices, by=peer)
+        if not d.accepted:
+            raise self.refuse("redo_refused", d.reason)
+        log.info("redo peer=%s step=%d tickets=%s reopened=%s reason=%s", peer, msg.step, d.indices, d.reopened, msg.reason)
+        return cm.RedoReply(step=msg.step, indices=d.indices, reopened=d.reopened, open_step=self.ledger.step)
+
+    def _leave(self, peer: str, msg: cm.Leave, now: float) -> cm.LeaveReply:
+        d = self.registry.leave(peer, now)
+        if not d.accepted:
+            raise self.refuse(d.code, d.reason)
+        freed = self.ledger.revoke_peer(peer)
+        log.info("leave peer=%s stage=%d freed=%s reason=%s", peer, d.stage, freed, msg.reason or "-")
+        return cm.LeaveReply(released=freed)
+
+    def _report(self, peer: str, msg: cm.Report, now: float) -> cm.ReportReply:
+        self._live_member(peer)
+        if msg.target == peer:
+            raise self.refuse("bad_report", "a peer cannot report itself")
+        if msg.target not in self.registry.members:
+            raise self.refuse("unknown_peer", f"{msg.target} is not a member of this swarm")
+        verified = False
+        if msg.evidence is not None:
+            if not self.verify(peer, msg.evidence.data, msg.evidence.signature):
+                raise self.refuse("bad_evidence", "the evidence signature does not verify against the reporter's key")
+            verified = True
+        v = self.verdicts.report(peer, msg.target, msg.reason, evidence_verified=verified, now=now)
+        log.info("report reporter=%s target=%s verified=%s ban=%s reason=%s", peer, msg.target, verified, v.ban, v.reason)
+        if v.ban:
+            self._apply_ban(msg.target, now)
+        return cm.ReportReply(banned=v.ban, reason=v.reason)
+
+    def ban(self, peer: str, reason: str, now: float) -> Ban:
+        """Ban a peer by operator decision (and the policy's)."""
+        b = self.verdicts.ban(peer, reason, now)
+        self._apply_ban(peer, now)
+        return b
+
+    def _apply_ban(self, peer: str, now: float) -> None:
+        self.registry.ban(peer, now)
+        freed = self.ledger.revoke_peer(peer)
+        log.warning("ban peer=%s freed=%s reason=%s", peer, freed, self.verdicts.bans[peer].reason)
+
+    # -- long poll ----------------------------------------------------------------------------
+
+    def step_info(self, step: int, min_revision: int = 1) -> cm.StepInfo:
+        """The step's frozen accounting once closed (at ``min_revision`` or later), else ``closed=False``."""
+        open_step = self.ledger.step
+        closed = self.ledger.closed.get(step)
+        if step >= open_step or closed is None or closed.revision < min_revision:
+            if step < open_step and closed is None:
+                point = next((p for p in self.history if p.step == step), None)
+                return cm.StepInfo(
+                    step=step, closed=True, revision=1, loss=point.loss if point else None,
+                    num_tickets=self.run.microbatches_per_step, accounting=[], open_step=open_step,
+                )
+            rev = closed.revision if closed is not None else 0
+            return cm.StepInfo(
+                step=step, closed=False, revision=rev, loss=None, num_tickets=self.run.microbatches_per_step,
+                accounting=[], open_step=open_step,
+            )
+        accounting = [
+            cm.StageAccount(
+                stage=stage,
+                peers=[cm.PeerTickets(peer_id=p, tickets=t) for p, t in sorted(peers.items())],
+            )
+            for stage, peers in sorted(closed.accounting().items())
+        ]
+        return cm.StepInfo(
+            step=step, closed=True, revision=closed.revision, loss=float(closed.loss),
+            num_tickets=closed.num_tickets, accounting=accounting, open_step=open_step,
+        )
+
+    # -- timers -------------------------------------------------------------------------------
+
+    def housekeeping(self, now: float) -> list[str]:
+        """Expire silent members, prune reports, maybe rebalance. Returns log lines of what happened."""
+        events = []
+        for m in self.registry.expire(now):
+            freed = self.ledger.revoke_peer(m.peer_id)
+            events.append(f"expired peer={m.peer_id} stage={m.stage} freed={freed}")
+        expired = {(self.ledger.step, i, self.ledger.tickets[i].expires_at) for i in self.ledger.expired(now)}
+        fresh = sorted(i for _, i, _ in expired - self._reported_expired)
+        self._reported_expired = expired
+        if fresh:
+            events.append(f"leases expired step={self.ledger.step} tickets={fresh} (re-issued on the next lease)")
+        self.verdicts.prune(now)
+        if now - self._last_rebalance >= self.settings.rebalance_interval_s:
+            self._last_rebalance = now
+            move = self.registry.rebalance(now)
+            if move is not None:
+                freed = self.ledger.revoke_peer(move.peer_id)
+                events.append(f"rebalance {move.reason} freed={freed}")
+        return events
+
+    def drain(self, *, soft: bool = False) -> Changes:
+        """Take the changes to persist; ``soft`` includes heartbeat-only telemetry too."""
+        reg, led, ver = self.registry, self.ledger, self.verdicts
+        ch = Changes(step=led.step)
+        dirty = reg.dirty | reg.soft if soft else reg.dirty
+        ch.members = [reg.members[p] for p in sorted(dirty) if p in reg.members]
+        if soft:
+            reg.soft.clear()
+        ch.removed = sorted(reg.removed)
+        if led.reset:
+            ch.tickets, ch.tickets_reset = list(led.tickets), True
+        else:
+            ch.tickets = [led.tickets[i] for i in sorted(led.dirty)]
+        ch.closed = list(self._new_closed)
+        ch.bans = [ver.bans[p] for p in sorted(ver.dirty)]
+        reg.dirty.clear()
+        reg.removed.clear()
+        led.dirty.clear()
+        led.reset = False
+        ver.dirty.clear()
+        self._new_closed.clear()
+        return ch

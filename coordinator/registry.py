@@ -1,0 +1,224 @@
+"""Membership: who is in the swarm, which stage each member holds, and when it was last heard from.
+
+A sans-IO core: every method takes ``now`` and returns a decision with a reason. A member is ``live``
+from its join until it leaves, expires (no heartbeat for ``expiry_s``) or is banned. A second join
+of a live peer is refused. A departed peer (left or expired) may rejoin with the same ID and gets its
+old stage back, unless another stage has no replica while its old one has some: local state is worth
+reusing, but a halted stage comes first. Departed entries are forgotten after
+``departed_retention_s``.
+
+Heartbeat telemetry alone (last seen, throughput, queue length) marks a member ``soft``-dirty: the
+service persists it every few seconds rather than on every heartbeat, since a restart resets
+``last_seen`` anyway (:meth:`Registry.restore_grace`).
+
+The *view version* increases on every structural change (join, leave, expiry, stage move, state
+change), so a heartbeat reply carries the membership view only when the node's copy is stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from protolearn.coordinator.assignment import Choice, Move, choose_stage, propose_move, stage_loads
+from protolearn.coordinator.config import CoordinatorSettings
+
+LIVE = "live"
+LEFT = "left"
+EXPIRED = "expired"
+BANNED = "banned"
+
+
+@dataclass
+class Member:
+    peer_id: str
+    addrs: list[str]
+    device: str
+    memory_gb: float
+    throughput: float
+    stage: int
+    joined_at: float
+    last_seen: float
+    name: str = ""
+    status: str = LIVE
+    state: str = "syncing"
+    queue_len: int = 0
+    step: int = -1
+    param_hash: str = ""
+    loss: float | None = None
+    moved_at: float = 0.0
+    left_at: float = 0.0
+    move_reason: str = ""
+
+
+@dataclass(frozen=True)
+class JoinInfo:
+    addrs: list[str]
+    device: str = "cpu"
+    memory_gb: float = 0.0
+    throughput: float = 0.0
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class HeartbeatInfo:
+    state: str
+    throughput: float = 0.0
+    queue_len: int = 0
+    step: int = -1
+    param_hash: str = ""
+    loss: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    accepted: bool
+    code: str
+    reason: str
+    stage: int = -1
+    rejoined: bool = False
+
+
+@dataclass
+class Registry:
+    num_stages: int
+    shares: Sequence[float]
+    settings: CoordinatorSettings
+    members: dict[str, Member] = field(default_factory=dict)
+    view_version: int = 0
+    dirty: set[str] = field(default_factory=set)
+    removed: set[str] = field(default_factory=set)
+    # Members whose only change is heartbeat telemetry (last seen, throughput, queue): persisted lazily.
+    soft: set[str] = field(default_factory=set)
+    # After a restart nobody expires before this time: nodes are still backing off their reconnects.
+    grace_until: float = 0.0
+
+    def live(self) -> Iterator[Member]:
+        return (m for m in self.members.values() if m.status == LIVE)
+
+    def is_live(self, peer_id: str) -> bool:
+        m = self.members.get(peer_id)
+        return m is not None and m.status == LIVE
+
+    def loads(self):
+        return stage_loads(((m.stage, m.throughput) for m in self.live()), self.num_stages)
+
+    def _touch(self, m: Member, structural: bool) -> None:
+        self.dirty.add(m.peer_id)
+        if structural:
+            self.view_version += 1
+
+    def join(self, peer_id: str, info: JoinInfo, now: float) -> Decision:
+        old = self.members.get(peer_id)
+        if old is not None and old.status == LIVE:
+            return Decision(False, "already_joined", f"{peer_id} is already a live member (stage {old.stage}); leave first")
+        if old is not None and old.status == BANNED:
+            return Decision(False, "banned", f"{peer_id} is banned")
+        if old is None and sum(1 for _ in self.live()) >= self.settings.max_members:
+            return Decision(False, "full", f"the swarm is at its limit of {self.settings.max_members} members")
+        loads = self.loads()
+        choice = choose_stage(loads, self.shares)
+        rejoined = old is not None
+        if old is not None and 0 <= old.stage < self.num_stages:
+            halted_elsewhere = loads[choice.stage].replicas == 0 and loads[old.stage].replicas > 0
+            if not halted_elsewhere:
+                choice = Choice(old.stage, f"rejoined its previous stage {old.stage}")
+        m = Member(
+            peer_id=peer_id,
+            addrs=list(info.addrs),
+            device=info.device,
+            memory_gb=info.memory_gb,
+            throughput=info.throughput,
+            stage=choice.stage,
+            joined_at=now,
+            last_seen=now,
+            name=info.name,
+            moved_at=now,
+        )
+        if old is not None:
+            m.step, m.param_hash = old.step, old.param_hash
+        self.members[peer_id] = m
+        self.removed.discard(peer_id)
+        self._touch(m, True)
+        return Decision(True, "ok", choice.reason, choice.stage, rejoined)
+
+    def heartbeat(self, peer_id: str, hb: HeartbeatInfo, now: float) -> Decision:
+        m = self.members.get(peer_id)
+        if m is None:
+            return Decision(False, "not_member", f"{peer_id} has not joined; join first")
+        if m.status != LIVE:
+            return Decision(False, "not_member", f"{peer_id} is {m.status}; join again")
+        structural = hb.state != m.state
+        persist = structural or hb.step != m.step or hb.param_hash != m.param_hash
+        m.state = hb.state
+        m.throughput = hb.throughput if hb.throughput > 0 else m.throughput
+        m.queue_len = hb.queue_len
+        if hb.step >= m.step:
+            m.step, m.param_hash = hb.step, hb.param_hash
+        if hb.loss is not None:
+            m.loss = hb.loss
+        m.last_seen = now
+        if persist or m.move_reason:
+            self._touch(m, structural)
+        else:
+            self.soft.add(peer_id)
+        reason, m.move_reason = m.move_reason, ""
+        return Decision(True, "ok", reason, m.stage)
+
+    def leave(self, peer_id: str, now: float) -> Decision:
+        m = self.members.get(peer_id)
+        if m is None or m.status != LIVE:
+            return Decision(False, "not_member", f"{peer_id} is not a live member")
+        m.status, m.left_at = LEFT, now
+        self._touch(m, True)
+        return Decision(True, "ok", f"{peer_id} left stage {m.stage}", m.stage)
+
+    def expire(self, now: float) -> list[Member]:
+        """Expire silent members; forget departed ones past retention. Returns the newly expired."""
+        out = []
+        for m in list(self.members.values()):
+            if m.status == LIVE and now - m.last_seen > self.settings.expiry_s and now >= self.grace_until:
+                m.status, m.left_at = EXPIRED, now
+                self._touch(m, True)
+                out.append(m)
+            elif m.status in (LEFT, EXPIRED) and now - m.left_at > self.settings.departed_retention_s:
+                del self.members[m.peer_id]
+                self.dirty.discard(m.peer_id)
+                self.removed.add(m.peer_id)
+        return out
+
+    def ban(self, peer_id: str, now: float) -> bool:
+        """Mark a member banned; returns whether it was live."""
+        m = self.members.get(peer_id)
+        if m is None:
+            return False
+        was_live = m.status == LIVE
+        m.status, m.left_at = BANNED, now
+        self._touch(m, True)
+        return was_live
+
+    def rebalance(self, now: float) -> Move | None:
+        """Propose and apply at most one move (training members past their cooldown only)."""
+        cooldown = self.settings.move_cooldown_s
+        move = propose_move(
+            (
+                (m.peer_id, m.stage, m.throughput, m.state == "training" and now - m.moved_at >= cooldown)
+                for m in self.live()
+            ),
+            self.shares,
+            min_quality=self.settings.rebalance_quality,
+        )
+        if move is not None:
+            m = self.members[move.peer_id]
+            m.stage, m.moved_at, m.state, m.move_reason = move.dst, now, "syncing", move.reason
+            self._touch(m, True)
+        return move
+
+    def restore_grace(self, now: float) -> None:
+        """After a restart, count live members as just seen: the coordinator, not they, was away.
+
+        They get ``restart_grace_s`` to reach it again before expiry applies.
+        """
+        self.grace_until = now + self.settings.restart_grace_s
+        for m in self.live():
+            m.last_seen = max(m.last_seen, now)

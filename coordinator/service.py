@@ -1,0 +1,215 @@
+"""The coordinator service: a libp2p host in front of the sans-IO core, with SQLite persistence.
+
+:func:`serve` opens the data dir (identity key + ``coordinator.sqlite``), refuses a run that differs
+from the one persisted there, restores the state, starts a host that answers
+``/protolearn/coordinator/1.0.0`` and calls ``task_status.started(Running(...))`` once listening.
+
+Each request is handled by :meth:`CoordinatorCore.handle` with the wall clock (persisted times stay
+meaningful across restarts), then every change is written to SQLite before the reply goes out, so a
+reply a node has seen is never lost to a SIGKILL. A refusal is logged with the peer, the request and
+the reason and goes back as an ``ErrorReply``. ``WaitStep`` is a long poll: it waits on an event that
+is set whenever a step closes or reopens, bounded by the request's timeout (≤ 30 s). A housekeeping
+task expires members and leases and rebalances. Banned peers are handed to the host's gate, which
+refuses them at connection time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.core import CoordinatorCore, RunInfo
+from protolearn.coordinator.errors import Refusal, RunMismatch
+from protolearn.coordinator.metrics import render, serve_metrics
+from protolearn.coordinator.store import Store
+from protolearn.protocol import coordination as cm
+from protolearn.protocol.identity import load_or_create_identity
+from protolearn.protocol.transport import Host, TransportConfig, open_host
+from protolearn.protocol.wire import Message
+
+log = logging.getLogger("protolearn.coordinator")
+
+SERVICE_NAME = "coordinator"
+# Heartbeat telemetry (last seen, throughput) is written this often rather than on every heartbeat.
+SOFT_PERSIST_S = 5.0
+REQUEST_TYPES: tuple[type[Message], ...] = (
+    cm.Join,
+    cm.Heartbeat,
+    cm.Lease,
+    cm.Release,
+    cm.Complete,
+    cm.WaitStep,
+    cm.Redo,
+    cm.Report,
+    cm.Leave,
+    cm.StatusRequest,
+)
+
+
+@dataclass
+class Running:
+    """What :func:`serve` reports once it listens."""
+
+    peer_id: str
+    addrs: list[str]
+    metrics_port: int | None
+    core: CoordinatorCore
+    host: Host
+    data_dir: Path
+    resumed: bool = False
+    events: list[str] = field(default_factory=list)
+
+
+def open_state(run: Any, data_dir: Path, settings: CoordinatorSettings, now: float) -> tuple[Store, CoordinatorCore, bool]:
+    """Open the store, check the run against the persisted one, and build the restored core."""
+    info = RunInfo.from_run(run)
+    store = Store(data_dir)
+    persisted = store.get_meta("run_hash")
+    if persisted is not None and persisted != info.run_hash:
+        name = store.get_meta("run_name") or "?"
+        store.close()
+        raise RunMismatch(
+            f"data dir {data_dir} holds run '{name}' (hash {persisted[:12]}), not the given run '{info.name}' "
+            f"(hash {info.run_hash[:12]}); use another --data-dir or the original --config"
+        )
+    identity = load_or_create_identity(Path(data_dir))
+    core = CoordinatorCore(info, settings, peer_id=identity.peer_id, started_at=now)
+    resumed = persisted is not None
+    if resumed:
+        core.restore(**store.load(), now=now)
+    else:
+        store.set_meta("run_hash", info.run_hash)
+        store.set_meta("run_name", info.name)
+        store.set_meta("run_toml", info.run_toml)
+    return store, core, resumed
+
+
+def persisted_run_toml(data_dir: Path) -> str | None:
+    """The run TOML a data dir was started with, or None for a fresh dir."""
+    if not (Path(data_dir) / "coordinator.sqlite").exists():
+        return None
+    store = Store(data_dir)
+    try:
+        return store.get_meta("run_toml")
+    finally:
+        store.close()
+
+
+class _Service:
+    def __init__(self, core: CoordinatorCore, store: Store, host: Host, clock: Callable[[], float]) -> None:
+        self.core = core
+        self.store = store
+        self.host = host
+        self.clock = clock
+        self._changed = trio.Event()
+        self._seen = (core.ledger.step, self._revision())
+        self._waiting = 0
+        self.sync_bans()
+
+    def _revision(self) -> int:
+        closed = self.core.ledger.closed.get(self.core.ledger.step - 1)
+        return closed.revision if closed is not None else 0
+
+    def sync_bans(self) -> None:
+        for peer, ban in self.core.verdicts.bans.items():
+            if not self.host.is_banned(peer):
+                self.host.ban(peer, ban.reason)
+
+    def commit(self, *, soft: bool = False) -> None:
+        """Persist, gate new bans, and wake long polls if a step closed or reopened."""
+        self.store.apply(self.core.drain(soft=soft))
+        self.sync_bans()
+        seen = (self.core.ledger.step, self._revision())
+        if seen != self._seen:
+            self._seen = seen
+            self._changed.set()
+            self._changed = trio.Event()
+
+    async def on_request(self, peer: str, msg: Message) -> Message:
+        try:
+            if isinstance(msg, cm.WaitStep):
+                return await self._wait(peer, msg)
+            reply = self.core.handle(peer, msg, self.clock())
+        except Refusal as r:
+            log.warning("refused peer=%s request=%s code=%s reason=%s", peer, msg.KIND, r.code, r.reason)
+            self.commit()
+            raise
+        self.commit()
+        return reply
+
+    async def _wait(self, peer: str, msg: cm.WaitStep) -> cm.StepInfo:
+        self.core.check_wait(peer, msg, self.clock())
+        if self._waiting >= self.core.settings.max_concurrent_waits:
+            raise self.core.refuse("busy", "too many waiting requests; retry shortly")
+        self._waiting += 1
+        try:
+            with trio.move_on_after(msg.timeout_s):
+                while True:
+                    info = self.core.step_info(msg.step, msg.min_revision)
+                    if info.closed:
+                        return info
+                    await self._changed.wait()
+            return self.core.step_info(msg.step, msg.min_revision)
+        finally:
+            self._waiting -= 1
+
+    async def housekeeping(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        last_soft = trio.current_time()
+        while True:
+            await trio.sleep(self.core.settings.housekeeping_interval_s)
+            for event in self.core.housekeeping(self.clock()):
+                log.info("%s", event)
+            soft = trio.current_time() - last_soft >= SOFT_PERSIST_S
+            if soft:
+                last_soft = trio.current_time()
+            self.commit(soft=soft)
+
+
+async def serve(
+    run: Any,
+    data_dir: Path | str,
+    listen: Sequence[str] | str = ("/ip4/127.0.0.1/tcp/0",),
+    *,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+    settings: CoordinatorSettings | None = None,
+    transport: TransportConfig | None = None,
+    clock: Callable[[], float] = time.time,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the coordinator for ``run`` (a RunConfig) until cancelled."""
+    settings = settings or CoordinatorSettings()
+    listen = [listen] if isinstance(listen, str) else list(listen)
+    data_dir = Path(data_dir)
+    store, core, resumed = open_state(run, data_dir, settings, clock())
+    identity = load_or_create_identity(data_dir)
+    # A long poll holds a stream for up to MAX_WAIT_S, so requests need a longer deadline than that.
+    transport = transport or TransportConfig(request_timeout_s=cm.MAX_WAIT_S + 5.0)
+    try:
+        async with open_host(identity, listen, transport) as host:
+            svc = _Service(core, store, host, clock)
+            host.serve(
+                SERVICE_NAME,
+                svc.on_request,
+                request_type=REQUEST_TYPES,
+                max_inbound=settings.max_concurrent_waits + 256,
+            )
+            async with trio.open_nursery() as nursery:
+                await nursery.start(svc.housekeeping)
+                port = None
+                if metrics_port is not None:
+                    port = await nursery.start(serve_metrics, lambda: render(core, clock()), metrics_port, metrics_host)
+                log.info(
+                    "coordinator peer=%s run=%s step=%d members=%d resumed=%s",
+                    host.peer_id, core.run.name, core.ledger.step, sum(1 for _ in core.registry.live()), resumed,
+                )
+                task_status.started(Running(host.peer_id, host.addrs(), port, core, host, data_dir, resumed))
+    finally:
+        store.close()

@@ -1,0 +1,223 @@
+"""The swarm view behind `swarm status`: verdict, stages, nodes, loss history, and its JSON schema.
+
+:func:`build_status` reads the core at ``now`` and returns a :class:`~protolearn.protocol.coordination.Status`
+message. Its JSON form (``status.model_dump(mode="json")``, what ``swarm status --json`` prints) is
+described by :data:`STATUS_JSON_SCHEMA`, which is stable: fields may be added in a new
+``schema_version``, never renamed or removed.
+
+The verdict, in order of precedence:
+
+- ``halted``: no member at all, or a stage with zero replicas (training cannot proceed);
+- ``degraded``: training proceeds but something needs attention: a stage's replicas disagree on
+  their parameter hash (I2), a member has missed heartbeats, or no step has closed for a long time;
+- ``healthy`` otherwise. ``healthy`` (the boolean) is ``verdict == "healthy"``.
+
+Node flags: ``stale`` (missed two heartbeats), ``hash-mismatch`` (its parameter hash differs from
+its stage's majority at the same step), ``behind`` (it reports an older step than its stage's
+newest), ``no-throughput`` (it has not measured any yet).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from protolearn.protocol import coordination as cm
+
+if TYPE_CHECKING:
+    from protolearn.coordinator.core import CoordinatorCore
+
+SCHEMA_VERSION = 1
+# tokens/s is measured over this many of the most recent closed steps.
+RATE_WINDOW = 10
+# No step closed for this long (and this many average step times) while not halted: degraded.
+STALL_S = 60.0
+STALL_STEPS = 5.0
+
+_NUM = {"type": "number"}
+_INT = {"type": "integer"}
+_STR = {"type": "string"}
+
+
+def _obj(props: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "required": sorted(props), "properties": props, "additionalProperties": False}
+
+
+STATUS_JSON_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "protolearn swarm status",
+    "description": "Output of `protolearn swarm status --json` (schema_version 1).",
+    **_obj(
+        {
+            "schema_version": {"const": SCHEMA_VERSION},
+            "coordinator": {**_STR, "description": "the coordinator's peer ID"},
+            "uptime_s": _NUM,
+            "run": _obj(
+                {
+                    "name": _STR,
+                    "run_hash": _STR,
+                    "num_stages": _INT,
+                    "microbatches_per_step": _INT,
+                    "tokens_per_step": _INT,
+                }
+            ),
+            "step": {**_INT, "description": "the open step (the next to close)"},
+            "last_closed": {**_INT, "description": "the last closed step, -1 if none"},
+            "healthy": {"type": "boolean", "description": "verdict == healthy"},
+            "verdict": {"enum": ["healthy", "degraded", "halted"]},
+            "verdict_reason": _STR,
+            "tokens_per_s": _NUM,
+            "loss": {"type": ["number", "null"], "description": "mean loss of the last closed step"},
+            "loss_history": {
+                "type": "array",
+                "items": _obj({"step": _INT, "loss": _NUM, "tickets": _INT, "closed_at": _NUM}),
+            },
+            "stages": {
+                "type": "array",
+                "items": _obj(
+                    {
+                        "index": _INT,
+                        "layers": _INT,
+                        "replicas": _INT,
+                        "throughput": _NUM,
+                        "param_step": {**_INT, "description": "newest step any replica reports applied, -1 if none"},
+                        "param_hashes": {
+                            "type": "array",
+                            "items": _obj({"peer_id": _STR, "step": _INT, "hash": _STR}),
+                        },
+                        "hashes_agree": {"type": "boolean", "description": "all replicas at param_step hold one hash"},
+                    }
+                ),
+            },
+            "nodes": {
+                "type": "array",
+                "items": _obj(
+                    {
+                        "peer_id": _STR,
+                        "stage": _INT,
+                        "state": {"enum": list(cm.NODE_STATES)},
+                        "last_seen_s": _NUM,
+                        "throughput": _NUM,
+                        "queue_len": _INT,
+                        "step": _INT,
+                        "loss": {"type": ["number", "null"]},
+                        "flags": {"type": "array", "items": _STR},
+                    }
+                ),
+            },
+            "bans": {"type": "array", "items": _obj({"peer_id": _STR, "reason": _STR, "at": _NUM})},
+        }
+    ),
+}
+
+
+def tokens_per_s(history: list[cm.LossPoint], tokens_per_step: int, now: float) -> float:
+    """Tokens per second over the last closed steps; 0 once the swarm has stalled."""
+    window = history[-RATE_WINDOW:]
+    if len(window) < 2:
+        return 0.0
+    span = window[-1].closed_at - window[0].closed_at
+    if span <= 0:
+        return 0.0
+    per_step = span / (len(window) - 1)
+    if now - window[-1].closed_at > max(STALL_S, STALL_STEPS * per_step):
+        return 0.0
+    return (len(window) - 1) * tokens_per_step / span
+
+
+def build_status(core: CoordinatorCore, now: float, history_len: int = 200) -> cm.Status:
+    run, settings, ledger = core.run, core.settings, core.ledger
+    live = sorted(core.registry.live(), key=lambda m: (m.stage, m.peer_id))
+    history = [
+        cm.LossPoint(step=p.step, loss=float(p.loss), tickets=p.tickets, closed_at=float(p.closed_at))
+        for p in core.history
+        if p.step < ledger.step
+    ]
+
+    stages: list[cm.StageView] = []
+    flags: dict[str, list[str]] = {m.peer_id: [] for m in live}
+    for s in range(run.num_stages):
+        members = [m for m in live if m.stage == s]
+        reported = [m for m in members if m.param_hash]
+        param_step = max((m.step for m in reported), default=-1)
+        current = [m for m in reported if m.step == param_step]
+        majority = Counter(m.param_hash for m in current).most_common(1)
+        agree = len({m.param_hash for m in current}) <= 1
+        for m in members:
+            if m.param_hash and m.step < param_step:
+                flags[m.peer_id].append("behind")
+            if majority and m in current and m.param_hash != majority[0][0]:
+                flags[m.peer_id].append("hash-mismatch")
+        stages.append(
+            cm.StageView(
+                index=s,
+                layers=run.layers[s],
+                replicas=len(members),
+                throughput=float(sum(m.throughput for m in members)),
+                param_step=param_step,
+                param_hashes=[cm.ParamHash(peer_id=m.peer_id, step=m.step, hash=m.param_hash) for m in reported],
+                hashes_agree=agree,
+            )
+        )
+
+    nodes = []
+    for m in live:
+        since = max(0.0, now - m.last_seen)
+        f = flags[m.peer_id]
+        if since > 2 * settings.heartbeat_interval_s:
+            f.insert(0, "stale")
+        if m.throughput <= 0:
+            f.append("no-throughput")
+        nodes.append(
+            cm.NodeView(
+                peer_id=m.peer_id, stage=m.stage, state=m.state, last_seen_s=float(since),
+                throughput=float(m.throughput), queue_len=m.queue_len, step=m.step,
+                loss=None if m.loss is None else float(m.loss), flags=f,
+            )
+        )
+
+    verdict, why = _verdict(stages, nodes, history, now)
+    return cm.Status(
+        schema_version=SCHEMA_VERSION,
+        coordinator=core.peer_id,
+        uptime_s=float(max(0.0, now - core.started_at)),
+        run=cm.RunView(
+            name=run.name, run_hash=run.run_hash, num_stages=run.num_stages,
+            microbatches_per_step=run.microbatches_per_step, tokens_per_step=run.tokens_per_step,
+        ),
+        step=ledger.step,
+        last_closed=ledger.last_closed,
+        healthy=verdict == "healthy",
+        verdict=verdict,
+        verdict_reason=why,
+        tokens_per_s=float(tokens_per_s(history, run.tokens_per_step, now)),
+        loss=history[-1].loss if history else None,
+        loss_history=history[-history_len:] if history_len else [],
+        stages=stages,
+        nodes=nodes,
+        bans=[cm.BanView(peer_id=b.peer_id, reason=b.reason, at=float(b.at)) for b in core.verdicts.bans.values()],
+    )
+
+
+def _verdict(stages: list[cm.StageView], nodes: list[cm.NodeView], history: list[cm.LossPoint], now: float) -> tuple[str, str]:
+    if not nodes:
+        return "halted", "no nodes have joined; start one with `protolearn node join`"
+    empty = [s.index for s in stages if s.replicas == 0]
+    if empty:
+        names = ", ".join(str(i) for i in empty)
+        return "halted", f"stage {names} has no replicas: training is halted until a node joins it"
+    problems = []
+    split = [s.index for s in stages if not s.hashes_agree]
+    if split:
+        problems.append(f"replicas of stage {', '.join(map(str, split))} disagree on their parameter hash")
+    stale = [n.peer_id for n in nodes if "stale" in n.flags]
+    if stale:
+        problems.append(f"{len(stale)} node(s) missed heartbeats")
+    if len(history) >= 2:
+        per_step = (history[-1].closed_at - history[0].closed_at) / max(1, len(history) - 1)
+        idle = now - history[-1].closed_at
+        if idle > max(STALL_S, STALL_STEPS * per_step):
+            problems.append(f"no step has closed for {idle:.0f} s")
+    if problems:
+        return "degraded", "; ".join(problems)
+    return "healthy", f"every stage has replicas ({', '.join(str(s.replicas) for s in stages)})"

@@ -1,0 +1,268 @@
+"""Step accounting: the B microbatch tickets of each step, their leases, completions and redo (sans-IO).
+
+Step ``t`` is the tickets ``(t, 0..B-1)``. Only one step is open at a time; step ``t+1`` is leasable
+only once step ``t`` has closed. Stage-0 nodes lease tickets in small blocks; a lease expires after
+``lease_s`` and an expired lease is re-issued to whoever asks next (expired ones first, so a stalled
+ticket never holds up the step). Completing ticket ``(t, i)`` carries the route (one peer per stage)
+and the microbatch loss. Only the current leaseholder may complete it, and a ticket completes at most
+once: a late duplicate after a re-issue is refused and never counted twice (I1).
+
+When all B tickets are done the step closes, and its accounting is frozen in a :class:`ClosedStep`:
+for each stage, which peer accounts for which tickets (read off the routes), and the mean loss.
+
+:meth:`TicketLedger.redo` un-completes tickets. On the open step it frees them (their route broke).
+On the step that just closed it *reopens* that step, provided no ticket of the next step is done yet
+(a replica's contribution was dropped from the average, so its tickets must be recomputed before anyone
+applies the step); the step then closes again with ``revision + 1``.
+
+Every operation returns a decision with a reason; nothing here raises on a peer's bad request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Ticket:
+    index: int
+    holder: str | None = None
+    expires_at: float = 0.0
+    done: bool = False
+    route: list[str] | None = None
+    loss: float | None = None
+    # How many times this ticket has been leased (re-issues show up in the log and the metrics).
+    issued: int = 0
+
+
+@dataclass(frozen=True)
+class ClosedStep:
+    step: int
+    revision: int
+    loss: float
+    closed_at: float
+    routes: tuple[tuple[str, ...], ...]
+    losses: tuple[float, ...]
+
+    @property
+    def num_tickets(self) -> int:
+        return len(self.routes)
+
+    def accounting(self) -> dict[int, dict[str, list[int]]]:
+        """stage → peer → the tickets that peer accounts for in this step."""
+        out: dict[int, dict[str, list[int]]] = {}
+        for index, route in enumerate(self.routes):
+            for stage, peer in enumerate(route):
+                out.setdefault(stage, {}).setdefault(peer, []).append(index)
+        return out
+
+
+@dataclass(frozen=True)
+class LeaseDecision:
+    step: int
+    indices: list[int]
+    expires_at: float
+    reissued: list[int]
+    reason: str
+
+
+@dataclass(frozen=True)
+class CompleteDecision:
+    accepted: bool
+    code: str
+    reason: str
+    closed: ClosedStep | None = None
+    remaining: int = 0
+
+
+@dataclass(frozen=True)
+class RedoDecision:
+    accepted: bool
+    reason: str
+    indices: list[int] = field(default_factory=list)
+    reopened: bool = False
+
+
+class TicketLedger:
+    """The tickets of the open step plus the closed steps' frozen accounting."""
+
+    def __init__(
+        self,
+        num_tickets: int,
+        num_stages: int,
+        *,
+        lease_s: float,
+        block: int,
+        step: int = 0,
+        tickets: Sequence[Ticket] | None = None,
+        closed: Sequence[ClosedStep] = (),
+    ) -> None:
+        if num_tickets < 1 or num_stages < 1:
+            raise ValueError(f"need at least one ticket and one stage, got B={num_tickets}, S={num_stages}")
+        self.num_tickets = num_tickets
+        self.num_stages = num_stages
+        self.lease_s = lease_s
+        self.block = block
+        self.step = step
+        self.tickets = list(tickets) if tickets is not None else self._fresh()
+        self.closed: dict[int, ClosedStep] = {c.step: c for c in closed}
+        # Tickets whose persisted form changed since the last drain (indices of the open step).
+        self.dirty: set[int] = set()
+        self.reset = False
+
+    def _fresh(self) -> list[Ticket]:
+        return [Ticket(i) for i in range(self.num_tickets)]
+
+    @property
+    def last_closed(self) -> int:
+        return self.step - 1
+
+    def remaining(self) -> int:
+        return sum(1 for t in self.tickets if not t.done)
+
+    def lease(self, peer: str, now: float, max_n: int) -> LeaseDecision:
+        n = max(0, min(max_n, self.block))
+        expired = [t for t in self.tickets if not t.done and t.holder is not None and t.expires_at <= now]
+        free = [t for t in self.tickets if not t.done and t.holder is None]
+        picked = (expired + free)[:n]
+        if not picked:
+            return LeaseDecision(self.step, [], 0.0, [], f"every ticket of step {self.step} is leased or done; wait for it to close")
+        expires_at = now + self.lease_s
+        reissued = []
+        for t in picked:
+            if t.holder is not None:
+                reissued.append(t.index)
+            t.holder, t.expires_at = peer, expires_at
+            t.issued += 1
+            self.dirty.add(t.index)
+        indices = sorted(t.index for t in picked)
+        reason = f"leased {len(indices)} tickets of step {self.step}"
+        if reissued:
+            reason += f" (re-issued expired leases {sorted(reissued)})"
+        return LeaseDecision(self.step, indices, expires_at, sorted(reissued), reason)
+
+    def release(self, peer: str, step: int, indices: Sequence[int]) -> list[int]:
+        """Hand back leased, unfinished tickets (e.g. on a graceful leave)."""
+        if step != self.step:
+            return []
+        out = []
+        for i in sorted(set(indices)):
+            if 0 <= i < self.num_tickets:
+                t = self.tickets[i]
+                if t.holder == peer and not t.done:
+                    t.holder, t.expires_at = None, 0.0
+                    self.dirty.add(i)
+                    out.append(i)
+        return out
+
+    def release_all(self, peer: str) -> list[int]:
+        held = [t.index for t in self.tickets if t.holder == peer and not t.done]
+        return self.release(peer, self.step, held)
+
+    def holdings(self, peer: str) -> list[int]:
+        return [t.index for t in self.tickets if t.holder == peer and not t.done]
+
+    def complete(self, peer: str, step: int, index: int, route: Sequence[str], loss: float, now: float) -> CompleteDecision:
+        if step < self.step:
+            return CompleteDecision(False, "step_closed", f"step {step} is already closed; completion of ticket ({step},{index}) ignored")
+        if step > self.step:
+            return CompleteDecision(False, "step_not_open", f"step {step} is not open (open step is {self.step})")
+        if not 0 <= index < self.num_tickets:
+            return CompleteDecision(False, "bad_ticket", f"ticket index {index} is outside 0..{self.num_tickets - 1}")
+        t = self.tickets[index]
+        if t.done:
+            return CompleteDecision(
+                False, "duplicate", f"ticket ({step},{index}) was already completed by {t.holder}; duplicate not counted"
+            )
+        if t.holder != peer:
+            who = "never leased" if t.holder is None else f"leased to {t.holder}"
+            return CompleteDecision(False, "not_leaseholder", f"ticket ({step},{index}) is {who}, not to the sender")
+        if len(route) != self.num_stages:
+            return CompleteDecision(False, "bad_route", f"route has {len(route)} hops but the run has {self.num_stages} stages")
+        if route[0] != peer:
+            return CompleteDecision(False, "bad_route", "route must start at the completing stage-0 peer")
+        if not math.isfinite(loss):
+            return CompleteDecision(False, "bad_loss", f"loss {loss} is not finite")
+        t.done, t.route, t.loss = True, list(route), float(loss)
+        self.dirty.add(index)
+        remaining = self.remaining()
+        if remaining:
+            return CompleteDecision(True, "ok", f"ticket ({step},{index}) done, {remaining} left", remaining=remaining)
+        closed = self._close(now)
+        return CompleteDecision(True, "ok", f"ticket ({step},{index}) done; step {step} closed, loss {closed.loss:.4f}", closed, 0)
+
+    def _close(self, now: float) -> ClosedStep:
+        prev = self.closed.get(self.step)
+        revision = prev.revision + 1 if prev is not None else 1
+        losses = tuple(float(t.loss) for t in self.tickets)  # type: ignore[arg-type]
+        closed = ClosedStep(
+            step=self.step,
+            revision=revision,
+            loss=sum(losses) / len(losses),
+            closed_at=now,
+            routes=tuple(tuple(t.route or ()) for t in self.tickets),
+            losses=losses,
+        )
+        self.closed[self.step] = closed
+        self.step += 1
+        self.tickets = self._fresh()
+        self.reset = True
+        return closed
+
+    def redo(self, step: int, indices: Sequence[int], *, by: str | None = None) -> RedoDecision:
+        """Un-complete tickets of the open step, or reopen the step that just closed.
+
+        ``by`` (when given) must appear in the route of every ticket it redoes, or hold its lease:
+        a stranger cannot undo other peers' work.
+        """
+        wanted = sorted(set(indices))
+        if any(not 0 <= i < self.num_tickets for i in wanted):
+            return RedoDecision(False, f"ticket indices {wanted} are not all within 0..{self.num_tickets - 1}")
+        if step == self.step:
+            for i in wanted:
+                t = self.tickets[i]
+                if by is not None and by != t.holder and by not in (t.route or ()):
+                    return RedoDecision(False, f"ticket ({step},{i}) was not leased to or routed through the sender")
+            for i in wanted:
+                self.tickets[i] = Ticket(i, issued=self.tickets[i].issued)
+                self.dirty.add(i)
+            return RedoDecision(True, f"tickets {wanted} of open step {step} will be redone", wanted)
+        closed = self.closed.get(step)
+        if closed is None or step != self.step - 1:
+            return RedoDecision(False, f"step {step} is neither open ({self.step}) nor the last closed step")
+        if any(t.done for t in self.tickets):
+            return RedoDecision(False, f"step {step} cannot reopen: step {self.step} already has completed tickets")
+        if by is not None and any(by not in closed.routes[i] for i in wanted):
+            return RedoDecision(False, f"the sender is not in the route of every ticket {wanted} of step {step}")
+        self.step = step
+        self.tickets = [
+            Ticket(i, holder=route[0], done=True, route=list(route), loss=loss)
+            if i not in wanted
+            else Ticket(i)
+            for i, (route, loss) in enumerate(zip(closed.routes, closed.losses, strict=True))
+        ]
+        self.reset = True
+        return RedoDecision(True, f"step {step} reopened to redo tickets {wanted}", wanted, reopened=True)
+
+    def revoke_peer(self, peer: str) -> list[int]:
+        """Free the open step's tickets leased by ``peer`` or routed through it (it was banned)."""
+        out = []
+        for i, t in enumerate(self.tickets):
+            if (t.holder == peer and not t.done) or (t.done and peer in (t.route or ())):
+                self.tickets[i] = Ticket(i, issued=t.issued)
+                self.dirty.add(i)
+                out.append(i)
+        return out
+
+    def expired(self, now: float) -> list[int]:
+        """Leased tickets whose lease has run out (they go to the next lease request)."""
+        return [t.index for t in self.tickets if not t.done and t.holder is not None and t.expires_at <= now]
+
+    def refresh_leases(self, now: float) -> None:
+        """After a coordinator restart, give outstanding leases a fresh term (the holders kept working)."""
+        for t in self.tickets:
+            if not t.done and t.holder is not None:
+                t.expires_at = max(t.expires_at, now + self.lease_s)
+                self.dirty.add(t.index)

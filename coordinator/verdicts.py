@@ -1,0 +1,87 @@
+"""Fault reports and the ban policy (sans-IO).
+
+A live member reports another member with a reason and, optionally, evidence: bytes it signed with
+its node key. The adapter verifies that signature against the reporter's public key before calling
+:meth:`VerdictPolicy.report` (a signature that does not verify refuses the report). A signed report
+is attributable: a false accusation is provable against the reporter, so it may count for more.
+
+Policy:
+
+- verified evidence bans at once when ``ban_on_evidence`` is set;
+- otherwise a peer is banned when ``reports_to_ban`` *distinct* reporters reported it within
+  ``report_window_s`` (one reporter repeating itself counts once).
+
+Bans are permanent for the run and go out in every heartbeat reply; the coordinator's own host gate
+refuses banned peers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from protolearn.coordinator.config import CoordinatorSettings
+
+# Bound on remembered reports per target: more than this many distinct reporters already bans.
+_MAX_REPORTS_PER_TARGET = 1024
+
+
+@dataclass(frozen=True)
+class Ban:
+    peer_id: str
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ban: bool
+    reason: str
+
+
+@dataclass
+class VerdictPolicy:
+    settings: CoordinatorSettings
+    bans: dict[str, Ban] = field(default_factory=dict)
+    # target → deque of (time, reporter, reason)
+    reports: dict[str, deque[tuple[float, str, str]]] = field(default_factory=dict)
+    dirty: set[str] = field(default_factory=set)
+
+    def is_banned(self, peer_id: str) -> bool:
+        return peer_id in self.bans
+
+    def ban(self, peer_id: str, reason: str, now: float) -> Ban:
+        ban = self.bans.get(peer_id)
+        if ban is None:
+            ban = Ban(peer_id, reason, now)
+            self.bans[peer_id] = ban
+            self.dirty.add(peer_id)
+            self.reports.pop(peer_id, None)
+        return ban
+
+    def report(self, reporter: str, target: str, reason: str, *, evidence_verified: bool, now: float) -> Verdict:
+        if target in self.bans:
+            return Verdict(True, f"{target} is already banned: {self.bans[target].reason}")
+        if evidence_verified and self.settings.ban_on_evidence:
+            ban = self.ban(target, f"signed evidence from {reporter}: {reason}", now)
+            return Verdict(True, ban.reason)
+        window = self.settings.report_window_s
+        q = self.reports.setdefault(target, deque(maxlen=_MAX_REPORTS_PER_TARGET))
+        while q and now - q[0][0] > window:
+            q.popleft()
+        q.append((now, reporter, reason))
+        reporters = {r for _, r, _ in q}
+        need = self.settings.reports_to_ban
+        if len(reporters) >= need:
+            ban = self.ban(target, f"reported by {len(reporters)} peers within {window:g} s: {reason}", now)
+            return Verdict(True, ban.reason)
+        return Verdict(False, f"{target} reported by {len(reporters)} of {need} distinct peers needed for a ban")
+
+    def prune(self, now: float) -> None:
+        window = self.settings.report_window_s
+        for target in list(self.reports):
+            q = self.reports[target]
+            while q and now - q[0][0] > window:
+                q.popleft()
+            if not q:
+                del self.reports[target]

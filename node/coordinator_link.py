@@ -1,0 +1,227 @@
+"""A node's client for the coordinator: join, heartbeats, leases, completions, step waits, reports, leave.
+
+:class:`CoordinatorLink` wraps a transport :class:`~protolearn.protocol.transport.Host` and the
+coordinator's multiaddr. Every call is one request/response on ``/protolearn/coordinator/1.0.0``.
+When the coordinator cannot be reached (it restarted, the network blinked) a call retries with
+exponential backoff and jitter until ``retry_for_s`` has passed, then raises the last error. A
+refusal is never retried: it raises :class:`CoordinatorRefused`, whose ``code`` tells the caller what
+to do (``not_member``: join again; ``duplicate``: the ticket was already counted; ...).
+
+Retried writes are made idempotent here: if a ``Complete`` is retried after its reply was lost, a
+``duplicate`` or ``step_closed`` refusal means the first attempt was counted, and the call returns
+normally. A ``Join`` answered ``already_joined`` (its earlier reply was lost, or the node restarted
+before the coordinator noticed) makes the link leave and join again, which gives back the same stage.
+
+:meth:`CoordinatorLink.heartbeat_loop` is a service (``task_status.started()``) that sends a
+heartbeat every interval, keeps :attr:`members`, :attr:`bans` and :attr:`stage` current, and rejoins
+by itself when the coordinator no longer knows the node (it expired while unreachable).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import trio
+from protolearn.protocol import coordination as cm
+from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, Refused
+from protolearn.protocol.wire import Message
+
+log = logging.getLogger("protolearn.node")
+
+SERVICE_NAME = "coordinator"
+R = TypeVar("R", bound=Message)
+
+
+class CoordinatorRefused(Refused):
+    """The coordinator refused a request on purpose; ``code`` is its stable reason code."""
+
+    def __init__(self, peer: str, code: str, reason: str) -> None:
+        super().__init__(peer, f"{code}: {reason}")
+        self.code = code
+        # How many attempts failed (unreachable) before this refusal came back.
+        self.after_failures = 0
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long and how often to retry an unreachable coordinator."""
+
+    retry_for_s: float = 60.0
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+    request_timeout_s: float = 10.0
+
+
+def _parse_refusal(peer: str, err: Refused) -> CoordinatorRefused:
+    # The transport sends "Refusal: <code>: <reason>" for the coordinator's refusals.
+    text = err.reason
+    if text.startswith("Refusal: "):
+        code, _, reason = text[len("Refusal: "):].partition(": ")
+        return CoordinatorRefused(peer, code, reason)
+    return CoordinatorRefused(peer, "refused", text)
+
+
+def coordinator_peer_id(addr: str) -> str:
+    """The peer ID at the end of a ``/.../p2p/<id>`` multiaddr."""
+    _, sep, peer = addr.rpartition("/p2p/")
+    if not sep or not peer or "/" in peer:
+        raise PeerUnavailable("unknown", f"coordinator address {addr!r} has no /p2p/<peer id>; copy the full line `coordinator start` printed")
+    return peer
+
+
+class CoordinatorLink:
+    def __init__(self, host: Any, coordinator: str, *, retry: RetryPolicy | None = None) -> None:
+        self.host = host
+        self.addr = coordinator
+        self.peer = coordinator_peer_id(coordinator)
+        self.retry = retry or RetryPolicy()
+        self._join: cm.Join | None = None
+        self.joined: cm.JoinReply | None = None
+        self.stage: int = -1
+        self.members: list[cm.MemberView] = []
+        self.view_version = -1
+        self.bans: list[str] = []
+        self.step = 0
+        self.last_closed = -1
+        self.rejoins = 0
+
+    async def _request(self, msg: Message, reply_type: type[R], *, timeout: float | None = None) -> tuple[R, int]:
+        """Send with retries; returns the reply and how many attempts failed before it."""
+        limit = timeout or self.retry.request_timeout_s
+        backoff = self.retry.initial_backoff_s
+        failures = 0
+        deadline = trio.current_time() + self.retry.retry_for_s
+        while True:
+            try:
+                target = self.addr if failures else self.peer
+                try:
+                    reply = await self.host.request(target, SERVICE_NAME, msg, reply_type, timeout=limit)
+                except PeerUnavailable:
+                    if target is self.addr:
+                        raise
+                    # Not connected yet (or the address was forgotten): dial the full multiaddr.
+                    reply = await self.host.request(self.addr, SERVICE_NAME, msg, reply_type, timeout=limit)
+                return reply, failures
+            except Refused as err:
+                refusal = err if isinstance(err, CoordinatorRefused) else _parse_refusal(self.peer, err)
+                refusal.after_failures = failures
+                raise refusal from None
+            except (PeerUnavailable, PeerTimeout) as err:
+                failures += 1
+                if trio.current_time() + backoff > deadline:
+                    raise
+                log.info("coordinator unreachable (%s); retrying in %.2f s", err.reason, backoff)
+                await trio.sleep(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, self.retry.max_backoff_s)
+
+    async def join(self, msg: cm.Join) -> cm.JoinReply:
+        self._join = msg
+        try:
+            reply, _ = await self._request(msg, cm.JoinReply)
+        except CoordinatorRefused as err:
+            if err.code != "already_joined":
+                raise
+            # Our earlier join went through but its reply was lost, or this node restarted before the
+            # coordinator noticed: leave and rejoin, which gives back the same stage.
+            await self._request(cm.Leave(reason="rejoin after a lost join reply"), cm.LeaveReply)
+            reply, _ = await self._request(msg, cm.JoinReply)
+        self.joined = reply
+        self.stage, self.step = reply.stage, reply.step
+        self.members, self.view_version, self.bans = list(reply.members), reply.view_version, list(reply.bans)
+        return reply
+
+    async def heartbeat(self, hb: cm.Heartbeat) -> cm.HeartbeatReply:
+        if hb.view_version != self.view_version:
+            hb = hb.model_copy(update={"view_version": self.view_version})
+        reply, _ = await self._request(hb, cm.HeartbeatReply)
+        self.stage, self.step, self.last_closed = reply.stage, reply.step, reply.last_closed
+        self.bans = list(reply.bans)
+        if reply.view_changed:
+            self.members, self.view_version = list(reply.members), reply.view_version
+        return reply
+
+    async def heartbeat_loop(
+        self,
+        make: Callable[[], cm.Heartbeat],
+        on_reply: Callable[[cm.HeartbeatReply], None] | None = None,
+        *,
+        task_status: Any = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Heartbeat every ``heartbeat_interval_s`` (from the join reply) until cancelled."""
+        if self.joined is None or self._join is None:
+            raise RuntimeError("join before starting the heartbeat loop")
+        task_status.started()
+        while True:
+            try:
+                reply = await self.heartbeat(make())
+            except CoordinatorRefused as err:
+                if err.code != "not_member":
+                    raise
+                log.warning("coordinator no longer knows this node (%s); joining again", err.reason)
+                await self.join(self._join)
+                self.rejoins += 1
+            else:
+                if on_reply is not None:
+                    on_reply(reply)
+            await trio.sleep(self.joined.heartbeat_interval_s)
+
+    async def lease(self, max_tickets: int) -> cm.LeaseReply:
+        reply, _ = await self._request(cm.Lease(max_tickets=max_tickets), cm.LeaseReply)
+        return reply
+
+    async def release(self, step: int, indices: list[int]) -> list[int]:
+        reply, _ = await self._request(cm.Release(step=step, indices=indices), cm.ReleaseReply)
+        return reply.released
+
+    async def complete(self, step: int, index: int, route: list[str], loss: float) -> cm.CompleteReply:
+        """Report ticket (step, index) done; idempotent across retries (see the module docstring)."""
+        msg = cm.Complete(step=step, index=index, route=route, loss=float(loss))
+        try:
+            reply, _ = await self._request(msg, cm.CompleteReply)
+            return reply
+        except CoordinatorRefused as err:
+            if err.after_failures == 0 or err.code not in ("duplicate", "step_closed"):
+                raise
+            log.info("completion of (%d,%d) was already counted: %s", step, index, err.reason)
+            return cm.CompleteReply(step=step, index=index, step_closed=err.code == "step_closed", remaining=-1)
+
+    async def wait_step(self, step: int, *, min_revision: int = 1, timeout_s: float = 10.0) -> cm.StepInfo:
+        """Long-poll until ``step`` closes or ``timeout_s`` passes (check ``.closed``)."""
+        timeout_s = min(timeout_s, cm.MAX_WAIT_S)
+        msg = cm.WaitStep(step=step, min_revision=min_revision, timeout_s=timeout_s)
+        reply, _ = await self._request(msg, cm.StepInfo, timeout=timeout_s + self.retry.request_timeout_s)
+        return reply
+
+    async def wait_closed(self, step: int, *, min_revision: int = 1, deadline_s: float = 600.0) -> cm.StepInfo:
+        """Long-poll repeatedly until ``step`` closes; raises trio.TooSlowError after ``deadline_s``."""
+        with trio.fail_after(deadline_s):
+            while True:
+                info = await self.wait_step(step, min_revision=min_revision, timeout_s=cm.MAX_WAIT_S)
+                if info.closed:
+                    return info
+
+    async def redo(self, step: int, indices: list[int], reason: str) -> cm.RedoReply:
+        reply, _ = await self._request(cm.Redo(step=step, indices=indices, reason=reason[: cm.MAX_TEXT]), cm.RedoReply)
+        return reply
+
+    async def report(self, target: str, reason: str, evidence: cm.Evidence | None = None) -> cm.ReportReply:
+        msg = cm.Report(target=target, reason=reason[: cm.MAX_TEXT], evidence=evidence)
+        reply, _ = await self._request(msg, cm.ReportReply)
+        return reply
+
+    async def leave(self, reason: str = "") -> list[int]:
+        try:
+            reply, _ = await self._request(cm.Leave(reason=reason[: cm.MAX_TEXT]), cm.LeaveReply)
+        except CoordinatorRefused as err:
+            if err.code == "not_member":
+                return []
+            raise
+        return reply.released
+
+    async def status(self, loss_history: int = 200) -> cm.Status:
+        reply, _ = await self._request(cm.StatusRequest(loss_history=loss_history), cm.Status)
+        return reply

@@ -1,0 +1,320 @@
+"""Messages between nodes (and `swarm status`) and the coordinator.
+
+Every request kind is a :class:`~protolearn.protocol.wire.Message` with a ``coord.`` kind, sent as one
+request/response on :data:`PROTOCOL_ID`. The coordinator carries no tensors, so every field is small
+and bounded here: a peer cannot make the coordinator allocate without bound (I4).
+
+Request → reply:
+
+- :class:`Join` → :class:`JoinReply`: the run config (TOML) and its hash, the assigned stage, the
+  membership view and the bans.
+- :class:`Heartbeat` → :class:`HeartbeatReply`: the node's state in, the current step, bans, the
+  (possibly changed) stage assignment and the membership view out. The view is sent only when its
+  version differs from the one the node already holds.
+- :class:`Lease` → :class:`LeaseReply`, :class:`Release` → :class:`ReleaseReply`: tickets of the
+  open step, in small blocks (stage-0 nodes only).
+- :class:`Complete` → :class:`CompleteReply`: a ticket's backward pass reached stage 0.
+- :class:`WaitStep` → :class:`StepInfo`: a long poll that answers as soon as step ``t`` closes (or at the
+  timeout), with its frozen accounting: stage → peer → tickets, and the mean loss.
+- :class:`Redo` → :class:`RedoReply`: un-complete tickets whose route broke (fault tolerance, I1).
+- :class:`Report` → :class:`ReportReply`: a fault report about a peer, with optional signed evidence.
+- :class:`Leave` → :class:`LeaveReply`.
+- :class:`StatusRequest` → :class:`Status`: the swarm view (see ``coordinator/status.py`` for its
+  JSON schema).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal
+
+from protolearn.protocol.wire import Message
+from pydantic import BaseModel, ConfigDict, Field
+
+PROTOCOL_ID = "/protolearn/coordinator/1.0.0"
+
+# Bounds on every variable-size field. A peer ID is ~52 characters; multiaddrs are short.
+MAX_PEER_ID = 128
+MAX_ADDR = 256
+MAX_ADDRS = 16
+MAX_TEXT = 512
+MAX_STAGES = 1024
+MAX_TICKETS_PER_REQUEST = 1024
+MAX_EVIDENCE_BYTES = 64 * 1024
+MAX_HASH = 128
+MAX_RUN_TOML = 256 * 1024
+# A long poll never holds a stream longer than this.
+MAX_WAIT_S = 30.0
+
+NodeState = Literal["syncing", "training", "averaging", "leaving"]
+NODE_STATES: tuple[str, ...] = ("syncing", "training", "averaging", "leaving")
+
+PeerId = Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID)]
+Addr = Annotated[str, Field(min_length=1, max_length=MAX_ADDR)]
+Text = Annotated[str, Field(max_length=MAX_TEXT)]
+Step = Annotated[int, Field(ge=0, lt=2**62)]
+Index = Annotated[int, Field(ge=0, lt=2**31)]
+Rate = Annotated[float, Field(ge=0.0, le=1e15, allow_inf_nan=False)]
+Hash = Annotated[str, Field(max_length=MAX_HASH)]
+
+
+class _Part(BaseModel):
+    """A nested record inside a message: as strict and frozen as the message itself."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class MemberView(_Part):
+    """One live member as other nodes need to see it: enough to route to it and average with it."""
+
+    peer_id: PeerId
+    stage: int
+    addrs: list[Addr]
+    state: str
+    throughput: float
+    queue_len: int
+
+
+class Join(Message):
+    KIND: ClassVar[str] = "coord.join"
+    addrs: list[Addr] = Field(max_length=MAX_ADDRS)
+    device: Annotated[str, Field(max_length=64)] = "cpu"
+    memory_gb: Rate = 0.0
+    # Measured throughput in layer-tokens per second (stage independent: the node has no stage yet).
+    throughput: Rate = 0.0
+    name: Annotated[str, Field(max_length=64)] = ""
+
+
+class JoinReply(Message):
+    KIND: ClassVar[str] = "coord.join_reply"
+    stage: int
+    run_toml: str
+    run_hash: str
+    step: int
+    rejoined: bool
+    reason: str
+    heartbeat_interval_s: float
+    expiry_s: float
+    lease_s: float
+    bans: list[str]
+    view_version: int
+    members: list[MemberView]
+
+
+class Heartbeat(Message):
+    KIND: ClassVar[str] = "coord.heartbeat"
+    state: NodeState
+    throughput: Rate = 0.0
+    queue_len: Annotated[int, Field(ge=0, lt=2**31)] = 0
+    # The last step this node applied (-1: none yet) and the hash of its stage's parameters after it.
+    step: Annotated[int, Field(ge=-1, lt=2**62)] = -1
+    param_hash: Hash = ""
+    loss: Annotated[float | None, Field(allow_inf_nan=False)] = None
+    # The membership view version the node holds; the reply omits the view when it is current.
+    view_version: int = -1
+
+
+class HeartbeatReply(Message):
+    KIND: ClassVar[str] = "coord.heartbeat_reply"
+    stage: int
+    step: int
+    last_closed: int
+    bans: list[str]
+    view_version: int
+    view_changed: bool
+    members: list[MemberView]
+    reason: str
+
+
+class Lease(Message):
+    KIND: ClassVar[str] = "coord.lease"
+    max_tickets: Annotated[int, Field(ge=1, le=MAX_TICKETS_PER_REQUEST)] = 1
+
+
+class LeaseReply(Message):
+    KIND: ClassVar[str] = "coord.lease_reply"
+    step: int
+    indices: list[int]
+    lease_s: float
+    reason: str
+
+
+class Release(Message):
+    KIND: ClassVar[str] = "coord.release"
+    step: Step
+    indices: list[Index] = Field(max_length=MAX_TICKETS_PER_REQUEST)
+
+
+class ReleaseReply(Message):
+    KIND: ClassVar[str] = "coord.release_reply"
+    released: list[int]
+
+
+class Complete(Message):
+    KIND: ClassVar[str] = "coord.complete"
+    step: Step
+    index: Index
+    # The peer that processed this ticket in each stage, stage 0 first.
+    route: list[PeerId] = Field(min_length=1, max_length=MAX_STAGES)
+    loss: Annotated[float, Field(allow_inf_nan=False)]
+
+
+class CompleteReply(Message):
+    KIND: ClassVar[str] = "coord.complete_reply"
+    step: int
+    index: int
+    step_closed: bool
+    remaining: int
+
+
+class WaitStep(Message):
+    KIND: ClassVar[str] = "coord.wait_step"
+    step: Step
+    # Answer only once the step has been closed at least this many times (it reopens after a redo).
+    min_revision: Annotated[int, Field(ge=1, lt=2**31)] = 1
+    timeout_s: Annotated[float, Field(gt=0.0, le=MAX_WAIT_S)] = 10.0
+
+
+class PeerTickets(_Part):
+    peer_id: str
+    tickets: list[int]
+
+
+class StageAccount(_Part):
+    stage: int
+    peers: list[PeerTickets]
+
+
+class StepInfo(Message):
+    KIND: ClassVar[str] = "coord.step_info"
+    step: int
+    closed: bool
+    revision: int
+    loss: float | None
+    num_tickets: int
+    accounting: list[StageAccount]
+    open_step: int
+
+
+class Redo(Message):
+    KIND: ClassVar[str] = "coord.redo"
+    step: Step
+    indices: list[Index] = Field(min_length=1, max_length=MAX_TICKETS_PER_REQUEST)
+    reason: Text = ""
+
+
+class RedoReply(Message):
+    KIND: ClassVar[str] = "coord.redo_reply"
+    step: int
+    indices: list[int]
+    reopened: bool
+    open_step: int
+
+
+class Evidence(_Part):
+    """Bytes the reporter signed with its node key, so a false accusation is provable against it."""
+
+    data: Annotated[bytes, Field(max_length=MAX_EVIDENCE_BYTES)]
+    signature: Annotated[bytes, Field(max_length=1024)]
+
+
+class Report(Message):
+    KIND: ClassVar[str] = "coord.report"
+    target: PeerId
+    reason: Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
+    evidence: Evidence | None = None
+
+
+class ReportReply(Message):
+    KIND: ClassVar[str] = "coord.report_reply"
+    banned: bool
+    reason: str
+
+
+class Leave(Message):
+    KIND: ClassVar[str] = "coord.leave"
+    reason: Text = ""
+
+
+class LeaveReply(Message):
+    KIND: ClassVar[str] = "coord.leave_reply"
+    released: list[int]
+
+
+class StatusRequest(Message):
+    KIND: ClassVar[str] = "coord.status_request"
+    # How many closed steps of loss history to include (newest last).
+    loss_history: Annotated[int, Field(ge=0, le=10_000)] = 200
+
+
+class RunView(_Part):
+    name: str
+    run_hash: str
+    num_stages: int
+    microbatches_per_step: int
+    tokens_per_step: int
+
+
+class StageView(_Part):
+    index: int
+    layers: int
+    replicas: int
+    throughput: float
+    # Hashes of the stage's parameters after the last step each replica applied.
+    param_step: int
+    param_hashes: list[ParamHash]
+    hashes_agree: bool
+
+
+class ParamHash(_Part):
+    peer_id: str
+    step: int
+    hash: str
+
+
+class NodeView(_Part):
+    peer_id: str
+    stage: int
+    state: str
+    last_seen_s: float
+    throughput: float
+    queue_len: int
+    step: int
+    loss: float | None
+    flags: list[str]
+
+
+class LossPoint(_Part):
+    step: int
+    loss: float
+    tickets: int
+    closed_at: float
+
+
+class BanView(_Part):
+    peer_id: str
+    reason: str
+    at: float
+
+
+class Status(Message):
+    """The swarm view. Its JSON form (``model_dump(mode="json")``) is the documented ``--json`` schema."""
+
+    KIND: ClassVar[str] = "coord.status"
+    schema_version: int
+    coordinator: str
+    uptime_s: float
+    run: RunView
+    step: int
+    last_closed: int
+    healthy: bool
+    verdict: Literal["healthy", "degraded", "halted"]
+    verdict_reason: str
+    tokens_per_s: float
+    loss: float | None
+    loss_history: list[LossPoint]
+    stages: list[StageView]
+    nodes: list[NodeView]
+    bans: list[BanView]
+
+
+StageView.model_rebuild()

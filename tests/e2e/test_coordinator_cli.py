@@ -1,0 +1,171 @@
+"""The coordinator as a user runs it: `coordinator start` as a subprocess, real protocol clients,
+kill -9 and restart from the data dir, `swarm status --json` validated against its schema."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import trio
+from protolearn.coordinator.status import STATUS_JSON_SCHEMA
+from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
+from protolearn.protocol import coordination as cm
+from protolearn.protocol.identity import Identity
+from protolearn.protocol.transport import TransportConfig, open_host
+from protolearn.stages.config import default_run
+
+CLI = [sys.executable, "-m", "protolearn.cli.main"]
+STARTUP_S = 90.0
+CFG = TransportConfig(request_timeout_s=10.0, connect_timeout_s=10.0)
+
+
+class Coordinator:
+    """A `protolearn coordinator start` subprocess whose one stdout line is its address."""
+
+    def __init__(self, data_dir: Path, *extra: str) -> None:
+        self.out = data_dir.parent / f"{data_dir.name}.out"
+        self.err = data_dir.parent / f"{data_dir.name}.err"
+        with self.out.open("w") as out, self.err.open("a") as err:
+            self.proc = subprocess.Popen(
+                [*CLI, "coordinator", "start", "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(data_dir), *extra],
+                stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    async def address(self) -> str:
+        with trio.fail_after(STARTUP_S):
+            while True:
+                text = self.out.read_text()
+                if text.endswith("\n"):
+                    return text.splitlines()[0]
+                assert self.proc.poll() is None, self.err.read_text()[-3000:]
+                await trio.sleep(0.1)
+
+
+async def cli(*args: str) -> subprocess.CompletedProcess:
+    with trio.fail_after(STARTUP_S):
+        return await trio.run_process([*CLI, *args], capture_stdout=True, capture_stderr=True, check=False)
+
+
+def test_coordinator_survives_kill_9_with_members_step_leases_and_bans(tmp_path: Path) -> None:
+    data = tmp_path / "coord"
+    B = default_run().batch.microbatches_per_step
+
+    procs: list[subprocess.Popen] = []
+
+    async def main() -> None:
+        first = Coordinator(data)
+        procs.append(first.proc)
+        addr = await first.address()
+        assert "/p2p/12D3KooW" in addr
+        idents = [Identity.generate() for _ in range(4)]
+        async with trio.open_nursery() as nursery:
+            hosts = [await nursery.start(_host, ident) for ident in idents]
+            retry = RetryPolicy(retry_for_s=STARTUP_S, request_timeout_s=10.0)
+            links = [CoordinatorLink(h, addr, retry=retry) for h in hosts]
+            replies = [await lk.join(cm.Join(addrs=["/ip4/127.0.0.1/tcp/1"], throughput=100.0)) for lk in links]
+            assert [r.stage for r in replies] == [0, 1, 0, 1]
+            a, b, c, d = links
+            for lk in links[:3]:
+                await nursery.start(lk.heartbeat_loop, lambda: cm.Heartbeat(state="training", throughput=100.0))
+
+            # one full step, then two leased tickets of step 1 held by a
+            lease = await a.lease(B)
+            assert lease.step == 0 and lease.indices == list(range(B))
+            for i in lease.indices:
+                await a.complete(0, i, [a.host.peer_id, b.host.peer_id], 3.0)
+            held = (await a.lease(2)).indices
+            assert held == [0, 1]
+            # three distinct reporters ban d
+            for lk in (a, b, c):
+                verdict = await lk.report(d.host.peer_id, "outlier activations")
+            assert verdict.banned
+
+            before = json.loads((await cli("swarm", "status", "--coordinator", addr, "--json")).stdout)
+            first.proc.send_signal(signal.SIGKILL)
+            first.proc.wait(timeout=30)
+
+            second = Coordinator(data)
+            procs.append(second.proc)
+            assert await second.address() == addr  # same identity, same port
+            # the leases survived: only a may complete them, and it can
+            await a.complete(1, held[0], [a.host.peer_id, b.host.peer_id], 2.0)
+            try:
+                await c.complete(1, held[1], [c.host.peer_id, b.host.peer_id], 2.0)
+            except Exception as err:  # noqa: BLE001 - checked below
+                assert getattr(err, "code", None) == "not_leaseholder", err
+            else:
+                raise AssertionError("a lease survived the restart but another peer completed it")
+
+            done = await cli("swarm", "status", "--coordinator", addr, "--json")
+            assert done.returncode == 0, done.stderr.decode()[-2000:]
+            after = json.loads(done.stdout)
+            jsonschema.validate(after, STATUS_JSON_SCHEMA)
+            assert after["coordinator"] == before["coordinator"]
+            assert after["step"] == before["step"] == 1
+            assert [p["step"] for p in after["loss_history"]] == [0]
+            assert after["loss_history"][0]["loss"] == 3.0 and after["loss_history"][0]["tickets"] == B
+            live = sorted(n["peer_id"] for n in after["nodes"])
+            assert live == sorted(lk.host.peer_id for lk in (a, b, c))
+            assert [s["replicas"] for s in after["stages"]] == [2, 1]
+            assert [x["peer_id"] for x in after["bans"]] == [d.host.peer_id]
+            assert {n["stage"] for n in after["nodes"] if n["peer_id"] == c.host.peer_id} == {0}
+
+            # a banned peer is refused by the restarted coordinator's gate as well
+            try:
+                await CoordinatorLink(d.host, addr, retry=RetryPolicy(retry_for_s=0.0)).heartbeat(cm.Heartbeat(state="training"))
+            except Exception as err:  # noqa: BLE001
+                assert type(err).__name__ in ("PeerUnavailable", "CoordinatorRefused", "PeerTimeout"), err
+            else:
+                raise AssertionError("banned peer was answered after restart")
+
+            # the human view renders the same state
+            human = await cli("swarm", "status", "--coordinator", addr)
+            text = human.stdout.decode()
+            assert human.returncode == 0 and "run demo" in text and "banned" in text, text
+            assert "HEALTHY" in text or "DEGRADED" in text, text
+
+            second.proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(30):
+                while second.proc.poll() is None:
+                    await trio.sleep(0.1)
+            assert second.proc.returncode == 0, second.err.read_text()[-2000:]
+            assert second.out.read_text().splitlines() == [addr]  # stdout is the one line to paste
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+
+    # a different run in the same data dir is one clear line and exit 1
+    other = tmp_path / "other.toml"
+    other.write_text(default_run().replace(seed=7).to_toml())
+    proc = subprocess.run(
+        [*CLI, "coordinator", "start", "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(data), "--config", str(other)],
+        capture_output=True, text=True, timeout=STARTUP_S, check=False,
+    )
+    assert proc.returncode == 1 and proc.stdout == ""
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "use another --data-dir" in last and "Traceback" not in proc.stderr
+
+
+def test_swarm_status_of_an_unreachable_coordinator_is_one_line_and_exit_1() -> None:
+    dead = f"/ip4/127.0.0.1/tcp/1/p2p/{Identity.generate().peer_id}"
+    proc = subprocess.run([*CLI, "swarm", "status", "--coordinator", dead, "--timeout", "3"], capture_output=True, text=True, timeout=STARTUP_S, check=False)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot reach the coordinator" in lines[0], proc.stderr
+
+
+async def _host(ident: Identity, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async with open_host(ident, ["/ip4/127.0.0.1/tcp/0"], CFG) as host:
+        task_status.started(host)
+        await trio.sleep_forever()

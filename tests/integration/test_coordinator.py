@@ -1,0 +1,225 @@
+"""The coordinator service on real loopback hosts, driven by N real protocol clients (CoordinatorLink)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import trio
+from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.service import Running, serve
+from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
+from protolearn.protocol import coordination as cm
+from protolearn.protocol.errors import Refused
+from protolearn.stages.config import default_run
+
+FAST = CoordinatorSettings(
+    heartbeat_interval_s=0.2,
+    expiry_s=1.0,
+    lease_s=1.0,
+    housekeeping_interval_s=0.05,
+    rate_per_s=500,
+    rate_burst=500,
+)
+RETRY = RetryPolicy(retry_for_s=5.0, request_timeout_s=5.0)
+
+
+def join_msg(host, throughput: float = 100.0) -> cm.Join:
+    return cm.Join(addrs=[a.rsplit("/p2p/", 1)[0] for a in host.addrs()], throughput=throughput, name="t")
+
+
+async def start(nursery: trio.Nursery, data_dir: Path, settings: CoordinatorSettings = FAST, **kw) -> Running:
+    return await nursery.start(
+        lambda task_status: serve(default_run(), data_dir, settings=settings, task_status=task_status, **kw)
+    )
+
+
+async def scrape(port: int) -> str:
+    with trio.fail_after(5):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = b""
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+    return data.decode()
+
+
+def test_nodes_join_heartbeat_train_steps_leave_and_expire(open_hosts, run_trio, tmp_path):
+    B = default_run().batch.microbatches_per_step
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            coord = await start(nursery, tmp_path, metrics_port=0)
+            async with open_hosts(4, introduce=False) as hosts:
+                links = [CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in hosts]
+                replies = [await link.join(join_msg(h)) for link, h in zip(links, hosts, strict=True)]
+                assert sorted(r.stage for r in replies) == [0, 0, 1, 1]
+                assert all(r.run_hash == default_run().run_hash() for r in replies)
+                by_stage = {s: [lk for lk, r in zip(links, replies, strict=True) if r.stage == s] for s in (0, 1)}
+                s0, s1 = by_stage[0], by_stage[1]
+
+                async with trio.open_nursery() as beats:
+                    for lk in links:
+                        await beats.start(lk.heartbeat_loop, lambda: cm.Heartbeat(state="training", throughput=100.0))
+                    await trio.sleep(0.5)
+                    assert all(len(lk.members) == 4 for lk in links)
+                    status = await links[0].status()
+                    assert status.verdict == "healthy", status.verdict_reason
+
+                    latencies: list[float] = []
+                    # Two steps: both stage-0 replicas lease in blocks and complete through stage 1.
+                    for step in range(2):
+                        waited: list[cm.StepInfo] = []
+                        closed_at: list[float] = []
+
+                        async def waiter(lk=s1[0], step=step, waited=waited, closed_at=closed_at):
+                            waited.append(await lk.wait_step(step, timeout_s=10.0))
+                            closed_at.append(trio.current_time())
+
+                        async with trio.open_nursery() as work:
+                            work.start_soon(waiter)
+                            await trio.sleep(0.05)
+                            done = 0
+                            while done < B:
+                                for i, lk in enumerate(s0):
+                                    lease = await lk.lease(2)
+                                    for idx in lease.indices:
+                                        route = [lk.host.peer_id, s1[idx % 2].host.peer_id]
+                                        reply = await lk.complete(lease.step, idx, route, 2.0 + idx)
+                                        done += 1
+                                        last = trio.current_time()
+                                        assert reply.step_closed == (done == B)
+                        info = waited[0]
+                        assert info.closed and info.step == step and info.num_tickets == B
+                        acc = {a.stage: {p.peer_id: p.tickets for p in a.peers} for a in info.accounting}
+                        for stage in (0, 1):
+                            assert sorted(t for ts in acc[stage].values() for t in ts) == list(range(B))
+                        assert info.loss == sum(2.0 + i for i in range(B)) / B
+                        # the long poll answered as soon as the step closed, not on a polling tick
+                        assert closed_at[0] - last < 0.5
+                        latencies.append(closed_at[0] - last)
+                    beats.cancel_scope.cancel()
+                print(f"step-close to long-poll reply: {[round(x * 1000, 1) for x in latencies]} ms")
+                metrics = await scrape(coord.metrics_port)
+                assert "HTTP/1.1 200 OK" in metrics
+                assert "protolearn_step 2" in metrics and "protolearn_nodes 4" in metrics
+                assert 'protolearn_stage_replicas{stage="1"} 2' in metrics
+
+                # A graceful leave, then a silent node expires.
+                assert await s1[1].leave("done") == []
+                await trio.sleep(FAST.expiry_s + 0.5)
+                status = await links[0].status()
+                assert status.step == 2 and [p.step for p in status.loss_history] == [0, 1]
+                assert status.nodes == []  # everyone stopped heartbeating: all expired
+                assert status.verdict == "halted"
+                # an expired node rejoins and gets its old stage back
+                again = await s0[0].join(join_msg(s0[0].host))
+                assert again.rejoined and again.stage == 0
+            nursery.cancel_scope.cancel()
+
+    run_trio(main, timeout=60)
+
+
+def test_coordinator_refuses_abuse_and_keeps_serving(open_hosts, run_trio, tmp_path, caplog):
+    """Unknown/malformed requests, second join, heartbeats from strangers and the banned, reports
+    about unknown peers, completions of unleased tickets and floods: each refused with a logged reason."""
+    caplog.set_level(logging.INFO)
+    settings = FAST.model_copy(update={"rate_per_s": 20.0, "rate_burst": 20.0, "expiry_s": 30.0})
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            coord = await start(nursery, tmp_path, settings)
+            core = coord.core
+            async with open_hosts(5, introduce=False) as hosts:
+                good, stage1, stranger, flooder, accused = hosts
+                links = [CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in hosts]
+                lg, l1, lstr, lflood, lacc = links
+                await lg.join(join_msg(good))
+                await l1.join(join_msg(stage1))
+                await lflood.join(join_msg(flooder))
+                await lacc.join(join_msg(accused))
+                before = (core.ledger.step, sorted(m.peer_id for m in core.registry.live()))
+
+                async def refused(call, code: str) -> None:
+                    try:
+                        await call
+                    except Exception as err:  # noqa: BLE001 - the assertion below names what was expected
+                        got = getattr(err, "code", None) or str(err)
+                        assert got == code or f"Refusal: {code}:" in got, f"expected {code}, got {err!r}"
+                    else:
+                        raise AssertionError(f"expected refusal {code}")
+
+                # malformed bytes and an unknown message kind on the coordinator protocol
+                for raw in (b"\x00\x00\x00\x00\x00\x00\x00\x05hello", b"\xff" * 7):
+                    async with stranger.open_stream(coord.addrs[0], "coordinator") as s:
+                        await s.raw.write(raw)
+                        await s.close()  # half-close: a truncated frame reads as EOF on the server
+                        try:
+                            await s.receive(cm.JoinReply, timeout=5)
+                        except Exception as err:  # noqa: BLE001 - any typed failure is fine, a reply is not
+                            assert type(err).__name__ in ("PeerUnavailable", "PeerTimeout", "ProtocolError", "Refused"), err
+                        else:
+                            raise AssertionError("malformed request got a reply")
+                try:
+                    await stranger.request(coord.addrs[0], "coordinator", cm.StepInfo(
+                        step=0, closed=False, revision=0, loss=None, num_tickets=1, accounting=[], open_step=0,
+                    ), cm.JoinReply, timeout=5)
+                except Refused as err:
+                    assert "unexpected message kind 'coord.step_info'" in err.reason
+                else:
+                    raise AssertionError("a reply-kind sent as a request was answered")
+
+                # a second join of a live peer (raw, without the link's rejoin logic)
+                await refused(_raw_join(good, coord), "already_joined")
+                # heartbeats, leases and completions from a peer that never joined
+                await refused(lstr.heartbeat(cm.Heartbeat(state="training")), "not_member")
+                await refused(lstr.lease(1), "not_member")
+                # completion of a ticket the sender never leased
+                stage0 = lg if lg.stage == 0 else l1
+                other = l1 if stage0 is lg else lg
+                await refused(stage0.complete(0, 0, [stage0.host.peer_id, other.host.peer_id], 1.0), "not_leaseholder")
+                # a report about an unknown peer
+                await refused(lg.report("12D3KooWNobodyNobodyNobodyNobodyNobodyNobodyNobody", "bad"), "unknown_peer")
+                # a flood beyond the rate limit is refused, others are unaffected
+                codes = []
+                for _ in range(40):
+                    try:
+                        await lflood.heartbeat(cm.Heartbeat(state="training"))
+                    except Exception as err:  # noqa: BLE001
+                        codes.append(getattr(err, "code", repr(err)))
+                assert codes and set(codes) == {"rate_limited"}
+                assert isinstance(await lg.heartbeat(cm.Heartbeat(state="training")), cm.HeartbeatReply)
+
+                # a ban: the gate refuses the banned peer's heartbeats at connection time
+                core.ban(accused.peer_id, "test ban", time.time())
+                await lg.heartbeat(cm.Heartbeat(state="training"))  # commits and gates the ban
+                try:
+                    await lacc.heartbeat(cm.Heartbeat(state="training"))
+                except Exception as err:  # noqa: BLE001
+                    assert type(err).__name__ in ("PeerUnavailable", "CoordinatorRefused", "PeerTimeout"), err
+                else:
+                    raise AssertionError("banned peer was answered")
+                assert coord.host.is_banned(accused.peer_id)
+
+                # state is intact and the coordinator still serves
+                after = (core.ledger.step, sorted(m.peer_id for m in core.registry.live()))
+                assert after[0] == before[0]
+                assert sorted(set(before[1]) - {accused.peer_id}) == after[1]
+                assert core.ledger.remaining() == default_run().batch.microbatches_per_step
+                lease = await stage0.lease(1)
+                assert lease.indices == [0]
+                status = await lg.status()
+                assert [b.peer_id for b in status.bans] == [accused.peer_id]
+            nursery.cancel_scope.cancel()
+
+    run_trio(main, timeout=90)
+    text = caplog.text
+    for code in ("already_joined", "not_member", "not_leaseholder", "unknown_peer", "rate_limited"):
+        assert f"code={code}" in text, code
+    assert "rejected peer=" in text  # the transport logged the malformed requests
+
+
+async def _raw_join(host, coord: Running):
+    return await host.request(coord.addrs[0], "coordinator", join_msg(host), cm.JoinReply, timeout=5)

@@ -1,0 +1,91 @@
+"""Stage assignment and rebalancing: joiners fill the weakest stage, moves only when they pay off."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from protolearn.coordinator.assignment import (
+    StageLoad,
+    balance_quality,
+    choose_stage,
+    propose_move,
+    shares_from_layers,
+    stage_loads,
+)
+
+
+def test_joiner_goes_to_the_stage_with_least_throughput_per_share() -> None:
+    shares = shares_from_layers([2, 1])  # stage 0 has twice the layers, so it needs twice the compute
+    loads = [StageLoad(150.0, 2), StageLoad(100.0, 1)]
+    # per share: stage 0 = 150 / (2/3) = 225, stage 1 = 100 / (1/3) = 300
+    assert choose_stage(loads, shares).stage == 0
+
+
+def test_empty_stage_is_filled_first_and_reason_says_why() -> None:
+    shares = shares_from_layers([1, 1, 1])
+    choice = choose_stage([StageLoad(50.0, 1), StageLoad(0.0, 0), StageLoad(10.0, 1)], shares)
+    assert choice.stage == 1
+    assert "no replicas" in choice.reason
+
+
+def test_first_joiners_spread_over_every_stage() -> None:
+    shares = shares_from_layers([1, 1, 1, 1])
+    nodes: list[tuple[int, float]] = []
+    for _ in range(4):
+        stage = choose_stage(stage_loads(nodes, 4), shares).stage
+        nodes.append((stage, 100.0))
+    assert sorted(s for s, _ in nodes) == [0, 1, 2, 3]
+
+
+def test_balanced_swarm_proposes_no_move() -> None:
+    shares = shares_from_layers([2, 2])
+    nodes = [("a", 0, 100.0, True), ("b", 0, 100.0, True), ("c", 1, 100.0, True), ("d", 1, 90.0, True)]
+    assert propose_move(nodes, shares, min_quality=0.75) is None
+
+
+def test_move_from_over_to_under_provisioned_stage_when_it_improves_enough() -> None:
+    shares = shares_from_layers([1, 1])
+    nodes = [("a", 0, 100.0, True), ("b", 0, 100.0, True), ("c", 0, 100.0, True), ("d", 1, 50.0, True)]
+    move = propose_move(nodes, shares, min_quality=0.75)
+    assert move is not None
+    assert (move.src, move.dst) == (0, 1)
+    assert move.quality_after > move.quality_before
+    assert "stage 0" in move.reason and "stage 1" in move.reason
+
+
+def test_small_improvement_below_threshold_is_not_worth_a_move() -> None:
+    shares = shares_from_layers([1, 1])
+    # Rate is 100 now; the best move (a 30 into stage 1) gives min(170, 130) = 130 < 100 / 0.75.
+    nodes = [("a", 0, 30.0, True), ("b", 0, 170.0, True), ("c", 1, 100.0, True)]
+    assert propose_move(nodes, shares, min_quality=0.75) is None
+    assert propose_move(nodes, shares, min_quality=0.99) is not None
+
+
+def test_never_empties_a_stage_and_respects_immovable_nodes() -> None:
+    shares = shares_from_layers([1, 1, 1])
+    # Stage 2 is empty; stage 0 has a single replica (must stay), stage 1 has one movable of two.
+    nodes = [("a", 0, 500.0, True), ("b", 1, 100.0, False), ("c", 1, 100.0, True)]
+    move = propose_move(nodes, shares)
+    assert move is not None and move.peer_id == "c" and move.dst == 2
+    assert propose_move([("a", 0, 500.0, True), ("b", 1, 100.0, True)], shares) is None
+
+
+def test_ten_thousand_nodes_decide_in_under_a_second() -> None:
+    rng = random.Random(0)
+    num_stages = 8
+    shares = shares_from_layers([rng.randint(1, 4) for _ in range(num_stages)])
+    nodes = [(f"peer{i}", rng.randrange(num_stages), rng.uniform(10, 1000), True) for i in range(10_000)]
+    # Make one stage clearly under-provisioned so a move exists.
+    nodes = [(p, 3 if s == 3 and rng.random() < 0.9 else s, t, m) if s != 3 else (p, 2, t, m) for p, s, t, m in nodes]
+    nodes.append(("lonely", 3, 10.0, True))
+    t0 = time.perf_counter()
+    stage = choose_stage(stage_loads(((s, t) for _, s, t, _ in nodes), num_stages), shares).stage
+    t1 = time.perf_counter()
+    move = propose_move(nodes, shares)
+    t2 = time.perf_counter()
+    assert stage == 3
+    assert move is not None and move.dst == 3
+    assert t1 - t0 < 1.0, f"join decision took {t1 - t0:.3f} s"
+    assert t2 - t1 < 1.0, f"rebalance decision took {t2 - t1:.3f} s"
+    assert balance_quality(stage_loads(((s, t) for _, s, t, _ in nodes), num_stages), shares) < move.quality_after

@@ -1,0 +1,209 @@
+"""The coordinator core end to end without IO: requests in, replies out, persisted and restored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jsonschema
+import pytest
+from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.core import CoordinatorCore, RunInfo
+from protolearn.coordinator.errors import Refusal
+from protolearn.coordinator.status import STATUS_JSON_SCHEMA
+from protolearn.coordinator.store import Store
+from protolearn.protocol import coordination as cm
+from protolearn.protocol.identity import Identity
+from protolearn.stages.config import default_run
+
+SETTINGS = CoordinatorSettings(heartbeat_interval_s=1.0, expiry_s=3.0, lease_s=10.0, rate_per_s=1000, rate_burst=1000)
+
+
+def make_core(settings: CoordinatorSettings = SETTINGS) -> CoordinatorCore:
+    return CoordinatorCore(RunInfo.from_run(default_run()), settings, peer_id="coord", started_at=0.0)
+
+
+def join(core: CoordinatorCore, peer: str, now: float = 0.0) -> cm.JoinReply:
+    reply = core.handle(peer, cm.Join(addrs=["/ip4/127.0.0.1/tcp/9"], throughput=100.0), now)
+    assert isinstance(reply, cm.JoinReply)
+    return reply
+
+
+def run_step(core: CoordinatorCore, s0: str, s1: str, now: float) -> cm.CompleteReply:
+    B = core.run.microbatches_per_step
+    step = core.ledger.step
+    last = None
+    while core.ledger.step == step:
+        lease = core.handle(s0, cm.Lease(max_tickets=B), now)
+        assert isinstance(lease, cm.LeaseReply) and lease.indices, lease.reason
+        for i in lease.indices:
+            last = core.handle(s0, cm.Complete(step=step, index=i, route=[s0, s1], loss=2.0 + i), now)
+    assert isinstance(last, cm.CompleteReply) and last.step_closed
+    return last
+
+
+def test_join_returns_the_run_and_a_stage() -> None:
+    core = make_core()
+    r = join(core, "a")
+    assert r.run_hash == default_run().run_hash() and "[model]" in r.run_toml
+    assert r.stage == 0 and [m.peer_id for m in r.members] == ["a"]
+    assert join(core, "b").stage == 1
+    with pytest.raises(Refusal) as err:
+        join(core, "a")
+    assert err.value.code == "already_joined"
+
+
+def test_a_full_step_closes_with_accounting_and_mean_loss() -> None:
+    core = make_core()
+    join(core, "a"), join(core, "b")
+    run_step(core, "a", "b", 1.0)
+    info = core.step_info(0)
+    assert info.closed and info.revision == 1 and info.loss == pytest.approx(2.0 + 1.5)
+    assert [(a.stage, [(p.peer_id, p.tickets) for p in a.peers]) for a in info.accounting] == [
+        (0, [("a", [0, 1, 2, 3])]),
+        (1, [("b", [0, 1, 2, 3])]),
+    ]
+    assert not core.step_info(1).closed
+
+
+def test_only_stage0_leases_and_routes_must_name_live_members_of_each_stage() -> None:
+    core = make_core()
+    join(core, "a"), join(core, "b")
+    with pytest.raises(Refusal, match="not_stage0"):
+        core.handle("b", cm.Lease(max_tickets=1), 0.0)
+    i = core.handle("a", cm.Lease(max_tickets=1), 0.0).indices[0]
+    with pytest.raises(Refusal, match="bad_route"):
+        core.handle("a", cm.Complete(step=0, index=i, route=["a", "ghost"], loss=1.0), 0.0)
+    with pytest.raises(Refusal, match="not_leaseholder"):
+        core.handle("a", cm.Complete(step=0, index=i + 1, route=["a", "b"], loss=1.0), 0.0)
+
+
+def test_leaving_member_frees_its_leases_and_the_tickets_routed_through_it() -> None:
+    core = make_core()
+    join(core, "a"), join(core, "b"), join(core, "c")  # c is a second stage-0 replica
+    la = core.handle("a", cm.Lease(max_tickets=2), 0.0).indices
+    lc = core.handle("c", cm.Lease(max_tickets=2), 0.0).indices
+    core.handle("a", cm.Complete(step=0, index=la[0], route=["a", "b"], loss=1.0), 0.0)
+    reply = core.handle("c", cm.Leave(reason="bye"), 1.0)
+    assert reply.released == lc
+    reply = core.handle("b", cm.Leave(), 1.0)
+    assert reply.released == [la[0]]  # completed through b: b's gradients left with it
+    assert core.ledger.remaining() == core.run.microbatches_per_step
+
+
+def test_expiry_in_housekeeping_and_heartbeat_refused_after() -> None:
+    core = make_core()
+    join(core, "a"), join(core, "b")
+    core.handle("a", cm.Heartbeat(state="training"), 2.0)
+    events = core.housekeeping(3.5)
+    assert any("expired peer=b" in e for e in events)
+    with pytest.raises(Refusal, match="not_member"):
+        core.handle("b", cm.Heartbeat(state="training"), 3.6)
+    assert join(core, "b", 4.0).rejoined
+
+
+def test_reports_evidence_and_bans() -> None:
+    core = make_core()
+    ids = [Identity.generate() for _ in range(4)]
+    for ident in ids:
+        join(core, ident.peer_id)
+    bad = ids[3].peer_id
+    with pytest.raises(Refusal, match="unknown_peer"):
+        core.handle(ids[0].peer_id, cm.Report(target="nobody", reason="x"), 0.0)
+    forged = cm.Evidence(data=b"output digest", signature=ids[1].sign(b"output digest"))
+    with pytest.raises(Refusal, match="bad_evidence"):
+        core.handle(ids[0].peer_id, cm.Report(target=bad, reason="x", evidence=forged), 0.0)
+    assert not core.verdicts.is_banned(bad)
+    good = cm.Evidence(data=b"output digest", signature=ids[0].sign(b"output digest"))
+    reply = core.handle(ids[0].peer_id, cm.Report(target=bad, reason="spot check", evidence=good), 1.0)
+    assert reply.banned
+    hb = core.handle(ids[0].peer_id, cm.Heartbeat(state="training"), 1.5)
+    assert hb.bans == [bad] and bad not in [m.peer_id for m in hb.members]
+    for msg in (cm.Heartbeat(state="training"), cm.Join(addrs=[])):
+        with pytest.raises(Refusal, match="banned"):
+            core.handle(bad, msg, 2.0)
+
+
+def test_rate_limit_refuses_a_flood_but_not_others() -> None:
+    core = make_core(CoordinatorSettings(rate_per_s=5, rate_burst=5))
+    join(core, "a"), join(core, "b")
+    with pytest.raises(Refusal, match="rate_limited"):
+        for _ in range(10):
+            core.handle("a", cm.Heartbeat(state="training"), 0.0)
+    assert isinstance(core.handle("b", cm.Heartbeat(state="training"), 0.0), cm.HeartbeatReply)
+
+
+def test_state_survives_a_store_round_trip(tmp_path: Path) -> None:
+    core = make_core()
+    store = Store(tmp_path)
+    assert store.journal_mode() == "wal"
+    join(core, "a"), join(core, "b"), join(core, "c")
+    core.handle("a", cm.Heartbeat(state="training", step=0, param_hash="h0"), 0.5)
+    run_step(core, "a", "b", 1.0)
+    leased = core.handle("a", cm.Lease(max_tickets=2), 2.0).indices
+    core.handle("a", cm.Complete(step=1, index=leased[0], route=["a", "b"], loss=1.0), 2.0)
+    core.ban("c", "operator", 2.0)
+    store.apply(core.drain())
+    store.close()
+
+    again = make_core()
+    again.restore(**Store(tmp_path).load(), now=100.0)
+    assert again.ledger.step == 1
+    assert {p: m.stage for p, m in again.registry.members.items()} == {"a": 0, "b": 1, "c": 0}
+    assert sorted(m.peer_id for m in again.registry.live()) == ["a", "b"]
+    assert again.ledger.holdings("a") == leased[1:]
+    assert again.ledger.tickets[leased[0]].done
+    assert again.verdicts.is_banned("c")
+    assert again.step_info(0).loss == core.step_info(0).loss
+    # live members and leases got a fresh term: nothing expires right after the restart
+    assert again.housekeeping(101.0) == []
+    status = again.handle("x", cm.StatusRequest(), 101.0)
+    jsonschema.validate(status.model_dump(mode="json"), STATUS_JSON_SCHEMA)
+
+
+def test_status_verdicts() -> None:
+    core = make_core()
+    st = core.handle("x", cm.StatusRequest(), 0.0)
+    assert st.verdict == "halted" and not st.healthy
+    join(core, "a")
+    st = core.handle("x", cm.StatusRequest(), 0.0)
+    assert st.verdict == "halted" and "stage 1 has no replicas" in st.verdict_reason
+    join(core, "b")
+    for p, h in (("a", "h"), ("b", "h")):
+        core.handle(p, cm.Heartbeat(state="training", step=0, param_hash=h), 0.5)
+    st = core.handle("x", cm.StatusRequest(), 1.0)
+    assert st.verdict == "healthy" and st.healthy, st.verdict_reason
+    join(core, "c")  # stage 0 again, disagreeing hash
+    core.handle("c", cm.Heartbeat(state="training", step=0, param_hash="other"), 1.0)
+    st = core.handle("x", cm.StatusRequest(), 1.0)
+    assert st.verdict == "degraded" and "disagree" in st.verdict_reason
+    assert "hash-mismatch" in next(n for n in st.nodes if n.peer_id == "c").flags
+    st = core.handle("x", cm.StatusRequest(), 5.0)
+    assert "stale" in st.nodes[0].flags
+    jsonschema.validate(st.model_dump(mode="json"), STATUS_JSON_SCHEMA)
+
+
+def test_redo_and_release_through_requests() -> None:
+    core = make_core()
+    join(core, "a"), join(core, "b")
+    B = core.run.microbatches_per_step
+    idx = core.handle("a", cm.Lease(max_tickets=B), 0.0).indices
+    assert core.handle("a", cm.Release(step=0, indices=[idx[-1]]), 0.0).released == [idx[-1]]
+    for i in idx[:-1]:
+        core.handle("a", cm.Complete(step=0, index=i, route=["a", "b"], loss=1.0), 0.0)
+    # the stage-1 hop of ticket 0 lost its graph: b asks for a redo, and only tickets it touched
+    reply = core.handle("b", cm.Redo(step=0, indices=[0], reason="backward hop failed"), 0.5)
+    assert reply.indices == [0] and not reply.reopened and core.ledger.remaining() == 2
+    join(core, "c", 0.5)  # a stranger to these tickets (stage 0)
+    with pytest.raises(Refusal, match="redo_refused"):
+        core.handle("c", cm.Redo(step=0, indices=[1]), 0.5)
+    # finish the step, then drop b's contribution: the step reopens and closes again as revision 2
+    for i in core.handle("a", cm.Lease(max_tickets=B), 1.0).indices:
+        core.handle("a", cm.Complete(step=0, index=i, route=["a", "b"], loss=1.0), 1.0)
+    assert core.step_info(0).closed
+    reply = core.handle("b", cm.Redo(step=0, indices=[2, 3], reason="contribution dropped"), 2.0)
+    assert reply.reopened and reply.open_step == 0
+    assert not core.step_info(0).closed
+    for i in core.handle("a", cm.Lease(max_tickets=B), 3.0).indices:
+        core.handle("a", cm.Complete(step=0, index=i, route=["a", "b"], loss=1.0), 3.0)
+    info = core.step_info(0, min_revision=2)
+    assert info.closed and info.revision == 2 and info.num_tickets == B

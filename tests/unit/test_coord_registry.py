@@ -1,0 +1,94 @@
+"""Membership: join, second join refused, heartbeats, leave, expiry, rejoin to the old stage."""
+
+from __future__ import annotations
+
+from protolearn.coordinator.assignment import shares_from_layers
+from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.registry import EXPIRED, LEFT, HeartbeatInfo, JoinInfo, Registry
+
+
+def registry(num_stages: int = 2) -> Registry:
+    s = CoordinatorSettings(heartbeat_interval_s=1.0, expiry_s=3.0, move_cooldown_s=0.0, departed_retention_s=100.0)
+    return Registry(num_stages, shares_from_layers([1] * num_stages), s)
+
+
+def info(t: float = 100.0) -> JoinInfo:
+    return JoinInfo(addrs=["/ip4/127.0.0.1/tcp/1"], throughput=t)
+
+
+def test_joins_fill_stages_and_a_second_join_of_a_live_peer_is_refused() -> None:
+    r = registry()
+    assert r.join("a", info(), 0.0).stage == 0
+    assert r.join("b", info(), 0.0).stage == 1
+    d = r.join("a", info(), 1.0)
+    assert not d.accepted and d.code == "already_joined"
+    assert r.members["a"].joined_at == 0.0
+
+
+def test_heartbeat_updates_state_and_view_version_only_on_structural_change() -> None:
+    r = registry()
+    r.join("a", info(), 0.0)
+    v0 = r.view_version
+    assert r.heartbeat("a", HeartbeatInfo("training", 120.0, 2, 4, "h4", 2.5), 1.0).accepted
+    m = r.members["a"]
+    assert (m.state, m.throughput, m.queue_len, m.step, m.param_hash, m.loss) == ("training", 120.0, 2, 4, "h4", 2.5)
+    assert r.view_version == v0 + 1
+    r.heartbeat("a", HeartbeatInfo("training", 130.0), 2.0)
+    assert r.view_version == v0 + 1
+    assert r.heartbeat("zz", HeartbeatInfo("training"), 2.0).code == "not_member"
+
+
+def test_expiry_after_missed_heartbeats_and_rejoin_gets_the_old_stage() -> None:
+    r = registry()
+    r.join("a", info(), 0.0)
+    r.join("b", info(), 0.0)
+    r.join("c", info(), 0.0)  # stage 0 (tie → lower index)
+    assert r.members["c"].stage == 0
+    r.heartbeat("a", HeartbeatInfo("training"), 2.0)
+    r.heartbeat("b", HeartbeatInfo("training"), 2.0)
+    assert [m.peer_id for m in r.expire(3.5)] == ["c"]
+    assert r.members["c"].status == EXPIRED
+    assert r.heartbeat("c", HeartbeatInfo("training"), 3.6).code == "not_member"
+    d = r.join("c", info(), 4.0)
+    assert d.accepted and d.rejoined and d.stage == 0
+
+
+def test_rejoin_goes_to_a_halted_stage_instead_of_its_old_one() -> None:
+    r = registry()
+    r.join("a", info(), 0.0)
+    r.join("b", info(), 0.0)
+    r.join("c", info(), 0.0)
+    assert r.members["c"].stage == 0
+    r.leave("c", 1.0)
+    r.leave("b", 1.0)  # stage 1 is now empty
+    assert r.members["b"].status == LEFT
+    d = r.join("c", info(), 2.0)
+    assert d.rejoined and d.stage == 1
+
+
+def test_departed_members_are_forgotten_after_retention() -> None:
+    r = registry()
+    r.join("a", info(), 0.0)
+    r.leave("a", 1.0)
+    r.expire(50.0)
+    assert "a" in r.members
+    r.expire(200.0)
+    assert "a" not in r.members and r.removed == {"a"}
+
+
+def test_rebalance_moves_a_training_node_into_an_empty_stage() -> None:
+    r = registry(3)
+    for p in "abc":
+        r.join(p, info(), 0.0)
+    for p in "abc":
+        r.heartbeat(p, HeartbeatInfo("training"), 1.0)
+    r.leave("c", 2.0)
+    assert r.rebalance(3.0) is None  # no stage can spare a replica
+    r.join("d", info(), 3.0)  # goes to the empty stage 2
+    assert r.members["d"].stage == 2
+    r.join("e", info(), 3.0)
+    r.heartbeat("e", HeartbeatInfo("training"), 4.0)
+    r.leave("d", 5.0)
+    move = r.rebalance(6.0)
+    assert move is not None and move.dst == 2 and r.members[move.peer_id].stage == 2
+    assert r.heartbeat(move.peer_id, HeartbeatInfo("syncing"), 6.5).reason == move.reason

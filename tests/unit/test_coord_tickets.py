@@ -1,0 +1,175 @@
+"""Step accounting: leases, expiry and re-issue, exactly B tickets per step, duplicates and redo (I1)."""
+
+from __future__ import annotations
+
+import random
+
+from protolearn.coordinator.tickets import TicketLedger
+
+B, S = 6, 2
+
+
+def ledger(**kw) -> TicketLedger:
+    return TicketLedger(B, S, lease_s=10.0, block=kw.pop("block", 4), **kw)
+
+
+def finish(led: TicketLedger, peer: str, now: float, stage1: str = "s1") -> None:
+    """Lease and complete everything of the open step as ``peer``."""
+    step = led.step
+    while led.step == step:
+        d = led.lease(peer, now, 4)
+        assert d.indices, d.reason
+        for i in d.indices:
+            assert led.complete(peer, step, i, [peer, stage1], float(i), now).accepted
+
+
+def test_lease_hands_out_small_blocks_until_the_step_is_fully_leased() -> None:
+    led = ledger()
+    a = led.lease("a", 0.0, 100)
+    b = led.lease("b", 0.0, 100)
+    c = led.lease("c", 0.0, 100)
+    assert a.indices == [0, 1, 2, 3] and b.indices == [4, 5]
+    assert c.indices == [] and "wait" in c.reason
+
+
+def test_step_closes_after_exactly_B_completions_with_frozen_accounting() -> None:
+    led = ledger()
+    a = led.lease("a", 0.0, 3).indices
+    b = led.lease("b", 0.0, 3).indices
+    closed = None
+    for peer, idx in [("a", a), ("b", b)]:
+        for i in idx:
+            d = led.complete(peer, 0, i, [peer, "x" if i % 2 else "y"], float(i), 1.0)
+            assert d.accepted, d.reason
+            closed = d.closed or closed
+    assert closed is not None and closed.step == 0 and closed.revision == 1
+    assert closed.num_tickets == B
+    assert closed.loss == sum(range(B)) / B
+    acc = closed.accounting()
+    assert acc[0] == {"a": [0, 1, 2], "b": [3, 4, 5]}
+    assert acc[1] == {"x": [1, 3, 5], "y": [0, 2, 4]}
+    # every stage accounts for every ticket exactly once
+    for stage in range(S):
+        assert sorted(i for ts in acc[stage].values() for i in ts) == list(range(B))
+    assert led.step == 1 and led.remaining() == B
+
+
+def test_next_step_is_leasable_only_after_the_current_one_closed() -> None:
+    led = ledger()
+    held = led.lease("a", 0.0, 4).indices + led.lease("a", 0.0, 4).indices
+    assert held == list(range(B))
+    assert led.lease("b", 0.0, 4).indices == []
+    for i in held[:-1]:
+        led.complete("a", 0, i, ["a", "z"], 1.0, 0.0)
+    assert led.lease("b", 0.0, 4).step == 0 and led.lease("b", 0.0, 4).indices == []
+    led.complete("a", 0, held[-1], ["a", "z"], 1.0, 0.0)
+    d = led.lease("b", 0.0, 4)
+    assert d.step == 1 and d.indices == [0, 1, 2, 3]
+
+
+def test_expired_lease_is_reissued_and_the_late_completion_is_refused() -> None:
+    led = ledger()
+    mine = led.lease("slow", 0.0, 4).indices
+    led.lease("other", 5.0, 4)
+    assert led.expired(5.0) == []
+    assert led.expired(11.0) == sorted(mine)
+    d = led.lease("fast", 11.0, 4)
+    assert d.indices == mine and d.reissued == mine
+    late = led.complete("slow", 0, mine[0], ["slow", "z"], 1.0, 12.0)
+    assert not late.accepted and late.code == "not_leaseholder"
+    assert led.complete("fast", 0, mine[0], ["fast", "z"], 1.0, 12.0).accepted
+
+
+def test_original_holder_may_still_complete_an_expired_lease_nobody_took() -> None:
+    led = ledger()
+    i = led.lease("a", 0.0, 1).indices[0]
+    assert led.complete("a", 0, i, ["a", "z"], 1.0, 100.0).accepted
+
+
+def test_completion_refusals_never_count_twice() -> None:
+    led = ledger()
+    i = led.lease("a", 0.0, 1).indices[0]
+    assert led.complete("b", 0, i, ["b", "z"], 1.0, 0.0).code == "not_leaseholder"
+    assert led.complete("a", 0, 5, ["a", "z"], 1.0, 0.0).code == "not_leaseholder"  # never leased
+    assert led.complete("a", 0, i, ["a"], 1.0, 0.0).code == "bad_route"
+    assert led.complete("a", 0, i, ["x", "z"], 1.0, 0.0).code == "bad_route"
+    assert led.complete("a", 0, i, ["a", "z"], float("nan"), 0.0).code == "bad_loss"
+    assert led.complete("a", 0, 99, ["a", "z"], 1.0, 0.0).code == "bad_ticket"
+    assert led.complete("a", 3, i, ["a", "z"], 1.0, 0.0).code == "step_not_open"
+    assert led.complete("a", 0, i, ["a", "z"], 1.0, 0.0).accepted
+    dup = led.complete("a", 0, i, ["a", "z"], 1.0, 0.0)
+    assert not dup.accepted and dup.code == "duplicate"
+    assert led.remaining() == B - 1
+
+
+def test_redo_on_the_open_step_frees_a_completed_ticket() -> None:
+    led = ledger()
+    idx = led.lease("a", 0.0, 4).indices
+    for i in idx:
+        led.complete("a", 0, i, ["a", "broken"], 1.0, 0.0)
+    assert not led.redo(0, [idx[0]], by="stranger").accepted
+    d = led.redo(0, [idx[0]], by="broken")
+    assert d.accepted and not d.reopened and d.indices == [idx[0]]
+    assert led.remaining() == B - len(idx) + 1
+    # The ticket is leasable again and completes once more, still counted once.
+    again = led.lease("b", 1.0, 4).indices
+    assert idx[0] in again
+
+
+def test_redo_reopens_the_step_that_just_closed_and_it_closes_again_with_a_new_revision() -> None:
+    led = ledger()
+    finish(led, "a", 0.0, stage1="dead")
+    assert led.step == 1
+    d = led.redo(0, [1, 2], by="dead")
+    assert d.accepted and d.reopened and led.step == 0 and led.remaining() == 2
+    idx = led.lease("a", 1.0, 4).indices
+    assert idx == [1, 2]
+    closed = None
+    for i in idx:
+        closed = led.complete("a", 0, i, ["a", "alive"], 0.5, 2.0).closed or closed
+    assert closed is not None and closed.revision == 2
+    acc = closed.accounting()
+    assert acc[1] == {"alive": [1, 2], "dead": [0, 3, 4, 5]}
+    assert led.step == 1
+
+
+def test_redo_cannot_reopen_once_the_next_step_has_progress() -> None:
+    led = ledger()
+    finish(led, "a", 0.0)
+    i = led.lease("a", 1.0, 1).indices[0]
+    led.complete("a", 1, i, ["a", "s1"], 1.0, 1.0)
+    d = led.redo(0, [0])
+    assert not d.accepted and "cannot reopen" in d.reason
+    assert not led.redo(7, [0]).accepted
+
+
+def test_random_schedules_close_every_step_with_exactly_B_distinct_tickets() -> None:
+    rng = random.Random(1)
+    led = ledger(block=2)
+    peers = ["p0", "p1", "p2"]
+    now = 0.0
+    closed = []
+    for _ in range(2000):
+        now += rng.uniform(0, 4)
+        peer = rng.choice(peers)
+        op = rng.random()
+        if op < 0.4:
+            led.lease(peer, now, rng.randint(1, 3))
+        elif op < 0.9:
+            held = [t.index for t in led.tickets if t.holder is not None]
+            if held:
+                d = led.complete(peer, led.step, rng.choice(held), [peer, "s1"], 1.0, now)
+                if d.closed:
+                    closed.append(d.closed)
+        elif op < 0.95:
+            done = [t.index for t in led.tickets if t.done]
+            if done:
+                led.redo(led.step, [rng.choice(done)])
+        else:
+            led.release_all(peer)
+    assert len(closed) > 5
+    for c in closed:
+        assert c.num_tickets == B
+        for stage, peers_ in c.accounting().items():
+            assert sorted(i for ts in peers_.values() for i in ts) == list(range(B)), (c.step, stage)
+    assert [c.step for c in closed] == list(range(len(closed)))
