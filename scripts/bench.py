@@ -18,6 +18,8 @@ SCRIPTS = Path(__file__).resolve().parent
 SUITES: dict[str, str] = {
     "reference": "scripts/bench_reference.py",
     "transport": "scripts/bench_transport.py",
+    "hivemind": "scripts/bench_hivemind.py",
+    "swarm": "scripts/bench_swarm.py",
 }
 
 
@@ -32,9 +34,14 @@ def _load(suite: str):  # noqa: ANN202 - returns a module
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # No -h of its own: `bench.py SUITE --help` reaches the suite's parser.
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
     parser.add_argument("suite", help=f"one of: {', '.join(sorted(SUITES))}")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
     args, rest = parser.parse_known_args(argv)
     if args.suite not in SUITES:
         print(f"error: unknown bench suite '{args.suite}'; choose one of: {', '.join(sorted(SUITES))}", file=sys.stderr)

@@ -33,3 +33,11 @@ def test_reference_suite_prints_tokens_per_s(tmp_path: Path) -> None:
     result = json.loads(out.stdout)
     assert result["suite"] == "reference" and result["steps"] == 2
     assert result["tokens_per_s"] > 0 and result["tokens_per_step"] == 4 * 2 * 32
+
+
+def test_hivemind_suite_help_and_bad_args_need_no_hivemind() -> None:
+    # The suite installs hivemind into its own venv when run; --help and argument errors must not.
+    out = subprocess.run([sys.executable, "scripts/bench.py", "hivemind", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and "--timeouts" in out.stdout and "--kill-index" in out.stdout
+    bad = subprocess.run([sys.executable, "scripts/bench.py", "hivemind", "--kill-index", "4"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert bad.returncode == 2 and "--kill-index=4 must name one of the 4 peers" in bad.stderr
