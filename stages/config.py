@@ -23,8 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from protolearn.errors import ConfigError
 
-# The activation/gradient codecs of the design card. protocol/codecs.py implements them.
-KNOWN_CODECS = ("none", "fp16", "bf16", "int8", "topk", "subspace")
+# The activation/gradient codecs that protocol/codecs.py implements ("topk" also as "topk:F").
+# The design card's "subspace" joins this list when its codec lands.
+KNOWN_CODECS = ("none", "fp16", "bf16", "int8", "topk")
 DEMO_RUN = "demo"
 
 
@@ -144,8 +145,16 @@ class RunConfig(_Frozen):
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, v: str) -> str:
-        if v not in KNOWN_CODECS:
-            raise ValueError(f"codec={v!r} is unknown; use one of {', '.join(KNOWN_CODECS)}")
+        name, sep, fraction = v.partition(":")
+        if name not in KNOWN_CODECS or (sep and name != "topk"):
+            raise ValueError(f"codec={v!r} is unknown; use one of {', '.join(KNOWN_CODECS)} (or topk:F, 0 < F <= 1)")
+        if sep:
+            try:
+                f = float(fraction)
+            except ValueError:
+                f = math.nan
+            if not 0 < f <= 1:
+                raise ValueError(f"codec={v!r}: the topk fraction must be a number in (0, 1], e.g. topk:0.05")
         return v
 
     @model_validator(mode="after")

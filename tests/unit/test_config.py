@@ -113,3 +113,15 @@ def test_cli_reports_bad_config_in_one_line(args: list[str], expected: str, tmp_
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith("error: ") and expected in lines[0]
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8", "topk", "topk:0.05"])
+def test_every_implemented_codec_is_accepted_and_round_trips(codec: str) -> None:
+    run = default_run().replace(codec=codec)
+    assert RunConfig.from_toml_text(run.to_toml()).codec == codec
+
+
+@pytest.mark.parametrize("codec", ["subspace", "int8:3", "topk:0", "topk:2", "topk:x", "zstd"])
+def test_unimplemented_or_malformed_codecs_are_refused_naming_the_field(codec: str) -> None:
+    with pytest.raises(ConfigError, match="codec"):
+        default_run().replace(codec=codec)
