@@ -52,7 +52,10 @@ class RetryPolicy:
 
     retry_for_s: float = 60.0
     initial_backoff_s: float = 0.1
-    max_backoff_s: float = 5.0
+    # The gap between the coordinator coming back and a node noticing is up to this (times the
+    # jitter): a restart must cost nodes ~1 s, not 5. Each failed attempt is one refused TCP dial,
+    # so even many thousands of nodes probing a dead coordinator every second cost it nothing.
+    max_backoff_s: float = 1.0
     request_timeout_s: float = 10.0
 
 

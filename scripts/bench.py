@@ -20,6 +20,7 @@ SUITES: dict[str, str] = {
     "transport": "scripts/bench_transport.py",
     "hivemind": "scripts/bench_hivemind.py",
     "swarm": "scripts/bench_swarm.py",
+    "recovery": "scripts/bench_recovery.py",
 }
 
 

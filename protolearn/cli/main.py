@@ -33,6 +33,10 @@ def _register() -> None:
     from protolearn.cli import local
 
     local.register(app)
+    from protolearn.cli import demo, node
+
+    node.register(app)
+    demo.register(app)
     from protolearn.cli import coordinator, swarm
 
     coordinator.register(app)

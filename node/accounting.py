@@ -1,0 +1,134 @@
+"""What a stage replica may do with incoming microbatch work, and which tickets it accumulated per step.
+
+A sans-IO core. The replica holds parameters after ``applied`` optimizer steps, so it trains step
+``applied`` (steps count from 0). Work for that step is processed. Work for the next step is held
+(bounded) until the replica has applied the current one, because step t+1 must see the parameters
+after step t. Anything older or further ahead is refused, as is a gradient for a microbatch whose
+forward pass this replica never ran (it has no autograd state for it), a duplicate, and new work
+beyond ``max_in_flight`` microbatches holding activation memory (backpressure, I5).
+
+Every decision comes with a reason string for the log line and the refusal sent to the peer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Key = tuple[int, int]  # (step, ticket)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Literal["process", "defer", "refuse"]
+    reason: str
+
+
+@dataclass
+class Accounting:
+    """Admission of microbatches and per-step ticket bookkeeping for one stage replica."""
+
+    microbatches_per_step: int
+    max_in_flight: int
+    max_deferred: int
+    applied: int = 0
+    _in_flight: set[Key] = field(default_factory=set)
+    _deferred: deque[tuple[Key, Any]] = field(default_factory=deque)
+    _accumulated: dict[int, set[int]] = field(default_factory=dict)
+
+    @property
+    def step(self) -> int:
+        """The step this replica's parameters are ready to train."""
+        return self.applied
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def num_deferred(self) -> int:
+        return len(self._deferred)
+
+    def holds(self, step: int, ticket: int) -> bool:
+        """Whether (step, ticket) is in flight or already accumulated here."""
+        return (step, ticket) in self._in_flight or ticket in self._accumulated.get(step, ())
+
+    def _check_ticket(self, step: int, ticket: int) -> str:
+        if not 0 <= ticket < self.microbatches_per_step:
+            return f"ticket {ticket} of step {step} is outside 0..{self.microbatches_per_step - 1}"
+        return ""
+
+    # -- admission -------------------------------------------------------------------------------
+    def admit_forward(self, step: int, ticket: int, payload: Any = None) -> Decision:
+        """An activation for (step, ticket) arrived, or stage 0 wants to start that ticket."""
+        bad = self._check_ticket(step, ticket)
+        if bad:
+            return Decision("refuse", bad)
+        key = (step, ticket)
+        if step < self.applied:
+            return Decision("refuse", f"stale step {step}: this replica has already applied it (now at step {self.applied})")
+        if step > self.applied + 1:
+            return Decision("refuse", f"step {step} is ahead: this replica is at step {self.applied}")
+        if key in self._in_flight or ticket in self._accumulated.get(step, ()) or any(k == key for k, _ in self._deferred):
+            return Decision("refuse", f"duplicate microbatch (step {step}, ticket {ticket})")
+        if step == self.applied + 1:
+            if len(self._deferred) >= self.max_deferred:
+                return Decision("refuse", f"busy: {len(self._deferred)} next-step microbatches already waiting")
+            self._deferred.append((key, payload))
+            return Decision("defer", f"held until step {self.applied} is applied")
+        if len(self._in_flight) >= self.max_in_flight:
+            return Decision("refuse", f"busy: {len(self._in_flight)} microbatches in flight (limit {self.max_in_flight})")
+        self._in_flight.add(key)
+        return Decision("process", f"step {step} ticket {ticket} accepted")
+
+    def admit_backward(self, step: int, ticket: int) -> Decision:
+        """A gradient for (step, ticket) arrived from the next stage."""
+        if (step, ticket) not in self._in_flight:
+            return Decision("refuse", f"unknown microbatch (step {step}, ticket {ticket}): no forward pass of it is held here")
+        return Decision("process", f"gradient for step {step} ticket {ticket}")
+
+    # -- completion ------------------------------------------------------------------------------
+    def backward_done(self, step: int, ticket: int) -> None:
+        """The parameter gradients of (step, ticket) are now in this replica's accumulators."""
+        self._in_flight.discard((step, ticket))
+        self._accumulated.setdefault(step, set()).add(ticket)
+
+    def dropped(self, step: int, ticket: int) -> None:
+        """The microbatch's route broke before its backward pass; its state was discarded."""
+        self._in_flight.discard((step, ticket))
+
+    def accumulated(self, step: int) -> list[int]:
+        """Tickets of ``step`` whose gradients this replica holds, sorted."""
+        return sorted(self._accumulated.get(step, ()))
+
+    def mismatch(self, step: int, assigned: list[int]) -> str:
+        """Compare the coordinator's account of this replica's tickets with what it accumulated."""
+        mine = set(self.accumulated(step))
+        want = set(assigned)
+        if mine == want:
+            return ""
+        return f"step {step}: coordinator accounts tickets {sorted(want)} to this replica, it accumulated {sorted(mine)}"
+
+    def reset(self, applied: int) -> None:
+        """The replica took another replica's state after ``applied`` steps: forget all held work."""
+        self.applied = applied
+        self._in_flight.clear()
+        self._deferred.clear()
+        self._accumulated.clear()
+
+    def applied_step(self, step: int) -> list[Any]:
+        """Step ``step`` was applied: advance and release the work held for the new step, in arrival order."""
+        if step != self.applied:
+            raise ValueError(f"applied step {step} but this replica is at step {self.applied}")
+        self.applied += 1
+        self._accumulated.pop(step, None)
+        stale = [k for k in self._in_flight if k[0] <= step]
+        for k in stale:
+            self._in_flight.discard(k)
+        released: list[Any] = []
+        while self._deferred:
+            (s, t), payload = self._deferred.popleft()
+            self._in_flight.add((s, t))
+            released.append(payload)
+        return released

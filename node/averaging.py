@@ -1,0 +1,272 @@
+"""The collective adapter: runs :class:`~protolearn.protocol.collective.CollectiveRound` over libp2p streams.
+
+Each part travels on its own ``collective`` stream: a :class:`PartHeader` message (with the sender's
+suspected-dead peers, and for a reduced part the contributors it sums), the part as a raw float32 tensor
+(never lossy, so replicas stay bit-identical), and an :class:`Ack` or :class:`Refuse`. ``fin`` and
+``probe`` are a header alone. A send that breaks, or a probe that gets no answer, is reported to the
+machine as a failed peer; a send that is acknowledged is reported as delivered (the successor-first rule
+needs that). The wait between events is the machine's :meth:`next_deadline`, so the adaptive deadlines
+(scaled by the bandwidth EMA this adapter keeps across rounds) are what time a round out.
+Parts of a round this replica has not started yet (a faster replica got the step's accounting first)
+are held, but only for the current and the next round and at most two per participant, so memory
+stays bounded. A replica that the step's accounting leaves out (it processed no ticket, so no peer
+expects it) asks a participant for the finished round's vector with :class:`ResultRequest`, and so
+applies exactly the same update. The round's hard deadline comes from the node config; a round survives
+dead peers, and :attr:`Averager.last_done` says whose contributions are in (``excluded``: tickets to redo).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from protolearn.protocol.collective import DEFAULT_FLOOR_S, Bandwidth, CollectiveRound, Done, Failed, PartHeader, Probe, Rejected, Send
+from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse, ResultRequest
+from protolearn.protocol.tensors import TensorLimits, from_frame, to_frame
+from protolearn.protocol.transport import Host
+from protolearn.protocol.transport import FramedStream
+from protolearn.node.errors import NodeError
+
+log = logging.getLogger("protolearn.node")
+# Early parts held per round: scatter + gather from each of up to this many participants.
+MAX_EARLY_PARTS = 2 * 1024
+SEND_RETRY_S = 0.2
+
+
+class AveragingError(NodeError):
+    """A collective round did not finish; the message names the missing peers."""
+
+
+@dataclass
+class _Pending:
+    peer: str
+    phase: str
+    part: int
+    data: torch.Tensor | None
+    contributors: list[str]
+    suspects: list[str]
+
+
+class Averager:
+    """All-reduce of one stage's gradients among its replicas, one round per step."""
+
+    def __init__(self, host: Host, stage: int, numel: int, *, timeout_s: float, next_round: int = 0, floor_s: float = DEFAULT_FLOOR_S) -> None:
+        self.host = host
+        self.stage = stage
+        self.numel = numel
+        self.timeout_s = timeout_s
+        self.floor_s = floor_s
+        self.next_round = next_round
+        # Receive-rate EMA across rounds: the per-wait deadlines scale with it.
+        self.bandwidth = Bandwidth()
+        # The last round's outcome: ``contributors`` are in the result, ``excluded`` died and are out.
+        self.last_done: Done | None = None
+        self._round: CollectiveRound | None = None
+        self._outbox: trio.MemorySendChannel[Send | Probe] | None = None
+        self._finished = trio.Event()
+        self._early: dict[int, list[_Pending]] = {}
+        self._limits = TensorLimits(max_elements=max(1, numel), max_bytes=max(4, 4 * numel))
+        # Finished rounds' results, kept for replicas that fetch them (the last two rounds only).
+        self._results: dict[int, torch.Tensor] = {}
+        self._result_ready: dict[int, trio.Event] = {}
+
+    def register(self) -> None:
+        self.host.serve_stream(COLLECTIVE, self._handle, max_inbound=64)
+
+    # -- inbound ---------------------------------------------------------------------------------
+    async def _handle(self, peer: str, s: FramedStream) -> None:
+        msg = await s.receive((PartHeader, ResultRequest))
+        if msg.stage != self.stage:
+            await s.send(Refuse(code="stage", reason=f"this replica serves stage {self.stage}, not {msg.stage}"))
+            return
+        if isinstance(msg, ResultRequest):
+            await self._serve_result(peer, s, msg.round)
+            return
+        r = self._round if self._round is not None and self._round.round_id == msg.round else None
+        if r is not None:
+            r.peer_alive(peer, trio.current_time())  # a part may take a while to arrive; its sender is alive
+        if msg.phase == "probe":
+            if r is not None:  # a probe's suspects may hand this replica a dead peer's part
+                self._dispatch(r.receive(peer, "probe", 0, None, suspects=msg.suspects, now=trio.current_time()))
+            await s.send(Ack())
+            return
+        data = None
+        if msg.phase != "fin":
+            shape = None
+            if r is not None and 0 <= msg.part < len(r.bounds):
+                a, b = r.bounds[msg.part]
+                shape = [b - a]
+            frame = await s.receive_tensor(codec="none", dtype=torch.float32, shape=shape, limits=self._limits)
+            data = from_frame(frame, peer=peer, dtype=torch.float32, limits=self._limits, require_finite=True)
+            if data.dim() != 1:
+                raise ProtocolError(peer, f"collective part must be a flat vector, got shape {list(data.shape)}")
+        # The round may have started while the tensor was read; its held parts are already taken.
+        r = self._round if self._round is not None and self._round.round_id == msg.round else None
+        if r is not None:
+            actions = r.receive(peer, msg.phase, msg.part, data, contributors=msg.contributors, suspects=msg.suspects, now=trio.current_time())
+            refused = [a for a in actions if isinstance(a, Rejected)]
+            self._dispatch(actions)
+            if refused:
+                await s.send(Refuse(code="invalid", reason=refused[0].reason[:500]))
+                return
+        elif self.next_round <= msg.round <= self.next_round + 1:
+            held = self._early.setdefault(msg.round, [])
+            if len(held) >= MAX_EARLY_PARTS:
+                await s.send(Refuse(code="busy", reason=f"too many early parts held for round {msg.round}"))
+                return
+            held.append(_Pending(peer, msg.phase, msg.part, data, msg.contributors, msg.suspects))
+        else:
+            await s.send(Refuse(code="stale", reason=f"round {msg.round} is not current (next round {self.next_round})"))
+            return
+        await s.send(Ack())
+
+    async def _serve_result(self, peer: str, s: FramedStream, round_id: int) -> None:
+        if not self.next_round - 1 <= round_id <= self.next_round + 1:
+            await s.send(Refuse(code="stale", reason=f"round {round_id} is not kept (next round {self.next_round})"))
+            return
+        ready = self._result_ready.setdefault(round_id, trio.Event())
+        with trio.move_on_after(self.timeout_s):
+            await ready.wait()
+        result = self._results.get(round_id)
+        if result is None:
+            await s.send(Refuse(code="state", reason=f"round {round_id} did not finish here within {self.timeout_s:g} s"))
+            return
+        await s.send(Ack())
+        await s.send_tensor(to_frame(result))
+
+    async def fetch_result(self, round_id: int, participants: list[str]) -> torch.Tensor:
+        """Get round ``round_id``'s vector from one of ``participants`` (this replica was not one)."""
+        deadline = time.monotonic() + 2 * self.timeout_s
+        last = "no participant answered"
+        while time.monotonic() < deadline:
+            for peer in participants:
+                try:
+                    with trio.fail_after(self.timeout_s + 5):
+                        async with self.host.open_stream(peer, COLLECTIVE) as s:
+                            await s.send(ResultRequest(round=round_id, stage=self.stage))
+                            reply = await s.receive((Ack, Refuse), timeout=self.timeout_s + 5)
+                            if isinstance(reply, Refuse):
+                                if reply.code == "stale":  # it no longer keeps that round: the caller must resync
+                                    raise AveragingError(f"stage {self.stage}: {peer} no longer keeps step {round_id}: {reply.reason}")
+                                last = f"{peer}: {reply.reason}"
+                                continue
+                            frame = await s.receive_tensor(codec="none", dtype=torch.float32, shape=[self.numel], limits=self._limits)
+                    self.next_round = round_id + 1
+                    return from_frame(frame, peer=peer, dtype=torch.float32, shape=[self.numel], limits=self._limits, require_finite=True)
+                except ProtocolError as err:
+                    last = f"{peer}: {err.reason}"
+                except trio.TooSlowError:
+                    last = f"{peer}: no answer within {self.timeout_s + 5:g} s"
+            await trio.sleep(SEND_RETRY_S)
+        raise AveragingError(f"stage {self.stage}: could not fetch the result of step {round_id}: {last}")
+
+    def _dispatch(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, (Send, Probe)):
+                assert self._outbox is not None  # a round in progress always has its outbox
+                try:
+                    self._outbox.send_nowait(a)
+                except trio.ClosedResourceError:
+                    # The round finished and is draining its last sends; anything it asks for now is moot.
+                    log.debug("collective action after the round finished dropped: %s to %s", type(a).__name__, a.peer)
+            elif isinstance(a, Rejected):
+                log.warning("collective rejected peer=%s stage=%d reason=%s", a.peer, self.stage, a.reason)
+            elif isinstance(a, (Done, Failed)):
+                self._finished.set()
+
+    # -- a round ---------------------------------------------------------------------------------
+    async def run_round(self, round_id: int, weights: dict[str, float], vector: torch.Tensor) -> torch.Tensor:
+        """Sum ``vector`` over the replicas in ``weights``; returns the identical result on every survivor.
+
+        Replicas that die are left out consistently; :attr:`last_done` names who is in and who is out.
+        """
+        done = await self.run_round_detailed(round_id, weights, vector)
+        return done.result
+
+    async def run_round_detailed(self, round_id: int, weights: dict[str, float], vector: torch.Tensor) -> Done:
+        """Like :meth:`run_round`, returning the :class:`Done` with ``contributors`` and ``excluded``."""
+        r = CollectiveRound(
+            round_id, self.host.peer_id, weights, self.numel, op="sum", timeout_s=self.timeout_s,
+            bandwidth=self.bandwidth, floor_s=self.floor_s,
+        )
+        # Unbounded in principle, bounded in fact: the machine emits at most a few sends per peer and part.
+        send, recv = trio.open_memory_channel[Send | Probe](16 * len(weights) ** 2 + 64)
+        self._round, self._outbox, self._finished = r, send, trio.Event()
+        self._early = {k: v for k, v in self._early.items() if k >= round_id}
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._sender, recv, round_id, nursery)
+                self._dispatch(r.start(vector, trio.current_time()))
+                for p in self._early.pop(round_id, []):
+                    self._dispatch(r.receive(p.peer, p.phase, p.part, p.data, contributors=p.contributors, suspects=p.suspects, now=trio.current_time()))
+                while r.finished is None:
+                    wake = r.next_deadline()
+                    with trio.move_on_at(trio.current_time() + 1.0 if wake is None else wake):
+                        await self._finished.wait()
+                    self._dispatch(r.poll(trio.current_time()))
+                # Finished means we hold every live peer's fin, not that they hold ours: a fin queued by the
+                # same event that finished this round is still on its way, and without it the peer waits
+                # out its deadline. So let queued sends drain, for a bounded time.
+                send.close()
+                nursery.cancel_scope.deadline = trio.current_time() + max(1.0, r.wait_s())
+        finally:
+            self._round, self._outbox = None, None
+            self.next_round = round_id + 1
+        result = r.finished
+        if isinstance(result, Failed):
+            raise AveragingError(f"stage {self.stage} averaging of step {round_id} failed: {result.reason}")
+        assert isinstance(result, Done)
+        if result.excluded:
+            log.warning("collective step=%d stage=%d left out dead replicas %s", round_id, self.stage, result.excluded)
+        self.last_done = result
+        self._results = {k: v for k, v in self._results.items() if k >= round_id - 1}
+        self._results[round_id] = result.result
+        self._result_ready.setdefault(round_id, trio.Event()).set()
+        self._result_ready = {k: v for k, v in self._result_ready.items() if k >= round_id - 1}
+        return result
+
+    async def _sender(self, recv: trio.MemoryReceiveChannel[Send | Probe], round_id: int, nursery: trio.Nursery) -> None:
+        async with recv:
+            async for action in recv:
+                nursery.start_soon(self._send_part, action, round_id)
+
+    async def _send_part(self, a: Send | Probe, round_id: int) -> None:
+        r = self._round
+        if r is None or r.round_id != round_id:
+            return
+        phase = "probe" if isinstance(a, Probe) else a.phase
+        msg = PartHeader(
+            round=round_id, stage=self.stage, phase=phase, part=0 if isinstance(a, Probe) else a.part,
+            contributors=[] if isinstance(a, Probe) else list(a.contributors), suspects=sorted(r.suspects),
+        )
+        # A part is bounded by the transport's per-chunk deadline (a dead or hung peer stops taking chunks),
+        # not by a total: a slow but live transfer must not count as a death. A busy live peer answers a
+        # probe well within two waits; a dead one refuses the connection at once.
+        limit = max(2 * r.wait_s(), self.host.config.connect_timeout_s) if isinstance(a, Probe) else float("inf")
+        try:
+            with trio.fail_after(limit):
+                async with self.host.open_stream(a.peer, COLLECTIVE) as s:
+                    await s.send(msg)
+                    if isinstance(a, Send) and a.data is not None:
+                        await s.send_tensor(to_frame(a.data.contiguous()))
+                    reply = await s.receive((Ack, Refuse))
+        except ProtocolError as err:
+            log.info("collective peer failed peer=%s round=%d phase=%s reason=%s", a.peer, round_id, phase, err.reason)
+            self._dispatch(r.peer_failed(a.peer, err.reason, trio.current_time()))
+            return
+        except trio.TooSlowError:
+            log.info("collective peer failed peer=%s round=%d phase=%s reason=no answer within %g s", a.peer, round_id, phase, limit)
+            self._dispatch(r.peer_failed(a.peer, f"no answer within {limit:g} s", trio.current_time()))
+            return
+        if isinstance(reply, Refuse):
+            # Alive but not taking this (e.g. it already finished): not a death, so nothing to suspect.
+            log.warning("collective part refused peer=%s round=%d phase=%s reason=%s", a.peer, round_id, phase, reply.reason)
+        if isinstance(a, Send):
+            self._dispatch(r.delivered(a, trio.current_time()))
+        else:
+            r.peer_alive(a.peer, trio.current_time())

@@ -1,0 +1,46 @@
+"""A node's own settings (not the run's): where it connects, listens, computes and keeps its files.
+
+Frozen and validated; the CLI builds it from flags (flag > env > default) in one place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
+
+
+class NodeConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    coordinator: str = Field(min_length=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    data_dir: Path
+    listen: str = DEFAULT_LISTEN
+    threads: int | None = Field(default=None, ge=1, le=1024)
+    name: str = Field(default="node", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    bf16: bool = False
+    # Microbatches holding activation memory at once (I5); next-step work held while averaging.
+    max_in_flight: int = Field(default=8, ge=1, le=1024)
+    max_deferred: int = Field(default=16, ge=1, le=1024)
+    # Tickets stage 0 asks for per lease request.
+    lease_block: int = Field(default=2, ge=1, le=64)
+    request_timeout_s: float = Field(default=30.0, gt=0)
+    averaging_timeout_s: float = Field(default=120.0, gt=0)
+    sync_timeout_s: float = Field(default=120.0, gt=0)
+    # Stop after this many applied steps (None: the run's steps). The demo and tests use it.
+    max_steps: int | None = Field(default=None, ge=1)
+
+    @field_validator("coordinator")
+    @classmethod
+    def _has_peer_id(cls, v: str) -> str:
+        if not v.startswith("/") or "/p2p/" not in v:
+            raise ValueError(f"{v!r} must be a full multiaddr ending in /p2p/<peer id>, as `protolearn coordinator start` prints it")
+        return v
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "node.jsonl"

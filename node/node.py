@@ -1,0 +1,436 @@
+"""A volunteer node's lifecycle: join → sync state → train its stage step by step → leave.
+
+:func:`run_node` opens the libp2p host, joins the coordinator (checking its peer ID and the run hash),
+builds only its stage, takes the stage's state from a live replica (or initialises it deterministically
+on a fresh run), and trains until the run's last step or until cancelled, then leaves gracefully.
+
+Per step t: stage-0 replicas lease tickets and drive them through the pipeline (:mod:`router`); every
+replica long-polls the coordinator until t closes, which freezes the accounting (stage → peer →
+tickets). Each stage's participating replicas then sum their accumulated gradients with the collective
+(:mod:`averaging`); a replica the accounting leaves out fetches the same result. Every replica applies
+the identical optimizer step, logs its parameter hash, and reports it in its heartbeat; the heartbeat
+task compares the hashes that the stage's replicas report for the same step (I2) and logs a mismatch
+as an error. Work for step t+1 that arrives before t is applied is held (bounded) and released after.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from protolearn.node.accounting import Accounting
+from protolearn.node.averaging import Averager, AveragingError
+from protolearn.node.config import NodeConfig
+from protolearn.node.join import join_coordinator, resolve_device
+from protolearn.node.coordinator_link import CoordinatorLink
+from protolearn.node.errors import StateSyncError
+from protolearn.node.progress import Progress
+from protolearn.node.router import Router
+from protolearn.node.state_sync import Snapshot, StateServer, fetch_state
+from protolearn.node.worker import StageWorker
+from protolearn.protocol import coordination as cm
+from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.identity import Identity
+from protolearn.protocol.transport import Host, TransportConfig, open_host
+from protolearn.stages.config import RunConfig
+from protolearn.stages.corpus import load_corpus
+
+log = logging.getLogger("protolearn.node")
+# Long-poll length of one wait_step request (the coordinator caps it at 30 s).
+WAIT_POLL_S = 10.0
+LEASE_RETRY_S = 0.05
+LIVE_STATES = ("training", "averaging")
+
+
+@dataclass
+class _View:
+    """The membership as the coordinator last described it."""
+
+    version: int = -1
+    members: list[cm.MemberView] = field(default_factory=list)
+
+    def stage_peers(self, stage: int, *, live: bool = True) -> list[str]:
+        return sorted(m.peer_id for m in self.members if m.stage == stage and (not live or m.state in LIVE_STATES))
+
+
+class Node:
+    """One joined node. Build and run it with :func:`run_node`."""
+
+    def __init__(self, config: NodeConfig, host: Host, link: CoordinatorLink, joined: cm.JoinReply, run: RunConfig, progress: Progress) -> None:
+        self.config = config
+        self.host = host
+        self.link = link
+        self.run = run
+        self.run_hash = joined.run_hash
+        self.stage = joined.stage  # the stage this node serves; the coordinator's choice is self.link.stage
+        self.progress = progress
+        self.view = _View(joined.view_version, list(joined.members))
+        self.heartbeat_s = joined.heartbeat_interval_s
+        self.state = "syncing"
+        self.device = resolve_device(config.device)
+        self.compute = trio.CapacityLimiter(1)
+        self.last_loss: float | None = None
+        self.target_steps = min(run.steps, config.max_steps) if config.max_steps else run.steps
+        self._hash_by_step: dict[int, str] = {}
+        self._checked_hash_steps: set[int] = set()
+        self._slot_free = trio.Event()
+        self._moved_warned = False
+        self._built = False
+        self.worker: StageWorker
+        self.router: Router
+        self.averager: Averager
+        self.accounting: Accounting
+
+    # -- set-up ------------------------------------------------------------------------------
+    async def build(self, stage: int) -> None:
+        """Build ``stage`` (again, after the coordinator moved this node) and serve its protocols."""
+        self._built = False
+        self.state = "syncing"
+        self.stage = stage
+        self._hash_by_step.clear()
+        self._checked_hash_steps.clear()
+        run = self.run
+        self.worker = await trio.to_thread.run_sync(lambda: StageWorker(run, stage, self.device, bf16_autocast=self.config.bf16))
+        corpus = None
+        if self.worker.first or self.worker.last:
+            corpus = await trio.to_thread.run_sync(load_corpus, run.data)
+        self.accounting = Accounting(run.batch.microbatches_per_step, self.config.max_in_flight, self.config.max_deferred)
+        self.router = Router(
+            self.host, run, self.worker, corpus, self.accounting, self.compute,
+            on_complete=self._complete, send_timeout_s=self.config.request_timeout_s,
+        )
+        self.averager = Averager(self.host, stage, self.worker.numel, timeout_s=self.config.averaging_timeout_s)
+        self.averager.register()
+        StateServer(self.host, stage, self.run_hash, self._snapshot).register()
+        self._built = True
+        self._apply_view()
+        self.progress.update(stage=f"{stage}/{self.worker.module.plan.num_stages}")
+        self.progress.event("built", stage=stage, device=self.device, params=self.worker.numel, layers=list(self.worker.module.layers))
+
+    async def _snapshot(self) -> Snapshot | None:
+        if self.state == "syncing":
+            return None
+
+        def take() -> Snapshot:
+            return self.worker.applied, self.worker.param_hash(), self.worker.snapshot()
+
+        return await trio.to_thread.run_sync(take, limiter=self.compute)
+
+    async def sync_state(self, open_step: int) -> None:
+        """Take the stage's state from a live replica, or keep the deterministic init on a fresh run.
+
+        The installed state must hash to what the donor claims and to what every replica of the stage
+        reported to the coordinator for the same step.
+        """
+        donors = [p for p in self.view.stage_peers(self.stage) if p != self.host.peer_id]
+        if not donors:
+            if open_step > 0:
+                raise StateSyncError(f"stage {self.stage} has no live replica and the run is at step {open_step}; its state is lost (no checkpoint support yet)")
+            self.progress.event("init", stage=self.stage, hash=await self._hash())
+            return
+        last = ""
+        for donor in donors:
+            try:
+                applied, claimed, entries = await fetch_state(self.host, donor, self.worker, self.run_hash, timeout_s=self.config.sync_timeout_s)
+            except (ProtocolError, StateSyncError) as err:
+                last = str(err)
+                log.warning("state sync failed donor=%s reason=%s", donor, last)
+                continue
+            got = await trio.to_thread.run_sync(self.worker.load, entries, applied, limiter=self.compute)
+            if got != claimed:
+                last = f"state from {donor} hashes to {got[:12]}, it claimed {claimed[:12]}"
+                log.warning("state sync rejected donor=%s reason=%s", donor, last)
+                continue
+            reported = await self._reported_hashes(applied - 1)
+            if reported and any(h != got for h in reported.values()):
+                last = f"state from {donor} hashes to {got[:12]}, but replicas report {sorted({h[:12] for h in reported.values()})} for step {applied - 1}"
+                log.warning("state sync rejected donor=%s reason=%s", donor, last)
+                continue
+            self.accounting.applied = applied
+            self.averager.next_round = applied
+            self.progress.event("synced", donor=donor, applied=applied, hash=got)
+            return
+        raise StateSyncError(f"could not sync stage {self.stage} from any of {len(donors)} replicas: {last}")
+
+    async def _reported_hashes(self, step: int) -> dict[str, str]:
+        """The parameter hashes this stage's replicas reported for ``step`` (empty if unknown)."""
+        if step < 0:
+            return {}
+        try:
+            status = await self.link.status(loss_history=0)
+        except ProtocolError as err:
+            log.info("status request failed reason=%s", err.reason)
+            return {}
+        stage = next((s for s in status.stages if s.index == self.stage), None)
+        if stage is None:
+            return {}
+        return {ph.peer_id: ph.hash for ph in stage.param_hashes if ph.step == step and ph.hash and ph.peer_id != self.host.peer_id}
+
+    async def _hash(self) -> str:
+        return await trio.to_thread.run_sync(self.worker.param_hash, limiter=self.compute)
+
+    def _apply_view(self) -> None:
+        for m in self.view.members:
+            if m.peer_id != self.host.peer_id and m.addrs:
+                try:
+                    self.host.add_peer_addrs(m.peer_id, m.addrs)
+                except ProtocolError as err:
+                    log.warning("ignored member address peer=%s reason=%s", m.peer_id, err.reason)
+        if self.stage + 1 < self.run.stages.num_stages:
+            self.router.next_peers = self.view.stage_peers(self.stage + 1)
+        self.progress.update(peers=len(self.view.members) - 1)
+
+    # -- heartbeat ---------------------------------------------------------------------------
+    def _make_heartbeat(self) -> cm.Heartbeat:
+        if not self._built:  # heartbeats start before the stage is built, so a slow start never expires
+            return cm.Heartbeat(state="syncing", view_version=self.view.version)
+        applied = self.worker.applied
+        elapsed = max(1e-9, time.monotonic() - self.router.stats.started)
+        return cm.Heartbeat(
+            state=self.state,  # type: ignore[arg-type]
+            # Layer-tokens per second: the coordinator compares nodes across stages of different depth.
+            throughput=self.router.stats.tokens * len(self.worker.module.layers) / elapsed,
+            queue_len=self.router.queue_len,
+            step=applied - 1,
+            param_hash=self._hash_by_step.get(applied - 1, ""),
+            loss=self.last_loss if self.last_loss is not None and math.isfinite(self.last_loss) else None,
+            view_version=self.view.version,
+        )
+
+    def _on_heartbeat(self, reply: cm.HeartbeatReply) -> None:
+        for peer in reply.bans:
+            if not self.host.is_banned(peer):
+                self.host.ban(peer, "banned by the coordinator")
+                self.router.balancer.ban(peer)
+        if self.link.view_version != self.view.version:
+            self.view = _View(self.link.view_version, list(self.link.members))
+            if self._built:
+                self._apply_view()
+        if reply.stage != self.stage and not self._moved_warned:
+            self._moved_warned = True
+            log.warning("coordinator reassigned this node to stage %d; it moves after step %d", reply.stage, self.worker.applied if self._built else -1)
+
+    async def hash_check_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await trio.sleep(self.heartbeat_s)
+            await self._check_replica_hashes()
+
+    async def _check_replica_hashes(self) -> None:
+        """I2: compare this replica's hash after each step with what its stage's replicas report."""
+        pending = [s for s in self._hash_by_step if s not in self._checked_hash_steps]
+        if not pending:
+            return
+        try:
+            status = await self.link.status(loss_history=0)
+        except ProtocolError as err:
+            log.info("status request failed reason=%s", err.reason)
+            return
+        stage = next((s for s in status.stages if s.index == self.stage), None)
+        if stage is None:
+            return
+        for ph in stage.param_hashes:
+            mine = self._hash_by_step.get(ph.step)
+            if ph.peer_id == self.host.peer_id or mine is None or not ph.hash:
+                continue
+            if ph.hash != mine:
+                self.progress.event("replica_mismatch", step=ph.step, peer=ph.peer_id, theirs=ph.hash, mine=mine)
+                self.progress.say(f"error: after step {ph.step} replica {ph.peer_id[-8:]} has parameter hash {ph.hash[:12]}, this replica {mine[:12]}")
+                log.error("replica mismatch step=%d peer=%s theirs=%s mine=%s", ph.step, ph.peer_id, ph.hash, mine)
+            self._checked_hash_steps.add(ph.step)
+        # Keep the bookkeeping bounded.
+        for s in [s for s in self._hash_by_step if s < self.worker.applied - 8]:
+            self._hash_by_step.pop(s, None)
+            self._checked_hash_steps.discard(s)
+
+    # -- training ----------------------------------------------------------------------------
+    async def train(self) -> bool:
+        """Train until the run's last step (True) or until the coordinator moves this node (False)."""
+        self.state = "training"
+        self.progress.update(state="training", step=self.worker.applied)
+        while self.worker.applied < self.target_steps:
+            if self.link.stage != self.stage:
+                # A step boundary: this replica's part in every closed step is done, so it can move.
+                self.progress.event("moved", stage=self.stage, to=self.link.stage, applied=self.worker.applied)
+                return False
+            step = self.worker.applied
+            closed = trio.Event()
+            async with trio.open_nursery() as nursery:
+                if self.worker.first:
+                    nursery.start_soon(self._drive, step, closed)
+                info = await self._wait_closed(step)
+                # Not a cancel: a lease request cut off mid-flight would strand tickets until their lease expires.
+                closed.set()
+            await self._average_and_apply(step, info)
+        return True
+
+    async def _wait_closed(self, step: int) -> cm.StepInfo:
+        while True:
+            try:
+                info = await self.link.wait_step(step, timeout_s=WAIT_POLL_S)
+            except ProtocolError as err:
+                log.warning("wait_step failed step=%d reason=%s", step, err.reason)
+                await trio.sleep(1.0)
+                continue
+            if info.closed:
+                return info
+
+    async def _drive(self, step: int, closed: trio.Event) -> None:
+        """Stage 0: lease tickets of ``step`` and start them, at most ``max_in_flight`` at once, until it closes."""
+
+        async def pause(seconds: float) -> None:
+            with trio.move_on_after(seconds):
+                await closed.wait()
+
+        async with trio.open_nursery() as nursery:
+            while not closed.is_set():
+                if not self.worker.last and not self.router.next_peers:
+                    # No replica of stage 1 yet: leased tickets would only expire in our hands.
+                    await pause(LEASE_RETRY_S * 4)
+                    continue
+                room = self.config.max_in_flight - self.accounting.num_in_flight
+                if room <= 0:
+                    self._slot_free = trio.Event()
+                    with trio.move_on_after(1.0):
+                        await self._slot_free.wait()
+                    continue
+                try:
+                    reply = await self.link.lease(min(room, self.config.lease_block))
+                except ProtocolError as err:
+                    log.warning("lease failed step=%d reason=%s", step, err.reason)
+                    await pause(1.0)
+                    continue
+                if reply.step != step:
+                    if reply.indices:  # the next step's tickets: not ours to start before step is applied
+                        await self._release(reply.step, reply.indices)
+                    return
+                if not reply.indices:
+                    await pause(LEASE_RETRY_S)
+                    continue
+                for i in reply.indices:
+                    if self.accounting.holds(step, i):
+                        continue  # our own lease ran out and came back to us; the ticket is still in flight here
+                    nursery.start_soon(self._run_ticket, step, i)
+
+    async def _run_ticket(self, step: int, ticket: int) -> None:
+        ok = await self.router.start_ticket(step, ticket)
+        if not ok:
+            await self._release(step, [ticket])
+            self._slot_free.set()
+
+    async def _release(self, step: int, indices: list[int]) -> None:
+        try:
+            await self.link.release(step, indices)
+        except ProtocolError as err:
+            log.info("release failed step=%d tickets=%s reason=%s", step, indices, err.reason)
+
+    async def _complete(self, step: int, ticket: int, route: list[str], loss: float) -> None:
+        self._slot_free.set()
+        try:
+            await self.link.complete(step, ticket, route, loss)
+        except ProtocolError as err:
+            log.warning("complete refused step=%d ticket=%d reason=%s", step, ticket, err.reason)
+            self.progress.event("complete_refused", step=step, ticket=ticket, reason=err.reason)
+
+    async def _average_and_apply(self, step: int, info: cm.StepInfo) -> None:
+        self.state = "averaging"
+        self.progress.update(state="averaging")
+        t0 = time.monotonic()
+        account = {pt.peer_id: list(pt.tickets) for sa in info.accounting if sa.stage == self.stage for pt in sa.peers}
+        mine = account.get(self.host.peer_id, [])
+        mismatch = self.accounting.mismatch(step, mine)
+        if mismatch:
+            self.progress.event("accounting_mismatch", step=step, reason=mismatch)
+            log.error("accounting mismatch %s", mismatch)
+        if not account:
+            raise StateSyncError(f"step {step} closed without an accounting for stage {self.stage}; rejoin to resync")
+        if self.host.peer_id in account:
+            flat = await trio.to_thread.run_sync(self.worker.flat_grads, limiter=self.compute)
+            weights = {p: float(len(t)) for p, t in account.items()}
+            result = await self.averager.run_round(step, weights, flat)
+        else:
+            result = None
+            with trio.move_on_after(self.config.averaging_timeout_s):
+                try:
+                    result = await self.averager.fetch_result(step, sorted(account))
+                except AveragingError as err:
+                    log.warning("%s", err)
+            if result is None:
+                # The participants moved on (they keep only recent results) or left: catch up from a live replica.
+                await self.resync(step)
+                return
+        t_avg = time.monotonic() - t0
+        param_hash, norm = await trio.to_thread.run_sync(self.worker.apply, step, result, limiter=self.compute)
+        self._hash_by_step[step] = param_hash
+        if self.worker.last and info.loss is not None:
+            self.last_loss = info.loss
+        self.router.release(self.accounting.applied_step(step))
+        self.state = "training"
+        elapsed = max(1e-9, time.monotonic() - self.router.stats.started)
+        tps = self.router.stats.tokens / elapsed
+        self.progress.update(state="training", step=step + 1, loss=info.loss, tokens_per_s=tps, in_flight=self.accounting.num_in_flight)
+        self.progress.event(
+            "step", step=step, loss=info.loss, hash=param_hash, tickets=mine, replicas=sorted(account),
+            grad_norm=norm, averaging_s=round(t_avg, 4), tokens_per_s=round(tps, 1),
+        )
+
+    async def resync(self, step: int) -> None:
+        """This replica fell behind (it could not get step ``step``'s result): take a live replica's state."""
+        self.state = "syncing"
+        self.progress.update(state="syncing")
+        self.progress.event("resync", step=step)
+        await trio.to_thread.run_sync(self.worker.zero_grads, limiter=self.compute)
+        await self.sync_state(self.link.step)
+        self.accounting.reset(self.worker.applied)
+        self.state = "training"
+
+    async def leave(self, reason: str) -> None:
+        self.state = "leaving"
+        with trio.CancelScope(shield=True), trio.move_on_after(5.0):
+            try:
+                released = await self.link.leave(reason)
+                self.progress.event("left", reason=reason, released=released)
+            except ProtocolError as err:
+                log.warning("leave failed reason=%s", err.reason)
+
+
+async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -> int:
+    """Join, train and leave. Returns the number of steps this node's stage has applied."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    tconfig = TransportConfig(request_timeout_s=config.request_timeout_s)
+    async with open_host(identity, [config.listen], tconfig) as host:
+        progress.event("start", peer_id=host.peer_id, addrs=host.addrs(), pid=os.getpid())
+        link, joined, run = await join_coordinator(host, config)
+        progress.say(f"joined {link.peer[-8:]}: run {run.name} ({run.run_hash()[:12]}), stage {joined.stage}, step {joined.step}; peer id {host.peer_id}")
+        progress.event("joined", stage=joined.stage, step=joined.step, run_hash=joined.run_hash, reason=joined.reason)
+        node = Node(config, host, link, joined, run, progress)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(link.heartbeat_loop, node._make_heartbeat, node._on_heartbeat)
+                await nursery.start(node.hash_check_loop)
+                stage, open_step = joined.stage, joined.step
+                while True:
+                    await node.build(stage)
+                    async with trio.open_nursery() as stage_nursery:
+                        await stage_nursery.start(node.router.serve)
+                        await node.sync_state(open_step)
+                        finished = await node.train()
+                        stage_nursery.cancel_scope.cancel()
+                    if finished:
+                        break
+                    stage, open_step = link.stage, link.step
+                    node._moved_warned = False
+                progress.event("finished", applied=node.worker.applied)
+                await link.heartbeat(node._make_heartbeat())
+                await node._check_replica_hashes()
+                nursery.cancel_scope.cancel()
+        finally:
+            await node.leave("finished" if node._built and node.worker.applied >= node.target_steps else "stopped")
+        return node.worker.applied if node._built else 0

@@ -1,0 +1,79 @@
+"""What a node tells its user: a live status line and a JSON-lines log.
+
+The status line shows stage, step, state, loss (last stage), tokens/s, peers and in-flight count. On
+a terminal it is redrawn in place with rich; otherwise (a log file, the demo's pipes) a plain line is
+printed at most every ``plain_every_s``. Events (join, sync, step applied, errors) go to the JSON-lines
+log, one object per line with ``t`` (unix time) and ``event``, so tests and tools can follow a run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+
+class Progress:
+    """Status line plus JSON-lines events. Use as a context manager."""
+
+    def __init__(self, log_path: Path, *, name: str, live: bool | None = None, plain_every_s: float = 5.0) -> None:
+        self.log_path = log_path
+        self.name = name
+        self.fields: dict[str, Any] = {"stage": "-", "step": 0, "state": "joining", "loss": None, "tokens_per_s": 0.0, "peers": 0, "in_flight": 0}
+        self._console = Console(stderr=True)
+        self._live_enabled = sys.stderr.isatty() if live is None else live
+        self._live: Live | None = None
+        self._file: IO[str] | None = None
+        self._plain_every_s = plain_every_s
+        self._last_plain = 0.0
+
+    def __enter__(self) -> Progress:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.log_path.open("a", encoding="utf-8")
+        if self._live_enabled:
+            self._live = Live(self._render(), console=self._console, refresh_per_second=4, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(None, None, None)
+            self._live = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def event(self, event: str, **fields: Any) -> None:
+        """Append one JSON line (flushed, so another process can follow the file)."""
+        if self._file is None:
+            return
+        self._file.write(json.dumps({"t": round(time.time(), 3), "event": event, **fields}) + "\n")
+        self._file.flush()
+
+    def say(self, line: str) -> None:
+        """A one-off message above the status line."""
+        self._console.print(line, highlight=False, soft_wrap=True)
+
+    def update(self, **fields: Any) -> None:
+        self.fields.update(fields)
+        if self._live is not None:
+            self._live.update(self._render())
+            return
+        now = time.monotonic()
+        if now - self._last_plain >= self._plain_every_s:
+            self._last_plain = now
+            self._console.print(self._render(), highlight=False, soft_wrap=True)
+
+    def _render(self) -> Text:
+        f = self.fields
+        loss = "-" if f["loss"] is None else f"{f['loss']:.4f}"
+        return Text(
+            f"{self.name}  stage {f['stage']}  step {f['step']}  {f['state']:<9}  loss {loss}  "
+            f"{f['tokens_per_s']:,.0f} tok/s  peers {f['peers']}  in-flight {f['in_flight']}"
+        )

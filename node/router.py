@@ -1,0 +1,291 @@
+"""Pipeline routing: microbatches flow forward through one replica per stage and their gradients flow back.
+
+Forward: stage 0 builds a ticket's tokens, runs its blocks and sends the boundary activation (in the
+run's codec) to a next-stage peer picked by the :class:`~protolearn.node.balancer.Balancer`. Each stage
+appends itself to the route and does the same; the last stage rebuilds the targets from (step, ticket),
+computes the loss and backward (scaled by 1/B), and sends the input gradient to the previous stage on
+the route. Backward: each stage backprops its held graph, which accumulates its parameter gradients,
+and passes the gradient on; stage 0 reports the ticket complete with its route and loss.
+
+IO and compute are split: a stream handler reads the whole message and tensor, decodes and validates
+it (expected shape, finite values), asks :class:`~protolearn.node.accounting.Accounting` whether to
+process, hold or refuse it, answers at once, and only then is compute queued in the node's nursery on
+the single compute thread. So the network keeps being read while torch runs (yamux resets a stream
+whose reader pauses 5 s), and a sender learns quickly whether it must try another peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from protolearn.node.accounting import Accounting
+from protolearn.node.balancer import Balancer
+from protolearn.protocol.codecs import Encoder, decode, make_encoder, parse_codec_spec
+from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.pipeline import ACTIVATION, GRADIENT, Ack, Activation, Gradient, Refuse
+from protolearn.protocol.transport import FramedStream
+from protolearn.protocol.tensors import TensorLimits
+from protolearn.protocol.transport import Host
+from protolearn.stages.config import RunConfig
+from protolearn.stages.corpus import Corpus
+from protolearn.stages.sampling import microbatch
+from protolearn.node.worker import StageWorker
+
+log = logging.getLogger("protolearn.node")
+
+# How many different next-stage peers a forward hop tries before the microbatch is dropped.
+MAX_FORWARD_TRIES = 4
+RETRY_PAUSE_S = 0.2
+
+Complete = Callable[[int, int, list[str], float], Awaitable[None]]
+
+
+@dataclass
+class RouterStats:
+    """Counters the progress line and the heartbeat read."""
+
+    microbatches: int = 0
+    tokens: int = 0
+    refused: int = 0
+    dropped: int = 0
+    last_loss: float | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+class Router:
+    """Moves microbatches of one stage replica through the pipeline. See the module docstring."""
+
+    def __init__(
+        self,
+        host: Host,
+        run: RunConfig,
+        worker: StageWorker,
+        corpus: Corpus | None,
+        accounting: Accounting,
+        compute: trio.CapacityLimiter,
+        *,
+        on_complete: Complete,
+        send_timeout_s: float,
+    ) -> None:
+        self.host = host
+        self.run = run
+        self.worker = worker
+        self.stage = worker.stage
+        self.num_stages = worker.module.plan.num_stages
+        self.corpus = corpus
+        self.accounting = accounting
+        self.compute = compute
+        self.on_complete = on_complete
+        self.send_timeout_s = send_timeout_s
+        self.balancer = Balancer()
+        self.stats = RouterStats()
+        self.next_peers: list[str] = []
+        self.codec = parse_codec_spec(run.codec)
+        self._encoders: dict[tuple[str, str], Encoder] = {}
+        b = run.batch
+        self.hidden_shape = [b.microbatch_size, b.seq_len, run.model.d_model]  # (mb, T, D)
+        n = b.microbatch_size * b.seq_len * run.model.d_model
+        self._limits = TensorLimits(max_elements=n, max_bytes=8 * n + 4096)
+        self._nursery: trio.Nursery | None = None
+        self.queue_len = 0
+
+    # -- wiring ----------------------------------------------------------------------------------
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the nursery that runs compute for received work; serve until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self.host.serve_stream(ACTIVATION, self._on_activation, max_inbound=4 * self.accounting.max_in_flight + 4)
+            self.host.serve_stream(GRADIENT, self._on_gradient, max_inbound=4 * self.accounting.max_in_flight + 4)
+            task_status.started()
+            await trio.sleep_forever()
+
+    def release(self, payloads: list) -> None:
+        """Start the work that was held until the previous step was applied."""
+        assert self._nursery is not None
+        for p in payloads:
+            self._nursery.start_soon(self._forward_received, *p)
+
+    def _encoder(self, peer: str, direction: str) -> Encoder:
+        key = (peer, direction)
+        enc = self._encoders.get(key)
+        if enc is None:
+            enc = self._encoders[key] = make_encoder(self.run.codec)
+        return enc
+
+    async def _run(self, fn, *args):  # noqa: ANN001, ANN202 - thin wrapper over to_thread
+        self.queue_len += 1
+        try:
+            return await trio.to_thread.run_sync(fn, *args, limiter=self.compute)
+        finally:
+            self.queue_len -= 1
+
+    async def _read_tensor(self, peer: str, s: FramedStream) -> torch.Tensor:
+        frame = await s.receive_tensor(limits=self._limits)
+        try:
+            got = parse_codec_spec(frame.codec)
+        except ValueError:
+            raise ProtocolError(peer, f"unknown codec {frame.codec[:32]!r}") from None
+        if got.name != self.codec.name:
+            raise ProtocolError(peer, f"tensor in codec {frame.codec[:32]!r}, but this run uses {self.run.codec!r}")
+        return decode(frame, peer=peer, shape=self.hidden_shape, dtype=torch.float32, limits=self._limits, require_finite=True)
+
+    # -- stage 0: starting a ticket --------------------------------------------------------------
+    async def start_ticket(self, step: int, ticket: int) -> bool:
+        """Run ticket (step, ticket) through stage 0 and send it on. False if it could not be sent."""
+        assert self.worker.first and self.corpus is not None
+        decision = self.accounting.admit_forward(step, ticket)
+        if decision.action != "process":
+            log.warning("ticket not started step=%d ticket=%d reason=%s", step, ticket, decision.reason)
+            return False
+        inputs, targets = microbatch(self.run, self.corpus, step, ticket)
+        route = [self.host.peer_id]
+        if self.worker.last:  # a one-stage run: the whole model is here
+            loss, _ = await self._run(self.worker.forward_backward_last, (step, ticket), inputs, targets)
+            self._count(loss)
+            self.accounting.backward_done(step, ticket)
+            await self.on_complete(step, ticket, route, loss)
+            return True
+        hidden = await self._run(self.worker.forward, (step, ticket), inputs)
+        return await self._send_forward(step, ticket, route, hidden)
+
+    # -- forward ---------------------------------------------------------------------------------
+    async def _on_activation(self, peer: str, s: FramedStream) -> None:
+        msg = await s.receive(Activation)
+        hidden = await self._read_tensor(peer, s)
+        if len(msg.route) != self.stage or msg.route[-1] != peer:
+            await self._refuse(s, peer, "invalid", f"route of {len(msg.route)} hops ending at {msg.route[-1][:16]} does not lead to stage {self.stage} from this sender")
+            return
+        decision = self.accounting.admit_forward(msg.step, msg.ticket, (msg.step, msg.ticket, list(msg.route), hidden))
+        if decision.action == "refuse":
+            await self._refuse(s, peer, _code(decision.reason), decision.reason)
+            return
+        await s.send(Ack(queue_len=self.queue_len))
+        if decision.action == "process":
+            assert self._nursery is not None
+            self._nursery.start_soon(self._forward_received, msg.step, msg.ticket, list(msg.route), hidden)
+
+    async def _refuse(self, s: FramedStream, peer: str, code: str, reason: str) -> None:
+        self.stats.refused += 1
+        log.warning("refused peer=%s stage=%d reason=%s", peer, self.stage, reason)
+        await s.send(Refuse(code=code[:32], reason=reason[:500]))
+
+    async def _forward_received(self, step: int, ticket: int, route: list[str], hidden: torch.Tensor) -> None:
+        key = (step, ticket)
+        route = route + [self.host.peer_id]
+        if self.worker.last:
+            assert self.corpus is not None
+            _, targets = microbatch(self.run, self.corpus, step, ticket)
+            loss, grad = await self._run(self.worker.forward_backward_last, key, hidden, targets)
+            self._count(loss)
+            self.accounting.backward_done(step, ticket)
+            await self._send_backward(step, ticket, route, loss, grad)
+            return
+        out = await self._run(self.worker.forward, key, hidden)
+        await self._send_forward(step, ticket, route, out)
+
+    async def _send_forward(self, step: int, ticket: int, route: list[str], hidden: torch.Tensor) -> bool:
+        key = (step, ticket)
+        tried: set[str] = set()
+        deadline = time.monotonic() + self.send_timeout_s
+        while time.monotonic() < deadline and len(tried) < MAX_FORWARD_TRIES:
+            candidates = [p for p in self.next_peers if p not in tried] or list(self.next_peers)
+            choice = self.balancer.choose(candidates, time.monotonic())
+            if choice.peer is None:
+                await trio.sleep(RETRY_PAUSE_S)  # the next stage may be joining; the view refreshes
+                continue
+            peer = choice.peer
+            tried.add(peer)
+            frame, _ = self._encoder(peer, "fwd").encode(hidden)
+            t0 = time.monotonic()
+            self.balancer.on_sent(peer)
+            try:
+                async with self.host.open_stream(peer, ACTIVATION) as s:
+                    await s.send(Activation(step=step, ticket=ticket, route=route))
+                    await s.send_tensor(frame)
+                    reply = await s.receive((Ack, Refuse))
+            except ProtocolError as err:
+                self.balancer.on_failure(peer, time.monotonic())
+                log.warning("forward failed peer=%s step=%d ticket=%d reason=%s", peer, step, ticket, err.reason)
+                continue
+            if isinstance(reply, Refuse):
+                self.balancer.on_failure(peer, time.monotonic())
+                log.info("forward refused peer=%s step=%d ticket=%d reason=%s", peer, step, ticket, reply.reason)
+                if reply.code == "busy":
+                    tried.discard(peer)
+                    await trio.sleep(RETRY_PAUSE_S)
+                continue
+            self.balancer.on_done(peer, time.monotonic() - t0)
+            self.balancer.on_queue_report(peer, reply.queue_len)
+            return True
+        self.stats.dropped += 1
+        log.warning("microbatch dropped step=%d ticket=%d: no next-stage peer took it (tried %s)", step, ticket, sorted(tried))
+        await self._run(self.worker.discard, key)
+        self.accounting.dropped(step, ticket)
+        return False
+
+    # -- backward --------------------------------------------------------------------------------
+    async def _on_gradient(self, peer: str, s: FramedStream) -> None:
+        msg = await s.receive(Gradient)
+        grad = await self._read_tensor(peer, s)
+        route = list(msg.route)
+        if len(route) <= self.stage + 1 or route[self.stage] != self.host.peer_id or route[self.stage + 1] != peer:
+            await self._refuse(s, peer, "invalid", f"gradient route does not pass through this replica at stage {self.stage} from this sender")
+            return
+        decision = self.accounting.admit_backward(msg.step, msg.ticket)
+        if decision.action != "process":
+            await self._refuse(s, peer, "unknown", decision.reason)
+            return
+        await s.send(Ack(queue_len=self.queue_len))
+        assert self._nursery is not None
+        self._nursery.start_soon(self._backward_received, msg.step, msg.ticket, route, msg.loss, grad)
+
+    async def _backward_received(self, step: int, ticket: int, route: list[str], loss: float, grad: torch.Tensor) -> None:
+        key = (step, ticket)
+        grad_in = await self._run(self.worker.backward, key, grad)
+        self.accounting.backward_done(step, ticket)
+        self._count(loss)
+        if self.worker.first:
+            await self.on_complete(step, ticket, route, loss)
+            return
+        await self._send_backward(step, ticket, route, loss, grad_in)
+
+    async def _send_backward(self, step: int, ticket: int, route: list[str], loss: float, grad: torch.Tensor | None) -> None:
+        assert grad is not None
+        peer = route[self.stage - 1]
+        frame, _ = self._encoder(peer, "bwd").encode(grad)
+        deadline = time.monotonic() + self.send_timeout_s
+        while True:
+            try:
+                async with self.host.open_stream(peer, GRADIENT) as s:
+                    await s.send(Gradient(step=step, ticket=ticket, route=route, loss=loss))
+                    await s.send_tensor(frame)
+                    reply = await s.receive((Ack, Refuse))
+                if isinstance(reply, Refuse):
+                    log.warning("gradient refused peer=%s step=%d ticket=%d reason=%s", peer, step, ticket, reply.reason)
+                return
+            except ProtocolError as err:
+                # Only this peer holds the microbatch's graph, so there is no one else to send it to.
+                if time.monotonic() + RETRY_PAUSE_S >= deadline:
+                    self.stats.dropped += 1
+                    log.warning("gradient lost peer=%s step=%d ticket=%d reason=%s", peer, step, ticket, err.reason)
+                    return
+                await trio.sleep(RETRY_PAUSE_S)
+
+    def _count(self, loss: float) -> None:
+        self.stats.microbatches += 1
+        self.stats.tokens += self.run.batch.microbatch_size * self.run.batch.seq_len
+        self.stats.last_loss = loss
+
+
+def _code(reason: str) -> str:
+    """The refusal code a sender's retry logic keys on, from an accounting reason."""
+    for code in ("busy", "stale", "ahead", "duplicate", "unknown"):
+        if code in reason:
+            return code
+    return "invalid"

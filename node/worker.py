@@ -1,0 +1,158 @@
+"""The compute side of a node: one stage module, its optimizer, and the work that runs in a thread.
+
+Every method of :class:`StageWorker` that touches tensors is meant to run through
+``trio.to_thread.run_sync`` with the node's single compute limiter, so the event loop keeps reading
+streams (yamux resets a stream whose reader pauses for 5 s) and no two torch calls race on the
+module. Tensors handed in and out live on the CPU; the worker moves them to and from its device.
+
+Gradients are exchanged with the replicas as one flat float32 vector over the parameters in sorted
+name order, which every replica of the stage derives identically. The optimizer state travels by
+parameter name (``param/<name>``, ``exp_avg/<name>``, ...), never by position or pickle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from contextlib import nullcontext
+
+import torch
+
+from protolearn.stages.config import RunConfig
+from protolearn.stages.optim import apply_step, make_optimizer
+from protolearn.stages.stage import StageModule, build_stage
+
+# Optimizer state entries AdamW keeps per parameter; anything else in a donor's snapshot is refused.
+OPTIM_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+class StageWorker:
+    """Stage ``stage`` of ``run`` on ``device``, with the run's optimizer; ``applied`` steps taken."""
+
+    def __init__(self, run: RunConfig, stage: int, device: str = "cpu", *, bf16_autocast: bool = False) -> None:
+        self.run = run
+        self.stage = stage
+        self.device = torch.device(device)
+        self.module: StageModule = build_stage(run, stage, self.device)
+        self.names = self.module.param_names()
+        params = dict(self.module.named_parameters())
+        self.params = [params[n] for n in self.names]
+        self.optimizer = make_optimizer(self.module.parameters(), run.optim)
+        self.applied = 0
+        self.numel = sum(p.numel() for p in self.params)
+        self._autocast = bf16_autocast and self.device.type == "cuda"
+        # Microbatches whose graph the module holds (forward done, backward not yet).
+        self._keys: set[Hashable] = set()
+
+    @property
+    def first(self) -> bool:
+        return self.module.first
+
+    @property
+    def last(self) -> bool:
+        return self.module.last
+
+    def _ctx(self):  # noqa: ANN202 - a context manager
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self._autocast else nullcontext()
+
+    # -- pipeline compute ------------------------------------------------------------------------
+    def forward(self, key: Hashable, inputs: torch.Tensor) -> torch.Tensor:
+        """Forward a non-last stage; returns the boundary hidden ``(mb, T, D)`` float32 on the CPU."""
+        with self._ctx():
+            out = self.module(key, inputs)
+        self._keys.add(key)
+        return out.float().cpu()
+
+    def forward_backward_last(self, key: Hashable, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+        """The last stage: loss, then backward scaled by 1/B. Returns (loss, grad wrt inputs or None)."""
+        with self._ctx():
+            loss = self.module(key, inputs, targets)
+        grad = self.module.backward(key, None, loss_scale=1.0 / self.run.batch.microbatches_per_step)
+        return float(loss), (None if grad is None else grad.float().cpu())
+
+    def backward(self, key: Hashable, grad_output: torch.Tensor) -> torch.Tensor | None:
+        """Backward a non-last stage; returns the gradient for the previous stage (None on stage 0)."""
+        self._keys.discard(key)
+        grad = self.module.backward(key, grad_output)
+        return None if grad is None else grad.float().cpu()
+
+    def discard(self, key: Hashable) -> bool:
+        self._keys.discard(key)
+        return self.module.discard(key)
+
+    # -- averaging and the step ------------------------------------------------------------------
+    @torch.no_grad()
+    def flat_grads(self) -> torch.Tensor:
+        """This replica's accumulated gradients, flat float32 on the CPU (zeros where none)."""
+        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float().cpu() for p in self.params]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    @torch.no_grad()
+    def apply(self, step: int, flat: torch.Tensor) -> tuple[str, float]:
+        """Install the averaged gradients, take optimizer step ``step``; returns (param hash, grad norm)."""
+        if step != self.applied:
+            raise ValueError(f"stage {self.stage}: applying step {step} but {self.applied} steps were applied")
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).to(self.device, dtype=p.dtype).clone()
+            offset += n
+        norm = apply_step(self.module, self.optimizer, step, self.run.optim)
+        self.applied = step + 1
+        return self.module.state_hash(), norm
+
+    def zero_grads(self) -> None:
+        """Drop accumulated gradients and in-flight graphs (before installing another replica's state)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for key in list(self._keys):
+            self.module.discard(key)
+        self._keys.clear()
+
+    def param_hash(self) -> str:
+        return self.module.state_hash()
+
+    # -- state sync ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def snapshot(self) -> list[tuple[str, torch.Tensor]]:
+        """Parameters and optimizer state as (name, CPU tensor) pairs, copies safe to send later."""
+        out = [(f"param/{n}", p.detach().cpu().clone()) for n, p in zip(self.names, self.params)]
+        for n, p in zip(self.names, self.params):
+            st = self.optimizer.state.get(p, {})
+            for k in OPTIM_KEYS:
+                if k in st:
+                    out.append((f"{k}/{n}", st[k].detach().cpu().clone()))
+        return out
+
+    def expected(self, name: str) -> tuple[torch.dtype, list[int]] | None:
+        """The dtype and shape a snapshot entry must have, or None if the name is not one of ours."""
+        kind, _, pname = name.partition("/")
+        if pname not in self._index:
+            return None
+        p = self.params[self._index[pname]]
+        if kind == "step":
+            return torch.float32, []
+        if kind in ("param", "exp_avg", "exp_avg_sq"):
+            return p.dtype, list(p.shape)
+        return None
+
+    @property
+    def _index(self) -> dict[str, int]:
+        return {n: i for i, n in enumerate(self.names)}
+
+    @torch.no_grad()
+    def load(self, entries: dict[str, torch.Tensor], applied: int) -> str:
+        """Install a donor's snapshot (already validated by name, dtype and shape); returns the new hash."""
+        missing = [n for n in self.names if f"param/{n}" not in entries]
+        if missing:
+            raise ValueError(f"snapshot lacks parameters {missing[:3]}")
+        index = self._index
+        for n in self.names:
+            self.params[index[n]].copy_(entries[f"param/{n}"].to(self.device))
+        self.optimizer.state.clear()
+        for n in self.names:
+            p = self.params[index[n]]
+            st = {k: entries[f"{k}/{n}"] for k in OPTIM_KEYS if f"{k}/{n}" in entries}
+            if st:
+                # AdamW keeps "step" on the CPU (not capturable); the moments live beside the parameter.
+                self.optimizer.state[p] = {k: (v.clone() if k == "step" else v.to(self.device).clone()) for k, v in st.items()}
+        self.applied = applied
+        return self.module.state_hash()

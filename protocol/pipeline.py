@@ -1,0 +1,128 @@
+"""Node-to-node messages: activations, gradients, collective parts and state sync.
+
+Each exchange is one libp2p stream of a protocol named below (the transport turns a name into
+``/protolearn/<name>/1.0.0``). A message that carries a tensor is followed on the same stream by that
+tensor, sent with ``FramedStream.send_tensor`` (a header, payload chunks each under a deadline, a
+trailer), so a tensor never has to fit in one message and the receiver checks its header (codec,
+dtype, shape, size) before reading a payload byte.
+
+- ``activation``: :class:`Activation` + tensor → :class:`Ack` or :class:`Refuse`.
+  The tensor is the boundary hidden state ``(mb, T, D)`` in the run's codec.
+- ``gradient``: :class:`Gradient` + tensor → :class:`Ack` or :class:`Refuse`.
+  The tensor is the gradient wrt that hidden state, same shape and codec. It travels back along the
+  route recorded in the activation; the loss (computed on the last stage) rides along to stage 0.
+- ``collective``: :class:`CollectivePart` + tensor (raw float32, never lossy: replicas must agree bit
+  for bit) → :class:`Ack` or :class:`Refuse`.
+  A replica that the step's accounting leaves out (it processed no ticket) sends
+  :class:`ResultRequest` instead and gets :class:`Ack` + the whole reduced vector from a participant.
+- ``state``: :class:`StateRequest` → :class:`StateInfo`, then per tensor a :class:`StateChunk` + tensor,
+  for syncing a stage's parameters and optimizer state from a live replica.
+
+Bounds on every variable-size field keep a hostile peer from making a node allocate without bound.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field
+
+from protolearn.protocol.wire import Message
+
+ACTIVATION = "activation"
+GRADIENT = "gradient"
+COLLECTIVE = "collective"
+STATE = "state"
+
+MAX_STAGES = 1024
+MAX_PEER_ID = 128
+MAX_REASON = 512
+MAX_STATE_TENSORS = 100_000
+MAX_NAME = 256
+
+PeerId = Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID)]
+Step = Annotated[int, Field(ge=0, lt=2**62)]
+Ticket = Annotated[int, Field(ge=0, lt=2**31)]
+Route = Annotated[list[PeerId], Field(min_length=1, max_length=MAX_STAGES)]
+
+
+class Activation(Message):
+    """Microbatch (step, ticket) leaves stage ``len(route) - 1``; ``route`` lists the peer of each stage so far."""
+
+    KIND: ClassVar[str] = "pipe.activation"
+    step: Step
+    ticket: Ticket
+    route: Route
+
+
+class Gradient(Message):
+    """The gradient of microbatch (step, ticket) for the stage that sent its activation.
+
+    ``route`` is the full forward route (stage 0 first), so each stage knows where to send it next;
+    ``loss`` is the microbatch's loss from the last stage, reported by stage 0 when it completes.
+    """
+
+    KIND: ClassVar[str] = "pipe.gradient"
+    step: Step
+    ticket: Ticket
+    route: Route
+    loss: Annotated[float, Field(allow_inf_nan=False)]
+
+
+class Ack(Message):
+    """Accepted. ``queue_len`` is the receiver's backlog, which feeds the sender's balancer."""
+
+    KIND: ClassVar[str] = "pipe.ack"
+    queue_len: Annotated[int, Field(ge=0, lt=2**31)] = 0
+
+
+class Refuse(Message):
+    """Not accepted: ``code`` is one of busy, stale, ahead, unknown, duplicate, invalid, stage, state."""
+
+    KIND: ClassVar[str] = "pipe.refuse"
+    code: Annotated[str, Field(max_length=32)]
+    reason: Annotated[str, Field(max_length=MAX_REASON)]
+
+
+class CollectivePart(Message):
+    """Part ``part`` of the all-reduce of ``stage`` for step ``round`` (scatter or gather)."""
+
+    KIND: ClassVar[str] = "pipe.collective_part"
+    round: Step
+    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+    phase: Literal["scatter", "gather"]
+    part: Annotated[int, Field(ge=0, lt=1024)]
+
+
+class ResultRequest(Message):
+    """Ask a participant of round ``round`` of ``stage`` for the round's reduced vector."""
+
+    KIND: ClassVar[str] = "pipe.result_request"
+    round: Step
+    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+
+
+class StateRequest(Message):
+    """Ask a replica of ``stage`` for its parameters and optimizer state."""
+
+    KIND: ClassVar[str] = "pipe.state_request"
+    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+
+
+class StateInfo(Message):
+    """The snapshot that follows: after ``applied`` optimizer steps, with this parameter hash."""
+
+    KIND: ClassVar[str] = "pipe.state_info"
+    stage: int
+    applied: Annotated[int, Field(ge=0, lt=2**62)]
+    run_hash: Annotated[str, Field(max_length=128)]
+    param_hash: Annotated[str, Field(max_length=128)]
+    num_tensors: Annotated[int, Field(ge=0, le=MAX_STATE_TENSORS)]
+
+
+class StateChunk(Message):
+    """Names the tensor that follows, e.g. ``param/blocks.0.attn.wq.weight`` or ``exp_avg/...``."""
+
+    KIND: ClassVar[str] = "pipe.state_chunk"
+    index: Annotated[int, Field(ge=0, lt=MAX_STATE_TENSORS)]
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]

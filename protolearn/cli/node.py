@@ -1,0 +1,110 @@
+"""``protolearn node join``: run a volunteer node that trains one stage of the coordinator's run.
+
+Flags are read here, once, into a :class:`~protolearn.node.config.NodeConfig`. Ctrl-C or SIGTERM
+leaves the swarm gracefully (the coordinator gets the node's tickets back) and exits 0. A bad flag, an
+unreachable coordinator or a run this node cannot train is one error line and exit 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from protolearn.errors import ConfigError
+
+node_app = typer.Typer(help="Run a volunteer node.", no_args_is_help=True)
+
+
+@node_app.command("join")
+def _join(
+    coordinator: Annotated[str, typer.Option("--coordinator", help="The coordinator's multiaddr, ending in /p2p/<peer id>.")],
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Key and logs (default: ~/.protolearn/<name>).")] = None,
+    listen: Annotated[str, typer.Option("--listen", help="Listen multiaddr; use a reachable IP for a multi-machine swarm.")] = "/ip4/127.0.0.1/tcp/0",
+    threads: Annotated[int | None, typer.Option("--threads", help="Torch CPU threads (default: torch's choice).")] = None,
+    name: Annotated[str, typer.Option("--name", help="Node name: its data dir and its label in swarm status.")] = "node",
+    bf16: Annotated[bool, typer.Option("--bf16", help="bf16 autocast on CUDA (ignored on CPU).")] = False,
+    max_steps: Annotated[int | None, typer.Option("--max-steps", help="Stop after this many steps (default: the run's).")] = None,
+    max_in_flight: Annotated[int, typer.Option("--max-in-flight", help="Microbatches holding activations at once.")] = 8,
+) -> None:
+    """Join the swarm at COORDINATOR and train the stage it assigns until the run ends."""
+    import trio
+    from pydantic import ValidationError
+
+    from protolearn.node.config import NodeConfig
+    from protolearn.node.node import run_node
+    from protolearn.node.progress import Progress
+    from protolearn.protocol.identity import default_data_dir, load_or_create_identity
+
+    try:
+        config = NodeConfig(
+            coordinator=coordinator, device=device, data_dir=data_dir or default_data_dir(name), listen=listen,
+            threads=threads, name=name, bf16=bf16, max_steps=max_steps, max_in_flight=max_in_flight,
+        )
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        field = ".".join(str(p) for p in first["loc"]).replace("_", "-")
+        raise ConfigError(f"--{field}: {first['msg'].removeprefix('Value error, ')}") from None
+    identity = load_or_create_identity(config.data_dir)
+    _configure_logging(config.data_dir / "node.log")
+
+    async def main() -> int:
+        async with trio.open_nursery() as nursery:
+            result: list[int] = []
+
+            async def watch_signals() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for sig in signals:
+                        progress.say(f"{signal.Signals(sig).name}: leaving the swarm")
+                        nursery.cancel_scope.cancel()
+                        return
+
+            async def work() -> None:
+                result.append(await run_node(config, identity, progress))
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch_signals)
+            nursery.start_soon(work)
+        return result[0] if result else -1
+
+    from protolearn.cli.coordinator import first_project_error
+
+    with Progress(config.log_path, name=name) as progress:
+        try:
+            applied = trio.run(main)
+        except BaseExceptionGroup as group:
+            err = first_project_error(group)
+            if err is None:
+                raise
+            progress.event("error", reason=str(err))
+            raise err from None
+    if applied >= 0:
+        typer.echo(f"{name}: done after {applied} steps", err=True)
+
+
+def _configure_logging(path: Path) -> None:
+    """INFO and up to the node's log file; warnings and errors to stderr as one line each."""
+    root = logging.getLogger("protolearn")
+    root.setLevel(logging.INFO)
+    root.propagate = False  # the handlers below are the only ones; no duplicate lines via the root logger
+    file_handler = logging.FileHandler(path, encoding="utf-8")
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root.addHandler(file_handler)
+    # libp2p logs every connection-manager tick at INFO, and every failed dial at ERROR (a peer that left
+    # is normal here): its warnings go to the file only, never to the user's terminal.
+    lib = logging.getLogger("libp2p")
+    lib.setLevel(logging.WARNING)
+    lib.addHandler(file_handler)
+    lib.propagate = False
+    err = logging.StreamHandler()
+    err.setLevel(logging.WARNING)
+    err.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    root.addHandler(err)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(node_app, name="node")

@@ -1,0 +1,115 @@
+"""`protolearn demo` as a user runs it: a whole swarm on this machine, a summary, and no orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CLI = [sys.executable, "-m", "protolearn.cli.main"]
+
+TINY = """
+name = "tiny"
+steps = 100
+[model]
+d_model = 64
+n_layers = 2
+n_heads = 4
+d_ff = 128
+max_seq_len = 64
+[batch]
+microbatches_per_step = 4
+microbatch_size = 4
+seq_len = 32
+[data]
+max_bytes = 200000
+"""
+
+
+def _pids(workdir: Path) -> list[int]:
+    """The node processes the demo started (each logs its pid)."""
+    pids = []
+    for log in workdir.glob("node*/node.jsonl"):
+        for line in log.read_text().splitlines():
+            d = json.loads(line)
+            if d["event"] == "start":
+                pids.append(d["pid"])
+    return pids
+
+
+def _survivors(workdir: Path) -> list[str]:
+    """Live processes whose command line mentions the demo's workdir (coordinator and nodes)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(workdir) in cmd and _alive(int(proc.name)):
+            found.append(cmd)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by a dead parent) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_demo_trains_and_prints_a_summary(tmp_path: Path) -> None:
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    work = tmp_path / "demo"
+    r = subprocess.run([*CLI, "demo", "--nodes", "3", "--stages", "2", "--steps", "6", "--config", str(config), "--workdir", str(work)],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = r.stdout.strip().splitlines()[-1]
+    assert summary.startswith("demo: loss ") and "over 6 steps" in summary and "tokens/s" in summary, summary
+    first, last = (float(x) for x in summary.split("loss ")[1].split(" over")[0].split(" -> "))
+    assert last < first
+    pids = _pids(work)
+    assert len(pids) == 3
+    assert not [p for p in pids if _alive(p)], "node processes outlived the demo"
+    assert not _survivors(work)
+
+
+def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    work = tmp_path / "demo"
+    demo = subprocess.Popen([*CLI, "demo", "--nodes", "2", "--steps", "100", "--config", str(config), "--workdir", str(work)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            logs = list(work.glob("node*/node.jsonl"))
+            if len(logs) == 2 and all('"event": "step"' in p.read_text() for p in logs):
+                break
+            assert demo.poll() is None, demo.communicate()[1][-3000:]
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the demo's nodes did not train a step within 180 s")
+        pids = _pids(work)
+        demo.send_signal(signal.SIGINT)
+        _, err = demo.communicate(timeout=60)
+        assert demo.returncode == 130, err[-3000:]
+        assert "interrupted" in err
+        time.sleep(0.5)
+        assert not [p for p in pids if _alive(p)], "node processes outlived the interrupted demo"
+        assert not _survivors(work)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()

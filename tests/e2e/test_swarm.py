@@ -1,0 +1,191 @@
+"""The swarm as a user runs it: `coordinator start` and `node join` as subprocesses on 127.0.0.1.
+
+The central claim (DESIGN.md I3): with codec none and no faults, the swarm's loss at every step equals
+the single-process reference trainer's (`train-local`) on the same run, and all replicas of a stage
+hold bit-identical parameters after every step (I2), with every step covering exactly B tickets (I1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+CLI = [sys.executable, "-m", "protolearn.cli.main"]
+DEADLINE_S = 240.0
+
+TINY = """
+name = "tiny"
+seed = 0
+steps = {steps}
+codec = "{codec}"
+[model]
+vocab_size = 259
+d_model = 64
+n_layers = {layers}
+n_heads = 4
+d_ff = 128
+max_seq_len = 64
+[stages]
+num_stages = {stages}
+[batch]
+microbatches_per_step = 4
+microbatch_size = 4
+seq_len = 32
+[optim]
+warmup_steps = 2
+total_steps = {steps}
+[data]
+max_bytes = 200000
+"""
+
+
+class Swarm:
+    """A coordinator and nodes started through the CLI; every process is stopped by pid at the end."""
+
+    def __init__(self, tmp: Path, config: Path) -> None:
+        self.tmp = tmp
+        self.config = config
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen:
+        out = (self.tmp / f"{name}.out").open("w")
+        err = (self.tmp / f"{name}.err").open("w")
+        p = subprocess.Popen([*CLI, *args], stdout=out, stderr=err, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        out.close()
+        err.close()
+        self.procs[name] = p
+        return p
+
+    def start_coordinator(self) -> str:
+        self.spawn("coord", "coordinator", "start", "--config", str(self.config), "--listen", "/ip4/127.0.0.1/tcp/0",
+                   "--data-dir", str(self.tmp / "coord"), "--log-level", "warning")
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            text = (self.tmp / "coord.out").read_text()
+            if text.endswith("\n"):
+                return text.splitlines()[0]
+            assert self.procs["coord"].poll() is None, self.err("coord")
+            time.sleep(0.1)
+        raise AssertionError("the coordinator did not print its address in 90 s")
+
+    def start_node(self, name: str, addr: str, *extra: str) -> subprocess.Popen:
+        return self.spawn(name, "node", "join", "--coordinator", addr, "--data-dir", str(self.tmp / name), "--name", name,
+                          "--device", "cpu", "--threads", "1", *extra)
+
+    def wait_nodes(self, names: list[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for n in names:
+            try:
+                rc = self.procs[n].wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{n} did not finish in {timeout:.0f} s: {self.err(n)}") from None
+            assert rc == 0, f"{n} exited {rc}: {self.err(n)}"
+
+    def err(self, name: str) -> str:
+        return (self.tmp / f"{name}.err").read_text(errors="replace")[-3000:]
+
+    def events(self, name: str, event: str) -> list[dict]:
+        lines = (self.tmp / name / "node.jsonl").read_text().splitlines()
+        return [d for d in map(json.loads, lines) if d["event"] == event]
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def swarm(tmp_path: Path):
+    made: list[Swarm] = []
+
+    def make(**fmt: object) -> Swarm:
+        config = tmp_path / "run.toml"
+        config.write_text(TINY.format(**fmt))
+        s = Swarm(tmp_path, config)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def reference_losses(config: Path, steps: int, tmp: Path) -> list[float]:
+    log = tmp / "ref.jsonl"
+    subprocess.run([*CLI, "train-local", "--config", str(config), "--steps", str(steps), "--threads", "1", "--log", str(log),
+                    "--eval-every", "1000"], check=True, capture_output=True, timeout=DEADLINE_S)
+    return [d["loss"] for d in map(json.loads, log.read_text().splitlines()) if d.get("event") == "step"]
+
+
+def test_two_stages_two_replicas_reproduce_the_reference_trainer(swarm, tmp_path: Path) -> None:
+    steps, B = 5, 4
+    s = swarm(steps=steps, codec="none", layers=2, stages=2)
+    addr = s.start_coordinator()
+
+    # A wrong peer id in the address is one error line and exit 1, not a traceback.
+    head, _, peer = addr.rpartition("/p2p/")
+    wrong = f"{head}/p2p/12D3KooWLtmWBffp4nFR617coSMPgcuXAjkp2AZYcRQ6ESJFKjAd"
+    bad = s.start_node("wrong", wrong)
+    assert bad.wait(timeout=120) == 1
+    assert "Traceback" not in s.err("wrong") and "error: cannot reach the coordinator" in s.err("wrong")
+
+    names = [f"n{k}" for k in range(4)]
+    for n in names:
+        s.start_node(n, addr)
+    ref = reference_losses(s.config, steps, tmp_path)
+    s.wait_nodes(names, DEADLINE_S)
+
+    by_stage: dict[int, list[str]] = {}
+    for n in names:
+        by_stage.setdefault(s.events(n, "built")[0]["stage"], []).append(n)
+    assert sorted(len(v) for v in by_stage.values()) == [2, 2], by_stage
+
+    for stage, members in by_stage.items():
+        records = {n: {d["step"]: d for d in s.events(n, "step")} for n in members}
+        for n in members:
+            assert sorted(records[n]) == list(range(steps)), f"{n} applied steps {sorted(records[n])}"
+            assert not s.events(n, "replica_mismatch") and not s.events(n, "accounting_mismatch")
+        for t in range(steps):
+            a, b = (records[n][t] for n in members)
+            assert a["hash"] == b["hash"], f"stage {stage} replicas differ after step {t}"
+            # I1: the stage's replicas together accounted for exactly the B tickets of the step.
+            assert sorted(a["tickets"] + b["tickets"]) == list(range(B)), (t, a["tickets"], b["tickets"])
+            assert abs(a["loss"] - ref[t]) <= 1e-3 * abs(ref[t]), f"step {t}: swarm {a['loss']} vs reference {ref[t]}"
+
+
+def test_three_stages_with_int8_codec_lower_the_loss(swarm) -> None:
+    steps = 8
+    s = swarm(steps=steps, codec="int8", layers=3, stages=3)
+    addr = s.start_coordinator()
+    names = [f"n{k}" for k in range(3)]
+    for n in names:
+        s.start_node(n, addr)
+    s.wait_nodes(names, DEADLINE_S)
+    assert sorted(s.events(n, "built")[0]["stage"] for n in names) == [0, 1, 2]
+    losses = [d["loss"] for d in s.events("n0", "step")]
+    assert len(losses) == steps
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+def test_unreachable_coordinator_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    addr = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWLtmWBffp4nFR617coSMPgcuXAjkp2AZYcRQ6ESJFKjAd"
+    r = subprocess.run([*CLI, "node", "join", "--coordinator", addr, "--data-dir", str(tmp_path / "n")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: cannot reach the coordinator")
+    bad = subprocess.run([*CLI, "node", "join", "--coordinator", "localhost:7700"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "must be a full multiaddr" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,51 @@
+"""The collective adapter over real libp2p hosts: replicas end bit-identical with the exact sum."""
+
+from __future__ import annotations
+
+import torch
+import trio
+
+from protolearn.node.averaging import Averager
+
+
+def test_three_replicas_average_and_an_idle_one_fetches_the_result(open_hosts, run_trio) -> None:
+    numel = 100_003  # not divisible by 3: uneven parts
+    gen = torch.Generator().manual_seed(0)
+
+    async def main() -> None:
+        async with open_hosts(4) as hosts:
+            avgs = [Averager(h, 1, numel, timeout_s=20.0, next_round=5) for h in hosts]
+            for a in avgs:
+                a.register()
+            vectors = [torch.randn(numel, generator=gen) for _ in hosts]
+            weights = {h.peer_id: float(k + 1) for k, h in enumerate(hosts[:3])}
+            results: dict[int, torch.Tensor] = {}
+
+            async def one(k: int) -> None:
+                await trio.sleep(0.05 * k)  # staggered starts: early parts must be held, not lost
+                if k < 3:
+                    results[k] = await avgs[k].run_round(5, weights, vectors[k])
+                else:
+                    results[k] = await avgs[k].fetch_result(5, sorted(weights))
+
+            async with trio.open_nursery() as n:
+                for k in range(4):
+                    n.start_soon(one, k)
+
+            expected = vectors[0] + vectors[1] + vectors[2]
+            for k in range(4):
+                assert torch.equal(results[k], results[0]), f"replica {k} differs"
+            torch.testing.assert_close(results[0], expected)
+            # The next round works too, with a different participant set.
+            two = {hosts[0].peer_id: 1.0, hosts[3].peer_id: 2.0}
+            async with trio.open_nursery() as n:
+                out: dict[int, torch.Tensor] = {}
+
+                async def second(k: int) -> None:
+                    out[k] = await avgs[k].run_round(6, two, torch.full((numel,), float(k)))
+
+                n.start_soon(second, 0)
+                n.start_soon(second, 3)
+            assert torch.equal(out[0], out[3]) and torch.equal(out[0], torch.full((numel,), 3.0))
+
+    run_trio(main, timeout=60)

@@ -1,0 +1,113 @@
+"""The balancer sends work where it will finish first, avoids failing peers and never uses banned ones."""
+
+from __future__ import annotations
+
+from protolearn.node.balancer import Balancer
+
+
+def test_fast_peer_gets_work_until_its_queue_makes_it_slower() -> None:
+    b = Balancer()
+    b.on_sent("fast")
+    b.on_done("fast", 0.125)
+    b.on_sent("slow")
+    b.on_done("slow", 0.375)
+    picks = []
+    for _ in range(4):
+        c = b.choose(["slow", "fast"], now=0.0)
+        picks.append(c.peer)
+        b.on_sent(c.peer)
+    # fast: 1*0.125, 2*0.125, 3*0.125 ties slow's 0.375 (smaller id wins), then 4*0.125 > 0.375.
+    assert picks == ["fast", "fast", "fast", "slow"]
+
+
+def test_reported_queue_steers_work_away() -> None:
+    b = Balancer()
+    for p in ("a", "b"):
+        b.on_sent(p)
+        b.on_done(p, 0.1)
+    for _ in range(10):
+        b.on_queue_report("a", 8)
+    c = b.choose(["a", "b"], now=0.0)
+    assert c.peer == "b"
+    assert "least expected finish" in c.reason
+
+
+def test_failure_penalty_avoids_a_peer_then_decays() -> None:
+    b = Balancer(failure_penalty_s=5.0, penalty_half_life_s=1.0)
+    for p in ("a", "b"):
+        b.on_sent(p)
+        b.on_done(p, 0.1)
+    b.on_sent("a")
+    b.on_failure("a", now=100.0)
+    assert b.choose(["a", "b"], now=100.0).peer == "b"
+    # After ten half-lives the penalty is ~5 ms: one queued microbatch on "b" now outweighs it.
+    b.on_sent("b")
+    assert b.choose(["a", "b"], now=110.0).peer == "a"
+
+
+def test_banned_peers_are_never_chosen() -> None:
+    b = Balancer()
+    b.ban("evil")
+    assert b.choose(["evil", "good"], now=0.0).peer == "good"
+    c = b.choose(["evil"], now=0.0)
+    assert c.peer is None and "banned" in c.reason
+    assert "no peer" in b.choose([], now=0.0).reason
+
+
+def test_unknown_peer_is_assumed_average() -> None:
+    b = Balancer()
+    b.on_sent("known")
+    b.on_done("known", 1.0)
+    b.on_sent("known")  # now one outstanding: expected 2.0 s there, vs 1.0 s on the new one
+    assert b.choose(["known", "new"], now=0.0).peer == "new"
+
+
+# -- admission and per-step accounting (node/accounting.py): the other half of routing decisions --
+
+from protolearn.node.accounting import Accounting  # noqa: E402
+
+
+def test_next_step_work_waits_until_the_current_step_is_applied() -> None:
+    acc = Accounting(microbatches_per_step=4, max_in_flight=2, max_deferred=2)
+    assert acc.admit_forward(0, 0).action == "process"
+    d = acc.admit_forward(1, 0, payload="early")
+    assert d.action == "defer"
+    acc.backward_done(0, 0)
+    assert acc.accumulated(0) == [0]
+    assert acc.applied_step(0) == ["early"]
+    assert acc.step == 1
+    stale = acc.admit_forward(0, 1)
+    assert stale.action == "refuse" and "stale step 0" in stale.reason
+    ahead = acc.admit_forward(3, 0)
+    assert ahead.action == "refuse" and "ahead" in ahead.reason
+
+
+def test_unknown_duplicate_and_out_of_range_microbatches_are_refused() -> None:
+    acc = Accounting(microbatches_per_step=4, max_in_flight=8, max_deferred=2)
+    unknown = acc.admit_backward(0, 2)
+    assert unknown.action == "refuse" and "unknown microbatch" in unknown.reason
+    assert acc.admit_forward(0, 2).action == "process"
+    assert acc.admit_backward(0, 2).action == "process"
+    dup = acc.admit_forward(0, 2)
+    assert dup.action == "refuse" and "duplicate" in dup.reason
+    bad = acc.admit_forward(0, 4)
+    assert bad.action == "refuse" and "outside 0..3" in bad.reason
+
+
+def test_in_flight_and_deferred_work_are_bounded() -> None:
+    acc = Accounting(microbatches_per_step=8, max_in_flight=2, max_deferred=1)
+    assert [acc.admit_forward(0, i).action for i in range(3)] == ["process", "process", "refuse"]
+    assert "busy" in acc.admit_forward(0, 3).reason
+    acc.backward_done(0, 0)
+    assert acc.admit_forward(0, 3).action == "process"
+    assert acc.admit_forward(1, 0).action == "defer"
+    assert "busy" in acc.admit_forward(1, 1).reason
+
+
+def test_mismatch_with_the_coordinators_account_is_reported() -> None:
+    acc = Accounting(microbatches_per_step=4, max_in_flight=4, max_deferred=1)
+    for t in (1, 3):
+        acc.admit_forward(0, t)
+        acc.backward_done(0, t)
+    assert acc.mismatch(0, [1, 3]) == ""
+    assert "accumulated [1, 3]" in acc.mismatch(0, [1, 2, 3])
