@@ -9,6 +9,7 @@ connections.
 
 from __future__ import annotations
 
+import errno
 import socket
 from collections.abc import Iterable
 
@@ -64,8 +65,12 @@ def primary_ipv4() -> list[str]:
     return [] if ip.startswith("127.") or ip == "0.0.0.0" else [ip]
 
 
+class PortInUse(ConfigError):
+    """The TCP port to listen on is taken (by another process, or one still shutting down)."""
+
+
 def check_port_free(addr: multiaddr.Multiaddr) -> None:
-    """Raise ConfigError if ``addr`` names a TCP port that another socket listens on."""
+    """Raise PortInUse if another socket listens on ``addr``'s TCP port, ConfigError if it is unusable."""
     text = str(addr)
     parts = text.split("/")
     if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or parts[4] == "0":
@@ -77,4 +82,5 @@ def check_port_free(addr: multiaddr.Multiaddr) -> None:
         try:
             probe.bind((parts[2], int(parts[4])))
         except OSError as err:
-            raise ConfigError(f"cannot listen on {text}: {err.strerror}; pick another port or stop the process using it") from None
+            kind = PortInUse if err.errno == errno.EADDRINUSE else ConfigError
+            raise kind(f"cannot listen on {text}: {err.strerror}; pick another port or stop the process using it") from None

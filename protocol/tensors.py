@@ -1,22 +1,25 @@
 """Tensors on the wire: a :class:`TensorFrame` is dtype, shape, codec name and raw bytes.
 
-Tensors are never pickled or ``torch.load``ed. A frame is checked against :class:`TensorLimits`
-and against what the receiver expects (dtype, shape, finiteness) *before* any tensor is built from
-it, and the byte count must match the shape exactly. Codecs (:mod:`protolearn.protocol.codecs`)
+The frame itself, its limits and its header checks live in :mod:`protolearn.protocol.frames`
+(no torch, so the transport and the coordinator start fast) and are re-exported here; this module
+converts between frames and torch tensors. Tensors are never pickled or ``torch.load``ed. A frame
+is checked against :class:`TensorLimits` and against what the receiver expects (dtype, shape,
+finiteness) *before* any tensor is built from it, and the byte count must match the shape exactly. Codecs (:mod:`protolearn.protocol.codecs`)
 produce and consume frames; the ``none`` codec is the raw form implemented here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
-from pydantic import BaseModel, ConfigDict
 
-from protolearn.protocol.errors import ProtocolError, TooLarge
+from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.frames import DEFAULT_LIMITS, DTYPE_SIZES, MAX_DIMS, TensorFrame, TensorLimits, check_frame_header
 
-# Wire names of the dtypes we accept. Anything else is refused.
+__all__ = [
+    "DEFAULT_LIMITS", "DTYPES", "DTYPE_NAMES", "MAX_DIMS", "TensorFrame", "TensorLimits", "check_header", "from_frame", "to_frame",
+]
+
+# Wire names of the dtypes we accept (the keys of frames.DTYPE_SIZES) as torch dtypes.
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -27,44 +30,6 @@ DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-MAX_DIMS = 8
-
-
-@dataclass(frozen=True)
-class TensorLimits:
-    """Hard bounds on one tensor frame, checked before allocating."""
-
-    max_elements: int = 64 * 1024 * 1024
-    max_bytes: int = 256 * 1024 * 1024
-
-
-DEFAULT_LIMITS = TensorLimits()
-
-
-class TensorFrame(BaseModel):
-    """One tensor as it travels: ``data`` holds the codec's payload, ``aux`` its side data.
-
-    ``dtype`` and ``shape`` describe the *decoded* tensor. For the ``none`` codec ``data`` is the
-    tensor's raw little-endian bytes in C order and ``aux`` is empty.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-    SCHEMA: ClassVar[str] = "tensor"
-
-    codec: str
-    dtype: str
-    shape: list[int]
-    data: bytes
-    aux: bytes = b""
-
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    def nbytes(self) -> int:
-        return len(self.data) + len(self.aux)
 
 
 def check_header(
@@ -75,29 +40,13 @@ def check_header(
     dtype: torch.dtype | None = None,
     shape: list[int] | tuple[int, ...] | None = None,
 ) -> torch.dtype:
-    """Validate a frame's dtype and shape against limits and expectations; return its torch dtype."""
-    if frame.dtype not in DTYPES:
-        raise ProtocolError(peer, f"unsupported tensor dtype {frame.dtype[:32]!r}")
-    if len(frame.shape) > MAX_DIMS or any(d < 0 for d in frame.shape):
-        raise ProtocolError(peer, f"invalid tensor shape {frame.shape[:MAX_DIMS + 1]}")
-    n = frame.numel()
-    if n > limits.max_elements:
-        raise TooLarge(peer, f"tensor of {n} elements exceeds the limit of {limits.max_elements}")
-    # A zero dimension makes numel 0, but torch still computes strides from the other dimensions,
-    # and a shape like [0, 2**62, 2**62] overflows them (RuntimeError): bound their product too.
-    span = 1
-    for d in frame.shape:
-        span *= max(d, 1)
-    if span > limits.max_elements:
-        raise TooLarge(peer, f"tensor shape {frame.shape[:MAX_DIMS]} spans more than {limits.max_elements} elements")
-    if frame.nbytes() > limits.max_bytes:
-        raise TooLarge(peer, f"tensor frame of {frame.nbytes()} bytes exceeds the limit of {limits.max_bytes}")
-    want = DTYPES[frame.dtype]
-    if dtype is not None and want != dtype:
-        raise ProtocolError(peer, f"tensor dtype {frame.dtype} but {DTYPE_NAMES.get(dtype, dtype)} was expected")
-    if shape is not None and list(frame.shape) != list(shape):
-        raise ProtocolError(peer, f"tensor shape {frame.shape} but {list(shape)} was expected")
-    return want
+    """Validate a frame's dtype and shape against limits and expectations; return its torch dtype.
+
+    See :func:`protolearn.protocol.frames.check_frame_header`, which does the checks on dtype names.
+    """
+    expected = None if dtype is None else DTYPE_NAMES.get(dtype, str(dtype))
+    check_frame_header(frame, peer=peer, limits=limits, dtype=expected, shape=shape)
+    return DTYPES[frame.dtype]
 
 
 def to_frame(t: torch.Tensor) -> TensorFrame:
@@ -123,7 +72,7 @@ def from_frame(
     if frame.codec != "none":
         raise ProtocolError(peer, f"expected a raw tensor frame, got codec {frame.codec[:32]!r}")
     want = check_header(frame, peer=peer, limits=limits, dtype=dtype, shape=shape)
-    expected = frame.numel() * torch.empty((), dtype=want).element_size()
+    expected = frame.numel() * DTYPE_SIZES[frame.dtype]
     if len(frame.data) != expected or frame.aux:
         raise ProtocolError(peer, f"tensor payload is {len(frame.data)} bytes, shape {frame.shape} {frame.dtype} needs {expected}")
     if expected == 0:

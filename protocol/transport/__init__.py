@@ -33,9 +33,12 @@ naming the reason. A handler that raises a :class:`ProtolearnError` sends back a
 anything else is logged with the peer, protocol and reason, the stream is reset, and the host keeps
 serving. A request handler itself has no deadline: the caller's ``request`` timeout bounds the wait.
 
-Two py-libp2p 0.8.1 behaviours are worked around here: it keeps a connection the remote closed and
-then refuses to redial, and it refuses any dial for 60 s after a failed one. Both would leave a node
-that restarts unreachable, so a stream open drops dead connections and forgets past dial failures.
+Three py-libp2p 0.8.1 behaviours are worked around here: it keeps a connection the remote closed and
+then refuses to redial, it refuses any dial for 60 s after a failed one, and identify replaces the
+addresses we dialled with the ones the peer advertises (``/ip4/0.0.0.0/...`` for a wildcard
+listener, which another machine cannot dial). Each would leave a peer that restarts unreachable, so
+before dialling the host drops dead connections, forgets past dial failures and restores the
+addresses it was given (by ``connect`` or ``add_peer_addrs``).
 """
 
 from protolearn.protocol.transport.host import Host, TransportConfig, open_host, protocol_id

@@ -28,9 +28,9 @@ from protolearn.errors import ConfigError, ProtolearnError
 from protolearn.protocol import wire
 from protolearn.protocol.addresses import advertised, check_port_free, parse_multiaddr, strip_p2p
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused
+from protolearn.protocol.frames import DEFAULT_LIMITS, TensorLimits
 from protolearn.protocol.gate import Gate
 from protolearn.protocol.transport.streams import FramedStream
-from protolearn.protocol.tensors import DEFAULT_LIMITS, TensorLimits
 from protolearn.protocol.wire import ErrorReply, Message
 
 PROTOCOL_PREFIX = "/protolearn/"
@@ -109,6 +109,10 @@ class Host:
         self.gate = Gate()
         self.requests_served = 0  # requests answered with a normal (non-error) reply
         self._active: dict[str, int] = {}
+        # Where we were told a peer listens (a full address dialled, or add_peer_addrs). A peer's
+        # identify replaces our peerstore entry with what it advertises, which for a 0.0.0.0 listener
+        # is /ip4/0.0.0.0/..., useless from another machine; a redial goes back to these.
+        self._dial_addrs: dict[str, list[multiaddr.Multiaddr]] = {}
         # Bans are decided synchronously; closing the connection is async, so a service task does it.
         self._disconnect_send, self._disconnect_recv = trio.open_memory_channel[str](1024)
 
@@ -122,6 +126,7 @@ class Host:
         """Remember where ``peer_id`` listens, so requests can dial it by ID."""
         pid = _parse_peer_id(peer_id)
         maddrs = [strip_p2p(parse_multiaddr(a, peer_id)) for a in addrs]
+        self._dial_addrs[str(pid)] = maddrs
         self._lp.get_peerstore().add_addrs(pid, maddrs, ADDR_TTL_S)
 
     async def connect(self, addr: str, *, timeout: float | None = None) -> str:
@@ -138,9 +143,10 @@ class Host:
         if self.is_banned(peer):
             raise Refused(peer, f"not connecting: peer is banned ({self.gate.bans[peer]})")
         limit = self.config.connect_timeout_s if timeout is None else timeout
-        self._forget_dial_failure(info.peer_id)
+        self._dial_addrs[peer] = [strip_p2p(maddr)]
         try:
             with trio.fail_after(limit):
+                await self._prepare_dial(info.peer_id)
                 await self._lp.connect(info)
         except trio.TooSlowError:
             raise PeerUnavailable(peer, f"could not connect to {addr} within {limit:g} s") from None
@@ -148,12 +154,27 @@ class Host:
             raise PeerUnavailable(peer, f"could not connect to {addr}: {_why(err)}") from None
         return peer
 
-    def _forget_dial_failure(self, pid: ID) -> None:
-        # py-libp2p refuses to dial a peer for 60 s after a failed dial, so a node that restarts
-        # quickly would stay unreachable. Callers here have their own deadlines and retry policies.
-        cache = getattr(self._lp.get_network(), "_negative_peer_cache", None)
+    async def _prepare_dial(self, pid: ID) -> None:
+        """Undo what py-libp2p remembers about a peer that would stop a redial after it restarted.
+
+        Three things: a failed dial (py-libp2p refuses to dial that peer again for 60 s, though
+        callers here have their own deadlines and retries); a connection the remote closed, which
+        py-libp2p keeps in its table and reuses ("No valid connections") instead of dialling; and
+        the peer's advertised addresses, which replaced the ones we were told (see ``_dial_addrs``).
+        """
+        net = self._lp.get_network()
+        cache = getattr(net, "_negative_peer_cache", None)
         if cache is not None:
             cache.evict(str(pid))
+        conns = net.get_connections(pid)
+        if conns and all(c.is_closed for c in conns):
+            await net.close_peer(pid)
+            conns = []
+        known = self._dial_addrs.get(str(pid))
+        if not conns and known:
+            store = self._lp.get_peerstore()
+            store.clear_addrs(pid)
+            store.add_addrs(pid, known, ADDR_TTL_S)
 
     async def _ensure_peer(self, peer: str) -> ID:
         if peer.startswith("/"):
@@ -336,10 +357,7 @@ class Host:
         # ("No valid connections"); drop such a connection and try once more on a fresh dial.
         net = self._lp.get_network()
         for attempt in range(2):
-            self._forget_dial_failure(pid)
-            stale = net.get_connections(pid)
-            if stale and all(c.is_closed for c in stale):
-                await net.close_peer(pid)
+            await self._prepare_dial(pid)
             try:
                 return await self._lp.new_stream(pid, [protocol_id(name)])  # type: ignore[list-item]
             except (BaseLibp2pError, OSError) as err:
@@ -406,6 +424,10 @@ async def open_host(
             try:
                 if not lp.get_addrs():  # py-libp2p logs a failed listen and carries on
                     raise ConfigError(f"cannot listen on {', '.join(listen)}: use an address of this machine, e.g. /ip4/0.0.0.0/tcp/0")
+                # py-libp2p's auto-connector dials every peer in the peerstore, every 30 s and after each
+                # disconnect, to keep 150 connections. Here every dial is on purpose: its background dials
+                # to a peer that just died would race ours and mark the peer undialable for 60 s.
+                await lp.get_network().auto_connector.stop()
                 await nursery.start(host._disconnect_service)
                 yield host
             finally:

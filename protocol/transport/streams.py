@@ -8,9 +8,9 @@ against ``max_message_bytes`` before a single body byte is read. A tensor travel
 2. the payload's raw bytes, written in slices of at most ``chunk_bytes``, each under the chunk deadline,
 3. a :class:`TensorTrailer` message repeating the byte count.
 
-The receiver checks the header against its :class:`~protolearn.protocol.tensors.TensorLimits` and its
+The receiver checks the header against its :class:`~protolearn.protocol.frames.TensorLimits` and its
 expected dtype/shape *before* reading the payload, reads exactly the declared count (never more), and
-only then builds the :class:`~protolearn.protocol.tensors.TensorFrame`. libp2p reports a crashed peer
+only then builds the :class:`~protolearn.protocol.frames.TensorFrame`. libp2p reports a crashed peer
 as a plain EOF, so an EOF before the declared count is reported as ``PeerUnavailable("stream ended
 mid-...")``; a peer that stops sending is caught by the deadline (``PeerTimeout``).
 
@@ -20,17 +20,19 @@ trio or libp2p.
 
 from __future__ import annotations
 
-from typing import ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
-import torch
 import trio
 from libp2p.abc import INetStream
 from libp2p.exceptions import BaseLibp2pError
 
 from protolearn.protocol import wire
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused, TooLarge
-from protolearn.protocol.tensors import DEFAULT_LIMITS, TensorFrame, TensorLimits, check_header
+from protolearn.protocol.frames import DEFAULT_LIMITS, TensorFrame, TensorLimits, check_frame_header
 from protolearn.protocol.wire import ErrorReply, Message
+
+if TYPE_CHECKING:  # the transport never needs torch itself: importing it costs seconds at startup
+    import torch
 
 M = TypeVar("M", bound=Message)
 # Side data of a codec (scales, indices) rides in the header message, so it is bounded by that.
@@ -219,11 +221,17 @@ class FramedStream:
             raise TooLarge(peer, f"tensor side data of {len(header.aux)} bytes exceeds {MAX_AUX_BYTES}")
         if header.data_bytes + len(header.aux) > lim.max_bytes:
             raise TooLarge(peer, f"declared tensor of {header.data_bytes} bytes exceeds the limit of {lim.max_bytes}")
-        # check_header validates dtype, shape, element count and expectations; it only reads aux's length.
+        want = None
+        if dtype is not None:
+            # The caller holds a torch dtype, so torch is loaded already and this import is cheap.
+            from protolearn.protocol.tensors import DTYPE_NAMES
+
+            want = DTYPE_NAMES.get(dtype, str(dtype))
+        # check_frame_header validates dtype, shape, element count and expectations; it only reads aux's length.
         probe = TensorFrame.model_construct(codec=header.codec, dtype=header.dtype, shape=header.shape, data=b"", aux=header.aux)
-        want = check_header(probe, peer=peer, limits=lim, dtype=dtype, shape=shape)
+        item_bytes = check_frame_header(probe, peer=peer, limits=lim, dtype=want, shape=shape)
         if header.codec == "none":
-            expected = probe.numel() * torch.empty((), dtype=want).element_size()
+            expected = probe.numel() * item_bytes
             if header.data_bytes != expected or header.aux:
                 raise ProtocolError(peer, f"raw tensor declares {header.data_bytes} bytes, shape {header.shape} {header.dtype} needs {expected}")
 

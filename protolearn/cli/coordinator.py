@@ -26,6 +26,8 @@ coordinator_app = typer.Typer(help="Run the coordinator of a training run.", no_
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
 # How long to wait for a remembered port that is still busy after a crash.
 PORT_WAIT_S = 30.0
+# How often to look again: nodes are retrying, so every moment the port is free but unused counts.
+PORT_RETRY_S = 0.2
 log = logging.getLogger("protolearn.coordinator")
 
 
@@ -102,7 +104,7 @@ def _start(
     import trio
 
     from protolearn.coordinator.service import Running, persisted_run_toml, serve
-    from protolearn.protocol.errors import PeerUnavailable
+    from protolearn.protocol.addresses import PortInUse
     from protolearn.protocol.identity import default_data_dir
     from protolearn.stages.config import RunConfig, load_run_config
 
@@ -121,9 +123,11 @@ def _start(
     metrics_host = "0.0.0.0" if "/ip4/0.0.0.0/" in listen_on else "127.0.0.1"
 
     async def start_service(nursery: trio.Nursery) -> Running:
-        # A remembered port can be briefly busy right after a crash (a half-closed socket still holds
-        # it), and nodes only know that port, so wait for it rather than move to another.
+        # A remembered port is busy while the previous coordinator is still shutting down (sockets in
+        # TIME_WAIT do not count: see check_port_free), and nodes only know that port, so wait for it
+        # rather than move to another.
         deadline = trio.current_time() + (PORT_WAIT_S if listen_on != listen else 0.0)
+        warned = False
         while True:
             try:
                 return await nursery.start(
@@ -132,11 +136,13 @@ def _start(
                         task_status=task_status,
                     )
                 )
-            except PeerUnavailable as err:
-                if "cannot listen" not in err.reason or trio.current_time() >= deadline:
+            except PortInUse as err:
+                if trio.current_time() >= deadline:
                     raise
-                log.warning("%s; retrying for up to %.0f s", err.reason, deadline - trio.current_time())
-                await trio.sleep(1.0)
+                if not warned:
+                    log.warning("%s; waiting up to %.0f s for it", err, deadline - trio.current_time())
+                    warned = True
+                await trio.sleep(PORT_RETRY_S)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

@@ -3,14 +3,18 @@ kill -9 and restart from the data dir, `swarm status --json` validated against i
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
+import pytest
 import trio
 from protolearn.coordinator.status import STATUS_JSON_SCHEMA
 from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
@@ -43,7 +47,7 @@ class Coordinator:
                 if text.endswith("\n"):
                     return text.splitlines()[0]
                 assert self.proc.poll() is None, self.err.read_text()[-3000:]
-                await trio.sleep(0.1)
+                await trio.sleep(0.02)  # fine-grained: the restart test times reconnects from here
 
 
 async def cli(*args: str) -> subprocess.CompletedProcess:
@@ -157,6 +161,69 @@ def test_coordinator_survives_kill_9_with_members_step_leases_and_bans(tmp_path:
     assert last.startswith("error: ") and "use another --data-dir" in last and "Traceback" not in proc.stderr
 
 
+RESTARTS = 3
+# The goal: after kill -9 and a restart on the same data dir, every live node's next request succeeds
+# within ~2 s of the new coordinator listening (issue 6, coordinator restart).
+RECONNECT_S = 2.0
+
+
+# Third-party noise: py-libp2p 0.8.1 now and then leaves the TCP socket of a connection whose remote
+# was killed to the garbage collector (which closes it) instead of closing it.
+@pytest.mark.filterwarnings("ignore:unclosed <socket.socket:ResourceWarning")
+def test_every_client_reconnects_within_2_s_of_each_kill_9_restart(tmp_path: Path) -> None:
+    data = tmp_path / "coord"
+    procs: list[subprocess.Popen] = []
+    ok_at: list[list[float]] = [[], [], []]  # per client: monotonic times of successful heartbeats
+
+    async def client(i: int, host, addr: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        link = CoordinatorLink(host, addr)  # the default retry policy is what nodes use
+        await link.join(cm.Join(addrs=["/ip4/127.0.0.1/tcp/1"], throughput=100.0))
+        task_status.started()
+        while True:
+            await link.heartbeat(cm.Heartbeat(state="training", throughput=100.0))
+            ok_at[i].append(time.monotonic())
+            await trio.sleep(0.1)
+
+    async def main() -> None:
+        coord = Coordinator(data)
+        procs.append(coord.proc)
+        addr = await coord.address()
+        async with trio.open_nursery() as nursery:
+            for i in range(len(ok_at)):
+                host = await nursery.start(_host, Identity.generate())
+                await nursery.start(client, i, host, addr)
+            took: list[list[float]] = []
+            for _ in range(RESTARTS):
+                await trio.sleep(0.5)
+                coord.proc.send_signal(signal.SIGKILL)
+                coord.proc.wait(timeout=30)
+                coord = Coordinator(data)
+                procs.append(coord.proc)
+                assert await coord.address() == addr
+                listening = time.monotonic()
+                with trio.fail_after(30):
+                    while not all(ts and ts[-1] > listening for ts in ok_at):
+                        await trio.sleep(0.01)
+                took.append([min(t for t in ts if t > listening) - listening for ts in ok_at])
+            assert max(max(r) for r in took) <= RECONNECT_S, f"seconds from listening to each client's next success, per restart: {took}"
+            nursery.cancel_scope.cancel()
+
+    # libp2p logs each failed stream open at ERROR with the connection as an argument; pytest keeps
+    # those records past the test, and with them the connections' sockets.
+    libp2p_log = logging.getLogger("libp2p")
+    level = libp2p_log.level
+    libp2p_log.setLevel(logging.CRITICAL)
+    try:
+        trio.run(main)
+    finally:
+        libp2p_log.setLevel(level)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+        gc.collect()  # inside this test, so the ignore below covers it and nothing else
+
+
 def test_swarm_status_of_an_unreachable_coordinator_is_one_line_and_exit_1() -> None:
     dead = f"/ip4/127.0.0.1/tcp/1/p2p/{Identity.generate().peer_id}"
     proc = subprocess.run([*CLI, "swarm", "status", "--coordinator", dead, "--timeout", "3"], capture_output=True, text=True, timeout=STARTUP_S, check=False)
@@ -169,3 +236,49 @@ async def _host(ident: Identity, *, task_status=trio.TASK_STATUS_IGNORED) -> Non
     async with open_host(ident, ["/ip4/127.0.0.1/tcp/0"], CFG) as host:
         task_status.started(host)
         await trio.sleep_forever()
+
+
+def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, deadline_s: float = STARTUP_S) -> list[str]:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        lines = path.read_text().splitlines()
+        if len(lines) >= n:
+            return lines
+        assert proc.poll() is None, f"exited {proc.returncode}: {lines[-5:]}"
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {n} lines in {path} after {deadline_s} s")
+
+
+def test_swarm_status_watch_streams_json_and_exits_0_on_sigterm(tmp_path: Path) -> None:
+    coord = Coordinator(tmp_path / "coord")
+    procs = [coord.proc]
+    try:
+        addr = trio.run(coord.address)
+        for mode in (["--json"], []):
+            out, err = tmp_path / f"watch{len(mode)}.out", tmp_path / f"watch{len(mode)}.err"
+            # FORCE_COLOR makes rich draw the live view into a file as it would on a terminal.
+            with out.open("w") as o, err.open("w") as e:
+                watch = subprocess.Popen(
+                    [*CLI, "swarm", "status", "--coordinator", addr, "--watch", "--interval", "0.2", *mode],
+                    stdout=o, stderr=e, env={**os.environ, "FORCE_COLOR": "1"},
+                )
+            procs.append(watch)
+            if mode:  # one status object per line, each valid against the schema
+                for line in _wait_for_lines(out, 3, watch)[:3]:
+                    st = json.loads(line)
+                    jsonschema.validate(st, STATUS_JSON_SCHEMA)
+                    assert st["run"]["name"] == "demo"
+            else:  # the live view is redrawn: the run's header shows up more than once
+                end = time.monotonic() + STARTUP_S
+                while out.read_text().count("run demo") < 2:
+                    assert watch.poll() is None and time.monotonic() < end, err.read_text()[-2000:]
+                    time.sleep(0.05)
+            watch.send_signal(signal.SIGTERM)
+            watch.wait(timeout=30)
+            assert watch.returncode == 0, err.read_text()[-2000:]
+            assert "Traceback" not in err.read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)

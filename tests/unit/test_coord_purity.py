@@ -30,3 +30,36 @@ def test_coordinator_cores_import_neither_trio_nor_libp2p() -> None:
     out = subprocess.run([sys.executable, "-c", _PROBE, *CORES], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout) == [], f"a coordinator core pulls in {out.stdout.strip()}"
+
+
+# What `coordinator start` and `swarm status` load. The coordinator carries no tensors, and importing
+# torch made each command take seconds longer to start.
+COMMAND_PATHS = [
+    "protolearn.cli.main",
+    "protolearn.cli.coordinator",
+    "protolearn.cli.swarm",
+    "protolearn.coordinator.service",
+    "protolearn.node.coordinator_link",
+    "protolearn.protocol.transport",
+    "protolearn.protocol.frames",
+    "protolearn.stages.config",
+]
+
+_TORCH_PROBE = r"""
+import importlib, json, sys
+blame = {}
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+    if "torch" in sys.modules and not blame:
+        blame = {"first": name}
+import protolearn.protocol.tensors  # the torch side does load torch, so the probe can see it
+print(json.dumps({**blame, "seen_after_tensors": "torch" in sys.modules}))
+"""
+
+
+def test_coordinator_and_status_commands_do_not_import_torch() -> None:
+    out = subprocess.run([sys.executable, "-c", _TORCH_PROBE, *COMMAND_PATHS], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert "first" not in result, f"{result['first']} imports torch; import tensor support lazily (see protocol/frames.py)"
+    assert result["seen_after_tensors"]
