@@ -23,19 +23,37 @@ from dataclasses import dataclass
 
 import torch
 import trio
-
-from protolearn.protocol.collective import DEFAULT_FLOOR_S, Bandwidth, CollectiveRound, Done, Failed, PartHeader, Probe, Rejected, Send
+from protolearn.node.errors import NodeError
+from protolearn.protocol.collective import (
+    DEFAULT_FLOOR_S,
+    Bandwidth,
+    CollectiveRound,
+    Done,
+    Failed,
+    PartHeader,
+    Probe,
+    Rejected,
+    Send,
+)
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse, ResultRequest
 from protolearn.protocol.tensors import TensorLimits, from_frame, to_frame
-from protolearn.protocol.transport import Host
-from protolearn.protocol.transport import FramedStream
-from protolearn.node.errors import NodeError
+from protolearn.protocol.transport import FramedStream, Host
 
 log = logging.getLogger("protolearn.node")
 # Early parts held per round: scatter + gather from each of up to this many participants.
 MAX_EARLY_PARTS = 2 * 1024
 SEND_RETRY_S = 0.2
+# Round ids per step: revision r of step t averages in round t * REVISIONS_PER_STEP + r - 1.
+REVISIONS_PER_STEP = 16
+
+
+def round_id(step: int, revision: int = 1) -> int:
+    """The collective round of ``step``'s accounting at ``revision`` (a step reopened to redo tickets
+    closes again at a higher revision, and its replicas average again in a fresh round)."""
+    if not 1 <= revision <= REVISIONS_PER_STEP:
+        raise AveragingError(f"step {step} reached revision {revision}; at most {REVISIONS_PER_STEP} are averaged")
+    return step * REVISIONS_PER_STEP + revision - 1
 
 
 class AveragingError(NodeError):
@@ -126,7 +144,8 @@ class Averager:
         await s.send(Ack())
 
     async def _serve_result(self, peer: str, s: FramedStream, round_id: int) -> None:
-        if not self.next_round - 1 <= round_id <= self.next_round + 1:
+        # A finished round stays servable while kept (a step's rounds are numbered sparsely, see round_id).
+        if round_id not in self._results and not self.next_round - 1 <= round_id <= self.next_round + 1:
             await s.send(Refuse(code="stale", reason=f"round {round_id} is not kept (next round {self.next_round})"))
             return
         ready = self._result_ready.setdefault(round_id, trio.Event())
@@ -224,10 +243,10 @@ class Averager:
         if result.excluded:
             log.warning("collective step=%d stage=%d left out dead replicas %s", round_id, self.stage, result.excluded)
         self.last_done = result
-        self._results = {k: v for k, v in self._results.items() if k >= round_id - 1}
+        self._results = {k: v for k, v in self._results.items() if k >= round_id - 2 * REVISIONS_PER_STEP}
         self._results[round_id] = result.result
         self._result_ready.setdefault(round_id, trio.Event()).set()
-        self._result_ready = {k: v for k, v in self._result_ready.items() if k >= round_id - 1}
+        self._result_ready = {k: v for k, v in self._result_ready.items() if k >= round_id - 2 * REVISIONS_PER_STEP}
         return result
 
     async def _sender(self, recv: trio.MemoryReceiveChannel[Send | Probe], round_id: int, nursery: trio.Nursery) -> None:

@@ -26,33 +26,32 @@ How it works
 * **Successor first.** An owner sends a reduced part to its successor in the chain first and to the
   others only after the successor has it. So if any survivor holds a part from an owner that then died,
   the backup holds it too, and the backup sends that same part on (instead of a new one) when it takes over.
-* Failure detection: a failed stream or a refused probe marks a peer suspected at once. A wait on a
-  peer sends a probe every ``floor_s / 2``; past the adaptive deadline
-  ``max(floor_s, factor * bytes / bandwidth)`` (``bandwidth``: an EMA of the receive rate of past
-  rounds, :class:`Bandwidth`, carried across rounds by the adapter) a peer with no sign of life for a
-  whole deadline is suspected, and one that answers probes but delivers nothing after
-  ``STUCK_FACTOR`` deadlines. Suspicions ride on every message, so one replica's detection reaches
-  the others.
-* Termination: after committing, a replica sends ``fin`` (with its ``C``) to every live peer and keeps
-  serving (as owner or backup) until each live peer has sent its ``fin``; only then is it finished. A
-  ``fin`` whose ``C`` differs from ours turns the round into :class:`Failed`, never into silent divergence.
+* Failure detection (:mod:`protolearn.protocol.liveness`): a failed stream or a refused probe marks a
+  peer suspected at once; a peer waited on is probed, and suspected past a deadline scaled to the
+  measured bandwidth. Suspicions ride on every message, so one replica's detection reaches the others.
+* Termination: after committing, a replica sends ``fin`` (with its ``C``) to every peer and keeps
+  serving (as owner or backup) until each peer it does not suspect has sent its ``fin``; only then is
+  it finished. A live peer's ``fin`` whose ``C`` differs from ours turns the round into :class:`Failed`.
 
 Why survivors agree (crash-stop peers; a peer is suspected only once it is dead)
 ----------------------------------------------------------------------------------
-Every live contributor's slices reach every part's final owner (it resends on every owner change and
-owners wait for non-suspected contributors), so ``C`` only ever drops dead peers. Since values are
-functions of sets, two survivors can only differ by committing different sets. Take one dead peer X
-(the case the tests and the design target). A survivor commits a set containing X only if every part
-was reduced over a set containing X. For a part whose owner is alive, that owner never reduced it
-without X (it never received X's slice otherwise; X's slices never change). For X's own part x, any
-survivor holding a reduced x from X implies the backup holds it (successor first), so the backup sends
-that very part on rather than reducing x without X. Hence if one survivor can commit ``C`` with X, no
-part over a smaller set appears, and all survivors converge on the same ``C``; otherwise nobody can
-commit with X and all converge on ``C`` without X. With more concurrent deaths this stays true while
-each part's owner and its successor do not die together; if they do, the ``fin`` check turns a
-disagreement into :class:`Failed`, and the node's parameter-hash comparison after the step is the
-last line. A live peer wrongly suspected (it stalled longer than the deadline) can break the
-assumption; the probe-before-suspect step and the bandwidth-scaled deadlines make that unlikely.
+A live contributor's slices reach every part's current owner (it resends on every owner change, and
+owners wait for every contributor they do not suspect), so ``C`` only ever loses dead peers. Values are
+functions of sets, so survivors can only differ by committing different sets. Take one dead peer X.
+Suppose a survivor commits ``C`` containing X; then for every part it holds a reduction that includes X.
+A reduction without X can only come (a) from an owner that lacks X's slice, or (b) from re-reducing
+after seeing a reduction without X, which needs (a) first. For a part other than X's own, the owner
+is its live primary, and it produced a reduction with X, so it holds X's slice: no (a). For X's own
+part, a survivor's reduction with X came from X itself, and successor-first means the backup got it
+before anyone else; taking over, the backup finds that part over its ``C`` and sends it on instead of
+reducing without X: no (a). So no reduction without X ever appears, and every survivor converges on
+the same ``C``; if no survivor can commit with X, all converge on ``C`` without X. Two deaths in one
+round are handled the same way unless a part's owner and its successor both die after the owner sent
+its reduction on; the ``fin`` check then turns most disagreements into :class:`Failed`, and the node's
+parameter-hash comparison after the step is the last line. A live peer wrongly suspected (silent for
+longer than the deadline, or not delivering for ``STUCK_FACTOR`` deadlines) breaks the assumption;
+probing before suspecting and bandwidth-scaled deadlines make that unlikely, and a wrongly suspected
+peer that hears of it (every message and every ``fin`` carries the sender's suspects) fails its round.
 """
 
 from __future__ import annotations
@@ -61,25 +60,32 @@ from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
 import torch
-from pydantic import Field
-
+from protolearn.protocol.liveness import (
+    DEFAULT_FACTOR,
+    DEFAULT_FLOOR_S,
+    EMA_ALPHA,
+    INITIAL_BYTES_PER_S,
+    STUCK_FACTOR,
+    Bandwidth,
+    FailureDetector,
+    Wait,
+)
 from protolearn.protocol.pipeline import MAX_STAGES, PeerId, Step
 from protolearn.protocol.wire import Message
+from pydantic import Field
+
+# The liveness names stay importable from here: the adapter and the tests know the collective only.
+__all__ = [
+    "DEFAULT_FACTOR", "DEFAULT_FLOOR_S", "DEFAULT_TIMEOUT_S", "EMA_ALPHA", "INITIAL_BYTES_PER_S", "MAX_PARTICIPANTS",
+    "PROTOCOL_ID", "STUCK_FACTOR", "Action", "Bandwidth", "CollectiveRound", "Done", "Failed", "PartHeader", "Probe",
+    "Rejected", "Send", "part_bounds",
+]
 
 PROTOCOL_ID = "/protolearn/collective/1.0.0"
 # Hard cap on one round; the adaptive per-wait deadlines below normally end a round long before.
 DEFAULT_TIMEOUT_S = 60.0
 # Upper bound on participants of one round; a stage with more replicas is a misconfiguration.
 MAX_PARTICIPANTS = 1024
-# Per-wait deadline = max(FLOOR_S, FACTOR * bytes expected / bandwidth EMA).
-DEFAULT_FLOOR_S = 2.0
-DEFAULT_FACTOR = 4.0
-# Past its deadline a peer is suspected once it shows no sign of life for another deadline; one that
-# keeps answering probes but delivers nothing is suspected after this many deadlines.
-STUCK_FACTOR = 3
-# Before the first measurement: a slow home uplink, so the first deadlines are generous.
-INITIAL_BYTES_PER_S = 20e6
-EMA_ALPHA = 0.3
 
 Phase = Literal["scatter", "gather", "fin"]
 Op = Literal["sum", "weighted_mean"]
@@ -97,24 +103,8 @@ class PartHeader(Message):
     stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
     phase: Literal["scatter", "gather", "fin", "probe"]
     part: Annotated[int, Field(ge=0, lt=MAX_PARTICIPANTS)]
-    contributors: Annotated[list[PeerId], Field(max_length=MAX_PARTICIPANTS)] = []
-    suspects: Annotated[list[PeerId], Field(max_length=MAX_PARTICIPANTS)] = []
-
-
-@dataclass
-class Bandwidth:
-    """EMA of the receive rate a replica saw in its collective rounds; the adapter keeps one per stage."""
-
-    bytes_per_s: float = INITIAL_BYTES_PER_S
-    alpha: float = EMA_ALPHA
-    num_samples: int = 0
-
-    def observe(self, nbytes: int, seconds: float) -> None:
-        if nbytes <= 0 or seconds <= 0:
-            return
-        sample = nbytes / seconds
-        self.bytes_per_s = sample if self.num_samples == 0 else (1 - self.alpha) * self.bytes_per_s + self.alpha * sample
-        self.num_samples += 1
+    contributors: list[PeerId] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)
+    suspects: list[PeerId] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)
 
 
 @dataclass(frozen=True)
@@ -232,9 +222,7 @@ class CollectiveRound:
         self._slices: dict[int, dict[str, torch.Tensor]] = {}  # parts I (may) reduce: sender -> slice
         self._versions: dict[int, dict[frozenset[str], torch.Tensor]] = {}
         self._broadcasts: dict[tuple[int, frozenset[str]], _Broadcast] = {}
-        self._since: dict[tuple, float] = {}  # wait key -> when the wait began
-        self._probed: dict[str, float] = {}
-        self._alive_at: dict[str, float] = {}  # last sign of life: a message or an answered probe
+        self._detector = FailureDetector(self.floor_s, self.factor, self.bandwidth)
         self._fins: dict[str, frozenset[str]] = {}
         self._committed: Done | None = None
         self._committed_at = 0.0
@@ -264,9 +252,6 @@ class CollectiveRound:
                 return p
         return self.me
 
-    def reducer_of(self, part: int) -> str:
-        return self.owner(part)
-
     @property
     def my_part(self) -> int:
         return self.peers.index(self.me)
@@ -277,19 +262,15 @@ class CollectiveRound:
     def wait_s(self) -> float:
         """How long to wait for one phase's parts: all N-1 incoming parts at the measured rate."""
         n = len(self.peers)
-        nbytes = 4 * (self.numel // n + 1) * max(1, n - 1)
-        return max(self.floor_s, self.factor * nbytes / max(self.bandwidth.bytes_per_s, 1.0))
+        return self._detector.deadline_s(4 * (self.numel // n + 1) * max(1, n - 1))
 
     def next_deadline(self) -> float | None:
         """When :meth:`poll` next has something to do (a probe or a deadline), or None."""
         if self._finished is not None or self._started_at is None:
             return None
-        times = [self._started_at + self.timeout_s]
-        for key, since in self._since.items():
-            for peer in self._waited_peers(key):
-                times.append(self._dead_at(key, since, peer))
-                times.append(max(since, self._probed.get(peer, since)) + self.floor_s / 2)
-        return min(times)
+        detected = self._detector.next_deadline(self._waits())
+        give_up = self._started_at + self.timeout_s
+        return give_up if detected is None else min(give_up, detected)
 
     # -- events ----------------------------------------------------------------------------------
     def start(self, vector: torch.Tensor, now: float) -> list[Action]:
@@ -324,7 +305,7 @@ class CollectiveRound:
         if self.me in suspects:
             return self._fail([peer], f"{peer} believes this replica died in round {self.round_id}; resync from a replica")
         self.suspects.update(suspects)
-        self._alive_at[peer] = self._now
+        self._detector.alive(peer, self._now)
         if phase == "fin":
             self._fins[peer] = frozenset(contributors)
         elif phase == "probe":
@@ -344,7 +325,7 @@ class CollectiveRound:
     def delivered(self, send: Send, now: float) -> list[Action]:
         """``send`` reached its peer (acknowledged); an owner's successor-first broadcast goes on."""
         self._now = max(self._now, now)
-        self._alive_at[send.peer] = now
+        self._detector.alive(send.peer, now)
         if send.phase != "gather":
             return []
         b = self._broadcasts.get((send.part, frozenset(send.contributors)))
@@ -363,7 +344,7 @@ class CollectiveRound:
     def peer_alive(self, peer: str, now: float) -> None:
         """``peer`` answered a probe: a slow peer that answers is not suspected until ``STUCK_FACTOR`` deadlines."""
         self._now = max(self._now, now)
-        self._alive_at[peer] = now
+        self._detector.alive(peer, now)
 
     def poll(self, now: float) -> list[Action]:
         """Probe peers we wait on, suspect those past their deadline, and give up after ``timeout_s``."""
@@ -371,15 +352,10 @@ class CollectiveRound:
         if self._finished is not None or self._started_at is None:
             return []
         if now - self._started_at >= self.timeout_s:
-            missing = sorted({p for key in self._since for p in self._waited_peers(key)})
+            missing = self.missing()
             return self._fail(missing, f"round {self.round_id} timed out after {self.timeout_s:g} s waiting for {missing}")
-        actions: list[Action] = []
-        waits = [(key, since, peer) for key, since in self._since.items() for peer in self._waited_peers(key)]
-        dead = {peer for key, since, peer in waits if now >= self._dead_at(key, since, peer)}
-        for key, since, peer in waits:
-            if peer not in dead and self._probed.get(peer) != now and now - max(since, self._probed.get(peer, since)) >= self.floor_s / 2:
-                self._probed[peer] = now
-                actions.append(Probe(peer))
+        probes, dead = self._detector.due(now, self._waits())
+        actions: list[Action] = [Probe(p) for p in probes]
         if dead:
             self.suspects.update(dead)
             actions += self._advance()
@@ -387,7 +363,7 @@ class CollectiveRound:
 
     def missing(self) -> list[str]:
         """Peers this replica is waiting on right now."""
-        return sorted({p for key in self._since for p in self._waited_peers(key)})
+        return sorted({p for key in self._detector.wait_keys() for p in self._waited_peers(key)})
 
     # -- internals -------------------------------------------------------------------------------
     def _check(self, peer: str, phase: str, part: int, data: torch.Tensor | None, contributors, suspects) -> str:
@@ -448,10 +424,8 @@ class CollectiveRound:
         # An owner waits one phase for slices; a participant waits for an owner that may itself be waiting.
         return self.wait_s() * (1 if key[0] == "own" else 2)
 
-    def _dead_at(self, key: tuple, since: float, peer: str) -> float:
-        """When a wait on ``peer`` that began at ``since`` makes it suspected (see the module docstring)."""
-        limit = self._limit(key)
-        return min(since + STUCK_FACTOR * limit, max(since, self._alive_at.get(peer, since)) + limit)
+    def _waits(self) -> dict[tuple, Wait]:
+        return {key: Wait(self._waited_peers(key), self._limit(key)) for key in self._detector.wait_keys()}
 
     def _waited_peers(self, key: tuple) -> list[str]:
         if key[0] == "own":
@@ -562,8 +536,8 @@ class CollectiveRound:
         return out
 
     def _track_waits(self) -> None:
-        """Record when each current wait began (the deadline counts from there); drop finished waits."""
-        now, waits = self._now, set()
+        """Tell the detector what this replica waits on now (a deadline counts from a wait's start)."""
+        waits = set()
         for j in range(len(self.peers)):
             if self._C in self._versions.get(j, {}):
                 continue
@@ -571,4 +545,4 @@ class CollectiveRound:
             waits.add(("own", j) if o == self.me else ("gather", j, o))
         if self._committed is not None:
             waits.update(("fin", p) for p in self.live_peers() if p not in self._fins)
-        self._since = {k: self._since.get(k, now) for k in waits if self._waited_peers(k) or k[0] != "own"}
+        self._detector.track((k for k in waits if self._waited_peers(k) or k[0] != "own"), self._now)

@@ -11,8 +11,8 @@ dtype, shape, size) before reading a payload byte.
 - ``gradient``: :class:`Gradient` + tensor → :class:`Ack` or :class:`Refuse`.
   The tensor is the gradient wrt that hidden state, same shape and codec. It travels back along the
   route recorded in the activation; the loss (computed on the last stage) rides along to stage 0.
-- ``collective``: :class:`CollectivePart` + tensor (raw float32, never lossy: replicas must agree bit
-  for bit) → :class:`Ack` or :class:`Refuse`.
+- ``collective``: :class:`~protolearn.protocol.collective.PartHeader` + tensor (raw float32, never
+  lossy: replicas must agree bit for bit) → :class:`Ack` or :class:`Refuse`.
   A replica that the step's accounting leaves out (it processed no ticket) sends
   :class:`ResultRequest` instead and gets :class:`Ack` + the whole reduced vector from a participant.
 - ``state``: :class:`StateRequest` → :class:`StateInfo`, then per tensor a :class:`StateChunk` + tensor,
@@ -23,7 +23,7 @@ Bounds on every variable-size field keep a hostile peer from making a node alloc
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar
 
 from pydantic import Field
 
@@ -82,16 +82,6 @@ class Refuse(Message):
     KIND: ClassVar[str] = "pipe.refuse"
     code: Annotated[str, Field(max_length=32)]
     reason: Annotated[str, Field(max_length=MAX_REASON)]
-
-
-class CollectivePart(Message):
-    """Part ``part`` of the all-reduce of ``stage`` for step ``round`` (scatter or gather)."""
-
-    KIND: ClassVar[str] = "pipe.collective_part"
-    round: Step
-    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
-    phase: Literal["scatter", "gather"]
-    part: Annotated[int, Field(ge=0, lt=1024)]
 
 
 class ResultRequest(Message):

@@ -9,13 +9,13 @@ reduction over exactly the contributors :class:`Done` reports.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from protolearn.protocol.collective import (
     Bandwidth,
     CollectiveRound,
@@ -236,11 +236,11 @@ def test_result_does_not_depend_on_arrival_order_or_on_who_reduces() -> None:
 
 
 def test_part_bounds_cover_the_vector_once() -> None:
-    for numel in range(0, 30):
+    for numel in range(30):
         for parts in range(1, 7):
             bounds = part_bounds(numel, parts)
             assert bounds[0][0] == 0 and bounds[-1][1] == numel
-            assert all(b[1] == c[0] for b, c in zip(bounds, bounds[1:]))
+            assert all(b[1] == c[0] for b, c in itertools.pairwise(bounds))
 
 
 def test_bad_parts_are_rejected_with_a_reason() -> None:

@@ -1,0 +1,112 @@
+"""The failure detector of a collective round: adaptive deadlines, probes and suspicion.
+
+A :class:`~protolearn.protocol.collective.CollectiveRound` waits on peers (an owner on the slices it
+still lacks, a replica on each part's owner, a committed replica on the others' ``fin``). This module
+decides, from those waits and ``now`` alone, which peers to probe and which to suspect dead; it never
+does IO and knows nothing of parts or contributor sets, so the round's correctness argument only needs
+its one promise: a peer is suspected only when it has been silent, or useless, for long enough.
+
+How it works
+------------
+* Each wait has a key (chosen by the round) and the time it began; :meth:`FailureDetector.track` keeps
+  those times while the round still waits on the same thing, so a deadline counts from the wait's start.
+* A wait's limit is the round's (the phase's expected bytes over :class:`Bandwidth`, an EMA of the
+  receive rate of past rounds that the adapter carries across rounds, never below ``floor_s``; see
+  :meth:`FailureDetector.deadline_s`). A peer waited on is probed every ``floor_s / 2``.
+* A peer is suspected once it shows no sign of life (a message, an acknowledged send, an answered probe)
+  for a whole limit past the wait's start, or, answering probes but delivering nothing, after
+  ``STUCK_FACTOR`` limits. A failed stream or a refused probe suspects a peer at once; the round does
+  that itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+# Per-wait limit = max(FLOOR_S, FACTOR * bytes expected / bandwidth EMA).
+DEFAULT_FLOOR_S = 2.0
+DEFAULT_FACTOR = 4.0
+# Past its limit a peer is suspected once it shows no sign of life for another limit; one that keeps
+# answering probes but delivers nothing is suspected after this many limits.
+STUCK_FACTOR = 3
+# Before the first measurement: a slow home uplink, so the first deadlines are generous.
+INITIAL_BYTES_PER_S = 20e6
+EMA_ALPHA = 0.3
+
+
+@dataclass
+class Bandwidth:
+    """EMA of the receive rate a replica saw in its collective rounds; the adapter keeps one per stage."""
+
+    bytes_per_s: float = INITIAL_BYTES_PER_S
+    alpha: float = EMA_ALPHA
+    num_samples: int = 0
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        sample = nbytes / seconds
+        self.bytes_per_s = sample if self.num_samples == 0 else (1 - self.alpha) * self.bytes_per_s + self.alpha * sample
+        self.num_samples += 1
+
+
+class Wait(NamedTuple):
+    """What one wait is on right now: the peers that still owe something, and its limit in seconds."""
+
+    peers: list[str]
+    limit_s: float
+
+
+@dataclass
+class FailureDetector:
+    """Tracks when each wait began and each peer's last sign of life; turns ``now`` into probes and suspects."""
+
+    floor_s: float = DEFAULT_FLOOR_S
+    factor: float = DEFAULT_FACTOR
+    bandwidth: Bandwidth = field(default_factory=Bandwidth)
+    _since: dict[Hashable, float] = field(default_factory=dict, init=False)  # wait key -> when it began
+    _probed: dict[str, float] = field(default_factory=dict, init=False)
+    _alive_at: dict[str, float] = field(default_factory=dict, init=False)
+
+    def deadline_s(self, nbytes: int) -> float:
+        """The limit for receiving ``nbytes`` at the measured rate (never below ``floor_s``)."""
+        return max(self.floor_s, self.factor * nbytes / max(self.bandwidth.bytes_per_s, 1.0))
+
+    def alive(self, peer: str, now: float) -> None:
+        """``peer`` showed a sign of life: a message, an acknowledged send or an answered probe."""
+        self._alive_at[peer] = now
+
+    def track(self, keys: Iterable[Hashable], now: float) -> None:
+        """The round waits on exactly ``keys`` now: new ones begin at ``now``, finished ones are dropped."""
+        self._since = {k: self._since.get(k, now) for k in keys}
+
+    def wait_keys(self) -> list[Hashable]:
+        return list(self._since)
+
+    def next_deadline(self, waits: Mapping[Hashable, Wait]) -> float | None:
+        """When :meth:`due` next has something to do (a probe or a suspicion), or None."""
+        times = []
+        for key, since in self._since.items():
+            w = waits[key]
+            for peer in w.peers:
+                times.append(self._dead_at(since, peer, w.limit_s))
+                times.append(max(since, self._probed.get(peer, since)) + self.floor_s / 2)
+        return min(times, default=None)
+
+    def due(self, now: float, waits: Mapping[Hashable, Wait]) -> tuple[list[str], set[str]]:
+        """The peers to probe now, and the peers to suspect (past their deadline; never probed as well)."""
+        pending = [(since, peer, waits[key].limit_s) for key, since in self._since.items() for peer in waits[key].peers]
+        dead = {peer for since, peer, limit in pending if now >= self._dead_at(since, peer, limit)}
+        probes = []
+        for since, peer, _ in pending:
+            last = max(since, self._probed.get(peer, since))
+            if peer not in dead and self._probed.get(peer) != now and now - last >= self.floor_s / 2:
+                self._probed[peer] = now
+                probes.append(peer)
+        return probes, dead
+
+    def _dead_at(self, since: float, peer: str, limit: float) -> float:
+        # Silent for a whole limit since its last sign of life, or useless for STUCK_FACTOR limits.
+        return min(since + STUCK_FACTOR * limit, max(since, self._alive_at.get(peer, since)) + limit)

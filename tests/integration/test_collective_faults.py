@@ -1,0 +1,158 @@
+"""The fault-tolerant collective over real libp2p hosts: one replica is killed at each phase.
+
+Four replicas, each with its own host in its own cancel scope, run one round of the node's collective
+(``Averager``, op ``sum``). The victim's scope is cancelled at a chosen point, which closes its host
+and connections mid-whatever-it-was-doing. The survivors must end with bit-identical results, equal to
+the sum of exactly the vectors :attr:`Averager.last_done` reports as in, and a survivor's own vector is
+never left out.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+import torch
+import trio
+from protolearn.node.averaging import Averager
+from protolearn.protocol.collective import Done, Send
+from protolearn.protocol.identity import Identity
+from protolearn.protocol.transport import TransportConfig, open_host
+
+# Killing a host while a survivor is dialling it can leave that survivor's half-made py-libp2p socket to
+# the garbage collector. Collect after each test so it is reported here, and ignore only that warning.
+pytestmark = pytest.mark.filterwarnings("ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.fixture(autouse=True)
+def _collect_sockets() -> Iterator[None]:
+    yield
+    gc.collect()
+
+
+CONFIG = TransportConfig(request_timeout_s=5.0, chunk_timeout_s=5.0, connect_timeout_s=2.0)
+STAGE = 2
+ROUND = 11
+
+
+class KillableAverager(Averager):
+    """An Averager that cancels its own replica (``scope``) at ``kill_point``."""
+
+    kill_point: str | None = None
+    scope: trio.CancelScope | None = None
+
+    def _kill(self) -> None:
+        assert self.scope is not None
+        self.scope.cancel()
+
+    def _dispatch(self, actions: list) -> None:
+        if self.scope is not None and self.scope.cancel_called:
+            return
+        if self.kill_point == "holding_parts" and any(isinstance(a, Send) and a.phase == "gather" for a in actions):
+            self._kill()  # it holds every slice of its part and has reduced it; nothing of it leaves
+            return
+        super()._dispatch(actions)
+        r = self._round
+        if self.kill_point == "after_commit" and r is not None and r.committed is not None:
+            self._kill()
+
+    async def _send_part(self, a, round_id: int) -> None:
+        await super()._send_part(a, round_id)
+        if isinstance(a, Send) and (self.kill_point, a.phase) in (("mid_scatter", "scatter"), ("mid_gather", "gather")):
+            self._kill()  # after its first part of that phase was acknowledged
+
+
+async def run_case(
+    numel: int, weights_by_rank: list[float], victim_rank: int | None, kill_point: str | None, *, floor_s: float = 1.0
+) -> tuple[dict, dict]:
+    ids = sorted((Identity.generate() for _ in weights_by_rank), key=lambda i: i.peer_id)
+    weights = {ident.peer_id: w for ident, w in zip(ids, weights_by_rank)}
+    gen = torch.Generator().manual_seed(numel)
+    vectors = {ident.peer_id: torch.randn(numel, generator=gen) for ident in ids}
+    addrs: dict[str, list[str]] = {}
+    all_up = trio.Event()
+    results: dict[str, Done] = {}
+
+    async def replica(rank: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        me = ids[rank].peer_id
+        with trio.CancelScope() as scope:
+            async with open_host(ids[rank], config=CONFIG) as host:
+                addrs[me] = host.addrs()
+                task_status.started()
+                await all_up.wait()
+                for other, a in addrs.items():
+                    if other != me:
+                        host.add_peer_addrs(other, a)
+                avg = KillableAverager(host, STAGE, numel, timeout_s=30.0, next_round=ROUND, floor_s=floor_s)
+                avg.register()
+                if rank == victim_rank:
+                    avg.kill_point, avg.scope = kill_point, scope
+                    if kill_point == "before_start":
+                        return
+                results[me] = await avg.run_round_detailed(ROUND, weights, vectors[me])
+                # Stay reachable a moment (as a node would): a slower survivor may still probe us.
+                await trio.sleep(0.2)
+
+    async with trio.open_nursery() as nursery:
+        for rank in range(len(ids)):
+            await nursery.start(replica, rank)
+        all_up.set()
+    return weights, {"vectors": vectors, "results": results, "victim": None if victim_rank is None else ids[victim_rank].peer_id}
+
+
+def check(weights: dict[str, float], out: dict) -> Done:
+    vectors, results, victim = out["vectors"], out["results"], out["victim"]
+    survivors = [p for p in weights if p != victim]
+    assert set(survivors) <= set(results), f"survivors without a result: {set(survivors) - set(results)}"
+    first = results[survivors[0]]
+    for p in survivors:
+        assert torch.equal(results[p].result, first.result), "survivors must hold bit-identical results"
+        assert results[p].contributors == first.contributors
+    assert {p for p in survivors if weights[p] > 0} <= set(first.contributors), "a survivor's vector was dropped"
+    assert set(first.excluded) <= {victim}
+    exact = sum((vectors[p].double() for p in first.contributors), torch.zeros(first.result.numel(), dtype=torch.float64))
+    torch.testing.assert_close(first.result.double(), exact, rtol=1e-5, atol=1e-5)
+    return first
+
+
+@pytest.mark.parametrize(
+    ("victim_rank", "kill_point"),
+    [
+        # A sender dies before sending anything, and after its first part went out.
+        (1, "before_start"),
+        (1, "mid_scatter"),
+        # A reducer dies holding its slices (reduced, nothing sent), mid-gather, and after committing.
+        (0, "holding_parts"),
+        (3, "holding_parts"),
+        (0, "mid_gather"),
+        (2, "mid_gather"),
+        (3, "after_commit"),
+    ],
+)
+def test_survivors_agree_when_one_replica_dies(run_trio, victim_rank: int, kill_point: str) -> None:
+    async def main() -> None:
+        weights, out = await run_case(4099, [1.0, 2.0, 0.0, 3.0], victim_rank, kill_point)
+        done = check(weights, out)
+        if kill_point == "before_start":
+            assert done.excluded == [out["victim"]]
+
+    run_trio(main, timeout=40)
+
+
+def test_no_fault_round_includes_everyone(run_trio) -> None:
+    async def main() -> None:
+        weights, out = await run_case(1001, [1.0, 1.0, 1.0, 1.0], None, None)
+        done = check(weights, out)
+        assert done.excluded == [] and done.contributors == sorted(weights)
+
+    run_trio(main, timeout=30)
+
+
+def test_a_large_vector_survives_a_sender_dying_mid_scatter(run_trio) -> None:
+    async def main() -> None:
+        # Four hosts share one event loop here, so deadlines get the floor a busy machine needs.
+        weights, out = await run_case(2_000_003, [1.0, 1.0, 1.0, 1.0], 2, "mid_scatter", floor_s=3.0)
+        check(weights, out)
+
+    run_trio(main, timeout=60)
