@@ -184,6 +184,8 @@ class CoordinatorCore:
             from protolearn.coordinator.status import build_status
 
             return build_status(self, now, msg.loss_history)
+        if isinstance(msg, cm.MembersRequest):
+            return cm.Members(run_toml=self.run.run_toml, run_hash=self.run.run_hash, step=self.ledger.step, members=self.view())
         if isinstance(msg, cm.Join):
             return self._join(peer, msg, now)
         if isinstance(msg, cm.Report):

@@ -49,6 +49,7 @@ REQUEST_TYPES: tuple[type[Message], ...] = (
     cm.Report,
     cm.Leave,
     cm.StatusRequest,
+    cm.MembersRequest,
 )
 
 

@@ -33,6 +33,11 @@ class NodeConfig(BaseModel):
     sync_timeout_s: float = Field(default=120.0, gt=0)
     # Stop after this many applied steps (None: the run's steps). The demo and tests use it.
     max_steps: int | None = Field(default=None, ge=1)
+    # Checkpoints (node/persistence.py): every N applied steps into <data dir>/checkpoints (0: only at
+    # leave), keeping the newest few; `checkpoint` is a stage checkpoint to restore an emptied stage from.
+    checkpoint_every: int = Field(default=10, ge=0)
+    checkpoint_keep: int = Field(default=3, ge=1, le=1000)
+    checkpoint: Path | None = None
 
     @field_validator("coordinator")
     @classmethod

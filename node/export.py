@@ -1,4 +1,7 @@
-"""The exported whole model: every stage's checkpoint of one step assembled into one safetensors file.
+"""The exported whole model: every stage's state of one step assembled into one safetensors file.
+
+:func:`export_model` assembles it from a folder of stage checkpoints; :func:`write_model` writes it
+from parameter tensors (``protolearn swarm export`` fetches them from live replicas).
 
 An exported model is one safetensors file of every parameter under its global name (loadable with
 ``Transformer.load_state_dict``), with the run TOML, run hash and step as metadata, plus the run
@@ -7,7 +10,7 @@ config beside it as ``<name>.toml``. It carries no optimizer state. Never torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,11 +108,30 @@ def export_model(checkpoint_dir: str | Path, out: str | Path, run: RunConfig | N
         module = build_stage(run, s)
         load_checkpoint(d / checkpoint_name(s, step), run, s, module, make_optimizer(module.parameters(), run.optim))
         params.update({n: p.detach().to("cpu", copy=True).contiguous() for n, p in module.named_parameters()})
+    return write_model(params, run, step, out, note=note)
+
+
+def write_model(params: Mapping[str, Tensor], run: RunConfig, step: int, out: str | Path, *, note: str | None = None) -> ExportResult:
+    """Write every parameter of ``run``'s model (global names) after ``step`` steps as one model file + its TOML.
+
+    The names, dtypes and shapes must be exactly the whole model's (as every stage of ``run`` builds
+    them), so a file written here always loads with :func:`load_model`.
+    """
+    out = Path(out)
+    if out.suffix == ".toml":
+        raise CheckpointError(str(out), "the model file must not end in .toml (its run config goes beside it as <name>.toml)")
+    want = {n: (p.dtype, tuple(p.shape)) for s in range(PartitionPlan.from_config(run).num_stages) for n, p in build_stage(run, s).named_parameters()}
+    got = {n: (t.dtype, tuple(t.shape)) for n, t in params.items()}
+    if got != want:
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        wrong = sorted(n for n in set(want) & set(got) if want[n] != got[n])
+        raise CheckpointError(str(out), f"the parameters are not run '{run.name}''s model (missing {missing[:3]}, unexpected {extra[:3]}, wrong dtype/shape {wrong[:3]})")
+    tensors = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in sorted(params.items())}
     meta = {"format": MODEL_FORMAT, "run_hash": run.run_hash(), "run_toml": run.to_toml(), "step": str(step),
-            "state_digest": state_digest(params)}
-    write_atomic(out, st_save(params, metadata=meta))
+            "state_digest": state_digest(tensors)}
+    write_atomic(out, st_save(tensors, metadata=meta))
     write_atomic(sidecar_path(out), run.to_toml().encode())
-    return ExportResult(out, sidecar_path(out), run, step, sum(p.numel() for p in params.values()), note)
+    return ExportResult(out, sidecar_path(out), run, step, sum(t.numel() for t in tensors.values()), note)
 
 
 def read_model_info(path: str | Path) -> ModelInfo:

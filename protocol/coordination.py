@@ -246,6 +246,20 @@ class StatusRequest(Message):
     loss_history: Annotated[int, Field(ge=0, le=10_000)] = 200
 
 
+class MembersRequest(Message):
+    """Ask for the live membership (with addresses), e.g. to fetch parameters for `swarm export`."""
+
+    KIND: ClassVar[str] = "coord.members_request"
+
+
+class Members(Message):
+    KIND: ClassVar[str] = "coord.members"
+    run_toml: str
+    run_hash: str
+    step: int
+    members: list[MemberView]
+
+
 class RunView(_Part):
     name: str
     run_hash: str

@@ -2,7 +2,10 @@
 
 Flags are read here, once, into a :class:`~protolearn.node.config.NodeConfig`. Ctrl-C or SIGTERM
 leaves the swarm gracefully (the coordinator gets the node's tickets back) and exits 0. A bad flag, an
-unreachable coordinator or a run this node cannot train is one error line and exit 1.
+unreachable coordinator or a run this node cannot train is one error line and exit 1. The node writes
+its stage to ``<data dir>/checkpoints`` every ``--checkpoint-every`` steps and as it leaves; restarted
+with the same data dir, or given ``--checkpoint FILE``, it restores a stage that lost all its replicas
+(see :mod:`protolearn.node.persistence`).
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ node_app = typer.Typer(help="Run a volunteer node.", no_args_is_help=True)
 def _join(
     coordinator: Annotated[str, typer.Option("--coordinator", help="The coordinator's multiaddr, ending in /p2p/<peer id>.")],
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
-    data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Key and logs (default: ~/.protolearn/<name>).")] = None,
+    data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Key, logs and checkpoints (default: ~/.protolearn/<name>).")] = None,
     listen: Annotated[str, typer.Option("--listen", help="Listen multiaddr; use a reachable IP for a multi-machine swarm.")] = "/ip4/127.0.0.1/tcp/0",
     threads: Annotated[int | None, typer.Option("--threads", help="Torch CPU threads (default: torch's choice).")] = None,
     name: Annotated[str, typer.Option("--name", help="Node name: its data dir and its label in swarm status.")] = "node",
     bf16: Annotated[bool, typer.Option("--bf16", help="bf16 autocast on CUDA (ignored on CPU).")] = False,
     max_steps: Annotated[int | None, typer.Option("--max-steps", help="Stop after this many steps (default: the run's).")] = None,
     max_in_flight: Annotated[int, typer.Option("--max-in-flight", help="Microbatches holding activations at once.")] = 8,
+    checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="A stage checkpoint to restore a stage that lost all its replicas.")] = None,
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Write the stage to <data-dir>/checkpoints every N steps (0: only at leave).")] = 10,
 ) -> None:
     """Join the swarm at COORDINATOR and train the stage it assigns until the run ends."""
     import trio
@@ -44,11 +49,16 @@ def _join(
         config = NodeConfig(
             coordinator=coordinator, device=device, data_dir=data_dir or default_data_dir(name), listen=listen,
             threads=threads, name=name, bf16=bf16, max_steps=max_steps, max_in_flight=max_in_flight,
+            checkpoint=checkpoint, checkpoint_every=checkpoint_every,
         )
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
         field = ".".join(str(p) for p in first["loc"]).replace("_", "-")
         raise ConfigError(f"--{field}: {first['msg'].removeprefix('Value error, ')}") from None
+    if config.checkpoint is not None:
+        from protolearn.node.checkpoint import read_checkpoint_info
+
+        read_checkpoint_info(config.checkpoint)  # a missing or foreign file is one line before joining
     identity = load_or_create_identity(config.data_dir)
     _configure_logging(config.data_dir / "node.log")
 

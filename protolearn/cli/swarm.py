@@ -169,6 +169,49 @@ def _status(
         raise err from None
 
 
+def _export(
+    coordinator: Annotated[str, typer.Option("--coordinator", help="The coordinator's multiaddr, ending in /p2p/<peer id>.")],
+    out: Annotated[str, typer.Option("--out", help="Model file to write; its run config goes beside it as <name>.toml.")],
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds for the whole export.")] = 120.0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")] = False,
+) -> None:
+    """Fetch every stage's current parameters from live replicas and write the whole model as one file."""
+    import trio
+
+    from protolearn.cli.coordinator import first_project_error
+    from protolearn.node.coordinator_link import coordinator_peer_id
+    from protolearn.node.swarm_export import export_swarm
+    from protolearn.protocol.identity import Identity
+    from protolearn.protocol.transport import TransportConfig, open_host
+
+    if timeout <= 0:
+        raise ConfigError(f"--timeout={timeout} must be positive")
+    if not out or out.endswith(".toml"):
+        raise ConfigError(f"--out {out!r} must name the model file (e.g. model.safetensors); its run config goes beside it as <name>.toml")
+    coordinator_peer_id(coordinator)  # a malformed address is one clear line before any dialling
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+
+    async def main() -> Any:
+        cfg = TransportConfig(request_timeout_s=timeout, connect_timeout_s=min(timeout, 10.0))
+        async with open_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"], cfg) as host:
+            return await export_swarm(host, coordinator, out, timeout_s=timeout)
+
+    try:
+        result = trio.run(main)
+    except BaseExceptionGroup as group:
+        err = first_project_error(group)
+        if err is None:
+            raise
+        raise err from None
+    if json_out:
+        print(json.dumps({"out": str(result.out), "config": str(result.sidecar), "run": result.run.name,
+                          "run_hash": result.run.run_hash(), "step": result.step, "params": result.num_params}))
+    else:
+        print(f"{result.run.name}: exported step {result.step} ({result.num_params} parameters) from the live swarm to {result.out}; run config {result.sidecar}")
+
+
 def register(app: typer.Typer) -> None:
     swarm_app.command("status")(_status)
+    swarm_app.command("export")(_export)
     app.add_typer(swarm_app, name="swarm")

@@ -1,0 +1,240 @@
+"""A node's stage on disk: periodic checkpoints, and where a (re)starting node takes its stage's state from.
+
+Checkpoints. Every ``checkpoint_every`` applied steps (and when the node leaves or finishes) the node
+writes its stage, parameters plus AdamW state plus step and run hash, into ``<data dir>/checkpoints``
+with :func:`~protolearn.node.checkpoint.save_checkpoint` (atomic: temp file, fsync, rename; the newest
+``checkpoint_keep`` are kept). Every replica writes on the same steps, so the stage files of one step
+form a consistent whole model, which ``protolearn export --checkpoints`` assembles.
+
+Restore. :func:`plan_restore` is the sans-IO decision a node makes once it knows its stage, the open
+step and the stage's live replicas; it returns a :class:`RestorePlan` with a reason:
+
+- ``local``: live replicas exist, and this node's own checkpoint (its data dir, or ``--checkpoint``)
+  is exactly the state they report for the newest step: install it and download nothing. This is the
+  crashed-and-restarted node whose stage has not moved since its last checkpoint.
+- ``donor``: live replicas exist and the stage moved on (or there is no checkpoint): sync from a
+  replica (:func:`~protolearn.node.state_sync.fetch_state`).
+- ``checkpoint``: the stage has no live replica (training is halted, ``swarm status`` says which
+  stage) and a checkpoint of it exists: install it and continue at the coordinator's open step. The
+  coordinator's step is the authority, because the other stages' replicas are already there. If the
+  checkpoint is older than the open step, the stage's updates of the steps in between are lost (the
+  reason says how many); the other stages keep theirs, so the model stays a trained model, not an init.
+  A full swarm restart (coordinator and every node restarted with their data dirs) is this case for
+  every stage: each restores its last checkpoint, and training continues from the coordinator's
+  persisted step.
+- ``init``: no live replica, no checkpoint, and the run has not started (open step 0): the
+  deterministic init is the state.
+- ``lost``: no live replica, no checkpoint, and the run is past step 0: the node stops with one line
+  saying which checkpoint to pass.
+
+:class:`StagePersistence` is the adapter the node calls at its hooks (build/sync, after each step, at
+leave). File writes and loads run in a worker thread under the node's compute limiter, so a checkpoint
+is always taken between optimizer steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import trio
+from protolearn.node.averaging import round_id
+from protolearn.node.checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    list_checkpoints,
+    load_checkpoint,
+    read_checkpoint_info,
+    save_checkpoint,
+)
+from protolearn.node.config import NodeConfig
+from protolearn.node.errors import StateSyncError
+from protolearn.node.progress import Progress
+from protolearn.protocol.errors import ProtocolError
+from protolearn.stages.config import RunConfig
+
+if TYPE_CHECKING:
+    from protolearn.node.node import Node
+
+log = logging.getLogger("protolearn.node")
+
+CHECKPOINT_DIR = "checkpoints"
+# A checkpoint at leave is written under a shielded scope; never hold a leaving node longer than this.
+LEAVE_WRITE_S = 30.0
+
+Source = Literal["local", "donor", "checkpoint", "init", "lost"]
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    source: Source
+    reason: str
+    checkpoint: CheckpointInfo | None = None
+    # Optimizer steps the stage counts as applied once restored (the step it trains next).
+    applied: int = 0
+
+
+def checkpoint_due(applied: int, every: int, target: int) -> bool:
+    """Whether to write a checkpoint after ``applied`` steps (every ``every``, 0 = never, and at the last)."""
+    return applied > 0 and ((every > 0 and applied % every == 0) or applied >= target)
+
+
+def plan_restore(
+    stage: int, open_step: int, *, num_donors: int, candidate: CheckpointInfo | None, reported: Sequence[tuple[int, str]], donor_error: str = ""
+) -> RestorePlan:
+    """Where stage ``stage`` takes its state from (see the module docstring).
+
+    ``reported`` is (step, parameter hash) as the stage's live replicas reported them to the
+    coordinator (step = the last step each applied); ``donor_error`` is set when syncing from every
+    live replica already failed, and the plan then ignores them.
+    """
+    if num_donors and not donor_error:
+        if candidate is None:
+            return RestorePlan("donor", f"stage {stage} has {num_donors} live replicas and this node has no checkpoint of it")
+        newest = max((s for s, _ in reported), default=-1)
+        hashes = {h for s, h in reported if s == newest}
+        if newest >= 0 and candidate.step == newest + 1 and hashes == {candidate.state_hash}:
+            return RestorePlan(
+                "local", f"the checkpoint of step {candidate.step} is what the stage's replicas hold; nothing to download",
+                candidate, candidate.step,
+            )
+        if newest < 0:
+            why = "its replicas have reported no step yet"
+        elif candidate.step != newest + 1:
+            why = f"the stage moved from step {candidate.step} to {newest + 1}"
+        else:
+            why = f"the replicas hold other parameters than the checkpoint of step {candidate.step}"
+        return RestorePlan("donor", f"{why}; syncing from a live replica")
+    lost_why = f"syncing from its replicas failed ({donor_error})" if donor_error else "it has no live replica"
+    if candidate is not None:
+        if candidate.step == open_step:
+            reason = f"stage {stage}: {lost_why}; restored from checkpoint {candidate.path.name}, at the open step {open_step}"
+        elif candidate.step < open_step:
+            reason = (f"stage {stage}: {lost_why}; restored from checkpoint {candidate.path.name}, {open_step - candidate.step} steps "
+                      f"behind the open step {open_step}: this stage's updates of steps {candidate.step}..{open_step - 1} are lost")
+        else:
+            reason = (f"stage {stage}: {lost_why}; restored from checkpoint {candidate.path.name}, which is newer than the "
+                      f"coordinator's open step {open_step}; continuing at the coordinator's step")
+        return RestorePlan("checkpoint", reason, candidate, open_step)
+    if open_step == 0 and not donor_error:
+        return RestorePlan("init", f"stage {stage} starts from the deterministic init (fresh run)")
+    if open_step == 0:
+        return RestorePlan("init", f"stage {stage}: {lost_why}; the run has not stepped yet, so the deterministic init is its state")
+    return RestorePlan(
+        "lost",
+        f"stage {stage} {lost_why} and the run is at step {open_step}, and this node has no checkpoint of it; "
+        f"restart with `node join --checkpoint stage-{stage}-step-<t>.safetensors` (a checkpoint of this run)",
+    )
+
+
+class StagePersistence:
+    """The node's checkpoint writer and restore planner; the node calls it at its hooks."""
+
+    def __init__(self, config: NodeConfig, run: RunConfig, progress: Progress) -> None:
+        self.dir = config.data_dir / CHECKPOINT_DIR
+        self.every = config.checkpoint_every
+        self.keep = config.checkpoint_keep
+        self.given = config.checkpoint
+        self.run = run
+        self.progress = progress
+        self._saved: tuple[int, int] | None = None  # (stage, applied) of the last write
+        self._warned_given = False
+
+    # -- which checkpoint --------------------------------------------------------------------
+    def candidate(self, stage: int) -> CheckpointInfo | None:
+        """``--checkpoint`` if it holds this stage of this run, else the newest of the data dir (None if none)."""
+        run_hash = self.run.run_hash()
+        if self.given is not None:
+            info = read_checkpoint_info(self.given)
+            if info.run_hash != run_hash:
+                raise CheckpointError(str(self.given), f"belongs to run {info.run_hash[:12]}, not the coordinator's run {run_hash[:12]}; pass a checkpoint of this run")
+            if info.stage == stage:
+                return info
+            if not self._warned_given:
+                self._warned_given = True
+                self.progress.say(f"note: --checkpoint holds stage {info.stage}, but the coordinator assigned stage {stage}; not using it")
+        mine = [i for i in list_checkpoints(self.dir) if i.stage == stage and i.run_hash == run_hash]
+        return max(mine, key=lambda i: i.step, default=None)
+
+    # -- hooks -------------------------------------------------------------------------------
+    async def restore(self, node: Node, open_step: int, donors: Sequence[str], *, donor_error: str = "") -> bool:
+        """Install the stage's state from a checkpoint, or keep the init; False: sync from ``donors``."""
+        candidate = self.candidate(node.stage)
+        reported = await self._reported(node) if donors and candidate is not None and not donor_error else []
+        plan = plan_restore(node.stage, open_step, num_donors=len(donors), candidate=candidate, reported=reported, donor_error=donor_error)
+        log.info("restore plan stage=%d source=%s reason=%s", node.stage, plan.source, plan.reason)
+        if plan.source == "donor":
+            if candidate is not None:
+                self.progress.event("restore", source="donor", reason=plan.reason)
+            return False
+        if plan.source == "lost":
+            raise StateSyncError(plan.reason)
+        if plan.source == "init":
+            self.progress.event("init", stage=node.stage, hash=await node._hash(), reason=plan.reason)
+            return True
+        info = plan.checkpoint
+        if info is None:  # plan_restore always names the checkpoint of a local or checkpoint plan
+            raise StateSyncError(f"stage {node.stage}: restore plan {plan.source} names no checkpoint")
+        worker = node.worker
+
+        def install() -> str:
+            worker.zero_grads()
+            load_checkpoint(info.path, self.run, node.stage, worker.module, worker.optimizer)
+            worker.applied = plan.applied
+            return worker.param_hash()
+
+        got = await trio.to_thread.run_sync(install, limiter=node.compute)
+        node.accounting.applied = plan.applied
+        node.averager.next_round = round_id(plan.applied)
+        self._saved = (node.stage, info.step)
+        if plan.source == "checkpoint":
+            node.progress.say(plan.reason)
+            if info.step < open_step:
+                log.warning("%s", plan.reason)
+        self.progress.event("restored", source=plan.source, path=str(info.path), checkpoint_step=info.step, applied=plan.applied, hash=got, reason=plan.reason)
+        return True
+
+    async def after_step(self, node: Node) -> None:
+        """Write a checkpoint if one is due after the step just applied."""
+        if checkpoint_due(node.worker.applied, self.every, node.target_steps):
+            await self.write(node)
+
+    async def at_leave(self, node: Node) -> None:
+        """Write the stage once more as the node leaves (unless nothing changed since the last write)."""
+        if not node._built or node.state == "syncing" or node.worker.applied == 0:
+            return
+        with trio.CancelScope(shield=True), trio.move_on_after(LEAVE_WRITE_S):
+            await self.write(node)
+
+    async def write(self, node: Node) -> None:
+        worker, stage = node.worker, node.stage
+        if self._saved == (stage, worker.applied):
+            return
+
+        def save() -> tuple[int, Path]:
+            applied = worker.applied  # read under the limiter: no optimizer step runs while this writes
+            return applied, save_checkpoint(self.dir, self.run, stage, applied, worker.module, worker.optimizer, keep=self.keep)
+
+        try:
+            applied, path = await trio.to_thread.run_sync(save, limiter=node.compute)
+        except CheckpointError as err:
+            # A full disk must not stop training; the user sees it once per failure in the log and on stderr.
+            log.error("checkpoint not written: %s", err)
+            self.progress.event("checkpoint_failed", stage=stage, reason=str(err))
+            return
+        self._saved = (stage, applied)
+        self.progress.event("checkpoint", stage=stage, step=applied, path=str(path))
+
+    async def _reported(self, node: Node) -> list[tuple[int, str]]:
+        try:
+            status = await node.link.status(loss_history=0)
+        except ProtocolError as err:
+            log.info("status request failed reason=%s", err.reason)
+            return []
+        view = next((s for s in status.stages if s.index == node.stage), None)
+        if view is None:
+            return []
+        return [(ph.step, ph.hash) for ph in view.param_hashes if ph.hash and ph.peer_id != node.host.peer_id]

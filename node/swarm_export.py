@@ -1,0 +1,117 @@
+"""Export from a live swarm: fetch every stage's parameters from a live replica and write one model file.
+
+:func:`export_swarm` asks the coordinator for its run and live membership (``coord.members``), then
+fetches each stage's state from one of its live replicas over the state-sync protocol
+(:func:`~protolearn.node.state_sync.fetch_state`: the same validation a joining replica applies, by
+name, dtype, shape and finiteness, and the donor's parameter hash is checked after installing). All
+stages are fetched concurrently; because the swarm keeps training, the stages can answer at different
+steps, so stages behind the newest are fetched again until every stage is at one step (or
+``timeout_s`` passes). The parameters are then written with :func:`~protolearn.node.export.write_model`:
+one safetensors file plus ``<name>.toml``, the same format as ``protolearn export``.
+
+The exporter is not a member: it only talks to the coordinator and to replicas' state servers.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import trio
+from protolearn.node.errors import NodeError, StateSyncError
+from protolearn.node.export import ExportResult, write_model
+from protolearn.node.state_sync import fetch_state
+from protolearn.node.worker import StageWorker
+from protolearn.protocol import coordination as cm
+from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.transport import Host
+from protolearn.stages.config import RunConfig
+
+log = logging.getLogger("protolearn.node")
+
+COORDINATOR_SERVICE = "coordinator"
+LIVE_STATES = ("training", "averaging")
+# Rounds of re-fetching stages that answered at an older step than the others.
+MAX_ROUNDS = 20
+
+
+class ExportError(NodeError):
+    """The swarm could not be exported: a stage has no live replica, or its replicas kept failing."""
+
+
+async def fetch_members(host: Host, coordinator: str, *, timeout_s: float) -> cm.Members:
+    reply = await host.request(coordinator, COORDINATOR_SERVICE, cm.MembersRequest(), cm.Members, timeout=timeout_s)
+    if not isinstance(reply, cm.Members):
+        raise ExportError(f"the coordinator answered {type(reply).__name__} to a membership request")
+    return reply
+
+
+async def _fetch_stage(host: Host, worker: StageWorker, replicas: list[str], run_hash: str, timeout_s: float) -> tuple[int, dict[str, torch.Tensor]]:
+    """(applied, parameters) of one stage from the first replica that hands over a valid state."""
+    last = "no replica tried"
+    for peer in replicas:
+        try:
+            applied, claimed, entries = await fetch_state(host, peer, worker, run_hash, timeout_s=timeout_s)
+        except (ProtocolError, StateSyncError) as err:
+            last = f"{peer}: {err}"
+            log.warning("export: fetching stage %d from %s failed: %s", worker.stage, peer, err)
+            continue
+        got = await trio.to_thread.run_sync(worker.load, entries, applied)
+        if got != claimed:
+            last = f"{peer}: its state hashes to {got[:12]}, it claimed {claimed[:12]}"
+            continue
+        return applied, {n: entries[f"param/{n}"] for n in worker.names}
+    raise ExportError(f"could not fetch stage {worker.stage} from any of its {len(replicas)} live replicas ({last})")
+
+
+async def export_swarm(host: Host, coordinator: str, out: str | Path, *, timeout_s: float = 60.0) -> ExportResult:
+    """Fetch every stage's current parameters from live replicas and write them as one model file."""
+    try:
+        with trio.fail_after(timeout_s):
+            return await _export(host, coordinator, Path(out), timeout_s)
+    except trio.TooSlowError:
+        raise ExportError(f"the swarm export did not finish within {timeout_s:g} s; the swarm kept moving or a replica stalled, try again or raise --timeout") from None
+
+
+async def _export(host: Host, coordinator: str, out: Path, timeout_s: float) -> ExportResult:
+    try:
+        members = await fetch_members(host, coordinator, timeout_s=timeout_s)
+    except ProtocolError as err:
+        raise ExportError(f"cannot get the membership from the coordinator at {coordinator}: {err.reason}; check the address and that it runs") from None
+    run = RunConfig.from_toml_text(members.run_toml, source="the coordinator's run config")
+    if run.run_hash() != members.run_hash:
+        raise ExportError(f"the coordinator's run hash {members.run_hash[:12]} does not match its run config; it runs another protolearn version")
+    num_stages = run.stages.num_stages
+    by_stage = {s: sorted(m.peer_id for m in members.members if m.stage == s and m.state in LIVE_STATES) for s in range(num_stages)}
+    empty = [s for s, peers in by_stage.items() if not peers]
+    if empty:
+        raise ExportError(f"stage {', '.join(map(str, empty))} has no live replica, so its parameters cannot be fetched; export from checkpoints with `protolearn export --checkpoints DIR`")
+    for m in members.members:
+        if m.addrs:
+            try:
+                host.add_peer_addrs(m.peer_id, m.addrs)
+            except ProtocolError as err:
+                log.warning("export: ignored member address peer=%s reason=%s", m.peer_id, err.reason)
+    workers = [await trio.to_thread.run_sync(StageWorker, run, s) for s in range(num_stages)]
+    got: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+    todo = list(range(num_stages))
+    for _ in range(MAX_ROUNDS):
+
+        async def one(s: int) -> None:
+            got[s] = await _fetch_stage(host, workers[s], by_stage[s], members.run_hash, timeout_s)
+
+        async with trio.open_nursery() as nursery:
+            for s in todo:
+                nursery.start_soon(one, s)
+        newest = max(applied for applied, _ in got.values())
+        todo = [s for s, (applied, _) in got.items() if applied < newest]
+        if not todo:
+            break
+        log.info("export: stages %s are behind step %d; fetching them again", todo, newest)
+    else:
+        shown = ", ".join(f"stage {s}: {a}" for s, (a, _) in sorted(got.items()))
+        raise ExportError(f"the stages never answered at one step ({shown}); the swarm may be stuck mid-step, try again")
+    params = {n: t for _, (_, p) in sorted(got.items()) for n, t in p.items()}
+    step = next(iter(got.values()))[0]
+    return await trio.to_thread.run_sync(lambda: write_model(params, run, step, out))
