@@ -4,8 +4,14 @@ A sans-IO core. The replica holds parameters after ``applied`` optimizer steps, 
 ``applied`` (steps count from 0). Work for that step is processed. Work for the next step is held
 (bounded) until the replica has applied the current one, because step t+1 must see the parameters
 after step t. Anything older or further ahead is refused, as is a gradient for a microbatch whose
-forward pass this replica never ran (it has no autograd state for it), a duplicate, and new work
-beyond ``max_in_flight`` microbatches holding activation memory (backpressure, I5).
+forward pass this replica never ran (it has no autograd state for it), and new work beyond
+``max_in_flight`` microbatches holding activation memory (backpressure, I5).
+
+A forward for a ticket this replica already holds (in flight, or its gradients accumulated) is a
+**redo**: the ticket's route broke somewhere and stage 0 started it again. It is processed, and the
+worker replaces the earlier graph and gradients, so no ticket is ever counted twice here (I1). Which
+tickets go into the step's sum is the coordinator's frozen accounting, never this object's tally:
+see :func:`contribution`.
 
 Every decision comes with a reason string for the log line and the refusal sent to the peer.
 """
@@ -36,6 +42,9 @@ class Accounting:
     _in_flight: set[Key] = field(default_factory=set)
     _deferred: deque[tuple[Key, Any]] = field(default_factory=deque)
     _accumulated: dict[int, set[int]] = field(default_factory=dict)
+    # Gradients admitted whose backward has not run yet: a second gradient for the same ticket (one per
+    # attempt, after a redo) must not reach a graph that the first one already consumed.
+    _backward_pending: set[Key] = field(default_factory=set)
 
     @property
     def step(self) -> int:
@@ -70,8 +79,10 @@ class Accounting:
             return Decision("refuse", f"stale step {step}: this replica has already applied it (now at step {self.applied})")
         if step > self.applied + 1:
             return Decision("refuse", f"step {step} is ahead: this replica is at step {self.applied}")
-        if key in self._in_flight or ticket in self._accumulated.get(step, ()) or any(k == key for k, _ in self._deferred):
-            return Decision("refuse", f"duplicate microbatch (step {step}, ticket {ticket})")
+        if any(k == key for k, _ in self._deferred):
+            return Decision("refuse", f"duplicate microbatch (step {step}, ticket {ticket}) already held for the next step")
+        if key in self._in_flight:
+            return Decision("process", f"redo of step {step} ticket {ticket}: replaces the attempt in flight here")
         if step == self.applied + 1:
             if len(self._deferred) >= self.max_deferred:
                 return Decision("refuse", f"busy: {len(self._deferred)} next-step microbatches already waiting")
@@ -80,30 +91,44 @@ class Accounting:
         if len(self._in_flight) >= self.max_in_flight:
             return Decision("refuse", f"busy: {len(self._in_flight)} microbatches in flight (limit {self.max_in_flight})")
         self._in_flight.add(key)
+        if ticket in self._accumulated.get(step, ()):
+            return Decision("process", f"redo of step {step} ticket {ticket}: replaces its earlier gradients here")
         return Decision("process", f"step {step} ticket {ticket} accepted")
 
     def admit_backward(self, step: int, ticket: int) -> Decision:
         """A gradient for (step, ticket) arrived from the next stage."""
         if (step, ticket) not in self._in_flight:
             return Decision("refuse", f"unknown microbatch (step {step}, ticket {ticket}): no forward pass of it is held here")
+        if (step, ticket) in self._backward_pending:
+            return Decision("refuse", f"unknown attempt: a gradient for (step {step}, ticket {ticket}) is already being applied here")
+        self._backward_pending.add((step, ticket))
         return Decision("process", f"gradient for step {step} ticket {ticket}")
 
     # -- completion ------------------------------------------------------------------------------
     def backward_done(self, step: int, ticket: int) -> None:
         """The parameter gradients of (step, ticket) are now in this replica's accumulators."""
         self._in_flight.discard((step, ticket))
+        self._backward_pending.discard((step, ticket))
         self._accumulated.setdefault(step, set()).add(ticket)
 
     def dropped(self, step: int, ticket: int) -> None:
-        """The microbatch's route broke before its backward pass; its state was discarded."""
+        """The microbatch's route broke before its backward pass (or its graph went to another attempt)."""
         self._in_flight.discard((step, ticket))
+        self._backward_pending.discard((step, ticket))
+
+    def gradient_moot(self, step: int, ticket: int) -> None:
+        """An admitted gradient found no graph (a redo raced it); a later attempt may still hold the ticket."""
+        self._backward_pending.discard((step, ticket))
 
     def accumulated(self, step: int) -> list[int]:
         """Tickets of ``step`` whose gradients this replica holds, sorted."""
         return sorted(self._accumulated.get(step, ()))
 
     def mismatch(self, step: int, assigned: list[int]) -> str:
-        """Compare the coordinator's account of this replica's tickets with what it accumulated."""
+        """Describe how the coordinator's account differs from this replica's tally ("" when equal).
+
+        Informational only: the step's sum is taken over ``assigned`` (see :func:`contribution`).
+        """
         mine = set(self.accumulated(step))
         want = set(assigned)
         if mine == want:
@@ -114,6 +139,7 @@ class Accounting:
         """The replica took another replica's state after ``applied`` steps: forget all held work."""
         self.applied = applied
         self._in_flight.clear()
+        self._backward_pending.clear()
         self._deferred.clear()
         self._accumulated.clear()
 
@@ -126,9 +152,22 @@ class Accounting:
         stale = [k for k in self._in_flight if k[0] <= step]
         for k in stale:
             self._in_flight.discard(k)
+        self._backward_pending = {k for k in self._backward_pending if k[0] > step}
         released: list[Any] = []
         while self._deferred:
             (s, t), payload = self._deferred.popleft()
             self._in_flight.add((s, t))
             released.append(payload)
         return released
+
+
+def contribution(assigned: list[int], held: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Which tickets a replica sums at step close: ``(summed, missing, dropped)``.
+
+    ``summed`` is exactly the coordinator's ``assigned`` tickets that this replica holds gradients
+    for; ``dropped`` are held but not assigned (their completion was refused or their route broke
+    after this stage, so another attempt counts them); ``missing`` are assigned but not held, which
+    must be redone before the step applies.
+    """
+    a, h = set(assigned), set(held)
+    return sorted(a & h), sorted(a - h), sorted(h - a)

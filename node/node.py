@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 import trio
-
-from protolearn.node.accounting import Accounting
-from protolearn.node.averaging import Averager, AveragingError
+from protolearn.node.accounting import Accounting, contribution
+from protolearn.node.averaging import Averager, AveragingError, round_id
 from protolearn.node.config import NodeConfig
-from protolearn.node.join import join_coordinator, resolve_device
 from protolearn.node.coordinator_link import CoordinatorLink
 from protolearn.node.errors import StateSyncError
+from protolearn.node.join import join_coordinator, resolve_device
+from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
 from protolearn.node.router import Router
 from protolearn.node.state_sync import Snapshot, StateServer, fetch_state
@@ -80,8 +80,15 @@ class Node:
         self._hash_by_step: dict[int, str] = {}
         self._checked_hash_steps: set[int] = set()
         self._slot_free = trio.Event()
+        # Stage 0: when each in-flight ticket of the open step was (re)started; a departure restarts them.
+        self._started: dict[int, float] = {}
+        self._departed = trio.Event()
+        # Next-stage peers a forward send just failed on: the tickets sent to them earlier are restarted.
+        self._down: set[str] = set()
+        self._first_logged = False
         self._moved_warned = False
         self._built = False
+        self.persistence = StagePersistence(config, run, progress)
         self.worker: StageWorker
         self.router: Router
         self.averager: Averager
@@ -105,6 +112,7 @@ class Node:
             self.host, run, self.worker, corpus, self.accounting, self.compute,
             on_complete=self._complete, send_timeout_s=self.config.request_timeout_s,
         )
+        self.router.on_peer_down = self._peer_down
         self.averager = Averager(self.host, stage, self.worker.numel, timeout_s=self.config.averaging_timeout_s)
         self.averager.register()
         StateServer(self.host, stage, self.run_hash, self._snapshot).register()
@@ -129,10 +137,8 @@ class Node:
         reported to the coordinator for the same step.
         """
         donors = [p for p in self.view.stage_peers(self.stage) if p != self.host.peer_id]
-        if not donors:
-            if open_step > 0:
-                raise StateSyncError(f"stage {self.stage} has no live replica and the run is at step {open_step}; its state is lost (no checkpoint support yet)")
-            self.progress.event("init", stage=self.stage, hash=await self._hash())
+        # A local or given checkpoint, the init, or (False) a download: see node/persistence.py.
+        if await self.persistence.restore(self, open_step, donors):
             return
         last = ""
         for donor in donors:
@@ -153,8 +159,11 @@ class Node:
                 log.warning("state sync rejected donor=%s reason=%s", donor, last)
                 continue
             self.accounting.applied = applied
-            self.averager.next_round = applied
+            self.averager.next_round = round_id(applied)
             self.progress.event("synced", donor=donor, applied=applied, hash=got)
+            return
+        # Every listed replica failed (e.g. stale members after a coordinator restart): fall back to a checkpoint.
+        if await self.persistence.restore(self, open_step, [], donor_error=f"{len(donors)} replicas tried, last: {last}"):
             return
         raise StateSyncError(f"could not sync stage {self.stage} from any of {len(donors)} replicas: {last}")
 
@@ -191,6 +200,9 @@ class Node:
         if not self._built:  # heartbeats start before the stage is built, so a slow start never expires
             return cm.Heartbeat(state="syncing", view_version=self.view.version)
         applied = self.worker.applied
+        if self.router.stats.first_at is not None and not self._first_logged:
+            self._first_logged = True
+            self.progress.event("first_microbatch", at=self.router.stats.first_at, stage=self.stage)
         elapsed = max(1e-9, time.monotonic() - self.router.stats.started)
         return cm.Heartbeat(
             state=self.state,  # type: ignore[arg-type]
@@ -209,7 +221,11 @@ class Node:
                 self.host.ban(peer, "banned by the coordinator")
                 self.router.balancer.ban(peer)
         if self.link.view_version != self.view.version:
+            before = {m.peer_id for m in self.view.members if m.state in LIVE_STATES}
             self.view = _View(self.link.view_version, list(self.link.members))
+            if before - {m.peer_id for m in self.view.members if m.state in LIVE_STATES}:
+                # A replica left or died: tickets routed through it will never get their gradient back.
+                self._departed.set()
             if self._built:
                 self._apply_view()
         if reply.stage != self.stage and not self._moved_warned:
@@ -260,20 +276,23 @@ class Node:
                 self.progress.event("moved", stage=self.stage, to=self.link.stage, applied=self.worker.applied)
                 return False
             step = self.worker.applied
-            closed = trio.Event()
-            async with trio.open_nursery() as nursery:
-                if self.worker.first:
-                    nursery.start_soon(self._drive, step, closed)
-                info = await self._wait_closed(step)
-                # Not a cancel: a lease request cut off mid-flight would strand tickets until their lease expires.
-                closed.set()
-            await self._average_and_apply(step, info)
+            revision = 1
+            while revision:
+                closed = trio.Event()
+                async with trio.open_nursery() as nursery:
+                    if self.worker.first:
+                        nursery.start_soon(self._drive, step, closed)
+                    info = await self._wait_closed(step, revision)
+                    # Not a cancel: a lease request cut off mid-flight would strand tickets until their lease expires.
+                    closed.set()
+                # 0 once applied; otherwise the step was reopened to redo tickets and closes again later.
+                revision = await self._average_and_apply(step, info)
         return True
 
-    async def _wait_closed(self, step: int) -> cm.StepInfo:
+    async def _wait_closed(self, step: int, min_revision: int = 1) -> cm.StepInfo:
         while True:
             try:
-                info = await self.link.wait_step(step, timeout_s=WAIT_POLL_S)
+                info = await self.link.wait_step(step, min_revision=min_revision, timeout_s=WAIT_POLL_S)
             except ProtocolError as err:
                 log.warning("wait_step failed step=%d reason=%s", step, err.reason)
                 await trio.sleep(1.0)
@@ -288,8 +307,24 @@ class Node:
             with trio.move_on_after(seconds):
                 await closed.wait()
 
+        self._started = {t: at for t, at in self._started.items() if self.accounting.holds(step, t)}
+        # A ticket whose gradient has not come back within this long is restarted (its route broke).
+        stall_s = self.config.request_timeout_s * self.run.stages.num_stages
         async with trio.open_nursery() as nursery:
             while not closed.is_set():
+                now = time.monotonic()
+                stalled = [t for t, at in self._started.items() if now - at > stall_s]
+                if self._down:
+                    down, self._down = self._down, set()
+                    stalled += [t for t in self._started if self.router.sent_to.get((step, t)) in down and t not in stalled]
+                if self._departed.is_set():
+                    self._departed = trio.Event()
+                    stalled = list(self._started)
+                for t in stalled:
+                    log.warning("ticket restarted step=%d ticket=%d reason=its route broke (no gradient back)", step, t)
+                    self.progress.event("ticket_redo", step=step, ticket=t, reason="route broke")
+                    self._started[t] = now
+                    nursery.start_soon(self._run_ticket, step, t)
                 if not self.worker.last and not self.router.next_peers:
                     # No replica of stage 1 yet: leased tickets would only expire in our hands.
                     await pause(LEASE_RETRY_S * 4)
@@ -314,13 +349,19 @@ class Node:
                     await pause(LEASE_RETRY_S)
                     continue
                 for i in reply.indices:
-                    if self.accounting.holds(step, i):
-                        continue  # our own lease ran out and came back to us; the ticket is still in flight here
+                    # A ticket we hold may come back: our lease ran out, or the step reopened to redo it.
+                    # Starting it again is safe: every stage replaces a redone ticket's earlier attempt.
+                    self._started[i] = time.monotonic()
                     nursery.start_soon(self._run_ticket, step, i)
+
+    def _peer_down(self, peer: str) -> None:
+        if self.worker.first:  # only stage 0 can restart a ticket
+            self._down.add(peer)
 
     async def _run_ticket(self, step: int, ticket: int) -> None:
         ok = await self.router.start_ticket(step, ticket)
         if not ok:
+            self._started.pop(ticket, None)
             await self._release(step, [ticket])
             self._slot_free.set()
 
@@ -332,44 +373,84 @@ class Node:
 
     async def _complete(self, step: int, ticket: int, route: list[str], loss: float) -> None:
         self._slot_free.set()
+        self._started.pop(ticket, None)
         try:
             await self.link.complete(step, ticket, route, loss)
         except ProtocolError as err:
             log.warning("complete refused step=%d ticket=%d reason=%s", step, ticket, err.reason)
             self.progress.event("complete_refused", step=step, ticket=ticket, reason=err.reason)
 
-    async def _average_and_apply(self, step: int, info: cm.StepInfo) -> None:
+    async def _average_and_apply(self, step: int, info: cm.StepInfo) -> int:
+        """Average step ``step`` as its frozen accounting says and apply it; returns 0.
+
+        Returns the revision to wait for instead when the step was reopened to redo tickets (a
+        replica's contribution is out of the average), so that the step covers exactly B tickets (I1).
+        """
         self.state = "averaging"
         self.progress.update(state="averaging")
         t0 = time.monotonic()
         account = {pt.peer_id: list(pt.tickets) for sa in info.accounting if sa.stage == self.stage for pt in sa.peers}
         mine = account.get(self.host.peer_id, [])
-        mismatch = self.accounting.mismatch(step, mine)
-        if mismatch:
-            self.progress.event("accounting_mismatch", step=step, reason=mismatch)
-            log.error("accounting mismatch %s", mismatch)
         if not account:
             raise StateSyncError(f"step {step} closed without an accounting for stage {self.stage}; rejoin to resync")
+        rid = round_id(step, info.revision)
         if self.host.peer_id in account:
-            flat = await trio.to_thread.run_sync(self.worker.flat_grads, limiter=self.compute)
+            held = await trio.to_thread.run_sync(self.worker.held_tickets, step, limiter=self.compute)
+            summed, missing, dropped = contribution(mine, held)
+            if dropped:
+                # Completion refused or route broken after this stage: another attempt counts these.
+                self.progress.event("tickets_not_counted", step=step, tickets=dropped)
+            if missing:
+                # E.g. this peer was restarted after the step closed: its earlier life computed these tickets.
+                if await self._reported_hashes(step):
+                    # A replica already applied the step (it got the result from the earlier life): take its state.
+                    log.warning("step %d: accounted tickets %s have no gradients here; a replica applied the step, resyncing", step, missing)
+                    await self.resync(step)
+                    return 0
+                log.error("step %d: accounted tickets %s have no gradients here; asking to redo them", step, missing)
+                if await self._redo(step, info.revision, missing, "replica lost the tickets' gradients"):
+                    return info.revision + 1
+            flat = await trio.to_thread.run_sync(self.worker.flat_grads, step, summed, limiter=self.compute)
             weights = {p: float(len(t)) for p, t in account.items()}
-            result = await self.averager.run_round(step, weights, flat)
+            done = await self.averager.run_round_detailed(rid, weights, flat)
+            if done.excluded:
+                lost = sorted({t for p in done.excluded for t in account.get(p, [])})
+                self.averager.next_round = round_id(step, info.revision + 1)
+                self.progress.event("replica_out", step=step, excluded=done.excluded, tickets=lost)
+                if lost and await self._redo(step, info.revision, lost, f"replicas {done.excluded} of stage {self.stage} died during averaging"):
+                    return info.revision + 1
+                if lost:
+                    log.error("step %d applied without tickets %s of dead replicas %s: the coordinator refused to redo them", step, lost, done.excluded)
+                    self.progress.event("tickets_lost", step=step, tickets=lost, excluded=done.excluded)
+            self.averager.next_round = round_id(step + 1)
+            result = done.result
         else:
             result = None
             with trio.move_on_after(self.config.averaging_timeout_s):
                 try:
-                    result = await self.averager.fetch_result(step, sorted(account))
+                    result = await self.averager.fetch_result(rid, sorted(account))
                 except AveragingError as err:
                     log.warning("%s", err)
             if result is None:
-                # The participants moved on (they keep only recent results) or left: catch up from a live replica.
+                if await self._reopened(step, info.revision):
+                    return info.revision + 1  # a participant died and its tickets are being redone: average again
+                live = set(self.view.stage_peers(self.stage))
+                if not live & set(account):
+                    # Every participant died before sharing the result: the whole step must be redone here.
+                    tickets = sorted({t for ts in account.values() for t in ts})
+                    if await self._redo(step, info.revision, tickets, f"all replicas of stage {self.stage} that averaged the step died"):
+                        return info.revision + 1
+                # The participants moved on (they keep only recent results): catch up from a live replica.
                 await self.resync(step)
-                return
+                return 0
+            self.averager.next_round = round_id(step + 1)
         t_avg = time.monotonic() - t0
         param_hash, norm = await trio.to_thread.run_sync(self.worker.apply, step, result, limiter=self.compute)
         self._hash_by_step[step] = param_hash
+        await self.persistence.after_step(self)
         if self.worker.last and info.loss is not None:
             self.last_loss = info.loss
+        await trio.to_thread.run_sync(self.worker.forget, step, limiter=self.compute)
         self.router.release(self.accounting.applied_step(step))
         self.state = "training"
         elapsed = max(1e-9, time.monotonic() - self.router.stats.started)
@@ -377,8 +458,28 @@ class Node:
         self.progress.update(state="training", step=step + 1, loss=info.loss, tokens_per_s=tps, in_flight=self.accounting.num_in_flight)
         self.progress.event(
             "step", step=step, loss=info.loss, hash=param_hash, tickets=mine, replicas=sorted(account),
-            grad_norm=norm, averaging_s=round(t_avg, 4), tokens_per_s=round(tps, 1),
+            grad_norm=norm, averaging_s=round(t_avg, 4), tokens_per_s=round(tps, 1), revision=info.revision,
         )
+        return 0
+
+    async def _reopened(self, step: int, revision: int) -> bool:
+        """Whether ``step`` was reopened after closing at ``revision`` (it will close again)."""
+        try:
+            info = await self.link.wait_step(step, min_revision=revision + 1, timeout_s=0.5)
+        except ProtocolError:
+            return False
+        return info.closed or info.open_step == step
+
+    async def _redo(self, step: int, revision: int, tickets: list[int], reason: str) -> bool:
+        """Ask the coordinator to redo ``tickets`` of ``step``; True if the step will close again."""
+        try:
+            reply = await self.link.redo(step, tickets, reason)
+        except ProtocolError as err:
+            log.warning("redo refused step=%d tickets=%s reason=%s", step, tickets, err.reason)
+            # Another replica of the stage may have reopened the step first: then it closes again anyway.
+            return await self._reopened(step, revision)
+        self.progress.event("redo", step=step, tickets=tickets, reason=reason, reopened=reply.reopened)
+        return True
 
     async def resync(self, step: int) -> None:
         """This replica fell behind (it could not get step ``step``'s result): take a live replica's state."""
@@ -432,5 +533,6 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
                 await node._check_replica_hashes()
                 nursery.cancel_scope.cancel()
         finally:
+            await node.persistence.at_leave(node)
             await node.leave("finished" if node._built and node.worker.applied >= node.target_steps else "stopped")
         return node.worker.applied if node._built else 0

@@ -23,19 +23,25 @@ from dataclasses import dataclass, field
 
 import torch
 import trio
-
-from protolearn.node.accounting import Accounting
+from protolearn.node.accounting import Accounting, Decision
 from protolearn.node.balancer import Balancer
+from protolearn.node.worker import StageWorker
 from protolearn.protocol.codecs import Encoder, decode, make_encoder, parse_codec_spec
 from protolearn.protocol.errors import ProtocolError
-from protolearn.protocol.pipeline import ACTIVATION, GRADIENT, Ack, Activation, Gradient, Refuse
-from protolearn.protocol.transport import FramedStream
+from protolearn.protocol.pipeline import (
+    ACTIVATION,
+    GRADIENT,
+    Ack,
+    Activation,
+    Gradient,
+    Refuse,
+)
 from protolearn.protocol.tensors import TensorLimits
-from protolearn.protocol.transport import Host
+from protolearn.protocol.transport import FramedStream, Host
 from protolearn.stages.config import RunConfig
 from protolearn.stages.corpus import Corpus
+from protolearn.stages.errors import MicrobatchStateError
 from protolearn.stages.sampling import microbatch
-from protolearn.node.worker import StageWorker
 
 log = logging.getLogger("protolearn.node")
 
@@ -56,6 +62,8 @@ class RouterStats:
     dropped: int = 0
     last_loss: float | None = None
     started: float = field(default_factory=time.monotonic)
+    # Wall-clock time of the first microbatch this replica processed (the join-to-productive measure).
+    first_at: float | None = None
 
 
 class Router:
@@ -94,6 +102,13 @@ class Router:
         self._limits = TensorLimits(max_elements=n, max_bytes=8 * n + 4096)
         self._nursery: trio.Nursery | None = None
         self.queue_len = 0
+        # The route (up to this stage) of the attempt whose graph is held, per (step, ticket): a redone
+        # ticket's earlier attempt may still send a gradient, which must not reach the new graph.
+        self._routes: dict[tuple[int, int], list[str]] = {}
+        # The next-stage peer each microbatch was last handed to, and who to tell when a send to one fails
+        # (stage 0 then restarts the tickets it handed that peer, without waiting for the membership).
+        self.sent_to: dict[tuple[int, int], str] = {}
+        self.on_peer_down: Callable[[str], None] | None = None
 
     # -- wiring ----------------------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -108,6 +123,9 @@ class Router:
     def release(self, payloads: list) -> None:
         """Start the work that was held until the previous step was applied."""
         assert self._nursery is not None
+        applied = self.accounting.applied
+        self._routes = {k: v for k, v in self._routes.items() if k[0] >= applied}
+        self.sent_to = {k: v for k, v in self.sent_to.items() if k[0] >= applied}
         for p in payloads:
             self._nursery.start_soon(self._forward_received, *p)
 
@@ -118,7 +136,7 @@ class Router:
             enc = self._encoders[key] = make_encoder(self.run.codec)
         return enc
 
-    async def _run(self, fn, *args):  # noqa: ANN001, ANN202 - thin wrapper over to_thread
+    async def _run(self, fn, *args):
         self.queue_len += 1
         try:
             return await trio.to_thread.run_sync(fn, *args, limiter=self.compute)
@@ -145,6 +163,7 @@ class Router:
             return False
         inputs, targets = microbatch(self.run, self.corpus, step, ticket)
         route = [self.host.peer_id]
+        self._routes[(step, ticket)] = route
         if self.worker.last:  # a one-stage run: the whole model is here
             loss, _ = await self._run(self.worker.forward_backward_last, (step, ticket), inputs, targets)
             self._count(loss)
@@ -178,6 +197,7 @@ class Router:
     async def _forward_received(self, step: int, ticket: int, route: list[str], hidden: torch.Tensor) -> None:
         key = (step, ticket)
         route = route + [self.host.peer_id]
+        self._routes[key] = route
         if self.worker.last:
             assert self.corpus is not None
             _, targets = microbatch(self.run, self.corpus, step, ticket)
@@ -212,6 +232,8 @@ class Router:
             except ProtocolError as err:
                 self.balancer.on_failure(peer, time.monotonic())
                 log.warning("forward failed peer=%s step=%d ticket=%d reason=%s", peer, step, ticket, err.reason)
+                if self.on_peer_down is not None:
+                    self.on_peer_down(peer)
                 continue
             if isinstance(reply, Refuse):
                 self.balancer.on_failure(peer, time.monotonic())
@@ -222,6 +244,7 @@ class Router:
                 continue
             self.balancer.on_done(peer, time.monotonic() - t0)
             self.balancer.on_queue_report(peer, reply.queue_len)
+            self.sent_to[key] = peer
             return True
         self.stats.dropped += 1
         log.warning("microbatch dropped step=%d ticket=%d: no next-stage peer took it (tried %s)", step, ticket, sorted(tried))
@@ -238,6 +261,9 @@ class Router:
             await self._refuse(s, peer, "invalid", f"gradient route does not pass through this replica at stage {self.stage} from this sender")
             return
         decision = self.accounting.admit_backward(msg.step, msg.ticket)
+        held = self._routes.get((msg.step, msg.ticket))
+        if decision.action == "process" and held is not None and route[: self.stage + 1] != held:
+            decision = Decision("refuse", f"unknown attempt of (step {msg.step}, ticket {msg.ticket}): it was redone along another route")
         if decision.action != "process":
             await self._refuse(s, peer, "unknown", decision.reason)
             return
@@ -247,7 +273,14 @@ class Router:
 
     async def _backward_received(self, step: int, ticket: int, route: list[str], loss: float, grad: torch.Tensor) -> None:
         key = (step, ticket)
-        grad_in = await self._run(self.worker.backward, key, grad)
+        try:
+            grad_in = await self._run(self.worker.backward, key, grad)
+        except MicrobatchStateError as err:
+            # A redo raced this gradient: its graph was replaced and consumed, or dropped by a failed send.
+            # The attempt that holds the graph now carries the ticket; this gradient is moot.
+            log.info("stale gradient dropped step=%d ticket=%d reason=%s", step, ticket, err)
+            self.accounting.gradient_moot(step, ticket)
+            return
         self.accounting.backward_done(step, ticket)
         self._count(loss)
         if self.worker.first:
@@ -278,6 +311,8 @@ class Router:
                 await trio.sleep(RETRY_PAUSE_S)
 
     def _count(self, loss: float) -> None:
+        if self.stats.first_at is None:
+            self.stats.first_at = time.time()
         self.stats.microbatches += 1
         self.stats.tokens += self.run.batch.microbatch_size * self.run.batch.seq_len
         self.stats.last_loss = loss

@@ -5,8 +5,14 @@ Every method of :class:`StageWorker` that touches tensors is meant to run throug
 streams (yamux resets a stream whose reader pauses for 5 s) and no two torch calls race on the
 module. Tensors handed in and out live on the CPU; the worker moves them to and from its device.
 
-Gradients are exchanged with the replicas as one flat float32 vector over the parameters in sorted
-name order, which every replica of the stage derives identically. The optimizer state travels by
+Parameter gradients are kept **per ticket** until the step closes: each backward runs with empty
+``.grad`` and its result is moved into a per-ticket store. At step close the node sums exactly the
+tickets the coordinator's frozen accounting assigns to this replica (in ticket order, so the sum is
+deterministic). A ticket whose completion was refused, or whose route broke after this stage's backward,
+is simply never summed; a redone ticket replaces its earlier contribution instead of adding to it (I1).
+The store holds at most the step's tickets that passed through this replica: B × numel × 4 bytes in
+the worst case. Gradients are exchanged with the replicas as one flat float32 vector over the
+parameters in sorted name order, which every replica of the stage derives identically. The optimizer state travels by
 parameter name (``param/<name>``, ``exp_avg/<name>``, ...), never by position or pickle.
 """
 
@@ -16,7 +22,6 @@ from collections.abc import Hashable
 from contextlib import nullcontext
 
 import torch
-
 from protolearn.stages.config import RunConfig
 from protolearn.stages.optim import apply_step, make_optimizer
 from protolearn.stages.stage import StageModule, build_stage
@@ -42,6 +47,8 @@ class StageWorker:
         self._autocast = bf16_autocast and self.device.type == "cuda"
         # Microbatches whose graph the module holds (forward done, backward not yet).
         self._keys: set[Hashable] = set()
+        # Per-ticket parameter gradients (one tensor or None per parameter), summed at step close.
+        self._ticket_grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
 
     @property
     def first(self) -> bool:
@@ -51,12 +58,16 @@ class StageWorker:
     def last(self) -> bool:
         return self.module.last
 
-    def _ctx(self):  # noqa: ANN202 - a context manager
+    def _ctx(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self._autocast else nullcontext()
 
     # -- pipeline compute ------------------------------------------------------------------------
     def forward(self, key: Hashable, inputs: torch.Tensor) -> torch.Tensor:
-        """Forward a non-last stage; returns the boundary hidden ``(mb, T, D)`` float32 on the CPU."""
+        """Forward a non-last stage; returns the boundary hidden ``(mb, T, D)`` float32 on the CPU.
+
+        A redo of a microbatch whose graph is still held replaces that graph.
+        """
+        self.module.discard(key)
         with self._ctx():
             out = self.module(key, inputs)
         self._keys.add(key)
@@ -64,27 +75,69 @@ class StageWorker:
 
     def forward_backward_last(self, key: Hashable, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
         """The last stage: loss, then backward scaled by 1/B. Returns (loss, grad wrt inputs or None)."""
+        self.module.discard(key)
         with self._ctx():
             loss = self.module(key, inputs, targets)
-        grad = self.module.backward(key, None, loss_scale=1.0 / self.run.batch.microbatches_per_step)
+        grad = self._isolated(key, lambda: self.module.backward(key, None, loss_scale=1.0 / self.run.batch.microbatches_per_step))
         return float(loss), (None if grad is None else grad.float().cpu())
 
     def backward(self, key: Hashable, grad_output: torch.Tensor) -> torch.Tensor | None:
         """Backward a non-last stage; returns the gradient for the previous stage (None on stage 0)."""
         self._keys.discard(key)
-        grad = self.module.backward(key, grad_output)
+        grad = self._isolated(key, lambda: self.module.backward(key, grad_output))
         return None if grad is None else grad.float().cpu()
+
+    def _isolated(self, key: Hashable, run):
+        """Run a backward with empty ``.grad`` and file what it produced under ticket ``key``."""
+        for p in self.params:
+            p.grad = None
+        try:
+            out = run()
+            grads = [p.grad for p in self.params]
+        finally:
+            for p in self.params:
+                p.grad = None
+        self._ticket_grads[key] = grads  # type: ignore[index]  # a redo replaces, never adds
+        return out
 
     def discard(self, key: Hashable) -> bool:
         self._keys.discard(key)
         return self.module.discard(key)
 
     # -- averaging and the step ------------------------------------------------------------------
+    def held_tickets(self, step: int) -> list[int]:
+        """Tickets of ``step`` whose parameter gradients this replica holds, sorted."""
+        return sorted(t for s, t in self._ticket_grads if s == step)
+
+    @property
+    def ticket_grad_bytes(self) -> int:
+        """Memory held by the per-ticket gradient store (the demo and the bench report it)."""
+        return sum(g.numel() * g.element_size() for gs in self._ticket_grads.values() for g in gs if g is not None)
+
     @torch.no_grad()
-    def flat_grads(self) -> torch.Tensor:
-        """This replica's accumulated gradients, flat float32 on the CPU (zeros where none)."""
-        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float().cpu() for p in self.params]
+    def flat_grads(self, step: int, tickets: list[int]) -> torch.Tensor:
+        """The sum of exactly ``tickets`` of ``step``, flat float32 on the CPU, in ticket order.
+
+        Raises KeyError naming the tickets this replica does not hold.
+        """
+        missing = [t for t in tickets if (step, t) not in self._ticket_grads]
+        if missing:
+            raise KeyError(f"stage {self.stage} holds no gradients for tickets {missing} of step {step}")
+        total = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        for t in sorted(tickets):
+            for acc, g in zip(total, self._ticket_grads[(step, t)]):
+                if g is not None:
+                    acc.add_(g.float())
+        parts = [acc.reshape(-1).cpu() for acc in total]
         return torch.cat(parts) if parts else torch.zeros(0)
+
+    def forget(self, step: int) -> None:
+        """Drop the gradients and graphs of steps up to ``step`` (it was applied or abandoned)."""
+        for key in [k for k in self._ticket_grads if k[0] <= step]:
+            del self._ticket_grads[key]
+        for key in [k for k in self._keys if isinstance(k, tuple) and k[0] <= step]:
+            self.module.discard(key)
+            self._keys.discard(key)
 
     @torch.no_grad()
     def apply(self, step: int, flat: torch.Tensor) -> tuple[str, float]:
@@ -103,6 +156,7 @@ class StageWorker:
     def zero_grads(self) -> None:
         """Drop accumulated gradients and in-flight graphs (before installing another replica's state)."""
         self.optimizer.zero_grad(set_to_none=True)
+        self._ticket_grads.clear()
         for key in list(self._keys):
             self.module.discard(key)
         self._keys.clear()

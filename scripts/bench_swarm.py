@@ -36,9 +36,9 @@ def _reference(config: str | None, steps: int, warmup: int) -> dict:
 
 def _swarm(config: str | None, stages: int, steps: int, warmup: int, threads: int, workdir: Path) -> dict:
     import trio
+    from protolearn.stages.config import RunConfig
 
     from protolearn.cli.demo import LocalSwarm, demo_run_toml, watch
-    from protolearn.stages.config import RunConfig
 
     total = steps + warmup
     run_toml = demo_run_toml(Path(config) if config else None, stages=stages, steps=total, codec="none")
@@ -101,3 +101,101 @@ def run(argv: list[str]) -> dict:
         "steps": args.steps,
         "workdir": str(workdir),
     }
+
+
+def recovery_keys(config: str | None = None, *, steps: int = 24, warmup: int = 4, threads: int = 1, workdir: Path | None = None) -> dict:
+    """``recover_s`` and ``join_to_first_microbatch_s`` on a local swarm of 3 nodes over 2 stages.
+
+    After ``warmup`` steps, one replica of a stage that has two is SIGKILLed. ``recover_s`` runs from the
+    kill until a step closes at a rate of at least (n-1)/n of the rate before the kill (n = 3 nodes),
+    rates taken from when this process saw consecutive steps close. The victim is then restarted on
+    its data dir; ``join_to_first_microbatch_s`` runs from the coordinator accepting its join (its
+    ``joined`` event) to the first microbatch it processed, and ``start_to_first_microbatch_s`` from
+    the process launch (Python and torch start-up included). ``scripts/bench_recovery.py`` calls this.
+    """
+    import trio
+
+    from protolearn.cli.demo import LocalSwarm, demo_run_toml
+
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="protolearn-bench-recovery-"))
+    run_toml = demo_run_toml(Path(config) if config else None, stages=2, steps=steps, codec="none")
+    n = 3
+    swarm = LocalSwarm(workdir, run_toml, n, threads=threads)
+    out: dict = {"recovery_nodes": n, "recovery_workdir": str(workdir)}
+
+    def events(k: int, name: str) -> list[dict]:
+        path = workdir / f"node{k}" / "node.jsonl"
+        if not path.exists():
+            return []
+        found = []
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut off by the SIGKILL
+            if d.get("event") == name:
+                found.append(d)
+        return found
+
+    async def main() -> None:
+        from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
+        from protolearn.protocol.errors import ProtocolError
+        from protolearn.protocol.identity import Identity
+        from protolearn.protocol.transport import open_host
+
+        with trio.fail_after(120):
+            while not swarm.poll_address():
+                await trio.sleep(0.1)
+        swarm.start_nodes()
+        seen: list[float] = []  # monotonic time this process first saw step i closed
+        async with open_host(Identity.generate()) as host:
+            link = CoordinatorLink(host, swarm.address, retry=RetryPolicy(retry_for_s=5.0, request_timeout_s=5.0))
+
+            async def poll() -> None:
+                try:
+                    status = await link.status(loss_history=10_000)
+                except ProtocolError:
+                    return
+                while len(seen) < len(status.loss_history):
+                    seen.append(time.monotonic())
+                if swarm.failed_node():
+                    raise SystemExit(f"error: {swarm.failed_node()}")
+
+            with trio.fail_after(600):
+                while len(seen) < warmup:
+                    await poll()
+                    await trio.sleep(0.05)
+                before = (seen[-1] - seen[1]) / (len(seen) - 2)  # s per step, the first (start-up) step left out
+                stages = {k: swarm.stage_of(k) for k in range(n)}
+                victim = next(k for k in range(n) if sum(1 for v in stages.values() if v == stages[k]) >= 2)
+                out["recovery_victim_stage"] = stages[victim]
+                killed_at_step = len(seen)
+                t_kill = time.monotonic()
+                await trio.to_thread.run_sync(swarm.kill_node, victim)
+                while "recover_s" not in out:
+                    await poll()
+                    for i in range(max(killed_at_step, 1), len(seen)):
+                        # The step's full interval: one that held the kill and still closed at speed lost nothing.
+                        if seen[i] - seen[i - 1] <= before * n / (n - 1):
+                            out["recover_s"] = seen[i] - t_kill
+                            break
+                    await trio.sleep(0.05)
+                out["s_per_step_before_kill"] = before
+                t_launch = time.time()
+                swarm.restart_node(victim)
+                while True:
+                    joined = [d for d in events(victim, "joined") if d["t"] >= t_launch]
+                    first = [d for d in events(victim, "first_microbatch") if d["at"] >= t_launch]
+                    if joined and first:
+                        out["join_to_first_microbatch_s"] = first[0]["at"] - joined[-1]["t"]
+                        out["start_to_first_microbatch_s"] = first[0]["at"] - t_launch
+                        return
+                    await poll()
+                    await trio.sleep(0.1)
+
+    try:
+        swarm.start_coordinator()
+        trio.run(main)
+    finally:
+        swarm.stop()
+    return out

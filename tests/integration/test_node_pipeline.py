@@ -9,12 +9,18 @@ import logging
 import pytest
 import torch
 import trio
-
 from protolearn.node.accounting import Accounting
 from protolearn.node.router import Router
 from protolearn.node.worker import StageWorker
 from protolearn.protocol.errors import ProtocolError
-from protolearn.protocol.pipeline import ACTIVATION, GRADIENT, Ack, Activation, Gradient, Refuse
+from protolearn.protocol.pipeline import (
+    ACTIVATION,
+    GRADIENT,
+    Ack,
+    Activation,
+    Gradient,
+    Refuse,
+)
 from protolearn.protocol.tensors import to_frame
 from protolearn.stages.config import RunConfig
 from protolearn.stages.corpus import load_corpus
@@ -42,6 +48,8 @@ def test_last_stage_hop_matches_the_reference_and_refuses_bad_input(open_hosts, 
     hidden = ref0(("r", 1), inputs)  # (mb, T, D)
     ref1(("r", 1), hidden, targets)
     expected_grad = ref1.backward(("r", 1), None, loss_scale=1.0 / RUN.batch.microbatches_per_step)
+    named = dict(ref1.named_parameters())
+    expected_params = torch.cat([named[n].grad.reshape(-1).float() for n in ref1.param_names()])
 
     async def main() -> None:
         async with open_hosts(3) as (sender, receiver, first):
@@ -99,6 +107,18 @@ def test_last_stage_hop_matches_the_reference_and_refuses_bad_input(open_hosts, 
                 assert (msg.step, msg.ticket, msg.route) == (0, 1, [me, there])
                 assert torch.equal(grad, expected_grad)
                 assert acc.accumulated(0) == [1]
+
+                # Stage 0 redoes the ticket (its route broke upstream): processed again, counted once.
+                arrived = trio.Event()
+                r = await send(sender, there, ACTIVATION, Activation(step=0, ticket=1, route=[me]), good)
+                assert isinstance(r, Ack)
+                with trio.fail_after(20):
+                    await arrived.wait()
+                assert torch.equal(got[1][1], expected_grad)
+                flat = await trio.to_thread.run_sync(worker.flat_grads, 0, [1])
+                assert torch.equal(flat, expected_params)  # one ticket's gradients, not two
+                # A ticket whose completion the coordinator refused is never in the step's sum.
+                assert torch.count_nonzero(await trio.to_thread.run_sync(worker.flat_grads, 0, [])) == 0
                 nursery.cancel_scope.cancel()
 
     with caplog.at_level(logging.WARNING, logger="protolearn"):

@@ -64,7 +64,7 @@ def test_unknown_peer_is_assumed_average() -> None:
 
 # -- admission and per-step accounting (node/accounting.py): the other half of routing decisions --
 
-from protolearn.node.accounting import Accounting  # noqa: E402
+from protolearn.node.accounting import Accounting, contribution
 
 
 def test_next_step_work_waits_until_the_current_step_is_applied() -> None:
@@ -88,7 +88,9 @@ def test_unknown_duplicate_and_out_of_range_microbatches_are_refused() -> None:
     assert unknown.action == "refuse" and "unknown microbatch" in unknown.reason
     assert acc.admit_forward(0, 2).action == "process"
     assert acc.admit_backward(0, 2).action == "process"
-    dup = acc.admit_forward(0, 2)
+    early = acc.admit_forward(1, 2, payload="x")
+    assert early.action == "defer"
+    dup = acc.admit_forward(1, 2, payload="x")
     assert dup.action == "refuse" and "duplicate" in dup.reason
     bad = acc.admit_forward(0, 4)
     assert bad.action == "refuse" and "outside 0..3" in bad.reason
@@ -111,3 +113,35 @@ def test_mismatch_with_the_coordinators_account_is_reported() -> None:
         acc.backward_done(0, t)
     assert acc.mismatch(0, [1, 3]) == ""
     assert "accumulated [1, 3]" in acc.mismatch(0, [1, 2, 3])
+
+
+def test_a_redone_ticket_is_processed_again_and_counted_once() -> None:
+    acc = Accounting(microbatches_per_step=4, max_in_flight=4, max_deferred=1)
+    assert acc.admit_forward(0, 1).action == "process"
+    # Stage 0 restarted the ticket while its first attempt was still held here (its route broke further on).
+    again = acc.admit_forward(0, 1)
+    assert again.action == "process" and "redo" in again.reason
+    assert acc.num_in_flight == 1
+    acc.backward_done(0, 1)
+    # A redo after this replica's backward (a later stage died before the gradient reached stage 0).
+    assert "redo" in acc.admit_forward(0, 1).reason
+    acc.backward_done(0, 1)
+    assert acc.accumulated(0) == [1]
+
+
+def test_the_step_sums_exactly_the_coordinators_tickets() -> None:
+    summed, missing, dropped = contribution(assigned=[0, 2, 3], held=[0, 1, 2, 3])
+    assert summed == [0, 2, 3]  # ticket 1's completion was refused: never in this replica's sum
+    assert dropped == [1] and missing == []
+    assert contribution(assigned=[0, 5], held=[0]) == ([0], [5], [])
+
+
+def test_a_second_gradient_for_one_ticket_is_refused_while_the_first_is_applied() -> None:
+    acc = Accounting(microbatches_per_step=4, max_in_flight=4, max_deferred=1)
+    acc.admit_forward(0, 2)
+    acc.admit_forward(0, 2)  # a redo: two attempts, each of which may send a gradient back
+    assert acc.admit_backward(0, 2).action == "process"
+    second = acc.admit_backward(0, 2)
+    assert second.action == "refuse" and "already being applied" in second.reason
+    acc.backward_done(0, 2)
+    assert acc.admit_backward(0, 2).action == "refuse"  # the ticket's gradients are in: nothing left to apply

@@ -1,0 +1,134 @@
+"""Faults as a user meets them: nodes and the coordinator are SIGKILLed mid-run and nothing is lost.
+
+Six `node join` processes over three stages train a tiny run. Mid-step, one stage-1 and one stage-2
+replica are killed with SIGKILL; the stage-2 one is restarted on the same data dir (it rejoins and syncs);
+then the coordinator is killed and restarted on the same data dir and port. The run must finish with
+every step covering exactly B tickets per stage (I1), identical replica hashes after every step (I2),
+and a final loss within 2% of the fault-free reference (`train-local`, which a fault-free swarm equals).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+from tests.e2e.test_swarm import TINY, Swarm, reference_losses
+
+STEPS, B = 24, 4
+DEADLINE_S = 150.0
+
+
+def _stage_of(s: Swarm, name: str) -> int:
+    return s.events(name, "built")[0]["stage"]
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _steps_logged(s: Swarm, name: str) -> int:
+    path = s.tmp / name / "node.jsonl"
+    if not path.exists():
+        return 0
+    return sum(1 for line in path.read_text().splitlines() if '"event": "step"' in line or '"event":"step"' in line)
+
+
+def test_kills_and_a_coordinator_restart_lose_no_ticket(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(TINY.format(steps=STEPS, codec="none", layers=3, stages=3))
+    s = Swarm(tmp_path, config)
+    try:
+        addr = s.start_coordinator()
+        names = [f"n{k}" for k in range(6)]
+        for n in names:
+            s.start_node(n, addr)
+        _wait_for(lambda: all((tmp_path / n / "node.jsonl").exists() and s.events(n, "built") for n in names), 90, "all nodes built")
+        by_stage: dict[int, list[str]] = {}
+        for n in names:
+            by_stage.setdefault(_stage_of(s, n), []).append(n)
+        assert sorted(len(v) for v in by_stage.values()) == [2, 2, 2], by_stage
+
+        # Mid-step: training is under way (two steps applied), so tickets are in flight everywhere.
+        _wait_for(lambda: _steps_logged(s, by_stage[0][0]) >= 2, 90, "two steps")
+        victim1, victim2 = by_stage[1][0], by_stage[2][0]
+        s.procs[victim1].send_signal(signal.SIGKILL)
+        s.procs[victim2].send_signal(signal.SIGKILL)
+        s.procs[victim1].wait(10)
+        s.procs[victim2].wait(10)
+        at_kill = _steps_logged(s, by_stage[0][0])
+        _wait_for(lambda: _steps_logged(s, by_stage[0][0]) >= at_kill + 1, 60, "a step after the kills")
+        s.start_node(victim2, addr)  # same data dir: it rejoins with the same identity and syncs
+        restarted_at = _steps_logged(s, by_stage[0][0])
+
+        # The coordinator dies and comes back on the same port and data dir.
+        _wait_for(lambda: _steps_logged(s, by_stage[0][0]) >= at_kill + 3, 60, "steps after the restart")
+        port = addr.split("/tcp/")[1].split("/")[0]
+        s.procs["coord"].send_signal(signal.SIGKILL)
+        s.procs["coord"].wait(10)
+        s.spawn("coord2", "coordinator", "start", "--config", str(config), "--listen", f"/ip4/127.0.0.1/tcp/{port}",
+                "--data-dir", str(tmp_path / "coord"), "--log-level", "warning")
+
+        survivors = [n for n in names if n != victim1]
+        ref = reference_losses(config, STEPS, tmp_path)
+        s.wait_nodes([n for n in survivors if n != victim2] + [victim2], DEADLINE_S)
+    finally:
+        s.stop()
+
+    for stage, members in by_stage.items():
+        records: dict[str, dict[int, dict]] = {}
+        for n in members:
+            records[n] = {d["step"]: d for d in s.events(n, "step")}
+        for t in range(STEPS):
+            logged = [records[n][t] for n in members if t in records[n]]
+            assert logged, f"stage {stage}: no replica logged step {t}"
+            # I2: every replica that applied step t holds the same parameters.
+            assert len({d["hash"] for d in logged}) == 1, f"stage {stage} replicas differ after step {t}"
+            # I1: the replicas in the step's final accounting hold exactly its B tickets, none twice. A
+            # replica killed right after its contribution went into the average logs nothing for the step.
+            assert len({tuple(d["replicas"]) for d in logged}) == 1, f"stage {stage} step {t}: replicas saw different accountings"
+            tickets = sorted(i for n in members if t in records[n] for i in records[n][t]["tickets"])
+            assert len(set(tickets)) == len(tickets) and set(tickets) <= set(range(B)), (stage, t, tickets)
+            accounted = [n for n in members if t in records[n] and records[n][t]["tickets"]]
+            if len(logged) == len(logged[0]["replicas"]):
+                assert tickets == list(range(B)), f"stage {stage} step {t}: tickets {tickets} (accounted by {accounted})"
+    # The restarted replica took part again: it applied the run's last steps with its stage's hash.
+    assert max(d["step"] for d in s.events(victim2, "step")) == STEPS - 1
+    assert any(d["step"] >= restarted_at for d in s.events(victim2, "step"))
+    # A replica that died with its tickets in the step's accounting: the step was redone, never applied short.
+    for n in names:
+        assert not s.events(n, "tickets_lost"), s.events(n, "tickets_lost")
+    losses = {d["step"]: d["loss"] for n in by_stage[2] for d in s.events(n, "step")}
+    assert sorted(losses) == list(range(STEPS))
+    final = losses[STEPS - 1]
+    assert abs(final - ref[-1]) <= 0.02 * abs(ref[-1]), f"final loss {final} vs fault-free {ref[-1]}"
+    assert all(json.dumps(s.events(n, "replica_mismatch")) == "[]" for n in names if (tmp_path / n / "node.jsonl").exists())
+
+
+def test_chaos_plan_kills_one_at_a_time_spares_last_replicas_and_hits_the_coordinator_once() -> None:
+    import random
+
+    from protolearn.cli.demo import ChaosPlan
+
+    plan = ChaosPlan(num_nodes=3, steps=20, rng=random.Random(0), interval_s=5.0, restart_after_s=1.0)
+    stages = {0: 0, 1: 1, 2: 1}
+    alive = {0, 1, 2}
+    assert plan.tick(0.0, 1, stages, alive) == []  # too early: the run has not trained yet
+    assert plan.tick(1.0, 2, stages, alive) == []  # the first fault waits one interval
+    acts = plan.tick(6.0, 3, stages, alive)
+    assert len(acts) == 1 and acts[0][0] == "kill" and acts[0][1] in ("node1", "node2")  # node0 is stage 0's only replica
+    victim = acts[0][1]
+    assert plan.tick(20.0, 3, stages, alive - {int(victim[-1])}) == [("restart", victim)]
+    (rec,) = plan.tick(21.5, 4, stages, alive)
+    assert rec[0] == "recovered" and rec[1].recovered_s == 15.5  # from the kill until the next step closed
+    assert plan.tick(26.5, 5, stages, alive) == []  # the restarted node has not joined again yet
+    assert plan.tick(30.0, 5, stages, alive, back={victim}) == []  # back: the next fault waits one interval
+    assert plan.tick(35.0, 5, stages, alive) == [("kill", "coordinator")]
+    assert [a for a, _ in plan.tick(36.5, 6, stages, alive)] == ["recovered", "restart"]
+    assert plan.tick(40.0, 17, stages, alive) == []  # the last steps stay quiet so the run can end
