@@ -19,7 +19,7 @@ from typing import Annotated
 
 import typer
 
-from protolearn.errors import ConfigError, ProtolearnError
+from protolearn.errors import ConfigError
 
 coordinator_app = typer.Typer(help="Run the coordinator of a training run.", no_args_is_help=True)
 
@@ -31,16 +31,6 @@ PORT_RETRY_S = 0.2
 log = logging.getLogger("protolearn.coordinator")
 
 
-def first_project_error(err: BaseException) -> ProtolearnError | None:
-    """The first ProtolearnError inside a (possibly nested) exception group, so the CLI shows one line."""
-    if isinstance(err, ProtolearnError):
-        return err
-    if isinstance(err, BaseExceptionGroup):
-        for sub in err.exceptions:
-            found = first_project_error(sub)
-            if found is not None:
-                return found
-    return None
 
 
 def setup_logging(level: str) -> None:
@@ -103,6 +93,7 @@ def _start(
     """Start the coordinator and print the address nodes join with."""
     import trio
 
+    from protolearn.cli.runner import run_trio
     from protolearn.coordinator.service import Running, persisted_run_toml, serve
     from protolearn.protocol.addresses import PortInUse
     from protolearn.protocol.identity import default_data_dir
@@ -161,13 +152,7 @@ def _start(
                     nursery.cancel_scope.cancel()
                     break
 
-    try:
-        trio.run(main)
-    except BaseExceptionGroup as group:
-        err = first_project_error(group)
-        if err is None:
-            raise
-        raise err from None
+    run_trio(main)
 
 
 def register(app: typer.Typer) -> None:

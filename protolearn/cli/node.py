@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from protolearn.errors import ConfigError
+from protolearn.errors import ConfigError, ProtolearnError
 
 node_app = typer.Typer(help="Run a volunteer node.", no_args_is_help=True)
 
@@ -81,17 +81,14 @@ def _join(
             nursery.start_soon(work)
         return result[0] if result else -1
 
-    from protolearn.cli.coordinator import first_project_error
+    from protolearn.cli.runner import run_trio
 
     with Progress(config.log_path, name=name) as progress:
         try:
-            applied = trio.run(main)
-        except BaseExceptionGroup as group:
-            err = first_project_error(group)
-            if err is None:
-                raise
+            applied = run_trio(main)
+        except ProtolearnError as err:
             progress.event("error", reason=str(err))
-            raise err from None
+            raise
     if applied >= 0:
         typer.echo(f"{name}: done after {applied} steps", err=True)
 

@@ -101,7 +101,7 @@ def _status(
     from rich.console import Console
     from rich.live import Live
 
-    from protolearn.cli.coordinator import first_project_error
+    from protolearn.cli.runner import run_trio
     from protolearn.coordinator.errors import Unreachable
     from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy, coordinator_peer_id
     from protolearn.protocol.errors import PeerTimeout, PeerUnavailable
@@ -160,13 +160,7 @@ def _status(
                 except ProtolearnError as err:
                     live.update(f"[red]coordinator unreachable: {err}; retrying[/red]", refresh=True)
 
-    try:
-        trio.run(main)
-    except BaseExceptionGroup as group:
-        err = first_project_error(group)
-        if err is None:
-            raise
-        raise err from None
+    run_trio(main)
 
 
 def _export(
@@ -176,9 +170,8 @@ def _export(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")] = False,
 ) -> None:
     """Fetch every stage's current parameters from live replicas and write the whole model as one file."""
-    import trio
 
-    from protolearn.cli.coordinator import first_project_error
+    from protolearn.cli.runner import run_trio
     from protolearn.node.coordinator_link import coordinator_peer_id
     from protolearn.node.swarm_export import export_swarm
     from protolearn.protocol.identity import Identity
@@ -197,13 +190,7 @@ def _export(
         async with open_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"], cfg) as host:
             return await export_swarm(host, coordinator, out, timeout_s=timeout)
 
-    try:
-        result = trio.run(main)
-    except BaseExceptionGroup as group:
-        err = first_project_error(group)
-        if err is None:
-            raise
-        raise err from None
+    result = run_trio(main)
     if json_out:
         print(json.dumps({"out": str(result.out), "config": str(result.sidecar), "run": result.run.name,
                           "run_hash": result.run.run_hash(), "step": result.step, "params": result.num_params}))
