@@ -9,9 +9,10 @@ die at any point of it. The machine never does IO: events (:meth:`~CollectiveRou
 
 How it works
 ------------
-* The vector is cut into ``N`` contiguous parts (``N`` participants, sorted by peer id). Part ``j`` has a
-  **chain** of reducers ``peers[j], peers[j+1], ...`` (cyclic); its **owner** is the first one this
-  replica does not suspect dead, so the next peer in sorted order is the backup, then the one after.
+* Part ownership (:mod:`protolearn.protocol.ownership`): the vector is cut into ``N`` contiguous parts
+  (``N`` participants, sorted by peer id). Part ``j`` has a **chain** of reducers ``peers[j], peers[j+1],
+  ...`` (cyclic); its **owner** is the first one this replica does not suspect dead, so the next peer in
+  sorted order is the backup, then the one after.
 * Scatter: every *contributor* (weight > 0) sends its slice of part ``j`` to the owner of ``j``; when it
   comes to suspect that owner, it resends the slice to the new owner (it still holds its vector).
 * An owner reduces part ``j`` over a contributor set ``S`` once it holds the slice of every contributor
@@ -70,6 +71,7 @@ from protolearn.protocol.liveness import (
     FailureDetector,
     Wait,
 )
+from protolearn.protocol.ownership import Broadcast, Op, owner, part_bounds, reduce_part, successor
 from protolearn.protocol.pipeline import MAX_STAGES, PeerId, Step
 from protolearn.protocol.wire import Message
 from pydantic import Field
@@ -78,7 +80,7 @@ from pydantic import Field
 __all__ = [
     "DEFAULT_FACTOR", "DEFAULT_FLOOR_S", "DEFAULT_TIMEOUT_S", "EMA_ALPHA", "INITIAL_BYTES_PER_S", "MAX_PARTICIPANTS",
     "PROTOCOL_ID", "STUCK_FACTOR", "Action", "Bandwidth", "CollectiveRound", "Done", "Failed", "PartHeader", "Probe",
-    "Rejected", "Send", "part_bounds",
+    "Rejected", "Send",
 ]
 
 PROTOCOL_ID = "/protolearn/collective/1.0.0"
@@ -88,7 +90,6 @@ DEFAULT_TIMEOUT_S = 60.0
 MAX_PARTICIPANTS = 1024
 
 Phase = Literal["scatter", "gather", "fin"]
-Op = Literal["sum", "weighted_mean"]
 
 
 class PartHeader(Message):
@@ -155,31 +156,6 @@ class Failed:
 Action = Send | Probe | Rejected | Done | Failed
 
 
-def part_bounds(numel: int, num_parts: int) -> list[tuple[int, int]]:
-    """Split ``numel`` elements into ``num_parts`` contiguous ``[start, end)`` ranges, the first ones larger."""
-    if num_parts < 1:
-        raise ValueError(f"num_parts must be at least 1, got {num_parts}")
-    base, extra = divmod(numel, num_parts)
-    bounds = []
-    start = 0
-    for j in range(num_parts):
-        end = start + base + (1 if j < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
-@dataclass
-class _Broadcast:
-    """An owner sending part ``part`` over ``members``: the successor first, then everyone else."""
-
-    part: int
-    members: frozenset[str]
-    first: str | None = None
-    first_done: bool = False
-    sent: set[str] = field(default_factory=set)
-
-
 @dataclass
 class CollectiveRound:
     """One all-reduce among ``weights``' peers; ``me`` is this replica.
@@ -221,7 +197,7 @@ class CollectiveRound:
         self._sent_to: dict[int, str] = {}  # part -> owner that has my slice of it
         self._slices: dict[int, dict[str, torch.Tensor]] = {}  # parts I (may) reduce: sender -> slice
         self._versions: dict[int, dict[frozenset[str], torch.Tensor]] = {}
-        self._broadcasts: dict[tuple[int, frozenset[str]], _Broadcast] = {}
+        self._broadcasts: dict[tuple[int, frozenset[str]], Broadcast] = {}
         self._detector = FailureDetector(self.floor_s, self.factor, self.bandwidth)
         self._fins: dict[str, frozenset[str]] = {}
         self._committed: Done | None = None
@@ -245,12 +221,7 @@ class CollectiveRound:
 
     def owner(self, part: int) -> str:
         """The first peer of ``part``'s chain this replica does not suspect (never None: not itself)."""
-        n = len(self.peers)
-        for i in range(n):
-            p = self.peers[(part + i) % n]
-            if p not in self.suspects:
-                return p
-        return self.me
+        return owner(self.peers, part, self.suspects, self.me)
 
     @property
     def my_part(self) -> int:
@@ -329,8 +300,8 @@ class CollectiveRound:
         if send.phase != "gather":
             return []
         b = self._broadcasts.get((send.part, frozenset(send.contributors)))
-        if b is not None and b.first == send.peer:
-            b.first_done = True
+        if b is not None:
+            b.delivered(send.peer)
         return self._advance()
 
     def peer_failed(self, peer: str, reason: str, now: float) -> list[Action]:
@@ -403,22 +374,8 @@ class CollectiveRound:
         return ""
 
     def _owner_with(self, part: int, extra: set[str]) -> str:
-        n = len(self.peers)
-        for i in range(n):
-            p = self.peers[(part + i) % n]
-            if p not in self.suspects and (p not in extra or p == self.me):
-                return p
-        return self.me
-
-    def _successor(self, part: int) -> str | None:
-        """The first live peer after this replica in ``part``'s chain: the backup that gets parts first."""
-        n = len(self.peers)
-        k = (self.peers.index(self.me) - part) % n
-        for i in range(k + 1, k + n):
-            p = self.peers[(part + i) % n]
-            if p != self.me and p not in self.suspects:
-                return p
-        return None
+        # The sender's suspects count too, but never against this replica itself.
+        return owner(self.peers, part, self.suspects | (extra - {self.me}), self.me)
 
     def _limit(self, key: tuple) -> float:
         # An owner waits one phase for slices; a participant waits for an owner that may itself be waiting.
@@ -436,17 +393,6 @@ class CollectiveRound:
     def _fail(self, missing: list[str], reason: str) -> list[Action]:
         self._finished = Failed(missing, reason)
         return [self._finished]
-
-    def _reduce(self, part: int, members: frozenset[str]) -> torch.Tensor:
-        a, b = self.bounds[part]
-        acc = torch.zeros(b - a, dtype=torch.float32)
-        slices = self._slices[part] if members else {}
-        # Fixed order and separate multiply/add (never a fused alpha-add): the same bytes on any replica.
-        for p in sorted(members):
-            acc += slices[p] if self.op == "sum" else slices[p] * self.weights[p]
-        if self.op == "weighted_mean":
-            acc /= sum(self.weights[p] for p in sorted(members))
-        return acc
 
     def _advance(self) -> list[Action]:
         if self._started_at is None or self._finished is not None:
@@ -483,7 +429,8 @@ class CollectiveRound:
                 if any(c not in held and c not in self.suspects for c in self._C):
                     continue
                 members = frozenset(c for c in self._C if c in held)
-                self._versions.setdefault(j, {})[members] = self._reduce(j, members)
+                a, b = self.bounds[j]
+                self._versions.setdefault(j, {})[members] = reduce_part(held, members, self.weights, self.op, b - a)
                 if members != self._C:
                     self._C, changed = members, True
         # Only the part over the current C goes out: a stale one would be replaced anyway. (An owner stays
@@ -515,25 +462,11 @@ class CollectiveRound:
         return actions
 
     def _broadcast(self, part: int, members: frozenset[str]) -> list[Action]:
-        b = self._broadcasts.setdefault((part, members), _Broadcast(part, members))
+        b = self._broadcasts.setdefault((part, members), Broadcast())
         data = self._versions[part][members]
         tag = tuple(sorted(members))
-        out: list[Action] = []
-        if not b.first_done:
-            succ = self._successor(part)
-            if succ is None:
-                b.first_done = True
-            elif succ != b.first:
-                b.first = succ
-                b.sent.add(succ)
-                return [Send(succ, "gather", part, data, tag)]
-            else:
-                return []
-        for p in self.live_peers():
-            if p not in b.sent:
-                b.sent.add(p)
-                out.append(Send(p, "gather", part, data, tag))
-        return out
+        succ = successor(self.peers, part, self.me, self.suspects)
+        return [Send(p, "gather", part, data, tag) for p in b.next_peers(succ, self.live_peers())]
 
     def _track_waits(self) -> None:
         """Tell the detector what this replica waits on now (a deadline counts from a wait's start)."""

@@ -9,7 +9,6 @@ reduction over exactly the contributors :class:`Done` reports.
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
@@ -24,7 +23,6 @@ from protolearn.protocol.collective import (
     Probe,
     Rejected,
     Send,
-    part_bounds,
 )
 
 KILL_POINTS = ["before_start", "mid_scatter", "holding_parts", "mid_gather", "after_commit"]
@@ -233,14 +231,6 @@ def test_result_does_not_depend_on_arrival_order_or_on_who_reduces() -> None:
     net2 = Net({p: w for p, w in weights.items() if p != "p0"}, {p: v for p, v in vectors.items() if p != "p0"}, op="weighted_mean", seed=0)
     net2.run()
     assert torch.equal(net.done["p1"].result, net2.done["p1"].result)
-
-
-def test_part_bounds_cover_the_vector_once() -> None:
-    for numel in range(30):
-        for parts in range(1, 7):
-            bounds = part_bounds(numel, parts)
-            assert bounds[0][0] == 0 and bounds[-1][1] == numel
-            assert all(b[1] == c[0] for b, c in itertools.pairwise(bounds))
 
 
 def test_bad_parts_are_rejected_with_a_reason() -> None:
