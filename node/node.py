@@ -4,13 +4,14 @@
 builds only its stage, takes the stage's state from a live replica (or initialises it deterministically
 on a fresh run), and trains until the run's last step or until cancelled, then leaves gracefully.
 
-Per step t: stage-0 replicas lease tickets and drive them through the pipeline (:mod:`router`); every
-replica long-polls the coordinator until t closes, which freezes the accounting (stage → peer →
-tickets). Each stage's participating replicas then sum their accumulated gradients with the collective
-(:mod:`averaging`); a replica the accounting leaves out fetches the same result. Every replica applies
-the identical optimizer step, logs its parameter hash, and reports it in its heartbeat; the heartbeat
-task compares the hashes that the stage's replicas report for the same step (I2) and logs a mismatch
-as an error. Work for step t+1 that arrives before t is applied is held (bounded) and released after.
+Per step t: stage-0 replicas lease tickets and drive them through the pipeline (:mod:`driver`,
+:mod:`router`); every replica long-polls the coordinator until t closes, which freezes the accounting
+(stage → peer → tickets). Each stage's participating replicas then sum their accumulated gradients with
+the collective (:mod:`averaging`); a replica the accounting leaves out fetches the same result. Every
+replica applies the identical optimizer step, logs its parameter hash, and reports it in its heartbeat;
+the heartbeat task compares the hashes that the stage's replicas report for the same step (I2) and logs
+a mismatch as an error. Work for step t+1 that arrives before t is applied is held (bounded) and
+released after.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from protolearn.node.accounting import Accounting, contribution
 from protolearn.node.averaging import Averager, AveragingError, round_id
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink
+from protolearn.node.driver import TicketDriver
 from protolearn.node.errors import StateSyncError
 from protolearn.node.join import join_coordinator, resolve_device
 from protolearn.node.persistence import StagePersistence
@@ -44,7 +46,6 @@ from protolearn.stages.corpus import load_corpus
 log = logging.getLogger("protolearn.node")
 # Long-poll length of one wait_step request (the coordinator caps it at 30 s).
 WAIT_POLL_S = 10.0
-LEASE_RETRY_S = 0.05
 LIVE_STATES = ("training", "averaging")
 
 
@@ -79,12 +80,7 @@ class Node:
         self.target_steps = min(run.steps, config.max_steps) if config.max_steps else run.steps
         self._hash_by_step: dict[int, str] = {}
         self._checked_hash_steps: set[int] = set()
-        self._slot_free = trio.Event()
-        # Stage 0: when each in-flight ticket of the open step was (re)started; a departure restarts them.
-        self._started: dict[int, float] = {}
-        self._departed = trio.Event()
-        # Next-stage peers a forward send just failed on: the tickets sent to them earlier are restarted.
-        self._down: set[str] = set()
+        self.driver = TicketDriver(config, run, link, progress)
         self._first_logged = False
         self._moved_warned = False
         self._built = False
@@ -110,9 +106,10 @@ class Node:
         self.accounting = Accounting(run.batch.microbatches_per_step, self.config.max_in_flight, self.config.max_deferred)
         self.router = Router(
             self.host, run, self.worker, corpus, self.accounting, self.compute,
-            on_complete=self._complete, send_timeout_s=self.config.request_timeout_s,
+            on_complete=self.driver.complete, send_timeout_s=self.config.request_timeout_s,
         )
-        self.router.on_peer_down = self._peer_down
+        self.router.on_peer_down = self.driver.peer_down
+        self.driver.bind(self.worker, self.router, self.accounting)
         self.averager = Averager(self.host, stage, self.worker.numel, timeout_s=self.config.averaging_timeout_s)
         self.averager.register()
         StateServer(self.host, stage, self.run_hash, self._snapshot).register()
@@ -224,8 +221,7 @@ class Node:
             before = {m.peer_id for m in self.view.members if m.state in LIVE_STATES}
             self.view = _View(self.link.view_version, list(self.link.members))
             if before - {m.peer_id for m in self.view.members if m.state in LIVE_STATES}:
-                # A replica left or died: tickets routed through it will never get their gradient back.
-                self._departed.set()
+                self.driver.member_left()
             if self._built:
                 self._apply_view()
         if reply.stage != self.stage and not self._moved_warned:
@@ -281,7 +277,7 @@ class Node:
                 closed = trio.Event()
                 async with trio.open_nursery() as nursery:
                     if self.worker.first:
-                        nursery.start_soon(self._drive, step, closed)
+                        nursery.start_soon(self.driver.drive, step, closed)
                     info = await self._wait_closed(step, revision)
                     # Not a cancel: a lease request cut off mid-flight would strand tickets until their lease expires.
                     closed.set()
@@ -299,86 +295,6 @@ class Node:
                 continue
             if info.closed:
                 return info
-
-    async def _drive(self, step: int, closed: trio.Event) -> None:
-        """Stage 0: lease tickets of ``step`` and start them, at most ``max_in_flight`` at once, until it closes."""
-
-        async def pause(seconds: float) -> None:
-            with trio.move_on_after(seconds):
-                await closed.wait()
-
-        self._started = {t: at for t, at in self._started.items() if self.accounting.holds(step, t)}
-        # A ticket whose gradient has not come back within this long is restarted (its route broke).
-        stall_s = self.config.request_timeout_s * self.run.stages.num_stages
-        async with trio.open_nursery() as nursery:
-            while not closed.is_set():
-                now = time.monotonic()
-                stalled = [t for t, at in self._started.items() if now - at > stall_s]
-                if self._down:
-                    down, self._down = self._down, set()
-                    stalled += [t for t in self._started if self.router.sent_to.get((step, t)) in down and t not in stalled]
-                if self._departed.is_set():
-                    self._departed = trio.Event()
-                    stalled = list(self._started)
-                for t in stalled:
-                    log.warning("ticket restarted step=%d ticket=%d reason=its route broke (no gradient back)", step, t)
-                    self.progress.event("ticket_redo", step=step, ticket=t, reason="route broke")
-                    self._started[t] = now
-                    nursery.start_soon(self._run_ticket, step, t)
-                if not self.worker.last and not self.router.next_peers:
-                    # No replica of stage 1 yet: leased tickets would only expire in our hands.
-                    await pause(LEASE_RETRY_S * 4)
-                    continue
-                room = self.config.max_in_flight - self.accounting.num_in_flight
-                if room <= 0:
-                    self._slot_free = trio.Event()
-                    with trio.move_on_after(1.0):
-                        await self._slot_free.wait()
-                    continue
-                try:
-                    reply = await self.link.lease(min(room, self.config.lease_block))
-                except ProtocolError as err:
-                    log.warning("lease failed step=%d reason=%s", step, err.reason)
-                    await pause(1.0)
-                    continue
-                if reply.step != step:
-                    if reply.indices:  # the next step's tickets: not ours to start before step is applied
-                        await self._release(reply.step, reply.indices)
-                    return
-                if not reply.indices:
-                    await pause(LEASE_RETRY_S)
-                    continue
-                for i in reply.indices:
-                    # A ticket we hold may come back: our lease ran out, or the step reopened to redo it.
-                    # Starting it again is safe: every stage replaces a redone ticket's earlier attempt.
-                    self._started[i] = time.monotonic()
-                    nursery.start_soon(self._run_ticket, step, i)
-
-    def _peer_down(self, peer: str) -> None:
-        if self.worker.first:  # only stage 0 can restart a ticket
-            self._down.add(peer)
-
-    async def _run_ticket(self, step: int, ticket: int) -> None:
-        ok = await self.router.start_ticket(step, ticket)
-        if not ok:
-            self._started.pop(ticket, None)
-            await self._release(step, [ticket])
-            self._slot_free.set()
-
-    async def _release(self, step: int, indices: list[int]) -> None:
-        try:
-            await self.link.release(step, indices)
-        except ProtocolError as err:
-            log.info("release failed step=%d tickets=%s reason=%s", step, indices, err.reason)
-
-    async def _complete(self, step: int, ticket: int, route: list[str], loss: float) -> None:
-        self._slot_free.set()
-        self._started.pop(ticket, None)
-        try:
-            await self.link.complete(step, ticket, route, loss)
-        except ProtocolError as err:
-            log.warning("complete refused step=%d ticket=%d reason=%s", step, ticket, err.reason)
-            self.progress.event("complete_refused", step=step, ticket=ticket, reason=err.reason)
 
     async def _average_and_apply(self, step: int, info: cm.StepInfo) -> int:
         """Average step ``step`` as its frozen accounting says and apply it; returns 0.
