@@ -20,6 +20,8 @@ class CoordinatorSettings(BaseModel):
     # After a restart, members get this long to reconnect (with backoff) before expiry applies.
     restart_grace_s: float = Field(30.0, ge=0)
     lease_s: float = Field(20.0, gt=0)
+    # A member whose connection closed and stayed closed this long has its leases ended early (it died).
+    disconnect_grace_s: float = Field(0.5, ge=0)
     # Most tickets one lease request gets: small blocks spread the tickets over stage-0 replicas.
     lease_block: int = Field(4, ge=1)
     housekeeping_interval_s: float = Field(0.25, gt=0)

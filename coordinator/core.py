@@ -9,7 +9,10 @@ wall clock, persists :meth:`drain` into SQLite, and runs the long poll of ``Wait
 
 Departures cost tickets: when a member leaves, expires or is banned, the open step's tickets it
 leased *or that were routed through it* are freed, because the gradients it accumulated for them are
-gone (or untrusted), and they are redone by others (I1).
+gone (or untrusted), and they are redone by others (I1). A member whose connection to the coordinator
+closed (it died) and stays closed for ``disconnect_grace_s`` has its leases ended at once rather than
+at their expiry, so another stage-0 replica picks its tickets up within about a second; the service
+passes those connection events in with ``now``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from protolearn.coordinator.assignment import shares_from_layers
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.ratelimit import RateLimiter
-from protolearn.coordinator.registry import LIVE, HeartbeatInfo, JoinInfo, Member, Registry
+from protolearn.coordinator.registry import BANNED, LIVE, HeartbeatInfo, JoinInfo, Member, Registry
 from protolearn.coordinator.tickets import ClosedStep, Ticket, TicketLedger
 from protolearn.coordinator.verdicts import Ban, VerdictPolicy
 from protolearn.protocol import coordination as cm
@@ -129,6 +132,8 @@ class CoordinatorCore:
         self.refusals: dict[str, int] = {}
         self.reissued = 0
         self._reported_expired: set[tuple[int, int, float]] = set()
+        # Members whose last connection closed, and since when (cleared when they reconnect).
+        self._disconnected: dict[str, float] = {}
 
     # -- restore ------------------------------------------------------------------------------
 
@@ -200,7 +205,7 @@ class CoordinatorCore:
         if isinstance(msg, cm.Complete):
             return self._complete(member, msg, now)
         if isinstance(msg, cm.Redo):
-            return self._redo(peer, msg)
+            return self._redo(member, msg)
         if isinstance(msg, cm.Leave):
             return self._leave(peer, msg, now)
         raise self.refuse("unknown_request", f"no handler for {msg.KIND}")
@@ -307,10 +312,17 @@ class CoordinatorCore:
             for step in sorted(self.ledger.closed)[: len(self.ledger.closed) - KEEP_CLOSED]:
                 del self.ledger.closed[step]
 
-    def _redo(self, peer: str, msg: cm.Redo) -> cm.RedoReply:
-        d = self.ledger.redo(msg.step, msg.indices, by=peer)
+    def _redo(self, member: Member, msg: cm.Redo) -> cm.RedoReply:
+        peer = member.peer_id
+        # A replica that reported applying the step must never see it reopen (it cannot un-apply it).
+        # A claim beyond the last closed step is impossible for an honest node, so it blocks nothing.
+        applied_by = [
+            m.peer_id for m in self.registry.members.values()
+            if m.step == msg.step and m.status != BANNED and msg.step == self.ledger.last_closed
+        ]
+        d = self.ledger.redo(msg.step, msg.indices, by=peer, by_stage=member.stage, applied_by=applied_by)
         if not d.accepted:
-            raise self.refuse("redo_refused", d.reason)
+            raise self.refuse(d.code, d.reason)
         log.info("redo peer=%s step=%d tickets=%s reopened=%s reason=%s", peer, msg.step, d.indices, d.reopened, msg.reason)
         return cm.RedoReply(step=msg.step, indices=d.indices, reopened=d.reopened, open_step=self.ledger.step)
 
@@ -350,6 +362,15 @@ class CoordinatorCore:
         freed = self.ledger.revoke_peer(peer)
         log.warning("ban peer=%s freed=%s reason=%s", peer, freed, self.verdicts.bans[peer].reason)
 
+    # -- connections --------------------------------------------------------------------------
+
+    def connection_changed(self, peer: str, connected: bool, now: float) -> None:
+        """The host saw ``peer``'s first connection open or its last one close."""
+        if connected:
+            self._disconnected.pop(peer, None)
+        elif self.registry.is_live(peer):
+            self._disconnected.setdefault(peer, now)
+
     # -- long poll ----------------------------------------------------------------------------
 
     def step_info(self, step: int, min_revision: int = 1) -> cm.StepInfo:
@@ -388,6 +409,12 @@ class CoordinatorCore:
         for m in self.registry.expire(now):
             freed = self.ledger.revoke_peer(m.peer_id)
             events.append(f"expired peer={m.peer_id} stage={m.stage} freed={freed}")
+        for peer, since in list(self._disconnected.items()):
+            if now - since >= self.settings.disconnect_grace_s:
+                del self._disconnected[peer]
+                ended = self.ledger.expire_leases(peer, now)
+                if ended:
+                    events.append(f"disconnected peer={peer} leases ended early step={self.ledger.step} tickets={ended}")
         expired = {(self.ledger.step, i, self.ledger.tickets[i].expires_at) for i in self.ledger.expired(now)}
         fresh = sorted(i for _, i, _ in expired - self._reported_expired)
         self._reported_expired = expired

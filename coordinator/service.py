@@ -9,8 +9,9 @@ meaningful across restarts), then every change is written to SQLite before the r
 reply a node has seen is never lost to a SIGKILL. A refusal is logged with the peer, the request and
 the reason and goes back as an ``ErrorReply``. ``WaitStep`` is a long poll: it waits on an event that
 is set whenever a step closes or reopens, bounded by the request's timeout (≤ 30 s). A housekeeping
-task expires members and leases and rebalances. Banned peers are handed to the host's gate, which
-refuses them at connection time.
+task expires members and leases and rebalances; the host tells the core when a member's connection
+closes, so a dead member's leases end after a short grace instead of at their expiry. Banned peers
+are handed to the host's gate, which refuses them at connection time.
 """
 
 from __future__ import annotations
@@ -196,6 +197,7 @@ async def serve(
     try:
         async with open_host(identity, listen, transport) as host:
             svc = _Service(core, store, host, clock)
+            host.on_connection = lambda peer, up: core.connection_changed(peer, up, clock())
             host.serve(
                 SERVICE_NAME,
                 svc.on_request,

@@ -12,8 +12,18 @@ for each stage, which peer accounts for which tickets (read off the routes), and
 
 :meth:`TicketLedger.redo` un-completes tickets. On the open step it frees them (their route broke).
 On the step that just closed it *reopens* that step, provided no ticket of the next step is done yet
-(a replica's contribution was dropped from the average, so its tickets must be recomputed before anyone
-applies the step); the step then closes again with ``revision + 1``.
+and no replica has applied it yet (a replica's contribution was dropped from the average, so its
+tickets must be recomputed before anyone applies the step); the step then closes again with
+``revision + 1``.
+
+Who may ask for a redo: a peer on the ticket's route (it lost the ticket's graph or gradients), or a
+*participant of the same stage*: a peer that the step's frozen accounting lists at stage s and that is
+still in stage s. The second case is a surviving replica whose collective left a dead replica's
+contribution out. Every ticket passes through every stage, so such a peer can only force work to be
+recomputed: a redo replaces a ticket's completion and never adds a second one (I1). A peer that took no
+part in the step cannot touch it. On a reopened step, a same-stage redo only resets tickets still
+carrying their frozen route: a late duplicate request from a second survivor finds them already redone
+and leaves the new attempts alone.
 
 Every operation returns a decision with a reason; nothing here raises on a peer's bad request.
 """
@@ -83,6 +93,7 @@ class RedoDecision:
     reason: str
     indices: list[int] = field(default_factory=list)
     reopened: bool = False
+    code: str = "redo_refused"
 
 
 class TicketLedger:
@@ -211,31 +222,41 @@ class TicketLedger:
         self.reset = True
         return closed
 
-    def redo(self, step: int, indices: Sequence[int], *, by: str | None = None) -> RedoDecision:
+    def redo(
+        self,
+        step: int,
+        indices: Sequence[int],
+        *,
+        by: str | None = None,
+        by_stage: int | None = None,
+        applied_by: Sequence[str] = (),
+    ) -> RedoDecision:
         """Un-complete tickets of the open step, or reopen the step that just closed.
 
-        ``by`` (when given) must appear in the route of every ticket it redoes, or hold its lease:
-        a stranger cannot undo other peers' work.
+        ``by`` (when given) must be on the route of every ticket it redoes, hold its lease, or be a
+        participant of stage ``by_stage`` (its current stage) in the step's frozen accounting; see the
+        module docstring. ``applied_by``: peers that reported applying ``step`` (it then never reopens).
         """
         wanted = sorted(set(indices))
         if any(not 0 <= i < self.num_tickets for i in wanted):
             return RedoDecision(False, f"ticket indices {wanted} are not all within 0..{self.num_tickets - 1}")
         if step == self.step:
-            for i in wanted:
-                t = self.tickets[i]
-                if by is not None and by != t.holder and by not in (t.route or ()):
-                    return RedoDecision(False, f"ticket ({step},{i}) was not leased to or routed through the sender")
-            for i in wanted:
-                self.tickets[i] = Ticket(i, issued=self.tickets[i].issued)
-                self.dirty.add(i)
-            return RedoDecision(True, f"tickets {wanted} of open step {step} will be redone", wanted)
+            return self._redo_open(step, wanted, by, by_stage)
         closed = self.closed.get(step)
         if closed is None or step != self.step - 1:
             return RedoDecision(False, f"step {step} is neither open ({self.step}) nor the last closed step")
         if any(t.done for t in self.tickets):
             return RedoDecision(False, f"step {step} cannot reopen: step {self.step} already has completed tickets")
-        if by is not None and any(by not in closed.routes[i] for i in wanted):
-            return RedoDecision(False, f"the sender is not in the route of every ticket {wanted} of step {step}")
+        if by is not None and not _participant(closed, by, by_stage) and any(by not in closed.routes[i] for i in wanted):
+            return RedoDecision(
+                False, f"the sender is neither in the route of every ticket {wanted} of step {step} nor a participant of its stage"
+            )
+        if applied_by:
+            return RedoDecision(
+                False,
+                f"step {step} cannot reopen: {min(applied_by)} already applied it; the tickets stay as they were",
+                code="step_applied",
+            )
         self.step = step
         self.tickets = [
             Ticket(i, holder=route[0], done=True, route=list(route), loss=loss)
@@ -246,6 +267,30 @@ class TicketLedger:
         self.reset = True
         return RedoDecision(True, f"step {step} reopened to redo tickets {wanted}", wanted, reopened=True)
 
+    def _redo_open(self, step: int, wanted: list[int], by: str | None, by_stage: int | None) -> RedoDecision:
+        # Set when this step was reopened: the accounting it closed with the last time.
+        frozen = self.closed.get(step)
+        peer_of_stage = by is not None and frozen is not None and _participant(frozen, by, by_stage)
+        reset = []
+        for i in wanted:
+            t = self.tickets[i]
+            if by is None or by == t.holder:
+                reset.append(i)
+            elif peer_of_stage and frozen is not None and frozen.routes[i][by_stage] != by:  # type: ignore[index]
+                # About another replica's share of the frozen step: undo it only if it was not redone since.
+                if t.done and tuple(t.route or ()) == frozen.routes[i]:
+                    reset.append(i)
+            elif by in (t.route or ()):
+                reset.append(i)
+            elif not t.done:
+                continue  # already pending (e.g. another replica's redo freed it): nothing to undo
+            else:
+                return RedoDecision(False, f"ticket ({step},{i}) was not leased to or routed through the sender")
+        for i in reset:
+            self.tickets[i] = Ticket(i, issued=self.tickets[i].issued)
+            self.dirty.add(i)
+        return RedoDecision(True, f"tickets {reset} of open step {step} will be redone", reset)
+
     def revoke_peer(self, peer: str) -> list[int]:
         """Free the open step's tickets leased by ``peer`` or routed through it (it was banned)."""
         out = []
@@ -254,6 +299,20 @@ class TicketLedger:
                 self.tickets[i] = Ticket(i, issued=t.issued)
                 self.dirty.add(i)
                 out.append(i)
+        return out
+
+    def expire_leases(self, peer: str, now: float) -> list[int]:
+        """End ``peer``'s leases now (its connection is gone): the next lease request re-issues them.
+
+        Unlike :meth:`release_all` the peer stays the holder until then, so if it was alive after
+        all, its completion still counts.
+        """
+        out = []
+        for t in self.tickets:
+            if t.holder == peer and not t.done and t.expires_at > now:
+                t.expires_at = now
+                self.dirty.add(t.index)
+                out.append(t.index)
         return out
 
     def expired(self, now: float) -> list[int]:
@@ -266,3 +325,10 @@ class TicketLedger:
             if not t.done and t.holder is not None:
                 t.expires_at = max(t.expires_at, now + self.lease_s)
                 self.dirty.add(t.index)
+
+
+def _participant(closed: ClosedStep, peer: str, stage: int | None) -> bool:
+    """Whether ``peer`` processed a ticket of ``closed`` at ``stage`` (so it averaged that stage)."""
+    if stage is None or stage < 0:
+        return False
+    return any(len(route) > stage and route[stage] == peer for route in closed.routes)

@@ -82,9 +82,14 @@ class _BanNotifee(INotifee):
         if rejection is not None:
             self._host.gate.record(rejection)
             self._host._schedule_disconnect(peer)
+        elif self._host.on_connection is not None:
+            self._host.on_connection(peer, True)
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
-        return None
+        if self._host.on_connection is not None:
+            peer = conn.muxed_conn.peer_id
+            # Only the peer's last connection going away means it is gone.
+            self._host.on_connection(str(peer), bool(network.get_connections(peer)))
 
     async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
         return None
@@ -115,6 +120,9 @@ class Host:
         self._dial_addrs: dict[str, list[multiaddr.Multiaddr]] = {}
         # Bans are decided synchronously; closing the connection is async, so a service task does it.
         self._disconnect_send, self._disconnect_recv = trio.open_memory_channel[str](1024)
+        # Told (peer, connected) when a peer connects or its last connection closes (e.g. it died);
+        # it runs inside libp2p's notifier, so it must be quick and must not raise.
+        self.on_connection: Callable[[str, bool], None] | None = None
 
     # -- addresses and dialling ---------------------------------------------------------------
 

@@ -223,3 +223,39 @@ def test_coordinator_refuses_abuse_and_keeps_serving(open_hosts, run_trio, tmp_p
 
 async def _raw_join(host, coord: Running):
     return await host.request(coord.addrs[0], "coordinator", join_msg(host), cm.JoinReply, timeout=5)
+
+
+def test_a_dead_stage0_nodes_leases_go_to_another_replica_long_before_they_expire(open_hosts, run_trio, tmp_path):
+    """The coordinator sees the dead node's connection close and ends its leases after a short grace."""
+    settings = FAST.model_copy(update={"lease_s": 30.0, "expiry_s": 30.0, "disconnect_grace_s": 0.3})
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            coord = await start(nursery, tmp_path, settings)
+            async with open_hosts(2, introduce=False) as (b, c):
+                lb, lc = (CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in (b, c))
+                async with open_hosts(1, introduce=False) as (a,):
+                    la = CoordinatorLink(a, coord.addrs[0], retry=RETRY)
+                    assert (await la.join(join_msg(a))).stage == 0
+                    stages = {(await lk.join(join_msg(lk.host))).stage: lk for lk in (lb, lc)}
+                    other = stages[0]
+                    held = (await la.lease(2)).indices
+                    assert len(held) == 2
+                # a's host is closed: like a SIGKILL, its connections drop without a Leave.
+                died = trio.current_time()
+                got: list[int] = []
+                while not set(held) <= set(got) and trio.current_time() - died < 5.0:
+                    got += (await other.lease(4)).indices
+                    await trio.sleep(0.05)
+                took = trio.current_time() - died
+                print(f"dead node's leases re-issued after {took:.2f} s (lease_s={settings.lease_s})")
+                assert took < 3.0
+                assert coord.core.registry.is_live(a.peer_id)  # not expired: only its leases ended
+                # a live member's idle connection stays up: its leases are not ended early
+                await trio.sleep(1.0)
+                mine = coord.core.ledger.holdings(other.host.peer_id)
+                assert set(held) <= set(mine)
+                assert all(coord.core.ledger.tickets[i].expires_at > time.time() + 20 for i in mine)
+            nursery.cancel_scope.cancel()
+
+    run_trio(main, timeout=30)

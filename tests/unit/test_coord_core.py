@@ -207,3 +207,57 @@ def test_redo_and_release_through_requests() -> None:
         core.handle("a", cm.Complete(step=0, index=i, route=["a", "b"], loss=1.0), 3.0)
     info = core.step_info(0, min_revision=2)
     assert info.closed and info.revision == 2 and info.num_tickets == B
+
+
+def four_members(core: CoordinatorCore) -> dict[int, list[str]]:
+    by_stage: dict[int, list[str]] = {}
+    for p in ("a", "b", "c", "d"):
+        by_stage.setdefault(join(core, p).stage, []).append(p)
+    assert sorted(len(v) for v in by_stage.values()) == [2, 2], by_stage
+    return by_stage
+
+
+def test_a_survivor_redoes_a_dead_replicas_tickets_unless_a_replica_applied_the_step() -> None:
+    core = make_core()
+    (s0, _), (alive, dead) = four_members(core).values()
+    B = core.run.microbatches_per_step
+    step = 0
+    while core.ledger.step == step:
+        for i in core.handle(s0, cm.Lease(max_tickets=B), 0.0).indices:
+            core.handle(s0, cm.Complete(step=0, index=i, route=[s0, alive if i % 2 else dead], loss=1.0), 0.0)
+    theirs = list(range(0, B, 2))
+    # A stage-0 peer that averaged nothing of stage 1's share cannot redo it.
+    with pytest.raises(Refusal, match="redo_refused"):
+        core.handle(_other(core, s0), cm.Redo(step=0, indices=theirs), 0.5)
+    # Another stage's replica already applied step 0: the step must not reopen under it.
+    core.handle(s0, cm.Heartbeat(state="training", step=0, param_hash="h"), 0.5)
+    with pytest.raises(Refusal) as err:
+        core.handle(alive, cm.Redo(step=0, indices=theirs, reason="replica out"), 0.6)
+    assert err.value.code == "step_applied" and core.ledger.step == 1
+    # Without that report the survivor's redo reopens the step for exactly the dead replica's tickets.
+    core.registry.members[s0].step = -1
+    reply = core.handle(alive, cm.Redo(step=0, indices=theirs, reason="replica out"), 0.7)
+    assert reply.reopened and reply.indices == theirs and core.ledger.remaining() == len(theirs)
+
+
+def _other(core: CoordinatorCore, peer: str) -> str:
+    stage = core.registry.members[peer].stage
+    return next(m.peer_id for m in core.registry.live() if m.stage == stage and m.peer_id != peer)
+
+
+def test_a_disconnected_members_leases_end_after_the_grace_unless_it_reconnects() -> None:
+    core = make_core(SETTINGS.model_copy(update={"disconnect_grace_s": 0.5, "expiry_s": 30.0}))
+    (s0a, s0b), _ = four_members(core).values()
+    held = core.handle(s0a, cm.Lease(max_tickets=2), 0.0).indices
+    core.connection_changed(s0a, False, 1.0)
+    core.connection_changed(s0a, True, 1.2)  # a blip: it came back within the grace
+    core.housekeeping(2.0)
+    assert core.handle(s0b, cm.Lease(max_tickets=4), 2.0).indices and core.ledger.holdings(s0a) == held
+    core.handle(s0b, cm.Release(step=0, indices=core.ledger.holdings(s0b)), 2.0)
+    core.connection_changed(s0a, False, 3.0)
+    assert not any("disconnected" in e for e in core.housekeeping(3.2))
+    events = core.housekeeping(3.6)
+    assert any(f"disconnected peer={s0a}" in e for e in events)
+    # Long before lease_s (10 s): the other stage-0 replica gets the dead one's tickets first.
+    lease = core.handle(s0b, cm.Lease(max_tickets=4), 3.7)
+    assert set(held) <= set(lease.indices) and core.reissued == len(held)

@@ -173,3 +173,65 @@ def test_random_schedules_close_every_step_with_exactly_B_distinct_tickets() -> 
         for stage, peers_ in c.accounting().items():
             assert sorted(i for ts in peers_.values() for i in ts) == list(range(B)), (c.step, stage)
     assert [c.step for c in closed] == list(range(len(closed)))
+
+
+def test_a_surviving_replica_of_the_stage_may_redo_a_dead_replicas_tickets_but_a_stranger_may_not() -> None:
+    led = ledger()
+    # Tickets alternate between two stage-1 replicas; "dead" died while averaging the step.
+    step = led.step
+    while led.step == step:
+        for i in led.lease("a", 0.0, 4).indices:
+            led.complete("a", 0, i, ["a", "alive" if i % 2 else "dead"], 1.0, 0.0)
+    dead_tickets = [0, 2, 4]
+    # Not a participant of the step at stage 1 (or asking from another stage): refused, nothing changes.
+    assert not led.redo(0, dead_tickets, by="newcomer", by_stage=1).accepted
+    assert not led.redo(0, dead_tickets, by="alive", by_stage=0).accepted
+    assert led.step == 1
+    d = led.redo(0, dead_tickets, by="alive", by_stage=1)
+    assert d.accepted and d.reopened and led.remaining() == 3
+    # A second survivor's identical request on the reopened step is a no-op, not a second reset.
+    again = led.redo(0, dead_tickets, by="alive", by_stage=1)
+    assert again.accepted and again.indices == []
+    for i in led.lease("b", 1.0, 4).indices:
+        closed = led.complete("b", 0, i, ["b", "alive"], 2.0, 1.0).closed
+    assert closed is not None and closed.revision == 2
+    # Exactly B tickets, each counted once per stage (I1), the dead replica's share recomputed elsewhere.
+    assert closed.accounting()[1] == {"alive": list(range(B))}
+    assert sorted(i for ts in closed.accounting()[0].values() for i in ts) == list(range(B))
+
+
+def test_a_late_same_stage_redo_leaves_tickets_already_redone_alone() -> None:
+    led = ledger()
+    step = led.step
+    while led.step == step:
+        for i in led.lease("a", 0.0, 4).indices:
+            led.complete("a", 0, i, ["a", "alive" if i % 2 else "dead"], 1.0, 0.0)
+    assert led.redo(0, [0, 2, 4], by="alive", by_stage=1).reopened
+    i = led.lease("b", 1.0, 1).indices[0]
+    led.complete("b", 0, i, ["b", "alive"], 2.0, 1.0)
+    # "dead"'s tickets: one already recomputed, two pending; a carried-over ticket of "dead" is not there.
+    d = led.redo(0, [0, 2, 4], by="alive", by_stage=1)
+    assert d.accepted and d.indices == []
+    assert led.tickets[i].done and led.tickets[i].route == ["b", "alive"]
+    # A ticket carried over from the frozen accounting can still be redone by a same-stage participant.
+    d = led.redo(0, [1], by="alive", by_stage=1)
+    assert d.accepted and d.indices == [1] and not led.tickets[1].done
+
+
+def test_a_step_that_a_replica_applied_never_reopens() -> None:
+    led = ledger()
+    finish(led, "a", 0.0, stage1="dead")
+    d = led.redo(0, [1, 2], by="dead", by_stage=1, applied_by=["s2-replica"])
+    assert not d.accepted and d.code == "step_applied" and "s2-replica already applied" in d.reason
+    assert led.step == 1 and led.remaining() == B  # nothing reopened
+
+
+def test_a_dead_holders_leases_end_early_and_go_to_the_next_lease_but_count_if_it_completes() -> None:
+    led = ledger()
+    held = led.lease("a", 0.0, 2).indices
+    assert led.expire_leases("a", 1.0) == held
+    assert led.expired(1.0) == held
+    # a is still the holder until someone else leases: if it was alive after all, its completion counts
+    assert led.complete("a", 0, held[0], ["a", "s1"], 1.0, 1.0).accepted
+    d = led.lease("b", 1.5, 4)
+    assert held[1] in d.reissued and held[0] not in d.indices
