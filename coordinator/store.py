@@ -138,12 +138,3 @@ class Store:
         history = [LossPoint(s, loss, len(json.loads(losses)), at) for s, _r, loss, at, _routes, losses in rows]
         bans = [Ban(p, r, at) for p, r, at in db.execute("SELECT peer_id, reason, at FROM bans ORDER BY at")]
         return {"members": members, "step": step, "tickets": tickets, "closed": closed, "history": history, "bans": bans}
-
-    def closed_step(self, step: int) -> ClosedStep | None:
-        row = self._db.execute(
-            "SELECT step, revision, loss, closed_at, routes, losses FROM steps WHERE step = ?", (step,)
-        ).fetchone()
-        if row is None:
-            return None
-        s, r, loss, at, routes, losses = row
-        return ClosedStep(s, r, loss, at, tuple(tuple(x) for x in json.loads(routes)), tuple(json.loads(losses)))

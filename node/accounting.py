@@ -55,10 +55,6 @@ class Accounting:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    @property
-    def num_deferred(self) -> int:
-        return len(self._deferred)
-
     def holds(self, step: int, ticket: int) -> bool:
         """Whether (step, ticket) is in flight or already accumulated here."""
         return (step, ticket) in self._in_flight or ticket in self._accumulated.get(step, ())

@@ -109,11 +109,6 @@ class StageWorker:
         """Tickets of ``step`` whose parameter gradients this replica holds, sorted."""
         return sorted(t for s, t in self._ticket_grads if s == step)
 
-    @property
-    def ticket_grad_bytes(self) -> int:
-        """Memory held by the per-ticket gradient store (the demo and the bench report it)."""
-        return sum(g.numel() * g.element_size() for gs in self._ticket_grads.values() for g in gs if g is not None)
-
     @torch.no_grad()
     def flat_grads(self, step: int, tickets: list[int]) -> torch.Tensor:
         """The sum of exactly ``tickets`` of ``step``, flat float32 on the CPU, in ticket order.

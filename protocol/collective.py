@@ -223,10 +223,6 @@ class CollectiveRound:
         """The first peer of ``part``'s chain this replica does not suspect (never None: not itself)."""
         return owner(self.peers, part, self.suspects, self.me)
 
-    @property
-    def my_part(self) -> int:
-        return self.peers.index(self.me)
-
     def live_peers(self) -> list[str]:
         return [p for p in self.peers if p != self.me and p not in self.suspects]
 
