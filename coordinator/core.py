@@ -26,7 +26,7 @@ from protolearn.coordinator.assignment import shares_from_layers
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.ratelimit import RateLimiter
-from protolearn.coordinator.registry import BANNED, LIVE, HeartbeatInfo, JoinInfo, Member, Registry
+from protolearn.coordinator.registry import LIVE, HeartbeatInfo, JoinInfo, Member, Registry
 from protolearn.coordinator.tickets import ClosedStep, Ticket, TicketLedger
 from protolearn.coordinator.verdicts import Ban, VerdictPolicy
 from protolearn.protocol import coordination as cm
@@ -91,9 +91,14 @@ class Changes:
     tickets_reset: bool = False
     closed: list[ClosedStep] = field(default_factory=list)
     bans: list[Ban] = field(default_factory=list)
+    # The new last committed step, when it changed.
+    committed: int | None = None
 
     def empty(self) -> bool:
-        return not (self.members or self.removed or self.tickets or self.tickets_reset or self.closed or self.bans)
+        return not (
+            self.members or self.removed or self.tickets or self.tickets_reset or self.closed or self.bans
+            or self.committed is not None
+        )
 
 
 def _verify_evidence(peer_id: str, data: bytes, signature: bytes) -> bool:
@@ -147,6 +152,7 @@ class CoordinatorCore:
         history: list[LossPoint],
         bans: list[Ban],
         now: float,
+        committed: int | None = None,
     ) -> None:
         """Load persisted state after a restart, giving live members and leases a fresh term."""
         self.registry.members = {m.peer_id: m for m in members}
@@ -162,6 +168,7 @@ class CoordinatorCore:
             step=step,
             tickets=full,
             closed=closed[-KEEP_CLOSED:],
+            committed_through=committed,
         )
         self.ledger.refresh_leases(now)
         self.history.extend(history)
@@ -206,6 +213,8 @@ class CoordinatorCore:
             return self._complete(member, msg, now)
         if isinstance(msg, cm.Redo):
             return self._redo(member, msg)
+        if isinstance(msg, cm.Averaged):
+            return self._averaged(member, msg)
         if isinstance(msg, cm.Leave):
             return self._leave(peer, msg, now)
         raise self.refuse("unknown_request", f"no handler for {msg.KIND}")
@@ -314,17 +323,27 @@ class CoordinatorCore:
 
     def _redo(self, member: Member, msg: cm.Redo) -> cm.RedoReply:
         peer = member.peer_id
-        # A replica that reported applying the step must never see it reopen (it cannot un-apply it).
-        # A claim beyond the last closed step is impossible for an honest node, so it blocks nothing.
-        applied_by = [
-            m.peer_id for m in self.registry.members.values()
-            if m.step == msg.step and m.status != BANNED and msg.step == self.ledger.last_closed
-        ]
-        d = self.ledger.redo(msg.step, msg.indices, by=peer, by_stage=member.stage, applied_by=applied_by)
+        d = self.ledger.redo(msg.step, msg.indices, by=peer, by_stage=member.stage, orphaned=self._orphaned(msg.step, member.stage))
         if not d.accepted:
             raise self.refuse(d.code, d.reason)
         log.info("redo peer=%s step=%d tickets=%s reopened=%s reason=%s", peer, msg.step, d.indices, d.reopened, msg.reason)
         return cm.RedoReply(step=msg.step, indices=d.indices, reopened=d.reopened, open_step=self.ledger.step)
+
+    def _orphaned(self, step: int, stage: int) -> bool:
+        """Whether every peer that processed ``step``'s tickets at ``stage`` is gone (left, expired, banned)."""
+        closed = self.ledger.closed.get(step)
+        if closed is None:
+            return False
+        peers = {route[stage] for route in closed.routes if len(route) > stage}
+        return bool(peers) and not any(self.registry.is_live(p) for p in peers)
+
+    def _averaged(self, member: Member, msg: cm.Averaged) -> cm.StepInfo:
+        d = self.ledger.averaged(member.peer_id, member.stage, msg.step, msg.revision)
+        if not d.accepted:
+            raise self.refuse(d.code, d.reason)
+        if d.committed and self.ledger.commit_dirty:
+            log.info("step committed step=%d revision=%d (every stage averaged it)", msg.step, msg.revision)
+        return self.step_info(msg.step, msg.revision)
 
     def _leave(self, peer: str, msg: cm.Leave, now: float) -> cm.LeaveReply:
         d = self.registry.leave(peer, now)
@@ -383,6 +402,7 @@ class CoordinatorCore:
                 return cm.StepInfo(
                     step=step, closed=True, revision=1, loss=point.loss if point else None,
                     num_tickets=self.run.microbatches_per_step, accounting=[], open_step=open_step,
+                    committed=self.ledger.committed(step),
                 )
             rev = closed.revision if closed is not None else 0
             return cm.StepInfo(
@@ -399,6 +419,7 @@ class CoordinatorCore:
         return cm.StepInfo(
             step=step, closed=True, revision=closed.revision, loss=float(closed.loss),
             num_tickets=closed.num_tickets, accounting=accounting, open_step=open_step,
+            committed=self.ledger.committed(step),
         )
 
     # -- timers -------------------------------------------------------------------------------
@@ -444,6 +465,8 @@ class CoordinatorCore:
             ch.tickets = [led.tickets[i] for i in sorted(led.dirty)]
         ch.closed = list(self._new_closed)
         ch.bans = [ver.bans[p] for p in sorted(ver.dirty)]
+        if led.commit_dirty:
+            ch.committed, led.commit_dirty = led.committed_through, False
         reg.dirty.clear()
         reg.removed.clear()
         led.dirty.clear()

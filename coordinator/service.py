@@ -8,7 +8,7 @@ Each request is handled by :meth:`CoordinatorCore.handle` with the wall clock (p
 meaningful across restarts), then every change is written to SQLite before the reply goes out, so a
 reply a node has seen is never lost to a SIGKILL. A refusal is logged with the peer, the request and
 the reason and goes back as an ``ErrorReply``. ``WaitStep`` is a long poll: it waits on an event that
-is set whenever a step closes or reopens, bounded by the request's timeout (≤ 30 s). A housekeeping
+is set whenever a step closes, reopens or commits, bounded by the request's timeout (≤ 30 s). A housekeeping
 task expires members and leases and rebalances; the host tells the core when a member's connection
 closes, so a dead member's leases end after a short grace instead of at their expiry. Banned peers
 are handed to the host's gate, which refuses them at connection time.
@@ -47,6 +47,7 @@ REQUEST_TYPES: tuple[type[Message], ...] = (
     cm.Complete,
     cm.WaitStep,
     cm.Redo,
+    cm.Averaged,
     cm.Report,
     cm.Leave,
     cm.StatusRequest,
@@ -110,13 +111,15 @@ class _Service:
         self.host = host
         self.clock = clock
         self._changed = trio.Event()
-        self._seen = (core.ledger.step, self._revision())
+        self._seen = self._progress()
         self._waiting = 0
         self.sync_bans()
 
-    def _revision(self) -> int:
-        closed = self.core.ledger.closed.get(self.core.ledger.step - 1)
-        return closed.revision if closed is not None else 0
+    def _progress(self) -> tuple[int, int, int]:
+        """(open step, last closed step's revision, last committed step): long polls wake when it changes."""
+        led = self.core.ledger
+        closed = led.closed.get(led.step - 1)
+        return led.step, closed.revision if closed is not None else 0, led.committed_through
 
     def sync_bans(self) -> None:
         for peer, ban in self.core.verdicts.bans.items():
@@ -124,10 +127,10 @@ class _Service:
                 self.host.ban(peer, ban.reason)
 
     def commit(self, *, soft: bool = False) -> None:
-        """Persist, gate new bans, and wake long polls if a step closed or reopened."""
+        """Persist, gate new bans, and wake long polls if a step closed, reopened or committed."""
         self.store.apply(self.core.drain(soft=soft))
         self.sync_bans()
-        seen = (self.core.ledger.step, self._revision())
+        seen = self._progress()
         if seen != self._seen:
             self._seen = seen
             self._changed.set()
@@ -154,7 +157,7 @@ class _Service:
             with trio.move_on_after(msg.timeout_s):
                 while True:
                     info = self.core.step_info(msg.step, msg.min_revision)
-                    if info.closed:
+                    if _answered(msg, info):
                         return info
                     await self._changed.wait()
             return self.core.step_info(msg.step, msg.min_revision)
@@ -172,6 +175,14 @@ class _Service:
             if soft:
                 last_soft = trio.current_time()
             self.commit(soft=soft)
+
+
+def _answered(msg: cm.WaitStep, info: cm.StepInfo) -> bool:
+    """Whether the long poll has its answer: the step closed; or, ``until="committed"``, it committed
+    at ``min_revision``, reopened (not closed any more) or closed again at a later revision."""
+    if msg.until == "closed":
+        return info.closed
+    return info.committed or not info.closed or info.revision != msg.min_revision
 
 
 async def serve(

@@ -4,7 +4,7 @@ One file, ``<data dir>/coordinator.sqlite``, in WAL mode with ``synchronous=NORM
 transaction survives a process kill (WAL is append-only and replayed on open), and a commit costs
 tens of microseconds, cheap enough to write after every state-changing request.
 
-Tables: ``meta`` (run TOML and hash, open step), ``members`` (one JSON row per member, live or
+Tables: ``meta`` (run TOML and hash, open step, last committed step), ``members`` (one JSON row per member, live or
 departed), ``tickets`` (the open step's tickets and leases), ``steps`` (each closed step: loss and
 routes, from which the accounting is rebuilt), ``bans``. :meth:`Store.apply` writes one
 :class:`~protolearn.coordinator.core.Changes` in one transaction; :meth:`Store.load` reads it all back.
@@ -83,6 +83,8 @@ class Store:
             db.execute("BEGIN IMMEDIATE")
             try:
                 db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('step', ?)", (str(ch.step),))
+                if ch.committed is not None:
+                    db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('committed', ?)", (str(ch.committed),))
                 db.executemany(
                     "INSERT OR REPLACE INTO members (peer_id, data) VALUES (?, ?)",
                     [(m.peer_id, json.dumps(asdict(m))) for m in ch.members],
@@ -119,6 +121,7 @@ class Store:
         """Everything :meth:`CoordinatorCore.restore` needs, as keyword arguments (minus ``now``)."""
         db = self._db
         step = int(self.get_meta("step") or 0)
+        committed = self.get_meta("committed")
         members = [Member(**json.loads(data)) for (data,) in db.execute("SELECT data FROM members ORDER BY peer_id")]
         tickets = [
             Ticket(idx, holder, expires_at, bool(done), json.loads(route) if route else None, loss, issued)
@@ -137,4 +140,8 @@ class Store:
         ]
         history = [LossPoint(s, loss, len(json.loads(losses)), at) for s, _r, loss, at, _routes, losses in rows]
         bans = [Ban(p, r, at) for p, r, at in db.execute("SELECT peer_id, reason, at FROM bans ORDER BY at")]
-        return {"members": members, "step": step, "tickets": tickets, "closed": closed, "history": history, "bans": bans}
+        return {
+            "members": members, "step": step, "tickets": tickets, "closed": closed, "history": history, "bans": bans,
+            # A store from before the commit barrier has no entry: its closed steps were all applied.
+            "committed": int(committed) if committed is not None else None,
+        }

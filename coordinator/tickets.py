@@ -11,15 +11,22 @@ When all B tickets are done the step closes, and its accounting is frozen in a :
 for each stage, which peer accounts for which tickets (read off the routes), and the mean loss.
 
 :meth:`TicketLedger.redo` un-completes tickets. On the open step it frees them (their route broke).
-On the step that just closed it *reopens* that step, provided no ticket of the next step is done yet
-and no replica has applied it yet (a replica's contribution was dropped from the average, so its
-tickets must be recomputed before anyone applies the step); the step then closes again with
-``revision + 1``.
+On the step that just closed it *reopens* that step, provided it has not committed (a replica's
+contribution was dropped from the average, so its tickets must be recomputed before anyone applies the
+step); the step then closes again with ``revision + 1``.
+
+**The commit barrier.** A closed step is not yet final: each stage's replicas average it, and a
+participant of each stage reports :meth:`TicketLedger.averaged` once its round finished with every
+contribution in. When every stage has reported for the step's current revision, the step *commits*:
+replicas apply it only then, the next step's tickets are leased only then, and it never reopens. So a
+replica that dies while its stage averages is never lost: its stage's survivors redo its tickets and
+the step reopens, because no stage can have applied it yet (I1).
 
 Who may ask for a redo: a peer on the ticket's route (it lost the ticket's graph or gradients), or a
 *participant of the same stage*: a peer that the step's frozen accounting lists at stage s and that is
 still in stage s. The second case is a surviving replica whose collective left a dead replica's
-contribution out. Every ticket passes through every stage, so such a peer can only force work to be
+contribution out. When every participant of a stage is gone (``orphaned``), any member of that stage
+may redo the step's tickets: nobody is left who holds that stage's gradients. Every ticket passes through every stage, so such a peer can only force work to be
 recomputed: a redo replaces a ticket's completion and never adds a second one (I1). A peer that took no
 part in the step cannot touch it. On a reopened step, a same-stage redo only resets tickets still
 carrying their frozen route: a late duplicate request from a second survivor finds them already redone
@@ -70,6 +77,14 @@ class ClosedStep:
 
 
 @dataclass(frozen=True)
+class AveragedDecision:
+    accepted: bool
+    committed: bool
+    reason: str
+    code: str = "ok"
+
+
+@dataclass(frozen=True)
 class LeaseDecision:
     step: int
     indices: list[int]
@@ -109,6 +124,7 @@ class TicketLedger:
         step: int = 0,
         tickets: Sequence[Ticket] | None = None,
         closed: Sequence[ClosedStep] = (),
+        committed_through: int | None = None,
     ) -> None:
         if num_tickets < 1 or num_stages < 1:
             raise ValueError(f"need at least one ticket and one stage, got B={num_tickets}, S={num_stages}")
@@ -122,6 +138,12 @@ class TicketLedger:
         # Tickets whose persisted form changed since the last drain (indices of the open step).
         self.dirty: set[int] = set()
         self.reset = False
+        # The last step that committed (every closed step before it did too). A restored ledger without
+        # the field counts its closed steps as committed, which is what the old rule-free swarm did.
+        self.committed_through = step - 1 if committed_through is None else committed_through
+        self.commit_dirty = False
+        # Stages that reported averaging the last closed step at its current revision.
+        self._averaged: set[int] = set()
 
     def _fresh(self) -> list[Ticket]:
         return [Ticket(i) for i in range(self.num_tickets)]
@@ -130,11 +152,37 @@ class TicketLedger:
     def last_closed(self) -> int:
         return self.step - 1
 
+    def committed(self, step: int) -> bool:
+        return step <= self.committed_through
+
+    def averaged(self, peer: str, stage: int, step: int, revision: int) -> AveragedDecision:
+        """``peer`` (of ``stage``) reports its stage averaged ``step`` at ``revision`` with every contribution in."""
+        if self.committed(step):
+            return AveragedDecision(True, True, f"step {step} is committed")
+        closed = self.closed.get(step)
+        if step != self.last_closed or closed is None:
+            return AveragedDecision(False, False, f"step {step} is not the last closed step ({self.last_closed})", "step_not_closed")
+        if revision != closed.revision:
+            return AveragedDecision(
+                False, False, f"step {step} is at revision {closed.revision}, not {revision}; average that one", "stale_revision"
+            )
+        if not _participant(closed, peer, stage):
+            return AveragedDecision(False, False, f"the sender processed no ticket of step {step} at stage {stage}", "not_participant")
+        self._averaged.add(stage)
+        missing = sorted(set(range(self.num_stages)) - self._averaged)
+        if missing:
+            return AveragedDecision(True, False, f"step {step} waits for stages {missing} to average")
+        self.committed_through = step
+        self.commit_dirty = True
+        return AveragedDecision(True, True, f"step {step} committed at revision {revision}")
+
     def remaining(self) -> int:
         return sum(1 for t in self.tickets if not t.done)
 
     def lease(self, peer: str, now: float, max_n: int) -> LeaseDecision:
         n = max(0, min(max_n, self.block))
+        if not self.committed(self.last_closed):
+            return LeaseDecision(self.step, [], 0.0, [], f"step {self.last_closed} has not committed yet; wait for it")
         expired = [t for t in self.tickets if not t.done and t.holder is not None and t.expires_at <= now]
         free = [t for t in self.tickets if not t.done and t.holder is None]
         picked = (expired + free)[:n]
@@ -220,6 +268,7 @@ class TicketLedger:
         self.step += 1
         self.tickets = self._fresh()
         self.reset = True
+        self._averaged = set()
         return closed
 
     def redo(
@@ -229,35 +278,35 @@ class TicketLedger:
         *,
         by: str | None = None,
         by_stage: int | None = None,
-        applied_by: Sequence[str] = (),
+        orphaned: bool = False,
     ) -> RedoDecision:
-        """Un-complete tickets of the open step, or reopen the step that just closed.
+        """Un-complete tickets of the open step, or reopen the step that just closed (if not committed).
 
         ``by`` (when given) must be on the route of every ticket it redoes, hold its lease, or be a
-        participant of stage ``by_stage`` (its current stage) in the step's frozen accounting; see the
-        module docstring. ``applied_by``: peers that reported applying ``step`` (it then never reopens).
+        participant of stage ``by_stage`` (its current stage) in the step's frozen accounting, or belong
+        to a stage whose participants are all gone (``orphaned``); see the module docstring.
         """
         wanted = sorted(set(indices))
         if any(not 0 <= i < self.num_tickets for i in wanted):
             return RedoDecision(False, f"ticket indices {wanted} are not all within 0..{self.num_tickets - 1}")
         if step == self.step:
-            return self._redo_open(step, wanted, by, by_stage)
+            return self._redo_open(step, wanted, by, by_stage, orphaned)
         closed = self.closed.get(step)
         if closed is None or step != self.step - 1:
             return RedoDecision(False, f"step {step} is neither open ({self.step}) nor the last closed step")
+        if self.committed(step):
+            return RedoDecision(
+                False, f"step {step} cannot reopen: it has committed and replicas applied it", code="step_committed"
+            )
         if any(t.done for t in self.tickets):
             return RedoDecision(False, f"step {step} cannot reopen: step {self.step} already has completed tickets")
-        if by is not None and not _participant(closed, by, by_stage) and any(by not in closed.routes[i] for i in wanted):
+        member = by is None or orphaned or _participant(closed, by, by_stage)
+        if by is not None and not member and any(by not in closed.routes[i] for i in wanted):
             return RedoDecision(
                 False, f"the sender is neither in the route of every ticket {wanted} of step {step} nor a participant of its stage"
             )
-        if applied_by:
-            return RedoDecision(
-                False,
-                f"step {step} cannot reopen: {min(applied_by)} already applied it; the tickets stay as they were",
-                code="step_applied",
-            )
         self.step = step
+        self._averaged = set()
         self.tickets = [
             Ticket(i, holder=route[0], done=True, route=list(route), loss=loss)
             if i not in wanted
@@ -267,10 +316,10 @@ class TicketLedger:
         self.reset = True
         return RedoDecision(True, f"step {step} reopened to redo tickets {wanted}", wanted, reopened=True)
 
-    def _redo_open(self, step: int, wanted: list[int], by: str | None, by_stage: int | None) -> RedoDecision:
+    def _redo_open(self, step: int, wanted: list[int], by: str | None, by_stage: int | None, orphaned: bool) -> RedoDecision:
         # Set when this step was reopened: the accounting it closed with the last time.
         frozen = self.closed.get(step)
-        peer_of_stage = by is not None and frozen is not None and _participant(frozen, by, by_stage)
+        peer_of_stage = by is not None and frozen is not None and by_stage is not None and (orphaned or _participant(frozen, by, by_stage))
         reset = []
         for i in wanted:
             t = self.tickets[i]

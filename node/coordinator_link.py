@@ -23,7 +23,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import trio
 from protolearn.protocol import coordination as cm
@@ -192,10 +192,12 @@ class CoordinatorLink:
             log.info("completion of (%d,%d) was already counted: %s", step, index, err.reason)
             return cm.CompleteReply(step=step, index=index, step_closed=err.code == "step_closed", remaining=-1)
 
-    async def wait_step(self, step: int, *, min_revision: int = 1, timeout_s: float = 10.0) -> cm.StepInfo:
-        """Long-poll until ``step`` closes or ``timeout_s`` passes (check ``.closed``)."""
+    async def wait_step(
+        self, step: int, *, min_revision: int = 1, timeout_s: float = 10.0, until: Literal["closed", "committed"] = "closed"
+    ) -> cm.StepInfo:
+        """Long-poll until ``step`` closes (or, ``until="committed"``, commits or reopens) or ``timeout_s`` passes."""
         timeout_s = min(timeout_s, cm.MAX_WAIT_S)
-        msg = cm.WaitStep(step=step, min_revision=min_revision, timeout_s=timeout_s)
+        msg = cm.WaitStep(step=step, min_revision=min_revision, timeout_s=timeout_s, until=until)
         reply, _ = await self._request(msg, cm.StepInfo, timeout=timeout_s + self.retry.request_timeout_s)
         return reply
 
@@ -206,6 +208,11 @@ class CoordinatorLink:
                 info = await self.wait_step(step, min_revision=min_revision, timeout_s=cm.MAX_WAIT_S)
                 if info.closed:
                     return info
+
+    async def averaged(self, step: int, revision: int) -> cm.StepInfo:
+        """Report that this node's stage averaged ``step`` at ``revision`` in full; the reply says if it committed."""
+        reply, _ = await self._request(cm.Averaged(step=step, revision=revision), cm.StepInfo)
+        return reply
 
     async def redo(self, step: int, indices: list[int], reason: str) -> cm.RedoReply:
         reply, _ = await self._request(cm.Redo(step=step, indices=indices, reason=reason[: cm.MAX_TEXT]), cm.RedoReply)

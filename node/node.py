@@ -7,7 +7,9 @@ on a fresh run), and trains until the run's last step or until cancelled, then l
 Per step t: stage-0 replicas lease tickets and drive them through the pipeline (:mod:`driver`,
 :mod:`router`); every replica long-polls the coordinator until t closes, which freezes the accounting
 (stage → peer → tickets). Each stage's participating replicas then sum their accumulated gradients with
-the collective (:mod:`averaging`); a replica the accounting leaves out fetches the same result. Every
+the collective (:mod:`averaging`); a replica the accounting leaves out fetches the same result. A
+participant reports its stage's full average to the coordinator, and nobody applies the step until every
+stage has (the commit barrier): a replica that dies while any stage averages is redone, never lost. Every
 replica applies the identical optimizer step, logs its parameter hash, and reports it in its heartbeat;
 the heartbeat task compares the hashes that the stage's replicas report for the same step (I2) and logs
 a mismatch as an error. Work for step t+1 that arrives before t is applied is held (bounded) and
@@ -27,7 +29,7 @@ import trio
 from protolearn.node.accounting import Accounting, contribution
 from protolearn.node.averaging import Averager, AveragingError, round_id
 from protolearn.node.config import NodeConfig
-from protolearn.node.coordinator_link import CoordinatorLink
+from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
 from protolearn.node.driver import TicketDriver
 from protolearn.node.errors import StateSyncError
 from protolearn.node.join import join_coordinator, resolve_device
@@ -338,10 +340,11 @@ class Node:
                 if lost:
                     log.error("step %d applied without tickets %s of dead replicas %s: the coordinator refused to redo them", step, lost, done.excluded)
                     self.progress.event("tickets_lost", step=step, tickets=lost, excluded=done.excluded)
-            self.averager.next_round = round_id(step + 1)
             result = done.result
+            # The tickets whose gradients are in the applied average (I1: all B of them).
+            counted = sorted(t for p, ts in account.items() if p not in done.excluded for t in ts)
         else:
-            result = None
+            result, counted = None, None
             with trio.move_on_after(self.config.averaging_timeout_s):
                 try:
                     result = await self.averager.fetch_result(rid, sorted(account))
@@ -359,7 +362,13 @@ class Node:
                 # The participants moved on (they keep only recent results): catch up from a live replica.
                 await self.resync(step)
                 return 0
-            self.averager.next_round = round_id(step + 1)
+        # Until every stage has averaged the step, it may still reopen: then its next round is revision + 1.
+        self.averager.next_round = round_id(step, info.revision + 1)
+        self.progress.event("averaged", step=step, revision=info.revision, seconds=round(time.monotonic() - t0, 4))
+        if not await self._commit(step, info.revision, report=self.host.peer_id in account):
+            self.progress.event("reopened", step=step, revision=info.revision)
+            return info.revision + 1
+        self.averager.next_round = round_id(step + 1)
         t_avg = time.monotonic() - t0
         param_hash, norm = await trio.to_thread.run_sync(self.worker.apply, step, result, limiter=self.compute)
         self._hash_by_step[step] = param_hash
@@ -373,10 +382,40 @@ class Node:
         tps = self.router.stats.tokens / elapsed
         self.progress.update(state="training", step=step + 1, loss=info.loss, tokens_per_s=tps, in_flight=self.accounting.num_in_flight)
         self.progress.event(
-            "step", step=step, loss=info.loss, hash=param_hash, tickets=mine, replicas=sorted(account),
+            "step", step=step, loss=info.loss, hash=param_hash, tickets=mine, replicas=sorted(account), counted=counted,
             grad_norm=norm, averaging_s=round(t_avg, 4), tokens_per_s=round(tps, 1), revision=info.revision,
         )
         return 0
+
+    async def _commit(self, step: int, revision: int, *, report: bool) -> bool:
+        """The commit barrier: True once every stage averaged ``step`` at ``revision``; False if it reopened.
+
+        A participant reports its stage's full average (again on every poll, so a restarted coordinator
+        hears it too); a replica the accounting left out only waits. Nobody applies a step that may still
+        reopen, so a replica that dies while any stage averages never costs a ticket (I1).
+        """
+        while True:
+            try:
+                info = await self.link.averaged(step, revision) if report else None
+                if info is None or not info.committed:
+                    info = await self.link.wait_step(step, min_revision=revision, timeout_s=WAIT_POLL_S, until="committed")
+            except CoordinatorRefused as err:
+                if err.code in ("stale_revision", "step_not_closed"):
+                    return False  # reopened (and maybe closed again) under this replica
+                if err.code == "not_participant":
+                    report = False  # e.g. moved to another stage: its stage-mates report
+                    continue
+                log.warning("averaged report refused step=%d reason=%s", step, err.reason)
+                await trio.sleep(1.0)
+                continue
+            except ProtocolError as err:
+                log.warning("commit wait failed step=%d reason=%s", step, err.reason)
+                await trio.sleep(1.0)
+                continue
+            if info.committed and info.revision == revision:
+                return True
+            if not info.closed or info.revision != revision:
+                return False
 
     async def _reopened(self, step: int, revision: int) -> bool:
         """Whether ``step`` was reopened after closing at ``revision`` (it will close again)."""
@@ -426,7 +465,7 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
         progress.event("start", peer_id=host.peer_id, addrs=host.addrs(), pid=os.getpid())
         link, joined, run = await join_coordinator(host, config)
         progress.say(f"joined {link.peer[-8:]}: run {run.name} ({run.run_hash()[:12]}), stage {joined.stage}, step {joined.step}; peer id {host.peer_id}")
-        progress.event("joined", stage=joined.stage, step=joined.step, run_hash=joined.run_hash, reason=joined.reason)
+        progress.event("joined", stage=joined.stage, step=joined.step, run_hash=joined.run_hash, reason=joined.reason, members=len(joined.members))
         node = Node(config, host, link, joined, run, progress)
         try:
             async with trio.open_nursery() as nursery:

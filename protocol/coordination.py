@@ -15,7 +15,11 @@ Request → reply:
   open step, in small blocks (stage-0 nodes only).
 - :class:`Complete` → :class:`CompleteReply`: a ticket's backward pass reached stage 0.
 - :class:`WaitStep` → :class:`StepInfo`: a long poll that answers as soon as step ``t`` closes (or at the
-  timeout), with its frozen accounting: stage → peer → tickets, and the mean loss.
+  timeout), with its frozen accounting: stage → peer → tickets, and the mean loss. With
+  ``until="committed"`` it answers once the step commits or reopens instead.
+- :class:`Averaged` → :class:`StepInfo`: a participant of stage ``s`` finished averaging the step's
+  revision with every contribution in. The step *commits* once every stage has reported so; only then
+  does any replica apply it (the commit barrier, I1).
 - :class:`Redo` → :class:`RedoReply`: un-complete tickets whose route broke (fault tolerance, I1).
 - :class:`Report` → :class:`ReportReply`: a fault report about a peer, with optional signed evidence.
 - :class:`Leave` → :class:`LeaveReply`.
@@ -172,6 +176,16 @@ class WaitStep(Message):
     # Answer only once the step has been closed at least this many times (it reopens after a redo).
     min_revision: Annotated[int, Field(ge=1, lt=2**31)] = 1
     timeout_s: Annotated[float, Field(gt=0.0, le=MAX_WAIT_S)] = 10.0
+    # "committed": wait past the close, until the step at ``min_revision`` commits, or reopens, or closes again.
+    until: Literal["closed", "committed"] = "closed"
+
+
+class Averaged(Message):
+    """The sender's stage averaged ``step`` at ``revision`` with every participant's contribution in."""
+
+    KIND: ClassVar[str] = "coord.averaged"
+    step: Step
+    revision: Annotated[int, Field(ge=1, lt=2**31)]
 
 
 class PeerTickets(_Part):
@@ -193,6 +207,8 @@ class StepInfo(Message):
     num_tickets: int
     accounting: list[StageAccount]
     open_step: int
+    # Every stage averaged this revision in full: replicas may apply it, and it never reopens.
+    committed: bool = False
 
 
 class Redo(Message):

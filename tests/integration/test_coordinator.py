@@ -100,6 +100,20 @@ def test_nodes_join_heartbeat_train_steps_leave_and_expire(open_hosts, run_trio,
                         # the long poll answered as soon as the step closed, not on a polling tick
                         assert closed_at[0] - last < 0.5
                         latencies.append(closed_at[0] - last)
+                        # The commit barrier: the step commits once a participant of every stage averaged it.
+                        committed: list[cm.StepInfo] = []
+
+                        async def commit_waiter(lk=s0[1], step=step, committed=committed):
+                            committed.append(await lk.wait_step(step, timeout_s=10.0, until="committed"))
+
+                        async with trio.open_nursery() as work:
+                            work.start_soon(commit_waiter)
+                            await trio.sleep(0.05)
+                            assert not (await s0[0].averaged(step, info.revision)).committed
+                            await trio.sleep(0.1)
+                            assert committed == []  # stage 1 has not averaged yet
+                            assert (await s1[0].averaged(step, info.revision)).committed
+                        assert committed[0].committed and committed[0].revision == info.revision
                     beats.cancel_scope.cancel()
                 print(f"step-close to long-poll reply: {[round(x * 1000, 1) for x in latencies]} ms")
                 metrics = await scrape(coord.metrics_port)

@@ -28,7 +28,8 @@ def join(core: CoordinatorCore, peer: str, now: float = 0.0) -> cm.JoinReply:
     return reply
 
 
-def run_step(core: CoordinatorCore, s0: str, s1: str, now: float) -> cm.CompleteReply:
+def run_step(core: CoordinatorCore, s0: str, s1: str, now: float, *, commit: bool = True) -> cm.CompleteReply:
+    """Lease and complete a whole step through s0 → s1; ``commit``: both stages then report averaging it."""
     B = core.run.microbatches_per_step
     step = core.ledger.step
     last = None
@@ -38,6 +39,10 @@ def run_step(core: CoordinatorCore, s0: str, s1: str, now: float) -> cm.Complete
         for i in lease.indices:
             last = core.handle(s0, cm.Complete(step=step, index=i, route=[s0, s1], loss=2.0 + i), now)
     assert isinstance(last, cm.CompleteReply) and last.step_closed
+    if commit:
+        revision = core.ledger.closed[step].revision
+        assert not core.handle(s0, cm.Averaged(step=step, revision=revision), now).committed
+        assert core.handle(s1, cm.Averaged(step=step, revision=revision), now).committed
     return last
 
 
@@ -154,6 +159,7 @@ def test_state_survives_a_store_round_trip(tmp_path: Path) -> None:
     assert again.ledger.tickets[leased[0]].done
     assert again.verdicts.is_banned("c")
     assert again.step_info(0).loss == core.step_info(0).loss
+    assert again.ledger.committed_through == 0 and again.step_info(0).committed
     # live members and leases got a fresh term: nothing expires right after the restart
     assert again.housekeeping(101.0) == []
     status = again.handle("x", cm.StatusRequest(), 101.0)
@@ -217,27 +223,64 @@ def four_members(core: CoordinatorCore) -> dict[int, list[str]]:
     return by_stage
 
 
-def test_a_survivor_redoes_a_dead_replicas_tickets_unless_a_replica_applied_the_step() -> None:
+def _close_through(core: CoordinatorCore, s0: str, alive: str, dead: str) -> None:
+    """Close step 0 with stage 1's tickets split between ``alive`` (odd) and ``dead`` (even)."""
+    B = core.run.microbatches_per_step
+    while core.ledger.step == 0:
+        for i in core.handle(s0, cm.Lease(max_tickets=B), 0.0).indices:
+            core.handle(s0, cm.Complete(step=0, index=i, route=[s0, alive if i % 2 else dead], loss=1.0), 0.0)
+
+
+def test_a_survivor_redoes_a_dead_replicas_tickets_even_after_another_stage_averaged() -> None:
     core = make_core()
     (s0, _), (alive, dead) = four_members(core).values()
     B = core.run.microbatches_per_step
-    step = 0
-    while core.ledger.step == step:
-        for i in core.handle(s0, cm.Lease(max_tickets=B), 0.0).indices:
-            core.handle(s0, cm.Complete(step=0, index=i, route=[s0, alive if i % 2 else dead], loss=1.0), 0.0)
+    _close_through(core, s0, alive, dead)
     theirs = list(range(0, B, 2))
     # A stage-0 peer that averaged nothing of stage 1's share cannot redo it.
     with pytest.raises(Refusal, match="redo_refused"):
         core.handle(_other(core, s0), cm.Redo(step=0, indices=theirs), 0.5)
-    # Another stage's replica already applied step 0: the step must not reopen under it.
-    core.handle(s0, cm.Heartbeat(state="training", step=0, param_hash="h"), 0.5)
-    with pytest.raises(Refusal) as err:
-        core.handle(alive, cm.Redo(step=0, indices=theirs, reason="replica out"), 0.6)
-    assert err.value.code == "step_applied" and core.ledger.step == 1
-    # Without that report the survivor's redo reopens the step for exactly the dead replica's tickets.
-    core.registry.members[s0].step = -1
+    # Stage 0 averaged in full, but stage 1 has not: nobody may apply yet, so the step can still reopen.
+    info = core.handle(s0, cm.Averaged(step=0, revision=1), 0.5)
+    assert info.closed and not info.committed
+    assert core.handle(s0, cm.Lease(max_tickets=B), 0.5).indices == []  # step 1 waits for the commit
     reply = core.handle(alive, cm.Redo(step=0, indices=theirs, reason="replica out"), 0.7)
     assert reply.reopened and reply.indices == theirs and core.ledger.remaining() == len(theirs)
+
+
+def test_a_step_commits_once_every_stage_averaged_it_and_then_never_reopens() -> None:
+    core = make_core()
+    (s0, _), (alive, dead) = four_members(core).values()
+    B = core.run.microbatches_per_step
+    _close_through(core, s0, alive, dead)
+    with pytest.raises(Refusal) as err:  # a replica that took no part in step 0 cannot vouch for it
+        core.handle(_other(core, s0), cm.Averaged(step=0, revision=1), 0.5)
+    assert err.value.code == "not_participant"
+    with pytest.raises(Refusal, match="stale_revision"):
+        core.handle(s0, cm.Averaged(step=0, revision=2), 0.5)
+    assert not core.handle(s0, cm.Averaged(step=0, revision=1), 0.5).committed
+    info = core.handle(alive, cm.Averaged(step=0, revision=1), 0.6)
+    assert info.committed and core.step_info(0).committed and core.ledger.committed_through == 0
+    with pytest.raises(Refusal) as err:
+        core.handle(alive, cm.Redo(step=0, indices=[0], reason="too late"), 0.7)
+    assert err.value.code == "step_committed" and core.ledger.step == 1
+    assert core.handle(s0, cm.Lease(max_tickets=B), 0.8).indices  # step 1 is open for work
+    assert core.drain().committed == 0  # and the commit is persisted
+
+
+def test_when_every_participant_of_a_stage_is_gone_any_replica_of_it_may_redo_the_step() -> None:
+    core = make_core()
+    (s0, _), (alive, dead) = four_members(core).values()
+    B = core.run.microbatches_per_step
+    # Stage 1's share went entirely through `dead`; `alive` took no part.
+    while core.ledger.step == 0:
+        for i in core.handle(s0, cm.Lease(max_tickets=B), 0.0).indices:
+            core.handle(s0, cm.Complete(step=0, index=i, route=[s0, dead], loss=1.0), 0.0)
+    with pytest.raises(Refusal, match="redo_refused"):
+        core.handle(alive, cm.Redo(step=0, indices=list(range(B))), 0.5)
+    core.handle(dead, cm.Leave(reason="died"), 0.6)
+    reply = core.handle(alive, cm.Redo(step=0, indices=list(range(B)), reason="nobody left who averaged stage 1"), 0.7)
+    assert reply.reopened and core.ledger.remaining() == B
 
 
 def _other(core: CoordinatorCore, peer: str) -> str:

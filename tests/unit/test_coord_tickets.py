@@ -13,14 +13,18 @@ def ledger(**kw) -> TicketLedger:
     return TicketLedger(B, S, lease_s=10.0, block=kw.pop("block", 4), **kw)
 
 
-def finish(led: TicketLedger, peer: str, now: float, stage1: str = "s1") -> None:
-    """Lease and complete everything of the open step as ``peer``."""
+def finish(led: TicketLedger, peer: str, now: float, stage1: str = "s1", *, commit: bool = False) -> None:
+    """Lease and complete everything of the open step as ``peer``; ``commit``: both stages report averaging it."""
     step = led.step
     while led.step == step:
         d = led.lease(peer, now, 4)
         assert d.indices, d.reason
         for i in d.indices:
             assert led.complete(peer, step, i, [peer, stage1], float(i), now).accepted
+    if commit:
+        revision = led.closed[step].revision
+        assert led.averaged(peer, 0, step, revision).accepted
+        assert led.averaged(stage1, 1, step, revision).committed
 
 
 def test_lease_hands_out_small_blocks_until_the_step_is_fully_leased() -> None:
@@ -54,7 +58,7 @@ def test_step_closes_after_exactly_B_completions_with_frozen_accounting() -> Non
     assert led.step == 1 and led.remaining() == B
 
 
-def test_next_step_is_leasable_only_after_the_current_one_closed() -> None:
+def test_next_step_is_leasable_only_after_the_current_one_closed_and_committed() -> None:
     led = ledger()
     held = led.lease("a", 0.0, 4).indices + led.lease("a", 0.0, 4).indices
     assert held == list(range(B))
@@ -63,6 +67,10 @@ def test_next_step_is_leasable_only_after_the_current_one_closed() -> None:
         led.complete("a", 0, i, ["a", "z"], 1.0, 0.0)
     assert led.lease("b", 0.0, 4).step == 0 and led.lease("b", 0.0, 4).indices == []
     led.complete("a", 0, held[-1], ["a", "z"], 1.0, 0.0)
+    d = led.lease("b", 0.0, 4)
+    assert d.step == 1 and d.indices == [] and "not committed" in d.reason
+    assert not led.averaged("a", 0, 0, 1).committed
+    assert led.averaged("z", 1, 0, 1).committed
     d = led.lease("b", 0.0, 4)
     assert d.step == 1 and d.indices == [0, 1, 2, 3]
 
@@ -133,13 +141,23 @@ def test_redo_reopens_the_step_that_just_closed_and_it_closes_again_with_a_new_r
     assert led.step == 1
 
 
-def test_redo_cannot_reopen_once_the_next_step_has_progress() -> None:
+def test_a_committed_step_never_reopens_and_a_reopen_needs_every_stage_to_average_again() -> None:
     led = ledger()
     finish(led, "a", 0.0)
-    i = led.lease("a", 1.0, 1).indices[0]
-    led.complete("a", 1, i, ["a", "s1"], 1.0, 1.0)
+    assert led.averaged("a", 0, 0, 1).accepted
+    d = led.redo(0, [1], by="s1", by_stage=1)
+    assert d.reopened
+    assert not led.averaged("a", 0, 0, 1).accepted  # step 0 is open again: nothing to vouch for
+    redo = led.lease("a", 1.0, 4)
+    assert redo.step == 0 and redo.indices == [1]
+    assert led.complete("a", 0, 1, ["a", "s1"], 1.0, 1.0).closed is not None
+    assert led.closed[0].revision == 2
+    stale = led.averaged("a", 0, 0, 1)
+    assert not stale.accepted and stale.code == "stale_revision"
+    assert not led.averaged("s1", 1, 0, 2).committed  # stage 0's report was for revision 1
+    assert led.averaged("a", 0, 0, 2).committed
     d = led.redo(0, [0])
-    assert not d.accepted and "cannot reopen" in d.reason
+    assert not d.accepted and d.code == "step_committed"
     assert not led.redo(7, [0]).accepted
 
 
@@ -161,6 +179,8 @@ def test_random_schedules_close_every_step_with_exactly_B_distinct_tickets() -> 
                 d = led.complete(peer, led.step, rng.choice(held), [peer, "s1"], 1.0, now)
                 if d.closed:
                     closed.append(d.closed)
+                    for stage, peers_ in d.closed.accounting().items():  # one participant per stage reports
+                        led.averaged(min(peers_), stage, d.closed.step, d.closed.revision)
         elif op < 0.95:
             done = [t.index for t in led.tickets if t.done]
             if done:
@@ -216,14 +236,6 @@ def test_a_late_same_stage_redo_leaves_tickets_already_redone_alone() -> None:
     # A ticket carried over from the frozen accounting can still be redone by a same-stage participant.
     d = led.redo(0, [1], by="alive", by_stage=1)
     assert d.accepted and d.indices == [1] and not led.tickets[1].done
-
-
-def test_a_step_that_a_replica_applied_never_reopens() -> None:
-    led = ledger()
-    finish(led, "a", 0.0, stage1="dead")
-    d = led.redo(0, [1, 2], by="dead", by_stage=1, applied_by=["s2-replica"])
-    assert not d.accepted and d.code == "step_applied" and "s2-replica already applied" in d.reason
-    assert led.step == 1 and led.remaining() == B  # nothing reopened
 
 
 def test_a_dead_holders_leases_end_early_and_go_to_the_next_lease_but_count_if_it_completes() -> None:
