@@ -93,11 +93,13 @@ class Changes:
     bans: list[Ban] = field(default_factory=list)
     # The new last committed step, when it changed.
     committed: int | None = None
+    # The corpus fingerprint, when it was just set.
+    corpus: str | None = None
 
     def empty(self) -> bool:
         return not (
             self.members or self.removed or self.tickets or self.tickets_reset or self.closed or self.bans
-            or self.committed is not None
+            or self.committed is not None or self.corpus is not None
         )
 
 
@@ -139,6 +141,9 @@ class CoordinatorCore:
         self._reported_expired: set[tuple[int, int, float]] = set()
         # Members whose last connection closed, and since when (cleared when they reconnect).
         self._disconnected: dict[str, float] = {}
+        # The training data's fingerprint, set by the first node that reads it; persisted when it changes.
+        self.corpus: str | None = None
+        self._corpus_dirty: str | None = None
 
     # -- restore ------------------------------------------------------------------------------
 
@@ -153,6 +158,7 @@ class CoordinatorCore:
         bans: list[Ban],
         now: float,
         committed: int | None = None,
+        corpus: str | None = None,
     ) -> None:
         """Load persisted state after a restart, giving live members and leases a fresh term."""
         self.registry.members = {m.peer_id: m for m in members}
@@ -171,6 +177,7 @@ class CoordinatorCore:
             committed_through=committed,
         )
         self.ledger.refresh_leases(now)
+        self.corpus = corpus
         self.history.extend(history)
         self.verdicts.bans = {b.peer_id: b for b in bans}
         self.registry.dirty.clear()
@@ -215,6 +222,8 @@ class CoordinatorCore:
             return self._redo(member, msg)
         if isinstance(msg, cm.Averaged):
             return self._averaged(member, msg)
+        if isinstance(msg, cm.CorpusCheck):
+            return self._corpus_check(member, msg)
         if isinstance(msg, cm.Leave):
             return self._leave(peer, msg, now)
         raise self.refuse("unknown_request", f"no handler for {msg.KIND}")
@@ -345,6 +354,20 @@ class CoordinatorCore:
             log.info("step committed step=%d revision=%d (every stage averaged it)", msg.step, msg.revision)
         return self.step_info(msg.step, msg.revision)
 
+    def _corpus_check(self, member: Member, msg: cm.CorpusCheck) -> cm.CorpusCheckReply:
+        """Nodes that read the data must read the same tokens; the first fingerprint is the swarm's."""
+        if self.corpus is None:
+            self.corpus = self._corpus_dirty = msg.fingerprint
+            log.info("corpus fingerprint set by peer=%s fingerprint=%s", member.peer_id, msg.fingerprint[:16])
+            return cm.CorpusCheckReply(fingerprint=msg.fingerprint, first=True)
+        if msg.fingerprint != self.corpus:
+            raise self.refuse(
+                "corpus_mismatch",
+                f"this node's training data ({msg.fingerprint[:8]}) differs from the swarm's ({self.corpus[:8]}): "
+                "use the other nodes' Python version (the default data is its stdlib) or the same data.path files",
+            )
+        return cm.CorpusCheckReply(fingerprint=self.corpus, first=False)
+
     def _leave(self, peer: str, msg: cm.Leave, now: float) -> cm.LeaveReply:
         d = self.registry.leave(peer, now)
         if not d.accepted:
@@ -467,6 +490,7 @@ class CoordinatorCore:
         ch.bans = [ver.bans[p] for p in sorted(ver.dirty)]
         if led.commit_dirty:
             ch.committed, led.commit_dirty = led.committed_through, False
+        ch.corpus, self._corpus_dirty = self._corpus_dirty, None
         reg.dirty.clear()
         reg.removed.clear()
         led.dirty.clear()

@@ -48,6 +48,7 @@ REQUEST_TYPES: tuple[type[Message], ...] = (
     cm.WaitStep,
     cm.Redo,
     cm.Averaged,
+    cm.CorpusCheck,
     cm.Report,
     cm.Leave,
     cm.StatusRequest,

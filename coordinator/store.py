@@ -4,7 +4,7 @@ One file, ``<data dir>/coordinator.sqlite``, in WAL mode with ``synchronous=NORM
 transaction survives a process kill (WAL is append-only and replayed on open), and a commit costs
 tens of microseconds, cheap enough to write after every state-changing request.
 
-Tables: ``meta`` (run TOML and hash, open step, last committed step), ``members`` (one JSON row per member, live or
+Tables: ``meta`` (run TOML and hash, open step, last committed step, corpus fingerprint), ``members`` (one JSON row per member, live or
 departed), ``tickets`` (the open step's tickets and leases), ``steps`` (each closed step: loss and
 routes, from which the accounting is rebuilt), ``bans``. :meth:`Store.apply` writes one
 :class:`~protolearn.coordinator.core.Changes` in one transaction; :meth:`Store.load` reads it all back.
@@ -85,6 +85,8 @@ class Store:
                 db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('step', ?)", (str(ch.step),))
                 if ch.committed is not None:
                     db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('committed', ?)", (str(ch.committed),))
+                if ch.corpus is not None:
+                    db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('corpus', ?)", (ch.corpus,))
                 db.executemany(
                     "INSERT OR REPLACE INTO members (peer_id, data) VALUES (?, ?)",
                     [(m.peer_id, json.dumps(asdict(m))) for m in ch.members],
@@ -144,4 +146,5 @@ class Store:
             "members": members, "step": step, "tickets": tickets, "closed": closed, "history": history, "bans": bans,
             # A store from before the commit barrier has no entry: its closed steps were all applied.
             "committed": int(committed) if committed is not None else None,
+            "corpus": self.get_meta("corpus"),
         }

@@ -42,6 +42,7 @@ class CoordinatorRefused(Refused):
     def __init__(self, peer: str, code: str, reason: str) -> None:
         super().__init__(peer, f"{code}: {reason}")
         self.code = code
+        self.detail = reason  # without the code: what a user reads
         # How many attempts failed (unreachable) before this refusal came back.
         self.after_failures = 0
 
@@ -212,6 +213,11 @@ class CoordinatorLink:
     async def averaged(self, step: int, revision: int) -> cm.StepInfo:
         """Report that this node's stage averaged ``step`` at ``revision`` in full; the reply says if it committed."""
         reply, _ = await self._request(cm.Averaged(step=step, revision=revision), cm.StepInfo)
+        return reply
+
+    async def check_corpus(self, fingerprint: str) -> cm.CorpusCheckReply:
+        """Check this node's training data against the swarm's (refused with ``corpus_mismatch``)."""
+        reply, _ = await self._request(cm.CorpusCheck(fingerprint=fingerprint), cm.CorpusCheckReply)
         return reply
 
     async def redo(self, step: int, indices: list[int], reason: str) -> cm.RedoReply:

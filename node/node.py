@@ -31,7 +31,7 @@ from protolearn.node.averaging import Averager, AveragingError, round_id
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
 from protolearn.node.driver import TicketDriver
-from protolearn.node.errors import StateSyncError
+from protolearn.node.errors import JoinError, StateSyncError
 from protolearn.node.join import join_coordinator, resolve_device
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
@@ -105,6 +105,12 @@ class Node:
         corpus = None
         if self.worker.first or self.worker.last:
             corpus = await trio.to_thread.run_sync(load_corpus, run.data)
+            try:
+                await self.link.check_corpus(corpus.fingerprint)
+            except CoordinatorRefused as err:
+                if err.code == "corpus_mismatch":
+                    raise JoinError(err.detail) from None
+                raise
         self.accounting = Accounting(run.batch.microbatches_per_step, self.config.max_in_flight, self.config.max_deferred)
         self.router = Router(
             self.host, run, self.worker, corpus, self.accounting, self.compute,

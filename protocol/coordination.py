@@ -21,6 +21,8 @@ Request → reply:
   revision with every contribution in. The step *commits* once every stage has reported so; only then
   does any replica apply it (the commit barrier, I1).
 - :class:`Redo` → :class:`RedoReply`: un-complete tickets whose route broke (fault tolerance, I1).
+- :class:`CorpusCheck` → :class:`CorpusCheckReply`: a node that reads the training data (stage 0 or the
+  last stage) checks its corpus fingerprint against the swarm's; the first one sets it.
 - :class:`Report` → :class:`ReportReply`: a fault report about a peer, with optional signed evidence.
 - :class:`Leave` → :class:`LeaveReply`.
 - :class:`StatusRequest` → :class:`Status`: the swarm view (see ``coordinator/status.py`` for its
@@ -224,6 +226,20 @@ class RedoReply(Message):
     indices: list[int]
     reopened: bool
     open_step: int
+
+
+class CorpusCheck(Message):
+    """This node's training data, as :attr:`protolearn.stages.corpus.Corpus.fingerprint`."""
+
+    KIND: ClassVar[str] = "coord.corpus_check"
+    fingerprint: Annotated[str, Field(min_length=1, max_length=MAX_HASH)]
+
+
+class CorpusCheckReply(Message):
+    KIND: ClassVar[str] = "coord.corpus_check_reply"
+    # The swarm's fingerprint (equal to the sender's, or the request was refused).
+    fingerprint: str
+    first: bool
 
 
 class Evidence(_Part):

@@ -304,3 +304,18 @@ def test_a_disconnected_members_leases_end_after_the_grace_unless_it_reconnects(
     # Long before lease_s (10 s): the other stage-0 replica gets the dead one's tickets first.
     lease = core.handle(s0b, cm.Lease(max_tickets=4), 3.7)
     assert set(held) <= set(lease.indices) and core.reissued == len(held)
+
+
+def test_the_first_corpus_fingerprint_is_the_swarms_and_a_different_one_is_refused(tmp_path: Path) -> None:
+    core = make_core()
+    join(core, "a"), join(core, "b")
+    assert core.handle("a", cm.CorpusCheck(fingerprint="f" * 64), 0.0).first
+    assert not core.handle("b", cm.CorpusCheck(fingerprint="f" * 64), 0.1).first
+    with pytest.raises(Refusal) as err:
+        core.handle("b", cm.CorpusCheck(fingerprint="e" * 64), 0.2)
+    assert err.value.code == "corpus_mismatch" and "Python version" in err.value.reason
+    store = Store(tmp_path)
+    store.apply(core.drain())
+    again = make_core()
+    again.restore(**store.load(), now=1.0)
+    assert again.corpus == "f" * 64  # a restarted coordinator still holds the swarm to it
