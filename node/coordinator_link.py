@@ -27,7 +27,7 @@ from typing import Any, Literal, TypeVar
 
 import trio
 from protolearn.protocol import coordination as cm
-from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, Refused
+from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused
 from protolearn.protocol.wire import Message
 
 log = logging.getLogger("protolearn.node")
@@ -209,6 +209,38 @@ class CoordinatorLink:
                 info = await self.wait_step(step, min_revision=min_revision, timeout_s=cm.MAX_WAIT_S)
                 if info.closed:
                     return info
+
+    async def wait_committed(self, step: int, revision: int, *, report: bool, poll_s: float = 10.0) -> bool:
+        """The commit barrier: True once every stage averaged ``step`` at ``revision``; False if it reopened.
+
+        ``report``: this node took part in the step, so it reports its stage's full average (again on
+        every poll, so a restarted coordinator hears it too); a node the accounting left out only
+        waits. Nobody applies a step that may still reopen, so a replica that dies while any stage
+        averages never costs a ticket (I1). Waits as long as the step stays undecided (a stage with no
+        replica left halts the run until one is restored).
+        """
+        while True:
+            try:
+                info = await self.averaged(step, revision) if report else None
+                if info is None or not info.committed:
+                    info = await self.wait_step(step, min_revision=revision, timeout_s=poll_s, until="committed")
+            except CoordinatorRefused as err:
+                if err.code in ("stale_revision", "step_not_closed"):
+                    return False  # reopened (and maybe closed again) under this node
+                if err.code == "not_participant":
+                    report = False  # e.g. moved to another stage: its stage-mates report
+                    continue
+                log.warning("averaged report refused step=%d reason=%s", step, err.reason)
+                await trio.sleep(1.0)
+                continue
+            except ProtocolError as err:
+                log.warning("commit wait failed step=%d reason=%s", step, err.reason)
+                await trio.sleep(1.0)
+                continue
+            if info.committed and info.revision == revision:
+                return True
+            if not info.closed or info.revision != revision:
+                return False
 
     async def averaged(self, step: int, revision: int) -> cm.StepInfo:
         """Report that this node's stage averaged ``step`` at ``revision`` in full; the reply says if it committed."""

@@ -371,7 +371,7 @@ class Node:
         # Until every stage has averaged the step, it may still reopen: then its next round is revision + 1.
         self.averager.next_round = round_id(step, info.revision + 1)
         self.progress.event("averaged", step=step, revision=info.revision, seconds=round(time.monotonic() - t0, 4))
-        if not await self._commit(step, info.revision, report=self.host.peer_id in account):
+        if not await self.link.wait_committed(step, info.revision, report=self.host.peer_id in account, poll_s=WAIT_POLL_S):
             self.progress.event("reopened", step=step, revision=info.revision)
             return info.revision + 1
         self.averager.next_round = round_id(step + 1)
@@ -392,36 +392,6 @@ class Node:
             grad_norm=norm, averaging_s=round(t_avg, 4), tokens_per_s=round(tps, 1), revision=info.revision,
         )
         return 0
-
-    async def _commit(self, step: int, revision: int, *, report: bool) -> bool:
-        """The commit barrier: True once every stage averaged ``step`` at ``revision``; False if it reopened.
-
-        A participant reports its stage's full average (again on every poll, so a restarted coordinator
-        hears it too); a replica the accounting left out only waits. Nobody applies a step that may still
-        reopen, so a replica that dies while any stage averages never costs a ticket (I1).
-        """
-        while True:
-            try:
-                info = await self.link.averaged(step, revision) if report else None
-                if info is None or not info.committed:
-                    info = await self.link.wait_step(step, min_revision=revision, timeout_s=WAIT_POLL_S, until="committed")
-            except CoordinatorRefused as err:
-                if err.code in ("stale_revision", "step_not_closed"):
-                    return False  # reopened (and maybe closed again) under this replica
-                if err.code == "not_participant":
-                    report = False  # e.g. moved to another stage: its stage-mates report
-                    continue
-                log.warning("averaged report refused step=%d reason=%s", step, err.reason)
-                await trio.sleep(1.0)
-                continue
-            except ProtocolError as err:
-                log.warning("commit wait failed step=%d reason=%s", step, err.reason)
-                await trio.sleep(1.0)
-                continue
-            if info.committed and info.revision == revision:
-                return True
-            if not info.closed or info.revision != revision:
-                return False
 
     async def _reopened(self, step: int, revision: int) -> bool:
         """Whether ``step`` was reopened after closing at ``revision`` (it will close again)."""
@@ -473,6 +443,11 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
         progress.say(f"joined {link.peer[-8:]}: run {run.name} ({run.run_hash()[:12]}), stage {joined.stage}, step {joined.step}; peer id {host.peer_id}")
         progress.event("joined", stage=joined.stage, step=joined.step, run_hash=joined.run_hash, reason=joined.reason, members=len(joined.members))
         node = Node(config, host, link, joined, run, progress)
+        if joined.step >= node.target_steps:
+            progress.say(f"run {run.name} is already at step {joined.step} of {node.target_steps}: nothing left to train")
+            progress.event("finished", applied=0, reason="the run had finished before this node joined")
+            await node.leave("finished")
+            return 0
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(link.heartbeat_loop, node._make_heartbeat, node._on_heartbeat)
@@ -482,7 +457,15 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
                     await node.build(stage)
                     async with trio.open_nursery() as stage_nursery:
                         await stage_nursery.start(node.router.serve)
-                        await node.sync_state(open_step)
+                        try:
+                            await node.sync_state(open_step)
+                        except StateSyncError:
+                            if link.step < node.target_steps:
+                                raise
+                            # The replicas finished the run and left while this node started up.
+                            progress.say(f"run {run.name} finished (step {link.step}) while this node was syncing; nothing left to train")
+                            stage_nursery.cancel_scope.cancel()
+                            break
                         finished = await node.train()
                         stage_nursery.cancel_scope.cancel()
                     if finished:
