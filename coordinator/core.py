@@ -300,7 +300,17 @@ class CoordinatorCore:
     def _lease(self, member: Member, msg: cm.Lease, now: float) -> cm.LeaseReply:
         if member.stage != 0:
             raise self.refuse("not_stage0", f"only stage-0 members lease tickets; {member.peer_id} holds stage {member.stage}")
-        d = self.ledger.lease(member.peer_id, now, msg.max_tickets)
+        # Each working stage-0 replica may hold at most its share of the step at once, so a replica
+        # that asks a moment later (e.g. one that just synced) is not starved by a faster one.
+        working = sum(1 for m in self.registry.live() if m.stage == 0 and m.state in ("training", "averaging"))
+        share = -(-self.run.microbatches_per_step // max(1, working))
+        room = share - len(self.ledger.holdings(member.peer_id))
+        if room <= 0:
+            return cm.LeaseReply(
+                step=self.ledger.step, indices=[], lease_s=self.settings.lease_s,
+                reason=f"already holds its share ({share}) of step {self.ledger.step}; finish those first",
+            )
+        d = self.ledger.lease(member.peer_id, now, min(msg.max_tickets, room))
         if d.reissued:
             self.reissued += len(d.reissued)
             log.info("re-issued expired leases step=%d tickets=%s to peer=%s", d.step, d.reissued, member.peer_id)

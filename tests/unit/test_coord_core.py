@@ -319,3 +319,18 @@ def test_the_first_corpus_fingerprint_is_the_swarms_and_a_different_one_is_refus
     again = make_core()
     again.restore(**store.load(), now=1.0)
     assert again.corpus == "f" * 64  # a restarted coordinator still holds the swarm to it
+
+
+def test_each_working_stage0_replica_holds_at_most_its_share_of_the_step() -> None:
+    core = make_core()
+    (a, b), (c, d) = four_members(core).values()
+    B = core.run.microbatches_per_step
+    for p in (a, b, c, d):
+        core.handle(p, cm.Heartbeat(state="training"), 0.0)
+    first = core.handle(a, cm.Lease(max_tickets=B), 0.1).indices
+    assert len(first) == B // 2
+    assert core.handle(a, cm.Lease(max_tickets=B), 0.1).indices == []  # a replica that asks later is not starved
+    assert len(core.handle(b, cm.Lease(max_tickets=B), 0.2).indices) == B - B // 2
+    core.handle(a, cm.Complete(step=0, index=first[0], route=[a, c], loss=1.0), 0.3)
+    core.handle(b, cm.Release(step=0, indices=core.ledger.holdings(b)), 0.3)
+    assert core.handle(a, cm.Lease(max_tickets=B), 0.4).indices  # with room in hand, a takes what is free
