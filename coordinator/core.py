@@ -141,6 +141,8 @@ class CoordinatorCore:
         self._reported_expired: set[tuple[int, int, float]] = set()
         # Members whose last connection closed, and since when (cleared when they reconnect).
         self._disconnected: dict[str, float] = {}
+        # Members whose connection stayed closed past the grace: presumed dead until they reconnect.
+        self._gone: set[str] = set()
         # The training data's fingerprint, set by the first node that reads it; persisted when it changes.
         self.corpus: str | None = None
         self._corpus_dirty: str | None = None
@@ -255,7 +257,7 @@ class CoordinatorCore:
             stage=d.stage,
             run_toml=self.run.run_toml,
             run_hash=self.run.run_hash,
-            step=self.ledger.step,
+            step=self.ledger.committed_through + 1,
             rejoined=d.rejoined,
             reason=d.reason,
             heartbeat_interval_s=s.heartbeat_interval_s,
@@ -288,7 +290,7 @@ class CoordinatorCore:
         changed = msg.view_version != version
         return cm.HeartbeatReply(
             stage=d.stage,
-            step=self.ledger.step,
+            step=self.ledger.committed_through + 1,
             last_closed=self.ledger.last_closed,
             bans=sorted(self.verdicts.bans),
             view_version=version,
@@ -349,12 +351,13 @@ class CoordinatorCore:
         return cm.RedoReply(step=msg.step, indices=d.indices, reopened=d.reopened, open_step=self.ledger.step)
 
     def _orphaned(self, step: int, stage: int) -> bool:
-        """Whether every peer that processed ``step``'s tickets at ``stage`` is gone (left, expired, banned)."""
+        """Whether every peer that processed ``step``'s tickets at ``stage`` is gone: left, expired, banned,
+        or its connection closed and stayed closed past the grace."""
         closed = self.ledger.closed.get(step)
         if closed is None:
             return False
         peers = {route[stage] for route in closed.routes if len(route) > stage}
-        return bool(peers) and not any(self.registry.is_live(p) for p in peers)
+        return bool(peers) and not any(self.registry.is_live(p) and p not in self._gone for p in peers)
 
     def _averaged(self, member: Member, msg: cm.Averaged) -> cm.StepInfo:
         d = self.ledger.averaged(member.peer_id, member.stage, msg.step, msg.revision)
@@ -420,6 +423,7 @@ class CoordinatorCore:
         """The host saw ``peer``'s first connection open or its last one close."""
         if connected:
             self._disconnected.pop(peer, None)
+            self._gone.discard(peer)
         elif self.registry.is_live(peer):
             self._disconnected.setdefault(peer, now)
 
@@ -466,6 +470,7 @@ class CoordinatorCore:
         for peer, since in list(self._disconnected.items()):
             if now - since >= self.settings.disconnect_grace_s:
                 del self._disconnected[peer]
+                self._gone.add(peer)
                 ended = self.ledger.expire_leases(peer, now)
                 if ended:
                     events.append(f"disconnected peer={peer} leases ended early step={self.ledger.step} tickets={ended}")

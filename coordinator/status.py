@@ -63,6 +63,11 @@ STATUS_JSON_SCHEMA: dict[str, Any] = {
             ),
             "step": {**_INT, "description": "the open step (the next to close)"},
             "last_closed": {**_INT, "description": "the last closed step, -1 if none"},
+            "last_committed": {
+                **_INT,
+                "description": "the last step every stage averaged in full, which replicas then apply; "
+                "below last_closed while the stages average it",
+            },
             "healthy": {"type": "boolean", "description": "verdict == healthy"},
             "verdict": {"enum": ["healthy", "degraded", "halted"]},
             "verdict_reason": _STR,
@@ -187,6 +192,7 @@ def build_status(core: CoordinatorCore, now: float, history_len: int = 200) -> c
         ),
         step=ledger.step,
         last_closed=ledger.last_closed,
+        last_committed=ledger.committed_through,
         healthy=verdict == "healthy",
         verdict=verdict,
         verdict_reason=why,

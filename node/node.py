@@ -48,6 +48,9 @@ from protolearn.stages.corpus import load_corpus
 log = logging.getLogger("protolearn.node")
 # Long-poll length of one wait_step request (the coordinator caps it at 30 s).
 WAIT_POLL_S = 10.0
+# A replica the accounting left out asks the participants for the step's result this long before it
+# checks whether the step reopened, or whether every participant is gone and the step must be redone.
+FETCH_TRY_S = 3.0
 LIVE_STATES = ("training", "averaging")
 
 
@@ -351,20 +354,27 @@ class Node:
             counted = sorted(t for p, ts in account.items() if p not in done.excluded for t in ts)
         else:
             result, counted = None, None
-            with trio.move_on_after(self.config.averaging_timeout_s):
-                try:
-                    result = await self.averager.fetch_result(rid, sorted(account))
-                except AveragingError as err:
-                    log.warning("%s", err)
-            if result is None:
+            deadline = trio.current_time() + self.config.averaging_timeout_s
+            while result is None:
+                with trio.move_on_after(FETCH_TRY_S):
+                    try:
+                        result = await self.averager.fetch_result(rid, sorted(account))
+                    except AveragingError as err:
+                        log.warning("%s", err)
+                        if "no longer keeps" in str(err):
+                            break  # the participants moved on: catch up below
+                if result is not None:
+                    break
                 if await self._reopened(step, info.revision):
                     return info.revision + 1  # a participant died and its tickets are being redone: average again
-                live = set(self.view.stage_peers(self.stage))
-                if not live & set(account):
-                    # Every participant died before sharing the result: the whole step must be redone here.
-                    tickets = sorted({t for ts in account.values() for t in ts})
-                    if await self._redo(step, info.revision, tickets, f"all replicas of stage {self.stage} that averaged the step died"):
-                        return info.revision + 1
+                # The coordinator grants this only once every participant of the stage is gone (dead or
+                # left): then nobody holds the stage's gradients, and the whole step is redone here.
+                tickets = sorted({t for ts in account.values() for t in ts})
+                if await self._redo(step, info.revision, tickets, f"all replicas of stage {self.stage} that averaged the step are gone"):
+                    return info.revision + 1
+                if trio.current_time() > deadline:
+                    break
+            if result is None:
                 # The participants moved on (they keep only recent results): catch up from a live replica.
                 await self.resync(step)
                 return 0

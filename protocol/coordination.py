@@ -95,6 +95,7 @@ class JoinReply(Message):
     stage: int
     run_toml: str
     run_hash: str
+    # The first step not yet committed: the stage state a joining node needs is the one before it.
     step: int
     rejoined: bool
     reason: str
@@ -122,6 +123,7 @@ class Heartbeat(Message):
 class HeartbeatReply(Message):
     KIND: ClassVar[str] = "coord.heartbeat_reply"
     stage: int
+    # The step the stages are at: the first one not yet committed (a joining node's state is after the one before).
     step: int
     last_closed: int
     bans: list[str]
@@ -352,6 +354,7 @@ class Status(Message):
     run: RunView
     step: int
     last_closed: int
+    last_committed: int = -1
     healthy: bool
     verdict: Literal["healthy", "degraded", "halted"]
     verdict_reason: str

@@ -53,7 +53,10 @@ def render(st: cm.Status) -> Any:
     verdict = Text(f"{st.verdict.upper()}", style=VERDICT_STYLE[st.verdict])
     verdict.append(f"  {st.verdict_reason}", style="")
     loss = "-" if st.loss is None else f"{st.loss:.4f}"
-    progress = Text(f"step {st.step} (last closed {st.last_closed}) · {st.tokens_per_s:,.0f} tokens/s · loss {loss}  ")
+    closed = f"last closed {st.last_closed}"
+    if st.last_committed < st.last_closed:
+        closed += ", its stages still averaging it"
+    progress = Text(f"step {st.step} ({closed}) · {st.tokens_per_s:,.0f} tokens/s · loss {loss}  ")
     progress.append(sparkline([p.loss for p in st.loss_history]), style="cyan")
 
     stages = Table(title="stages", title_justify="left", expand=False)
