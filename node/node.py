@@ -6,14 +6,14 @@ on a fresh run), and trains until the run's last step or until cancelled, then l
 
 Per step t: stage-0 replicas lease tickets and drive them through the pipeline (:mod:`driver`,
 :mod:`router`); every replica long-polls the coordinator until t closes, which freezes the accounting
-(stage → peer → tickets). Each stage's participating replicas then sum their accumulated gradients with
-the collective (:mod:`averaging`); a replica the accounting leaves out fetches the same result. A
-participant reports its stage's full average to the coordinator, and nobody applies the step until every
-stage has (the commit barrier): a replica that dies while any stage averages is redone, never lost. Every
-replica applies the identical optimizer step, logs its parameter hash, and reports it in its heartbeat;
-the heartbeat task compares the hashes that the stage's replicas report for the same step (I2) and logs
-a mismatch as an error. Work for step t+1 that arrives before t is applied is held (bounded) and
-released after.
+(stage → peer → tickets), and then finishes the step (:mod:`step`): each stage's participating
+replicas sum their accumulated gradients with the collective (:mod:`averaging`), a replica the
+accounting leaves out fetches the same result, and nobody applies the step until every stage has
+averaged it in full (the commit barrier), so a replica that dies while any stage averages is redone,
+never lost. Every replica applies the identical optimizer step, logs its parameter hash, and reports
+it in its heartbeat; the heartbeat task compares the hashes that the stage's replicas report for the
+same step (I2) and logs a mismatch as an error. Work for step t+1 that arrives before t is applied is
+held (bounded) and released after.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 import trio
-from protolearn.node.accounting import Accounting, contribution
-from protolearn.node.averaging import Averager, AveragingError, round_id
+from protolearn.node.accounting import Accounting
+from protolearn.node.averaging import Averager, round_id
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
 from protolearn.node.driver import TicketDriver
@@ -37,6 +37,7 @@ from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
 from protolearn.node.router import Router
 from protolearn.node.state_sync import Snapshot, StateServer, fetch_state
+from protolearn.node.step import finish_step
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
@@ -48,9 +49,6 @@ from protolearn.stages.corpus import load_corpus
 log = logging.getLogger("protolearn.node")
 # Long-poll length of one wait_step request (the coordinator caps it at 30 s).
 WAIT_POLL_S = 10.0
-# A replica the accounting left out asks the participants for the step's result this long before it
-# checks whether the step reopened, or whether every participant is gone and the step must be redone.
-FETCH_TRY_S = 3.0
 LIVE_STATES = ("training", "averaging")
 
 
@@ -293,7 +291,7 @@ class Node:
                     # Not a cancel: a lease request cut off mid-flight would strand tickets until their lease expires.
                     closed.set()
                 # 0 once applied; otherwise the step was reopened to redo tickets and closes again later.
-                revision = await self._average_and_apply(step, info)
+                revision = await finish_step(self, step, info)
         return True
 
     async def _wait_closed(self, step: int, min_revision: int = 1) -> cm.StepInfo:
@@ -306,121 +304,6 @@ class Node:
                 continue
             if info.closed:
                 return info
-
-    async def _average_and_apply(self, step: int, info: cm.StepInfo) -> int:
-        """Average step ``step`` as its frozen accounting says and apply it; returns 0.
-
-        Returns the revision to wait for instead when the step was reopened to redo tickets (a
-        replica's contribution is out of the average), so that the step covers exactly B tickets (I1).
-        """
-        self.state = "averaging"
-        self.progress.update(state="averaging")
-        t0 = time.monotonic()
-        account = {pt.peer_id: list(pt.tickets) for sa in info.accounting if sa.stage == self.stage for pt in sa.peers}
-        mine = account.get(self.host.peer_id, [])
-        if not account:
-            raise StateSyncError(f"step {step} closed without an accounting for stage {self.stage}; rejoin to resync")
-        rid = round_id(step, info.revision)
-        if self.host.peer_id in account:
-            held = await trio.to_thread.run_sync(self.worker.held_tickets, step, limiter=self.compute)
-            summed, missing, dropped = contribution(mine, held)
-            if dropped:
-                # Completion refused or route broken after this stage: another attempt counts these.
-                self.progress.event("tickets_not_counted", step=step, tickets=dropped)
-            if missing:
-                # E.g. this peer was restarted after the step closed: its earlier life computed these tickets.
-                if await self._reported_hashes(step):
-                    # A replica already applied the step (it got the result from the earlier life): take its state.
-                    log.warning("step %d: accounted tickets %s have no gradients here; a replica applied the step, resyncing", step, missing)
-                    await self.resync(step)
-                    return 0
-                log.error("step %d: accounted tickets %s have no gradients here; asking to redo them", step, missing)
-                if await self._redo(step, info.revision, missing, "replica lost the tickets' gradients"):
-                    return info.revision + 1
-            flat = await trio.to_thread.run_sync(self.worker.flat_grads, step, summed, limiter=self.compute)
-            weights = {p: float(len(t)) for p, t in account.items()}
-            done = await self.averager.run_round_detailed(rid, weights, flat)
-            if done.excluded:
-                lost = sorted({t for p in done.excluded for t in account.get(p, [])})
-                self.averager.next_round = round_id(step, info.revision + 1)
-                self.progress.event("replica_out", step=step, excluded=done.excluded, tickets=lost)
-                if lost and await self._redo(step, info.revision, lost, f"replicas {done.excluded} of stage {self.stage} died during averaging"):
-                    return info.revision + 1
-                if lost:
-                    log.error("step %d applied without tickets %s of dead replicas %s: the coordinator refused to redo them", step, lost, done.excluded)
-                    self.progress.event("tickets_lost", step=step, tickets=lost, excluded=done.excluded)
-            result = done.result
-            # The tickets whose gradients are in the applied average (I1: all B of them).
-            counted = sorted(t for p, ts in account.items() if p not in done.excluded for t in ts)
-        else:
-            result, counted = None, None
-            deadline = trio.current_time() + self.config.averaging_timeout_s
-            while result is None:
-                with trio.move_on_after(FETCH_TRY_S):
-                    try:
-                        result = await self.averager.fetch_result(rid, sorted(account))
-                    except AveragingError as err:
-                        log.warning("%s", err)
-                        if "no longer keeps" in str(err):
-                            break  # the participants moved on: catch up below
-                if result is not None:
-                    break
-                if await self._reopened(step, info.revision):
-                    return info.revision + 1  # a participant died and its tickets are being redone: average again
-                # The coordinator grants this only once every participant of the stage is gone (dead or
-                # left): then nobody holds the stage's gradients, and the whole step is redone here.
-                tickets = sorted({t for ts in account.values() for t in ts})
-                if await self._redo(step, info.revision, tickets, f"all replicas of stage {self.stage} that averaged the step are gone"):
-                    return info.revision + 1
-                if trio.current_time() > deadline:
-                    break
-            if result is None:
-                # The participants moved on (they keep only recent results): catch up from a live replica.
-                await self.resync(step)
-                return 0
-        # Until every stage has averaged the step, it may still reopen: then its next round is revision + 1.
-        self.averager.next_round = round_id(step, info.revision + 1)
-        self.progress.event("averaged", step=step, revision=info.revision, seconds=round(time.monotonic() - t0, 4))
-        if not await self.link.wait_committed(step, info.revision, report=self.host.peer_id in account, poll_s=WAIT_POLL_S):
-            self.progress.event("reopened", step=step, revision=info.revision)
-            return info.revision + 1
-        self.averager.next_round = round_id(step + 1)
-        t_avg = time.monotonic() - t0
-        param_hash, norm = await trio.to_thread.run_sync(self.worker.apply, step, result, limiter=self.compute)
-        self._hash_by_step[step] = param_hash
-        await self.persistence.after_step(self)
-        if self.worker.last and info.loss is not None:
-            self.last_loss = info.loss
-        await trio.to_thread.run_sync(self.worker.forget, step, limiter=self.compute)
-        self.router.release(self.accounting.applied_step(step))
-        self.state = "training"
-        elapsed = max(1e-9, time.monotonic() - self.router.stats.started)
-        tps = self.router.stats.tokens / elapsed
-        self.progress.update(state="training", step=step + 1, loss=info.loss, tokens_per_s=tps, in_flight=self.accounting.num_in_flight)
-        self.progress.event(
-            "step", step=step, loss=info.loss, hash=param_hash, tickets=mine, replicas=sorted(account), counted=counted,
-            grad_norm=norm, averaging_s=round(t_avg, 4), tokens_per_s=round(tps, 1), revision=info.revision,
-        )
-        return 0
-
-    async def _reopened(self, step: int, revision: int) -> bool:
-        """Whether ``step`` was reopened after closing at ``revision`` (it will close again)."""
-        try:
-            info = await self.link.wait_step(step, min_revision=revision + 1, timeout_s=0.5)
-        except ProtocolError:
-            return False
-        return info.closed or info.open_step == step
-
-    async def _redo(self, step: int, revision: int, tickets: list[int], reason: str) -> bool:
-        """Ask the coordinator to redo ``tickets`` of ``step``; True if the step will close again."""
-        try:
-            reply = await self.link.redo(step, tickets, reason)
-        except ProtocolError as err:
-            log.warning("redo refused step=%d tickets=%s reason=%s", step, tickets, err.reason)
-            # Another replica of the stage may have reopened the step first: then it closes again anyway.
-            return await self._reopened(step, revision)
-        self.progress.event("redo", step=step, tickets=tickets, reason=reason, reopened=reply.reopened)
-        return True
 
     async def resync(self, step: int) -> None:
         """This replica fell behind (it could not get step ``step``'s result): take a live replica's state."""
