@@ -77,11 +77,15 @@ def test_coordinator_survives_kill_9_with_members_step_leases_and_bans(tmp_path:
             for lk in links[:3]:
                 await nursery.start(lk.heartbeat_loop, lambda: cm.Heartbeat(state="training", throughput=100.0))
 
-            # one full step, then two leased tickets of step 1 held by a
-            lease = await a.lease(B)
-            assert lease.step == 0 and lease.indices == list(range(B))
-            for i in lease.indices:
-                await a.complete(0, i, [a.host.peer_id, b.host.peer_id], 3.0)
+            # one full step (stage-0 replicas a and c each lease their share), committed once both
+            # stages reported averaging it; then two leased tickets of step 1 held by a
+            for lk in (a, c):
+                lease = await lk.lease(B)
+                assert lease.step == 0 and len(lease.indices) == B // 2
+                for i in lease.indices:
+                    await lk.complete(0, i, [lk.host.peer_id, b.host.peer_id], 3.0)
+            assert not (await a.averaged(0, 1)).committed
+            assert (await b.averaged(0, 1)).committed
             held = (await a.lease(2)).indices
             assert held == [0, 1]
             # three distinct reporters ban d
@@ -110,6 +114,7 @@ def test_coordinator_survives_kill_9_with_members_step_leases_and_bans(tmp_path:
             after = json.loads(done.stdout)
             jsonschema.validate(after, STATUS_JSON_SCHEMA)
             assert after["coordinator"] == before["coordinator"]
+            assert after["last_committed"] == 0  # the commit point survived the kill
             assert after["step"] == before["step"] == 1
             assert [p["step"] for p in after["loss_history"]] == [0]
             assert after["loss_history"][0]["loss"] == 3.0 and after["loss_history"][0]["tickets"] == B
