@@ -156,14 +156,23 @@ def test_two_stages_two_replicas_reproduce_the_reference_trainer(swarm, tmp_path
     for stage, members in by_stage.items():
         records = {n: {d["step"]: d for d in s.events(n, "step")} for n in members}
         for n in members:
-            assert sorted(records[n]) == list(range(steps)), f"{n} applied steps {sorted(records[n])}"
+            applied = sorted(records[n])
+            # A node that started late (a loaded machine) joined mid-run: it synced, then applied every step.
+            assert applied and applied == list(range(applied[0], steps)), f"{n} applied steps {applied}"
+            assert applied[0] == 0 or s.events(n, "synced"), f"{n} started at step {applied[0]} without syncing"
             assert not s.events(n, "replica_mismatch") and not s.events(n, "accounting_mismatch")
         for t in range(steps):
-            a, b = (records[n][t] for n in members)
-            assert a["hash"] == b["hash"], f"stage {stage} replicas differ after step {t}"
-            # I1: the stage's replicas together accounted for exactly the B tickets of the step.
-            assert sorted(a["tickets"] + b["tickets"]) == list(range(B)), (t, a["tickets"], b["tickets"])
-            assert abs(a["loss"] - ref[t]) <= 1e-3 * abs(ref[t]), f"step {t}: swarm {a['loss']} vs reference {ref[t]}"
+            logged = [records[n][t] for n in members if t in records[n]]
+            assert logged, f"stage {stage}: no replica applied step {t}"
+            assert len({d["hash"] for d in logged}) == 1, f"stage {stage} replicas differ after step {t}"
+            # I1: the stage's replicas together accounted for exactly the B tickets of the step, and
+            # the average every participant applied held all of them.
+            if len(logged) == len(members):
+                tickets = sorted(i for d in logged for i in d["tickets"])
+                assert tickets == list(range(B)), (t, [d["tickets"] for d in logged])
+            assert all(d["counted"] == list(range(B)) for d in logged if d["counted"] is not None), (t, logged)
+            loss = logged[0]["loss"]
+            assert abs(loss - ref[t]) <= 1e-3 * abs(ref[t]), f"step {t}: swarm {loss} vs reference {ref[t]}"
 
 
 def test_three_stages_with_int8_codec_lower_the_loss(swarm) -> None:
