@@ -37,7 +37,7 @@ from protolearn.protocol.collective import (
 )
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse, ResultRequest
-from protolearn.protocol.tensors import TensorLimits, from_frame, to_frame
+from protolearn.protocol.tensors import TensorFrame, TensorLimits, from_frame
 from protolearn.protocol.transport import FramedStream, Host
 
 log = logging.getLogger("protolearn.node")
@@ -46,6 +46,16 @@ MAX_EARLY_PARTS = 2 * 1024
 SEND_RETRY_S = 0.2
 # Round ids per step: revision r of step t averages in round t * REVISIONS_PER_STEP + r - 1.
 REVISIONS_PER_STEP = 16
+
+
+def _borrowed_frame(t: torch.Tensor) -> TensorFrame:
+    """A raw float32 frame whose payload is a view of ``t``'s memory: a part is 16 MiB for a 64 MiB vector,
+    and ``to_frame``'s copy of it cost more CPU than sending it over the bulk lane. Parts never change
+    once the round hands them out, so sending from their memory is safe."""
+    t = t.detach().to("cpu", torch.float32).contiguous().reshape(-1)  # (N,)
+    # TensorFrame.data is bytes on the wire; a memoryview is what send_tensor reads it through anyway.
+    data = memoryview(t.view(torch.uint8).numpy()) if t.numel() else b""
+    return TensorFrame.model_construct(codec="none", dtype="float32", shape=list(t.shape), data=data, aux=b"")
 
 
 def round_id(step: int, revision: int = 1) -> int:
@@ -58,6 +68,10 @@ def round_id(step: int, revision: int = 1) -> int:
 
 class AveragingError(NodeError):
     """A collective round did not finish; the message names the missing peers."""
+
+
+class ResultGone(AveragingError):
+    """The participants no longer keep that round's result (they moved on): the caller must resync."""
 
 
 @dataclass
@@ -156,7 +170,7 @@ class Averager:
             await s.send(Refuse(code="state", reason=f"round {round_id} did not finish here within {self.timeout_s:g} s"))
             return
         await s.send(Ack())
-        await s.send_tensor(to_frame(result))
+        await s.send_tensor(_borrowed_frame(result))
 
     async def fetch_result(self, round_id: int, participants: list[str]) -> torch.Tensor:
         """Get round ``round_id``'s vector from one of ``participants`` (this replica was not one)."""
@@ -171,7 +185,7 @@ class Averager:
                             reply = await s.receive((Ack, Refuse), timeout=self.timeout_s + 5)
                             if isinstance(reply, Refuse):
                                 if reply.code == "stale":  # it no longer keeps that round: the caller must resync
-                                    raise AveragingError(f"stage {self.stage}: {peer} no longer keeps step {round_id}: {reply.reason}")
+                                    raise ResultGone(f"stage {self.stage}: {peer} no longer keeps step {round_id}: {reply.reason}")
                                 last = f"{peer}: {reply.reason}"
                                 continue
                             frame = await s.receive_tensor(codec="none", dtype=torch.float32, shape=[self.numel], limits=self._limits)
@@ -272,7 +286,7 @@ class Averager:
                 async with self.host.open_stream(a.peer, COLLECTIVE) as s:
                     await s.send(msg)
                     if isinstance(a, Send) and a.data is not None:
-                        await s.send_tensor(to_frame(a.data.contiguous()))
+                        await s.send_tensor(_borrowed_frame(a.data))
                     reply = await s.receive((Ack, Refuse))
         except ProtocolError as err:
             log.info("collective peer failed peer=%s round=%d phase=%s reason=%s", a.peer, round_id, phase, err.reason)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import trio
 from protolearn.node.accounting import contribution
-from protolearn.node.averaging import AveragingError, round_id
+from protolearn.node.averaging import AveragingError, ResultGone, round_id
 from protolearn.node.errors import StateSyncError
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
@@ -98,10 +98,11 @@ async def finish_step(node: Node, step: int, info: cm.StepInfo) -> int:
             with trio.move_on_after(FETCH_TRY_S):
                 try:
                     result = await node.averager.fetch_result(rid, sorted(account))
+                except ResultGone as err:
+                    log.warning("%s", err)
+                    break  # the participants moved on: catch up below
                 except AveragingError as err:
                     log.warning("%s", err)
-                    if "no longer keeps" in str(err):
-                        break  # the participants moved on: catch up below
             if result is not None:
                 break
             if await _reopened(node, step, info.revision):

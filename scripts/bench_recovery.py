@@ -1,6 +1,6 @@
 """Bench suite ``recovery``: the fault-tolerant all-reduce of a 64 MB float32 vector over 4 processes.
 
-``python scripts/bench.py recovery --json [--mib 64] [--peers 4]``
+``python scripts/bench.py recovery --json [--mib 64] [--peers 4] [--no-bulk] [--no-hivemind] [--no-swarm]``
 
 Each peer is a separate Python process with its own libp2p host on 127.0.0.1, running the node's
 collective (:class:`protolearn.node.averaging.Averager`, op ``sum``). The parent drives them over
@@ -12,11 +12,20 @@ stdin/stdout, one JSON line each way:
    acknowledged: ``allreduce_with_failure_s`` is the slowest survivor's time. The survivors' results
    must be bit-identical (``failure_identical``) and leave exactly the dead peer out.
 
+Parts of 1 MiB or more travel over the transport's bulk lane (protocol/transport/bulk.py);
+``clean_lane_parts`` counts those of the clean round (of ``clean_parts``), ``clean_cpu_s`` is the CPU
+time all peers spent in it (steadier than wall time on a shared machine), and ``--no-bulk`` turns
+the lane off to measure the yamux path.
+
 ``ratio_failure`` = allreduce_with_failure_s / allreduce_s (goal < 3). Unless ``--no-hivemind``, the
 ``hivemind`` suite (scripts/bench_hivemind.py) then runs on the same size and peer count in the same
 invocation; its keys are merged in, with ``ratio_vs_hivemind`` = allreduce_s / hivemind_allreduce_s
-(goal <= 0.5). The issue's other recovery keys (``recover_s``, ``join_to_first_microbatch_s``) need a
-running swarm and are not measured here.
+(goal <= 0.5).
+
+Unless ``--no-swarm``, a local swarm on the default (demo) run then measures the node-level keys
+(:func:`bench_swarm.recovery_keys`): ``recover_s``, from SIGKILLing a replica until steps close at
+(n-1)/n of the earlier rate again (goal <= 2 s), and ``join_to_first_microbatch_s``, from the restarted
+replica's join until it processes its first microbatch (goal <= 5 s).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HIVEMIND = ROOT / "scripts" / "bench_hivemind.py"
+SWARM = ROOT / "scripts" / "bench_swarm.py"
 READY_TIMEOUT_S = 60.0
 ROUND_TIMEOUT_S = 300.0
 
@@ -68,10 +78,18 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--mib", type=int, default=64, help="vector size in MiB of float32 (default 64)")
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--no-hivemind", action="store_true", help="skip the hivemind baseline (scripts/bench_hivemind.py)")
+    parser.add_argument("--no-bulk", action="store_true", help="bulk lane off: every part goes through yamux (the old path)")
+    parser.add_argument("--no-swarm", action="store_true", help="skip recover_s and join_to_first_microbatch_s (a local swarm)")
     args = parser.parse_args(argv)
     result = _ours(args)
     if not args.no_hivemind and HIVEMIND.exists():
         result.update(_hivemind(args, result["allreduce_s"]))
+    if not args.no_swarm:
+        spec = importlib.util.spec_from_file_location("protolearn_bench_swarm", SWARM)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        result.update({k: round(v, 3) if isinstance(v, float) else v for k, v in module.recovery_keys().items()})
     return result
 
 
@@ -100,7 +118,7 @@ def _ours(args: argparse.Namespace) -> dict:
     ports = _free_ports(args.peers)
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "worker", str(rank), str(numel), ",".join(seeds), ",".join(map(str, ports))],
+            [sys.executable, __file__, "worker", str(rank), str(numel), ",".join(seeds), ",".join(map(str, ports)), str(not args.no_bulk)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
         )
         for rank in range(args.peers)
@@ -119,7 +137,7 @@ def _ours(args: argparse.Namespace) -> dict:
             deadline = time.monotonic() + ROUND_TIMEOUT_S
             return [_read_line(p, deadline) if p.poll() is None or rank != victim else None for rank, p in enumerate(procs)]
 
-        round_(0, None)
+        warm = round_(0, None)
         clean = round_(1, None)
         if any(r is None or "error" in r for r in clean):
             raise SystemExit(f"error: the fault-free round failed: {clean}")
@@ -139,6 +157,12 @@ def _ours(args: argparse.Namespace) -> dict:
             "failure_identical": len({r["digest"] for r in survivors if r}) == 1,
             "failure_excluded": survivors[0]["excluded"] if survivors[0] else None,
             "clean_identical": len({r["digest"] for r in clean if r}) == 1,
+            # Parts of the clean round that came over the bulk lane (protocol/transport/bulk.py), out of the
+            # 2 * peers * (peers - 1) scatter and gather parts a round moves.
+            "clean_lane_parts": sum(c["lane_parts"] - w["lane_parts"] for c, w in zip(clean, warm) if c and w),
+            "clean_parts": 2 * args.peers * (args.peers - 1),
+            # CPU seconds all peers spent in the clean round (all threads): steadier than wall time on a busy box.
+            "clean_cpu_s": round(sum(r["cpu_s"] for r in clean if r), 3),
             "bandwidth_ema_mb_s": round(min(r["bandwidth"] for r in clean if r) / 1e6, 1),
             # Slowest peer's time to reduce its own part (the scatter phase) and to commit (gather done).
             "phase_reduced_s": _slowest(clean, "reduced_s"),
@@ -159,13 +183,13 @@ def _slowest(results: list[dict | None], key: str) -> float | None:
 
 
 # -- one peer (a separate process) ------------------------------------------------------------------
-def worker(rank: int, numel: int, seeds: list[str], ports: list[int]) -> None:
+def worker(rank: int, numel: int, seeds: list[str], ports: list[int], bulk: bool) -> None:
     import torch
     import trio
     from protolearn.node.averaging import Averager
     from protolearn.protocol.collective import Send
     from protolearn.protocol.identity import Identity
-    from protolearn.protocol.transport import open_host
+    from protolearn.protocol.transport import TransportConfig, open_host
 
     from protolearn.errors import ProtolearnError
 
@@ -198,7 +222,7 @@ def worker(rank: int, numel: int, seeds: list[str], ports: list[int]) -> None:
         print(json.dumps(obj), flush=True)
 
     async def main() -> None:
-        async with open_host(ids[rank], [f"/ip4/127.0.0.1/tcp/{ports[rank]}"]) as host:
+        async with open_host(ids[rank], [f"/ip4/127.0.0.1/tcp/{ports[rank]}"], TransportConfig(bulk=bulk)) as host:
             for k, ident in enumerate(ids):
                 if k != rank:
                     host.add_peer_addrs(ident.peer_id, [f"/ip4/127.0.0.1/tcp/{ports[k]}"])
@@ -214,27 +238,29 @@ def worker(rank: int, numel: int, seeds: list[str], ports: list[int]) -> None:
                 avg.next_round = cmd["round"]
                 avg.kill = cmd["kill"]
                 avg.t_reduced = avg.t_committed = None
-                t0 = time.monotonic()
+                t0, c0 = time.monotonic(), time.process_time()
                 try:
                     done = await avg.run_round_detailed(cmd["round"], weights, vector)
                 except ProtolearnError as err:  # reported to the parent, which turns it into one error line
                     say({"error": f"{type(err).__name__}: {err}"})
                     continue
-                seconds = time.monotonic() - t0
+                seconds, cpu_s = time.monotonic() - t0, time.process_time() - c0
                 digest = hashlib.sha256(done.result.numpy().tobytes()).hexdigest()[:16]
                 say({
                     "seconds": seconds, "digest": digest, "excluded": done.excluded, "bandwidth": avg.bandwidth.bytes_per_s,
                     # Where the time goes: scatter + own reduction, then gather to commit, then the fin barrier.
                     "reduced_s": None if avg.t_reduced is None else avg.t_reduced - t0,
                     "committed_s": None if avg.t_committed is None else avg.t_committed - t0,
+                    "lane_parts": host.bulk.stats.num_received if host.bulk is not None else 0,
+                    "cpu_s": cpu_s,
                 })
 
     trio.run(main)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "worker":
-        worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(","), [int(p) for p in sys.argv[5].split(",")])
+    if len(sys.argv) == 7 and sys.argv[1] == "worker":
+        worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(","), [int(p) for p in sys.argv[5].split(",")], sys.argv[6] == "True")
     else:
         print("run it through bench.py: python scripts/bench.py recovery --json", file=sys.stderr)
         sys.exit(2)

@@ -10,8 +10,13 @@ rounds of two kinds on the same connection:
   ``FramedStream.send_tensor``; the receiver does ``receive_tensor`` with dtype/shape checks and
   ``from_frame`` (the decode), then acknowledges the round.
 
+- ``bulk``: the same framed rounds from a second sender host with the bulk lane on
+  (:mod:`protolearn.protocol.transport.bulk`): each 4 MiB payload goes over a direct AES-GCM-sealed TCP
+  connection instead of yamux. The ``raw`` and ``frame`` rounds come from a host with the lane off.
+
 Both are timed by the sender from the first byte to the acknowledgement. The medians over rounds give
-``frame_mib_s``, ``raw_mib_s`` and ``ratio`` (goal >= 0.8); ``ratio_paired_median`` is the median of
+``frame_mib_s``, ``raw_mib_s``, ``bulk_mib_s`` and ``ratio`` (frame/raw, goal >= 0.8);
+``bulk_vs_stream`` is bulk/frame (the lane's speed-up); ``ratio_paired_median`` is the median of
 the per-round ratios, which is steadier on a busy machine; ``request_ms_median`` is the round trip of
 a 100-byte ``Host.request`` (a new stream each time). The codec encode/decode speeds come from
 ``scripts/bench_codecs.py`` when it is present.
@@ -41,6 +46,7 @@ from protolearn.protocol.wire import LENGTH_PREFIX, Message
 MiB = 1024 * 1024
 FRAME_SHAPE = [1024, 1024]  # float32: 4 MiB per frame
 CONFIG = TransportConfig(request_timeout_s=60.0, chunk_timeout_s=30.0, connect_timeout_s=30.0)
+STREAM_ONLY = CONFIG.model_copy(update={"bulk": False})
 
 
 class RoundDone(Message):
@@ -118,13 +124,18 @@ async def measure(addr: str, *, frames: int, rounds: int) -> dict:
     chunks = [raw_bytes[i : i + MiB] for i in range(0, len(raw_bytes), MiB)]
     raw: list[float] = []
     framed: list[float] = []
-    async with open_host(Identity.generate(), config=CONFIG) as host:
+    bulk: list[float] = []
+    async with open_host(Identity.generate(), config=STREAM_ONLY) as host, open_host(Identity.generate(), config=CONFIG) as lane_host:
         peer = await host.connect(addr)
+        await lane_host.connect(addr)
         await _raw_round(host, peer, chunks[:4])  # warm-up: connection windows, imports, allocator
         await _frame_round(host, peer, tensors[:1])
-        for _ in range(rounds):  # alternate so machine noise hits both kinds alike
+        await _frame_round(lane_host, peer, tensors[:1])
+        for _ in range(rounds):  # alternate so machine noise hits all kinds alike
             raw.append(await _raw_round(host, peer, chunks))
             framed.append(await _frame_round(host, peer, tensors))
+            bulk.append(await _frame_round(lane_host, peer, tensors))
+        assert lane_host.bulk is not None and lane_host.bulk.stats.num_sent == rounds * len(tensors) + 1, "the lane was not used"
         latencies = []
         request = EchoRequest(payload=b"x" * 100)
         for _ in range(50):  # a new stream per request, as Host.request does
@@ -137,6 +148,9 @@ async def measure(addr: str, *, frames: int, rounds: int) -> dict:
         "frame_mib_s": round(frame_mib_s, 1),
         "raw_mib_s": round(raw_mib_s, 1),
         "ratio": round(frame_mib_s / raw_mib_s, 3),
+        "bulk_mib_s": round(statistics.median(bulk), 1),
+        "bulk_vs_stream": round(statistics.median(b / f for b, f in zip(bulk, framed)), 2),
+        "bulk_rounds_mib_s": [round(x, 1) for x in bulk],
         # Each frame round runs right after a raw round, so their ratio cancels most machine noise.
         "ratio_paired_median": round(statistics.median(f / r for f, r in zip(framed, raw)), 3),
         "frame_rounds_mib_s": [round(x, 1) for x in framed],

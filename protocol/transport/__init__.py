@@ -14,6 +14,7 @@ Public API (other packages code against these names)::
         host.ban(peer_id, reason); host.unban(peer_id); host.is_banned(peer_id) -> bool
         host.gate.rejected: Counter[str]; host.gate.recent: deque[Rejection]  # see protocol/gate.py
         host.requests_served -> int; host.active_streams(name) -> int
+        host.bulk -> BulkLane | None        # None when config.bulk is off; .stats (BulkStats), .ip, .port
 
 ``identity`` is anything with ``private_bytes`` (the 32-byte Ed25519 seed), e.g.
 :class:`protolearn.protocol.identity.Identity`. ``peer`` arguments take a peer ID or a full multiaddr.
@@ -39,9 +40,19 @@ addresses we dialled with the ones the peer advertises (``/ip4/0.0.0.0/...`` for
 listener, which another machine cannot dial). Each would leave a peer that restarts unreachable, so
 before dialling the host drops dead connections, forgets past dial failures and restores the
 addresses it was given (by ``connect`` or ``add_peer_addrs``).
+
+The bulk lane (:mod:`protolearn.protocol.transport.bulk`, on by default: ``TransportConfig.bulk``,
+``bulk_min_bytes``, ``bulk_connect_timeout_s``): a host also listens on a plain TCP port on its listen
+IP, and a tensor payload of at least ``bulk_min_bytes`` goes over a direct AES-GCM-sealed connection
+whose key is agreed on the Noise-authenticated stream, several times faster than py-libp2p's yamux.
+``send_tensor``/``receive_tensor`` pick it on their own and fall back to the stream when it cannot
+be dialled, so callers do not change.
 """
 
+from protolearn.protocol.transport.bulk import BulkLane, BulkStats
 from protolearn.protocol.transport.host import Host, TransportConfig, open_host, protocol_id
 from protolearn.protocol.transport.streams import FramedStream, TensorHeader, TensorTrailer
 
-__all__ = ["FramedStream", "Host", "TensorHeader", "TensorTrailer", "TransportConfig", "open_host", "protocol_id"]
+__all__ = [
+    "BulkLane", "BulkStats", "FramedStream", "Host", "TensorHeader", "TensorTrailer", "TransportConfig", "open_host", "protocol_id",
+]

@@ -30,6 +30,7 @@ from protolearn.protocol.addresses import advertised, check_port_free, parse_mul
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused
 from protolearn.protocol.frames import DEFAULT_LIMITS, TensorLimits
 from protolearn.protocol.gate import Gate
+from protolearn.protocol.transport.bulk import BulkLane, lane_ip
 from protolearn.protocol.transport.streams import FramedStream
 from protolearn.protocol.wire import ErrorReply, Message
 
@@ -63,6 +64,12 @@ class TransportConfig(BaseModel):
     chunk_bytes: int = Field(default=1024 * 1024, gt=0)
     max_inbound_streams: int = Field(default=64, gt=0)
     tensor_limits: TensorLimits = DEFAULT_LIMITS
+    # The bulk lane (protocol/transport/bulk.py): payloads of at least bulk_min_bytes go over a direct
+    # AEAD-sealed TCP connection when both hosts have it on; a lane that cannot be dialled falls back.
+    bulk: bool = True
+    bulk_min_bytes: int = Field(default=1024 * 1024, gt=0)
+    bulk_connect_timeout_s: float = Field(default=2.0, gt=0)
+    bulk_max_pending_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)  # receive buffers reserved at once
 
 
 class HasSeed(Protocol):
@@ -113,6 +120,14 @@ class Host:
         self.peer_id = str(lp.get_id())
         self.gate = Gate()
         self.requests_served = 0  # requests answered with a normal (non-error) reply
+        # None when config.bulk is off; host.bulk.stats counts what went over the lane.
+        self.bulk: BulkLane | None = None
+        if config.bulk:
+            self.bulk = BulkLane(
+                min_bytes=config.bulk_min_bytes, connect_timeout_s=config.bulk_connect_timeout_s,
+                max_pending=config.max_inbound_streams, max_pending_bytes=config.bulk_max_pending_bytes,
+                offer_ttl_s=config.chunk_timeout_s + config.bulk_connect_timeout_s,
+            )
         self._active: dict[str, int] = {}
         # Where we were told a peer listens (a full address dialled, or add_peer_addrs). A peer's
         # identify replaces our peerstore entry with what it advertises, which for a 0.0.0.0 listener
@@ -335,6 +350,7 @@ class Host:
             max_message_bytes=c.max_message_bytes,
             chunk_bytes=c.chunk_bytes,
             limits=c.tensor_limits,
+            bulk=self.bulk if self.bulk is not None and self.bulk.port else None,
         )
 
     # -- calling ------------------------------------------------------------------------------
@@ -437,6 +453,9 @@ async def open_host(
                 # to a peer that just died would race ours and mark the peer undialable for 60 s.
                 await lp.get_network().auto_connector.stop()
                 await nursery.start(host._disconnect_service)
+                ip = lane_ip([str(a) for a in listen_addrs])
+                if host.bulk is not None and ip is not None:
+                    await nursery.start(host.bulk.serve, ip)
                 yield host
             finally:
                 nursery.cancel_scope.cancel()

@@ -8,6 +8,10 @@ against ``max_message_bytes`` before a single body byte is read. A tensor travel
 2. the payload's raw bytes, written in slices of at most ``chunk_bytes``, each under the chunk deadline,
 3. a :class:`TensorTrailer` message repeating the byte count.
 
+A payload of at least ``bulk_min_bytes`` between two hosts with the bulk lane on takes step 2 over
+a direct, AEAD-sealed TCP connection instead (negotiated on this stream right after the header; see
+:mod:`protolearn.protocol.transport.bulk`), and falls back to the stream when that cannot be set up.
+
 The receiver checks the header against its :class:`~protolearn.protocol.frames.TensorLimits` and its
 expected dtype/shape *before* reading the payload, reads exactly the declared count (never more), and
 only then builds the :class:`~protolearn.protocol.frames.TensorFrame`. libp2p reports a crashed peer
@@ -29,6 +33,7 @@ from libp2p.exceptions import BaseLibp2pError
 from protolearn.protocol import wire
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused, TooLarge
 from protolearn.protocol.frames import DEFAULT_LIMITS, TensorFrame, TensorLimits, check_frame_header
+from protolearn.protocol.transport.bulk import BulkChoice, BulkDecline, BulkLane, BulkOffer, Offer
 from protolearn.protocol.wire import ErrorReply, Message
 
 if TYPE_CHECKING:  # the transport never needs torch itself: importing it costs seconds at startup
@@ -48,6 +53,7 @@ class TensorHeader(Message):
     shape: list[int]
     data_bytes: int
     aux: bytes = b""
+    bulk: bool = False  # the sender asks for the bulk lane: the receiver answers BulkOffer or BulkDecline
 
 
 class TensorTrailer(Message):
@@ -76,8 +82,10 @@ class FramedStream:
         max_message_bytes: int,
         chunk_bytes: int,
         limits: TensorLimits = DEFAULT_LIMITS,
+        bulk: BulkLane | None = None,
     ) -> None:
         self.raw = stream
+        self.bulk = bulk
         self.peer_id = peer_id
         self.protocol = protocol
         self.timeout_s = timeout_s
@@ -166,9 +174,13 @@ class FramedStream:
         """Send a tensor frame as header, payload chunks and trailer, each chunk under the deadline."""
         limit = self.chunk_timeout_s if chunk_timeout is None else chunk_timeout
         data = frame.data
-        header = TensorHeader(codec=frame.codec, dtype=frame.dtype, shape=frame.shape, data_bytes=len(data), aux=frame.aux)
+        ip = self._remote_ip() if self.bulk is not None and self.bulk.wants_lane(self.peer_id, len(data)) else None
+        header = TensorHeader(codec=frame.codec, dtype=frame.dtype, shape=frame.shape, data_bytes=len(data), aux=frame.aux, bulk=ip is not None)
         await self.send(header, timeout=limit)
         view = memoryview(data)
+        if ip is not None and await self._send_bulk(ip, view, limit):
+            await self.send(TensorTrailer(data_bytes=len(data)), timeout=limit)
+            return
         for start in range(0, len(data), self.chunk_bytes):
             try:
                 with trio.fail_after(limit):
@@ -176,6 +188,35 @@ class FramedStream:
             except trio.TooSlowError:
                 raise PeerTimeout(self.peer_id, f"tensor chunk not accepted within {limit:g} s on {self.protocol}") from None
         await self.send(TensorTrailer(data_bytes=len(data)), timeout=limit)
+
+    async def _send_bulk(self, ip: str, view: memoryview, limit: float) -> bool:
+        """Ask for the lane and send the payload over it; False: the caller sends it in-stream."""
+        assert self.bulk is not None
+        reply = await self.receive((BulkOffer, BulkDecline), timeout=limit)
+        if isinstance(reply, BulkDecline):
+            self.bulk.stats.num_fallbacks += 1
+            return False
+        sock = await self.bulk.connect(self.peer_id, ip, reply)
+        if isinstance(sock, str):
+            self.bulk.stats.num_fallbacks += 1
+            await self.send(BulkChoice(lane=False, reason=sock), timeout=limit)
+            return False
+        try:
+            await self.send(BulkChoice(lane=True), timeout=limit)
+        except BaseException:
+            sock.close()
+            raise
+        await self.bulk.send(sock, reply.key, view, peer=self.peer_id, chunk_timeout=limit)
+        self.bytes_sent += len(view)
+        return True
+
+    def _remote_ip(self) -> str | None:
+        """The IP of this stream's connection (where the peer's lane listens), or None if unknown."""
+        try:
+            addr = self.raw.get_remote_address()
+        except (BaseLibp2pError, OSError, AttributeError):
+            return None
+        return addr[0] if addr else None
 
     async def receive_tensor(
         self,
@@ -196,12 +237,33 @@ class FramedStream:
         limit = self.chunk_timeout_s if chunk_timeout is None else chunk_timeout
         header = await self.receive(TensorHeader, timeout=limit)
         self._check_header(header, lim, codec=codec, dtype=dtype, shape=shape)
-        data = await self._read_exact(header.data_bytes, what="tensor", chunk_timeout=limit) if header.data_bytes else b""
+        data: bytes | bytearray | None = await self._receive_bulk(header, limit) if header.bulk else None
+        if data is None:
+            data = await self._read_exact(header.data_bytes, what="tensor", chunk_timeout=limit) if header.data_bytes else b""
         trailer = await self.receive(TensorTrailer, timeout=limit)
         if trailer.data_bytes != header.data_bytes:
             raise ProtocolError(self.peer_id, f"tensor trailer says {trailer.data_bytes} bytes, header said {header.data_bytes}")
-        # The payload was validated above; skipping a second validation avoids copying MiBs again.
+        # The payload was validated above; skipping a second validation avoids copying MiBs again. A lane
+        # payload stays the bytearray it was decrypted into (the receiver owns it; bytes() would copy it).
         return TensorFrame.model_construct(codec=header.codec, dtype=header.dtype, shape=header.shape, data=data, aux=header.aux)
+
+    async def _receive_bulk(self, header: TensorHeader, limit: float) -> bytearray | None:
+        """Answer a lane request; the payload if it came over the lane, None if it comes in-stream."""
+        offer: Offer | str = "bulk lane is off here" if self.bulk is None else self.bulk.offer(self.peer_id, header.data_bytes)
+        if isinstance(offer, str):
+            await self.send(BulkDecline(reason=offer), timeout=limit)
+            return None
+        assert self.bulk is not None
+        try:
+            await self.send(BulkOffer(port=self.bulk.port, token=offer.token, key=offer.key), timeout=limit)
+            choice = await self.receive(BulkChoice, timeout=limit)
+            if not choice.lane:
+                return None
+            data = await self.bulk.receive(offer, peer=self.peer_id, chunk_timeout=limit)
+        finally:
+            self.bulk.withdraw(offer)
+        self.bytes_received += len(data)
+        return data
 
     def _check_header(
         self,

@@ -27,8 +27,9 @@ class Ack(Message):
     num_bytes: int
 
 
-def test_64_mib_tensor_streams_bit_identical_both_ways(open_hosts, run_trio):
+def test_64_mib_tensor_streams_bit_identical_both_ways(open_hosts, run_trio, fast_config):
     # A (4096, 4096) float32 tensor: 64 MiB, with a pattern that catches reordered or dropped chunks.
+    # The bulk lane is off, so the bytes go through the stream (test_transport_bulk.py covers the lane).
     sent = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(3))
     received: list[torch.Tensor] = []
 
@@ -39,7 +40,7 @@ def test_64_mib_tensor_streams_bit_identical_both_ways(open_hosts, run_trio):
         await s.send_tensor(frame)  # echo it back: the download direction
 
     async def main():
-        async with open_hosts(2) as (server, client):
+        async with open_hosts(2, fast_config.model_copy(update={"bulk": False})) as (server, client):
             server.serve_stream("sink", sink)
             async with client.open_stream(server.peer_id, "sink") as s:
                 await s.send_tensor(to_frame(sent))
