@@ -92,6 +92,7 @@ class CoordinatorLink:
         self.step = 0
         self.last_closed = -1
         self.rejoins = 0
+        self._beat_now = trio.Event()
 
     async def _request(self, msg: Message, reply_type: type[R], *, timeout: float | None = None) -> tuple[R, int]:
         """Send with retries; returns the reply and how many attempts failed before it."""
@@ -171,7 +172,13 @@ class CoordinatorLink:
             else:
                 if on_reply is not None:
                     on_reply(reply)
-            await trio.sleep(self.joined.heartbeat_interval_s)
+            self._beat_now = trio.Event()
+            with trio.move_on_after(self.joined.heartbeat_interval_s):
+                await self._beat_now.wait()
+
+    def beat_now(self) -> None:
+        """Send the next heartbeat at once (the node's state changed, e.g. it can take tickets now)."""
+        self._beat_now.set()
 
     async def lease(self, max_tickets: int) -> cm.LeaseReply:
         reply, _ = await self._request(cm.Lease(max_tickets=max_tickets), cm.LeaseReply)

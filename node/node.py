@@ -274,6 +274,7 @@ class Node:
     async def train(self) -> bool:
         """Train until the run's last step (True) or until the coordinator moves this node (False)."""
         self.state = "training"
+        self.link.beat_now()  # the coordinator counts this replica's share of tickets from the next lease
         self.progress.update(state="training", step=self.worker.applied)
         while self.worker.applied < self.target_steps:
             if self.link.stage != self.stage:
