@@ -106,6 +106,9 @@ class Averager:
         # Finished rounds' results, kept for replicas that fetch them (the last two rounds only).
         self._results: dict[int, torch.Tensor] = {}
         self._result_ready: dict[int, trio.Event] = {}
+        # Sends of the current round queued or in flight, per peer (the end of a round waits for live peers').
+        self._pending: dict[str, int] = {}
+        self._drained = trio.Event()
 
     def register(self) -> None:
         self.host.serve_stream(COLLECTIVE, self._handle, max_inbound=64)
@@ -204,6 +207,7 @@ class Averager:
                 assert self._outbox is not None  # a round in progress always has its outbox
                 try:
                     self._outbox.send_nowait(a)
+                    self._pending[a.peer] = self._pending.get(a.peer, 0) + 1
                 except trio.ClosedResourceError:
                     # The round finished and is draining its last sends; anything it asks for now is moot.
                     log.debug("collective action after the round finished dropped: %s to %s", type(a).__name__, a.peer)
@@ -230,6 +234,7 @@ class Averager:
         # Unbounded in principle, bounded in fact: the machine emits at most a few sends per peer and part.
         send, recv = trio.open_memory_channel[Send | Probe](16 * len(weights) ** 2 + 64)
         self._round, self._outbox, self._finished = r, send, trio.Event()
+        self._pending = {}
         self._early = {k: v for k, v in self._early.items() if k >= round_id}
         try:
             async with trio.open_nursery() as nursery:
@@ -244,9 +249,14 @@ class Averager:
                     self._dispatch(r.poll(trio.current_time()))
                 # Finished means we hold every live peer's fin, not that they hold ours: a fin queued by the
                 # same event that finished this round is still on its way, and without it the peer waits
-                # out its deadline. So let queued sends drain, for a bounded time.
+                # out its deadline. So let the sends to live peers drain, for a bounded time. Sends to
+                # suspected peers are not waited for: a dead peer's dial can take most of a second to fail.
                 send.close()
-                nursery.cancel_scope.deadline = trio.current_time() + max(1.0, r.wait_s())
+                with trio.move_on_after(max(1.0, r.wait_s())):
+                    while any(self._pending.get(p) for p in r.live_peers()):
+                        self._drained = trio.Event()
+                        await self._drained.wait()
+                nursery.cancel_scope.cancel()
         finally:
             self._round, self._outbox = None, None
             self.next_round = round_id + 1
@@ -266,7 +276,14 @@ class Averager:
     async def _sender(self, recv: trio.MemoryReceiveChannel[Send | Probe], round_id: int, nursery: trio.Nursery) -> None:
         async with recv:
             async for action in recv:
-                nursery.start_soon(self._send_part, action, round_id)
+                nursery.start_soon(self._send_counted, action, round_id)
+
+    async def _send_counted(self, a: Send | Probe, round_id: int) -> None:
+        try:
+            await self._send_part(a, round_id)
+        finally:
+            self._pending[a.peer] -= 1
+            self._drained.set()
 
     async def _send_part(self, a: Send | Probe, round_id: int) -> None:
         r = self._round
