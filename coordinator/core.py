@@ -282,7 +282,7 @@ class CoordinatorCore:
         ]
 
     def _heartbeat(self, peer: str, msg: cm.Heartbeat, now: float) -> cm.HeartbeatReply:
-        info = HeartbeatInfo(msg.state, msg.throughput, msg.queue_len, msg.step, msg.param_hash, msg.loss)
+        info = HeartbeatInfo(msg.state, msg.throughput, msg.queue_len, msg.step, msg.param_hash, msg.loss, msg.stage)
         d = self.registry.heartbeat(peer, info, now)
         if not d.accepted:
             raise self.refuse(d.code, d.reason)
@@ -304,7 +304,10 @@ class CoordinatorCore:
             raise self.refuse("not_stage0", f"only stage-0 members lease tickets; {member.peer_id} holds stage {member.stage}")
         # Each working stage-0 replica may hold at most its share of the step at once, so a replica
         # that asks a moment later (e.g. one that just synced) is not starved by a faster one.
-        working = sum(1 for m in self.registry.live() if m.stage == 0 and m.state in ("training", "averaging"))
+        working = sum(
+            1 for m in self.registry.live()
+            if m.stage == 0 and m.serving in (-1, 0) and m.state in ("training", "averaging")
+        )
         share = -(-self.run.microbatches_per_step // max(1, working))
         room = share - len(self.ledger.holdings(member.peer_id))
         if room <= 0:

@@ -49,6 +49,8 @@ class Member:
     moved_at: float = 0.0
     left_at: float = 0.0
     move_reason: str = ""
+    # The stage the node last said it serves (-1: not said). It lags ``stage`` while the node moves.
+    serving: int = -1
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class HeartbeatInfo:
     step: int = -1
     param_hash: str = ""
     loss: float | None = None
+    stage: int = -1  # the stage the node serves now (-1: not said)
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,10 @@ class Registry:
         m.state = hb.state
         m.throughput = hb.throughput if hb.throughput > 0 else m.throughput
         m.queue_len = hb.queue_len
-        if hb.step >= m.step:
+        if hb.stage >= 0:
+            m.serving = hb.stage
+        # A node still finishing its old stage after a move reports that stage's parameters: not this one's.
+        if hb.step >= m.step and hb.stage in (-1, m.stage):
             m.step, m.param_hash = hb.step, hb.param_hash
         if hb.loss is not None:
             m.loss = hb.loss
@@ -211,6 +217,7 @@ class Registry:
         if move is not None:
             m = self.members[move.peer_id]
             m.stage, m.moved_at, m.state, m.move_reason = move.dst, now, "syncing", move.reason
+            m.step, m.param_hash = -1, ""  # its hashes were of the old stage
             self._touch(m, True)
         return move
 

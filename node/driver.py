@@ -19,7 +19,7 @@ import time
 import trio
 from protolearn.node.accounting import Accounting
 from protolearn.node.config import NodeConfig
-from protolearn.node.coordinator_link import CoordinatorLink
+from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
 from protolearn.node.progress import Progress
 from protolearn.node.router import Router
 from protolearn.node.worker import StageWorker
@@ -57,6 +57,7 @@ class TicketDriver:
     def member_left(self) -> None:
         """A replica left or died: tickets routed through it will never get their gradient back."""
         self._departed.set()
+        self._slot_free.set()  # wake the drive loop now rather than at its next poll
 
     async def drive(self, step: int, closed: trio.Event) -> None:
         """Lease tickets of ``step`` and start them, at most ``max_in_flight`` at once, until it closes."""
@@ -113,9 +114,11 @@ class TicketDriver:
                     nursery.start_soon(self._run_ticket, step, i)
 
     def peer_down(self, peer: str) -> None:
-        """The router's ``on_peer_down``: a forward send to next-stage ``peer`` just failed."""
+        """A forward send to next-stage ``peer`` just failed (the router's ``on_peer_down``), or the
+        connection to it closed: the tickets sent to it will not come back."""
         if self.worker.first:  # only stage 0 can restart a ticket
             self._down.add(peer)
+            self._slot_free.set()
 
     async def _run_ticket(self, step: int, ticket: int) -> None:
         ok = await self.router.start_ticket(step, ticket)
@@ -139,3 +142,6 @@ class TicketDriver:
         except ProtocolError as err:
             log.warning("complete refused step=%d ticket=%d reason=%s", step, ticket, err.reason)
             self.progress.event("complete_refused", step=step, ticket=ticket, reason=err.reason)
+            if isinstance(err, CoordinatorRefused) and err.code == "bad_route":
+                # A replica on its route left or moved: hand the ticket back so it is redone now, not when the lease runs out.
+                await self._release(step, [ticket])

@@ -50,6 +50,8 @@ log = logging.getLogger("protolearn.node")
 # Long-poll length of one wait_step request (the coordinator caps it at 30 s).
 WAIT_POLL_S = 10.0
 LIVE_STATES = ("training", "averaging")
+# A failed state download is retried this often while the stage has live replicas.
+SYNC_RETRY_S = 1.0
 
 
 @dataclass
@@ -118,6 +120,7 @@ class Node:
             on_complete=self.driver.complete, send_timeout_s=self.config.request_timeout_s,
         )
         self.router.on_peer_down = self.driver.peer_down
+        self.host.on_connection = self._on_connection
         self.driver.bind(self.worker, self.router, self.accounting)
         self.averager = Averager(self.host, stage, self.worker.numel, timeout_s=self.config.averaging_timeout_s)
         self.averager.register()
@@ -140,38 +143,48 @@ class Node:
         """Take the stage's state from a live replica, or keep the deterministic init on a fresh run.
 
         The installed state must hash to what the donor claims and to what every replica of the stage
-        reported to the coordinator for the same step.
+        reported to the coordinator for the same step. While the coordinator lists a live replica, a
+        failed download is retried (the list is refreshed by the heartbeats: a dead replica drops out
+        when it expires) and never replaced by an older checkpoint, which would make this replica
+        diverge from its stage (I2). Only a stage with no live replica left restores a checkpoint.
         """
-        donors = [p for p in self.view.stage_peers(self.stage) if p != self.host.peer_id]
-        # A local or given checkpoint, the init, or (False) a download: see node/persistence.py.
-        if await self.persistence.restore(self, open_step, donors):
-            return
-        last = ""
-        for donor in donors:
-            try:
-                applied, claimed, entries = await fetch_state(self.host, donor, self.worker, self.run_hash, timeout_s=self.config.sync_timeout_s)
-            except (ProtocolError, StateSyncError) as err:
-                last = str(err)
-                log.warning("state sync failed donor=%s reason=%s", donor, last)
-                continue
-            got = await trio.to_thread.run_sync(self.worker.load, entries, applied, limiter=self.compute)
-            if got != claimed:
-                last = f"state from {donor} hashes to {got[:12]}, it claimed {claimed[:12]}"
-                log.warning("state sync rejected donor=%s reason=%s", donor, last)
-                continue
-            reported = await self._reported_hashes(applied - 1)
-            if reported and any(h != got for h in reported.values()):
-                last = f"state from {donor} hashes to {got[:12]}, but replicas report {sorted({h[:12] for h in reported.values()})} for step {applied - 1}"
-                log.warning("state sync rejected donor=%s reason=%s", donor, last)
-                continue
-            self.accounting.applied = applied
-            self.averager.next_round = round_id(applied)
-            self.progress.event("synced", donor=donor, applied=applied, hash=got)
-            return
-        # Every listed replica failed (e.g. stale members after a coordinator restart): fall back to a checkpoint.
-        if await self.persistence.restore(self, open_step, [], donor_error=f"{len(donors)} replicas tried, last: {last}"):
-            return
-        raise StateSyncError(f"could not sync stage {self.stage} from any of {len(donors)} replicas: {last}")
+        deadline = trio.current_time() + self.config.sync_timeout_s
+        tried, last, planned_for = 0, "", None
+        while True:
+            donors = [p for p in self.view.stage_peers(self.stage) if p != self.host.peer_id]
+            # A local or given checkpoint, the init, or (False) a download: see node/persistence.py.
+            if donors != planned_for:
+                planned_for = donors
+                if await self.persistence.restore(self, open_step if not tried else self.link.step, donors):
+                    return
+            for donor in donors:
+                tried += 1
+                try:
+                    applied, claimed, entries = await fetch_state(self.host, donor, self.worker, self.run_hash, timeout_s=self.config.sync_timeout_s)
+                except (ProtocolError, StateSyncError) as err:
+                    last = str(err)
+                    log.warning("state sync failed donor=%s reason=%s", donor, last)
+                    continue
+                got = await trio.to_thread.run_sync(self.worker.load, entries, applied, limiter=self.compute)
+                if got != claimed:
+                    last = f"state from {donor} hashes to {got[:12]}, it claimed {claimed[:12]}"
+                    log.warning("state sync rejected donor=%s reason=%s", donor, last)
+                    continue
+                reported = await self._reported_hashes(applied - 1)
+                if reported and any(h != got for h in reported.values()):
+                    last = f"state from {donor} hashes to {got[:12]}, but replicas report {sorted({h[:12] for h in reported.values()})} for step {applied - 1}"
+                    log.warning("state sync rejected donor=%s reason=%s", donor, last)
+                    continue
+                self.accounting.applied = applied
+                self.averager.next_round = round_id(applied)
+                self.progress.event("synced", donor=donor, applied=applied, hash=got)
+                return
+            if trio.current_time() > deadline:
+                raise StateSyncError(
+                    f"could not sync stage {self.stage} from its replicas within {self.config.sync_timeout_s:g} s "
+                    f"({tried} attempts, last: {last}); restart the node to try again"
+                )
+            await trio.sleep(SYNC_RETRY_S)
 
     async def _reported_hashes(self, step: int) -> dict[str, str]:
         """The parameter hashes this stage's replicas reported for ``step`` (empty if unknown)."""
@@ -201,6 +214,17 @@ class Node:
             self.router.next_peers = self.view.stage_peers(self.stage + 1)
         self.progress.update(peers=len(self.view.members) - 1)
 
+    def _on_connection(self, peer: str, up: bool) -> None:
+        """A member's last connection closed (it died or restarted): stage 0 restarts the tickets it
+        had in flight through it at once, instead of when the coordinator's view drops the member."""
+        if up or not self._built or not self.worker.first:
+            return
+        stage = next((m.stage for m in self.view.members if m.peer_id == peer), None)
+        if stage == 1:
+            self.driver.peer_down(peer)  # the tickets sent to it
+        elif stage is not None and stage > 1:
+            self.driver.member_left()  # stage 0 does not know which tickets went through it: all of them
+
     # -- heartbeat ---------------------------------------------------------------------------
     def _make_heartbeat(self) -> cm.Heartbeat:
         if not self._built:  # heartbeats start before the stage is built, so a slow start never expires
@@ -211,6 +235,7 @@ class Node:
             self.progress.event("first_microbatch", at=self.router.stats.first_at, stage=self.stage)
         elapsed = max(1e-9, time.monotonic() - self.router.stats.started)
         return cm.Heartbeat(
+            stage=self.stage,
             state=self.state,  # type: ignore[arg-type]
             # Layer-tokens per second: the coordinator compares nodes across stages of different depth.
             throughput=self.router.stats.tokens * len(self.worker.module.layers) / elapsed,

@@ -118,6 +118,8 @@ class Heartbeat(Message):
     loss: Annotated[float | None, Field(allow_inf_nan=False)] = None
     # The membership view version the node holds; the reply omits the view when it is current.
     view_version: int = -1
+    # The stage the node serves now: it lags the assigned stage while the node finishes a step before moving.
+    stage: Annotated[int, Field(ge=-1, lt=MAX_STAGES)] = -1
 
 
 class HeartbeatReply(Message):

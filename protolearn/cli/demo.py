@@ -303,7 +303,8 @@ async def watch(swarm: LocalSwarm, live: Any | None, interval_s: float = 1.0, ch
 
 
 def _is_back(swarm: LocalSwarm, target: str) -> bool:
-    """A restarted node has built its stage again; a restarted coordinator printed its address."""
+    """A restarted node has applied a step again (so it holds its stage's state: killing its stage-mate
+    now loses nothing); a restarted coordinator printed its address."""
     if target == "coordinator":
         out = swarm.workdir / "coordinator.out"
         return out.exists() and out.read_text(encoding="utf-8").endswith("\n")
@@ -312,8 +313,10 @@ def _is_back(swarm: LocalSwarm, target: str) -> bool:
     if swarm.nodes[k].poll() is not None or not path.exists():
         return False
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    starts = [i for i, ln in enumerate(lines) if '"event": "start"' in ln]
-    return bool(starts) and any('"event": "built"' in ln for ln in lines[starts[-1]:])
+    # The restarted process's own start (until it writes one, the log ends with the killed one's steps).
+    pid = f'"pid": {swarm.nodes[k].pid}'
+    starts = [i for i, ln in enumerate(lines) if '"event": "start"' in ln and pid in ln]
+    return bool(starts) and any('"event": "step"' in ln for ln in lines[starts[-1]:])
 
 
 async def _apply_chaos(swarm: LocalSwarm, chaos: ChaosPlan, closed: int, say: Any) -> None:

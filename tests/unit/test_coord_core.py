@@ -334,3 +334,21 @@ def test_each_working_stage0_replica_holds_at_most_its_share_of_the_step() -> No
     core.handle(a, cm.Complete(step=0, index=first[0], route=[a, c], loss=1.0), 0.3)
     core.handle(b, cm.Release(step=0, indices=core.ledger.holdings(b)), 0.3)
     assert core.handle(a, cm.Lease(max_tickets=B), 0.4).indices  # with room in hand, a takes what is free
+
+
+def test_a_moving_member_counts_at_its_new_stage_only_once_it_serves_it() -> None:
+    core = make_core()
+    (a, b), (c, d) = four_members(core).values()
+    for p in (a, b, c, d):
+        core.handle(p, cm.Heartbeat(state="training", step=3, param_hash="old", stage=core.registry.members[p].stage), 0.0)
+    m = core.registry.members[c]
+    m.stage, m.step, m.param_hash = 0, -1, ""  # what a rebalance does when it moves c from stage 1 to 0
+    # Still finishing its old stage: its stage-1 hash must not be compared with stage 0's replicas.
+    core.handle(c, cm.Heartbeat(state="training", step=4, param_hash="stage1-hash", stage=1), 0.1)
+    assert (m.step, m.param_hash, m.serving) == (-1, "", 1)
+    status = core.handle("x", cm.StatusRequest(), 0.2)
+    assert all(ph.peer_id != c for s in status.stages for ph in s.param_hashes if ph.hash)
+    # Nor does it take a share of stage 0's tickets yet.
+    assert len(core.handle(a, cm.Lease(max_tickets=4), 0.3).indices) == 2
+    core.handle(c, cm.Heartbeat(state="training", step=4, param_hash="stage0-hash", stage=0), 0.4)
+    assert (m.step, m.param_hash, m.serving) == (4, "stage0-hash", 0)
