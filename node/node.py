@@ -36,7 +36,7 @@ from protolearn.node.join import join_coordinator, resolve_device
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
 from protolearn.node.router import Router
-from protolearn.node.state_sync import Snapshot, StateServer, fetch_state
+from protolearn.node.state_sync import Snapshot, StateServer, fetch_state, fetch_state_split
 from protolearn.node.step import finish_step
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
@@ -157,27 +157,21 @@ class Node:
                 planned_for = donors
                 if await self.persistence.restore(self, open_step if not tried else self.link.step, donors):
                     return
-            for donor in donors:
+            # Several replicas each send a share (a hivemind newcomer loads everything from one); if
+            # that fails, or they disagree, one replica at a time sends everything.
+            attempts = [donors] if len(donors) > 1 else []
+            for source in attempts + [[d] for d in donors]:
                 tried += 1
                 try:
-                    applied, claimed, entries = await fetch_state(self.host, donor, self.worker, self.run_hash, timeout_s=self.config.sync_timeout_s)
+                    if len(source) > 1:
+                        applied, claimed, entries = await fetch_state_split(self.host, source, self.worker, self.run_hash, timeout_s=self.config.sync_timeout_s)
+                    else:
+                        applied, claimed, entries = await fetch_state(self.host, source[0], self.worker, self.run_hash, timeout_s=self.config.sync_timeout_s)
+                    await self._install(source, applied, claimed, entries)
                 except (ProtocolError, StateSyncError) as err:
                     last = str(err)
-                    log.warning("state sync failed donor=%s reason=%s", donor, last)
+                    log.warning("state sync failed donors=%s reason=%s", source, last)
                     continue
-                got = await trio.to_thread.run_sync(self.worker.load, entries, applied, limiter=self.compute)
-                if got != claimed:
-                    last = f"state from {donor} hashes to {got[:12]}, it claimed {claimed[:12]}"
-                    log.warning("state sync rejected donor=%s reason=%s", donor, last)
-                    continue
-                reported = await self._reported_hashes(applied - 1)
-                if reported and any(h != got for h in reported.values()):
-                    last = f"state from {donor} hashes to {got[:12]}, but replicas report {sorted({h[:12] for h in reported.values()})} for step {applied - 1}"
-                    log.warning("state sync rejected donor=%s reason=%s", donor, last)
-                    continue
-                self.accounting.applied = applied
-                self.averager.next_round = round_id(applied)
-                self.progress.event("synced", donor=donor, applied=applied, hash=got)
                 return
             if trio.current_time() > deadline:
                 raise StateSyncError(
@@ -185,6 +179,20 @@ class Node:
                     f"({tried} attempts, last: {last}); restart the node to try again"
                 )
             await trio.sleep(SYNC_RETRY_S)
+
+    async def _install(self, donors: list[str], applied: int, claimed: str, entries: dict[str, torch.Tensor]) -> None:
+        """Install downloaded state if it hashes to what the donors claimed and the stage's replicas report."""
+        got = await trio.to_thread.run_sync(self.worker.load, entries, applied, limiter=self.compute)
+        if got != claimed:
+            raise StateSyncError(f"state from {donors} hashes to {got[:12]}, they claimed {claimed[:12]}")
+        reported = await self._reported_hashes(applied - 1)
+        if reported and any(h != got for h in reported.values()):
+            raise StateSyncError(
+                f"state from {donors} hashes to {got[:12]}, but replicas report {sorted({h[:12] for h in reported.values()})} for step {applied - 1}"
+            )
+        self.accounting.applied = applied
+        self.averager.next_round = round_id(applied)
+        self.progress.event("synced", donor=donors[0], donors=donors, applied=applied, hash=got)
 
     async def _reported_hashes(self, step: int) -> dict[str, str]:
         """The parameter hashes this stage's replicas reported for ``step`` (empty if unknown)."""

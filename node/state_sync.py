@@ -3,7 +3,9 @@
 The donor side answers a :class:`StateRequest` with :class:`StateInfo` (applied steps, run hash,
 parameter hash, tensor count) and then each tensor as a :class:`StateChunk` naming it plus the raw
 tensor. The snapshot is taken between optimizer steps (the node holds its step lock), so it is one
-consistent state.
+consistent state. A request may ask for one share of the tensors (index ≡ part mod parts): with
+:func:`fetch_state_split` a joiner downloads from several replicas at once, each sending its share,
+and takes the result only if every donor described the same state (applied steps and hash).
 
 The joining side checks everything before installing it: the run hash, that every name is one of its
 own parameters or their AdamW moments with the exact dtype and shape (the header is checked before the
@@ -22,7 +24,7 @@ import trio
 from protolearn.node.errors import StateSyncError
 from protolearn.node.worker import StageWorker
 from protolearn.protocol.errors import ProtocolError
-from protolearn.protocol.pipeline import STATE, Refuse, StateChunk, StateInfo, StateRequest
+from protolearn.protocol.pipeline import MAX_STATE_PARTS, STATE, Refuse, StateChunk, StateInfo, StateRequest
 from protolearn.protocol.transport import FramedStream
 from protolearn.protocol.tensors import TensorLimits, from_frame, to_frame
 from protolearn.protocol.transport import Host
@@ -53,26 +55,83 @@ class StateServer:
         if snap is None:
             await s.send(Refuse(code="state", reason="this replica is still syncing its own state"))
             return
+        if req.part >= req.parts:
+            await s.send(Refuse(code="state", reason=f"part {req.part} of {req.parts} does not exist"))
+            return
         applied, param_hash, entries = snap
         await s.send(StateInfo(stage=self.stage, applied=applied, run_hash=self.run_hash, param_hash=param_hash, num_tensors=len(entries)))
         for i, (name, t) in enumerate(entries):
-            await s.send(StateChunk(index=i, name=name))
-            await s.send_tensor(to_frame(t))
-        log.info("state served peer=%s stage=%d applied=%d tensors=%d", peer, self.stage, applied, len(entries))
+            if i % req.parts == req.part:
+                await s.send(StateChunk(index=i, name=name))
+                await s.send_tensor(to_frame(t))
+        log.info("state served peer=%s stage=%d applied=%d part=%d/%d", peer, self.stage, applied, req.part, req.parts)
 
 
-async def fetch_state(host: Host, donor: str, worker: StageWorker, run_hash: str, *, timeout_s: float) -> tuple[int, str, dict[str, torch.Tensor]]:
-    """Download and validate ``donor``'s state for ``worker``'s stage; returns (applied, hash, entries).
+async def fetch_state(
+    host: Host, donor: str, worker: StageWorker, run_hash: str, *, timeout_s: float, part: int = 0, parts: int = 1,
+) -> tuple[int, str, dict[str, torch.Tensor]]:
+    """Download and validate ``donor``'s state (or its share ``part`` of ``parts``) for ``worker``'s stage;
+    returns (applied, hash, entries).
 
     Nothing is installed here; the caller installs in its compute thread and compares hashes.
     """
+    applied, param_hash, _total, entries = await _fetch(host, donor, worker, run_hash, timeout_s=timeout_s, part=part, parts=parts)
+    if parts == 1:
+        _check_complete(donor, worker, entries)
+    return applied, param_hash, entries
+
+
+async def fetch_state_split(
+    host: Host, donors: list[str], worker: StageWorker, run_hash: str, *, timeout_s: float,
+) -> tuple[int, str, dict[str, torch.Tensor]]:
+    """Download the state from all ``donors`` at once, each sending an equal share of the tensors.
+
+    Raises :class:`StateSyncError` unless every donor described the same state; the caller then
+    falls back to one donor at a time.
+    """
+    parts = min(len(donors), MAX_STATE_PARTS)
+    got: list[tuple[int, str, int, dict[str, torch.Tensor]] | None] = [None] * parts
+    errors: list[str] = []
+
+    async def one(k: int) -> None:
+        try:
+            got[k] = await _fetch(host, donors[k], worker, run_hash, timeout_s=timeout_s, part=k, parts=parts)
+        except (ProtocolError, StateSyncError) as err:
+            errors.append(f"{donors[k]}: {err}")
+
+    async with trio.open_nursery() as nursery:
+        for k in range(parts):
+            nursery.start_soon(one, k)
+    if errors:
+        raise StateSyncError(f"split download failed: {errors[0]}")
+    described = {(r[0], r[1], r[2]) for r in got if r is not None}
+    if len(described) != 1:
+        raise StateSyncError(f"the {parts} donors hold different states {sorted((a, h[:12]) for a, h, _ in described)}")
+    entries: dict[str, torch.Tensor] = {}
+    for r in got:
+        assert r is not None  # every share arrived, or an error was recorded above
+        entries.update(r[3])
+    (applied, param_hash, _total), = described
+    _check_complete(",".join(donors[:parts]), worker, entries)
+    return applied, param_hash, entries
+
+
+def _check_complete(donor: str, worker: StageWorker, entries: dict[str, torch.Tensor]) -> None:
+    missing = [n for n in worker.names if f"param/{n}" not in entries]
+    if missing:
+        raise ProtocolError(donor, f"state lacks {len(missing)} parameters, e.g. {missing[0]}")
+
+
+async def _fetch(
+    host: Host, donor: str, worker: StageWorker, run_hash: str, *, timeout_s: float, part: int, parts: int,
+) -> tuple[int, str, int, dict[str, torch.Tensor]]:
     entries: dict[str, torch.Tensor] = {}
     biggest = max((p.numel() for p in worker.params), default=1)
     limits = TensorLimits(max_elements=biggest, max_bytes=8 * biggest + 64)
     try:
         with trio.fail_after(timeout_s):
             async with host.open_stream(donor, STATE) as s:
-                await s.send(StateRequest(stage=worker.stage))
+                await s.send(StateRequest(stage=worker.stage, part=part, parts=parts))
                 info = await s.receive((StateInfo, Refuse))
                 if isinstance(info, Refuse):
                     raise StateSyncError(f"replica {donor} refused to share its state: {info.reason}")
@@ -80,7 +139,7 @@ async def fetch_state(host: Host, donor: str, worker: StageWorker, run_hash: str
                     raise StateSyncError(f"replica {donor} offered stage {info.stage} of run {info.run_hash[:12]}, not stage {worker.stage} of {run_hash[:12]}")
                 if info.num_tensors > 4 * len(worker.names):
                     raise ProtocolError(donor, f"state of {info.num_tensors} tensors; stage {worker.stage} has at most {4 * len(worker.names)}")
-                for i in range(info.num_tensors):
+                for i in range(part, info.num_tensors, parts):
                     chunk = await s.receive(StateChunk)
                     want = worker.expected(chunk.name)
                     if chunk.index != i or want is None or chunk.name in entries:
@@ -90,7 +149,4 @@ async def fetch_state(host: Host, donor: str, worker: StageWorker, run_hash: str
                     entries[chunk.name] = from_frame(frame, peer=donor, dtype=dtype, shape=shape, limits=limits, require_finite=True)
     except trio.TooSlowError:
         raise StateSyncError(f"state sync from replica {donor} did not finish within {timeout_s:g} s") from None
-    missing = [n for n in worker.names if f"param/{n}" not in entries]
-    if missing:
-        raise ProtocolError(donor, f"state lacks {len(missing)} parameters, e.g. {missing[0]}")
-    return info.applied, info.param_hash, entries
+    return info.applied, info.param_hash, info.num_tensors, entries

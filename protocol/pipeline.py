@@ -38,6 +38,8 @@ MAX_STAGES = 1024
 MAX_PEER_ID = 128
 MAX_REASON = 512
 MAX_STATE_TENSORS = 100_000
+# A joining replica downloads its stage's state from at most this many donors at once.
+MAX_STATE_PARTS = 16
 MAX_NAME = 256
 
 PeerId = Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID)]
@@ -93,10 +95,13 @@ class ResultRequest(Message):
 
 
 class StateRequest(Message):
-    """Ask a replica of ``stage`` for its parameters and optimizer state."""
+    """Ask a replica of ``stage`` for its parameters and optimizer state, or for share ``part`` of
+    ``parts`` of it (the tensors whose index ≡ part mod parts), so a joiner downloads from several."""
 
     KIND: ClassVar[str] = "pipe.state_request"
     stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+    part: Annotated[int, Field(ge=0, lt=MAX_STATE_PARTS)] = 0
+    parts: Annotated[int, Field(ge=1, le=MAX_STATE_PARTS)] = 1
 
 
 class StateInfo(Message):

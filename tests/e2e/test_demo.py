@@ -89,7 +89,7 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     config = tmp_path / "tiny.toml"
     config.write_text(TINY)
     work = tmp_path / "demo"
-    demo = subprocess.Popen([*CLI, "demo", "--nodes", "2", "--steps", "100", "--config", str(config), "--workdir", str(work)],
+    demo = subprocess.Popen([*CLI, "demo", "--nodes", "2", "--steps", "5000", "--config", str(config), "--workdir", str(work)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180
