@@ -143,6 +143,7 @@ async def finish_step(node: Node, step: int, info: cm.StepInfo) -> int:
     )
     return 0
 
+
 async def _reopened(node: Node, step: int, revision: int) -> bool:
     """Whether ``step`` was reopened after closing at ``revision`` (it will close again)."""
     try:
@@ -150,6 +151,7 @@ async def _reopened(node: Node, step: int, revision: int) -> bool:
     except ProtocolError:
         return False
     return info.closed or info.open_step == step
+
 
 async def _redo(node: Node, step: int, revision: int, tickets: list[int], reason: str) -> bool:
     """Ask the coordinator to redo ``tickets`` of ``step``; True if the step will close again."""
