@@ -261,6 +261,39 @@ def demo_run_toml(config: Path | None, *, stages: int, steps: int, codec: str) -
     }).to_toml()
 
 
+INTERRUPTED = object()
+
+
+async def _until_signalled(fn: Any, *args: Any) -> Any:
+    """Run ``fn(*args)`` until it returns, or until SIGINT or SIGTERM arrives (then return INTERRUPTED).
+
+    The signals cancel the watch at its next checkpoint instead of raising KeyboardInterrupt at an
+    arbitrary line inside py-libp2p, which could leave the host's teardown stuck and the swarm running.
+    """
+    import trio
+
+    result: Any = INTERRUPTED
+    error: Exception | None = None
+    async with trio.open_nursery() as nursery:
+
+        async def body() -> None:
+            nonlocal result, error
+            try:
+                result = await fn(*args)
+            except Exception as err:  # noqa: BLE001 - re-raised below, outside the nursery's exception group
+                error = err
+            nursery.cancel_scope.cancel()
+
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            nursery.start_soon(body)
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break
+    if error is not None:
+        raise error
+    return result
+
+
 async def watch(swarm: LocalSwarm, live: Any | None, interval_s: float = 1.0, chaos: ChaosPlan | None = None, say: Any = print) -> Any:
     """Follow the swarm until every node has exited; returns the last status seen (or None).
 
@@ -378,8 +411,10 @@ def _demo(
         swarm.start_coordinator()
         with Live(console=console, refresh_per_second=4, transient=False) as live:
             plan = ChaosPlan(nodes, steps, random.Random(seed)) if chaos else None
-            status = trio.run(watch, swarm, live, 0.25 if chaos else 1.0, plan, live.console.print)  # Ctrl-C: KeyboardInterrupt
-    except KeyboardInterrupt:
+            status = trio.run(_until_signalled, watch, swarm, live, 0.25 if chaos else 1.0, plan, live.console.print)
+        if status is INTERRUPTED:
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM; one that lands before the watch starts is a plain KeyboardInterrupt
         console.print("interrupted: stopping the swarm")
         raise typer.Exit(130) from None
     finally:

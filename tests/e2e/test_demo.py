@@ -112,4 +112,4 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     finally:
         if demo.poll() is None:
             demo.kill()
-            demo.wait()
+        demo.communicate()  # reap it and close its pipes
