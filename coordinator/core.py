@@ -139,10 +139,6 @@ class CoordinatorCore:
         self.refusals: dict[str, int] = {}
         self.reissued = 0
         self._reported_expired: set[tuple[int, int, float]] = set()
-        # Members whose last connection closed, and since when (cleared when they reconnect).
-        self._disconnected: dict[str, float] = {}
-        # Members whose connection stayed closed past the grace: presumed dead until they reconnect.
-        self._gone: set[str] = set()
         # The training data's fingerprint, set by the first node that reads it; persisted when it changes.
         self.corpus: str | None = None
         self._corpus_dirty: str | None = None
@@ -257,7 +253,7 @@ class CoordinatorCore:
             stage=d.stage,
             run_toml=self.run.run_toml,
             run_hash=self.run.run_hash,
-            step=self.ledger.committed_through + 1,
+            step=self.ledger.frontier,
             rejoined=d.rejoined,
             reason=d.reason,
             heartbeat_interval_s=s.heartbeat_interval_s,
@@ -290,7 +286,7 @@ class CoordinatorCore:
         changed = msg.view_version != version
         return cm.HeartbeatReply(
             stage=d.stage,
-            step=self.ledger.committed_through + 1,
+            step=self.ledger.frontier,
             last_closed=self.ledger.last_closed,
             bans=sorted(self.verdicts.bans),
             view_version=version,
@@ -304,18 +300,8 @@ class CoordinatorCore:
             raise self.refuse("not_stage0", f"only stage-0 members lease tickets; {member.peer_id} holds stage {member.stage}")
         # Each working stage-0 replica may hold at most its share of the step at once, so a replica
         # that asks a moment later (e.g. one that just synced) is not starved by a faster one.
-        working = sum(
-            1 for m in self.registry.live()
-            if m.stage == 0 and m.serving in (-1, 0) and m.state in ("training", "averaging")
-        )
-        share = -(-self.run.microbatches_per_step // max(1, working))
-        room = share - len(self.ledger.holdings(member.peer_id))
-        if room <= 0:
-            return cm.LeaseReply(
-                step=self.ledger.step, indices=[], lease_s=self.settings.lease_s,
-                reason=f"already holds its share ({share}) of step {self.ledger.step}; finish those first",
-            )
-        d = self.ledger.lease(member.peer_id, now, min(msg.max_tickets, room))
+        share = -(-self.run.microbatches_per_step // max(1, self.registry.working(0)))
+        d = self.ledger.lease(member.peer_id, now, msg.max_tickets, share=share)
         if d.reissued:
             self.reissued += len(d.reissued)
             log.info("re-issued expired leases step=%d tickets=%s to peer=%s", d.step, d.reissued, member.peer_id)
@@ -360,7 +346,7 @@ class CoordinatorCore:
         if closed is None:
             return False
         peers = {route[stage] for route in closed.routes if len(route) > stage}
-        return bool(peers) and not any(self.registry.is_live(p) and p not in self._gone for p in peers)
+        return bool(peers) and not any(self.registry.present(p) for p in peers)
 
     def _averaged(self, member: Member, msg: cm.Averaged) -> cm.StepInfo:
         d = self.ledger.averaged(member.peer_id, member.stage, msg.step, msg.revision)
@@ -424,11 +410,7 @@ class CoordinatorCore:
 
     def connection_changed(self, peer: str, connected: bool, now: float) -> None:
         """The host saw ``peer``'s first connection open or its last one close."""
-        if connected:
-            self._disconnected.pop(peer, None)
-            self._gone.discard(peer)
-        elif self.registry.is_live(peer):
-            self._disconnected.setdefault(peer, now)
+        self.registry.connection_changed(peer, connected, now)
 
     # -- long poll ----------------------------------------------------------------------------
 
@@ -470,13 +452,10 @@ class CoordinatorCore:
         for m in self.registry.expire(now):
             freed = self.ledger.revoke_peer(m.peer_id)
             events.append(f"expired peer={m.peer_id} stage={m.stage} freed={freed}")
-        for peer, since in list(self._disconnected.items()):
-            if now - since >= self.settings.disconnect_grace_s:
-                del self._disconnected[peer]
-                self._gone.add(peer)
-                ended = self.ledger.expire_leases(peer, now)
-                if ended:
-                    events.append(f"disconnected peer={peer} leases ended early step={self.ledger.step} tickets={ended}")
+        for peer in self.registry.newly_gone(now):
+            ended = self.ledger.expire_leases(peer, now)
+            if ended:
+                events.append(f"disconnected peer={peer} leases ended early step={self.ledger.step} tickets={ended}")
         expired = {(self.ledger.step, i, self.ledger.tickets[i].expires_at) for i in self.ledger.expired(now)}
         fresh = sorted(i for _, i, _ in expired - self._reported_expired)
         self._reported_expired = expired

@@ -95,6 +95,37 @@ class Registry:
     soft: set[str] = field(default_factory=set)
     # After a restart nobody expires before this time: nodes are still backing off their reconnects.
     grace_until: float = 0.0
+    # Members whose last connection closed, and since when (cleared when they reconnect).
+    _disconnected: dict[str, float] = field(default_factory=dict)
+    # Members whose connection stayed closed past the grace: presumed dead until they reconnect.
+    _gone: set[str] = field(default_factory=set)
+
+    def connection_changed(self, peer_id: str, connected: bool, now: float) -> None:
+        """The host saw ``peer_id``'s first connection open or its last one close."""
+        if connected:
+            self._disconnected.pop(peer_id, None)
+            self._gone.discard(peer_id)
+        elif self.is_live(peer_id):
+            self._disconnected.setdefault(peer_id, now)
+
+    def newly_gone(self, now: float) -> list[str]:
+        """Members whose connection has now stayed closed for ``disconnect_grace_s``: presumed dead
+        (until they reconnect), so their leases can end early. Each is returned once."""
+        out = [p for p, since in self._disconnected.items() if now - since >= self.settings.disconnect_grace_s]
+        for p in out:
+            del self._disconnected[p]
+            self._gone.add(p)
+        return out
+
+    def present(self, peer_id: str) -> bool:
+        """Live, and not presumed dead by a closed connection."""
+        return self.is_live(peer_id) and peer_id not in self._gone
+
+    def working(self, stage: int) -> int:
+        """Members that serve ``stage`` now and train (a member still moving there does not count)."""
+        return sum(
+            1 for m in self.live() if m.stage == stage and m.serving in (-1, stage) and m.state in ("training", "averaging")
+        )
 
     def live(self) -> Iterator[Member]:
         return (m for m in self.members.values() if m.status == LIVE)

@@ -179,8 +179,18 @@ class TicketLedger:
     def remaining(self) -> int:
         return sum(1 for t in self.tickets if not t.done)
 
-    def lease(self, peer: str, now: float, max_n: int) -> LeaseDecision:
+    @property
+    def frontier(self) -> int:
+        """The first step not yet committed: the stages' state is after the step before it."""
+        return self.committed_through + 1
+
+    def lease(self, peer: str, now: float, max_n: int, *, share: int | None = None) -> LeaseDecision:
+        """Lease up to ``max_n`` tickets (at most a block); ``share``: the most ``peer`` may hold at once."""
         n = max(0, min(max_n, self.block))
+        if share is not None and len(self.holdings(peer)) >= share:
+            return LeaseDecision(self.step, [], 0.0, [], f"already holds its share ({share}) of step {self.step}; finish those first")
+        if share is not None:
+            n = min(n, share - len(self.holdings(peer)))
         if not self.committed(self.last_closed):
             return LeaseDecision(self.step, [], 0.0, [], f"step {self.last_closed} has not committed yet; wait for it")
         expired = [t for t in self.tickets if not t.done and t.holder is not None and t.expires_at <= now]
