@@ -110,7 +110,7 @@ async def finish_step(node: Node, step: int, info: cm.StepInfo) -> int:
             # The coordinator grants this only once every participant of the stage is gone (dead or
             # left): then nobody holds the stage's gradients, and the whole step is redone here.
             tickets = sorted({t for ts in account.values() for t in ts})
-            if await _redo(node, step, info.revision, tickets, f"all replicas of stage {node.stage} that averaged the step are gone"):
+            if await _redo(node, step, info.revision, tickets, f"all replicas of stage {node.stage} that averaged the step are gone", expected=True):
                 return info.revision + 1
             if trio.current_time() > deadline:
                 break
@@ -153,12 +153,15 @@ async def _reopened(node: Node, step: int, revision: int) -> bool:
     return info.closed or info.open_step == step
 
 
-async def _redo(node: Node, step: int, revision: int, tickets: list[int], reason: str) -> bool:
-    """Ask the coordinator to redo ``tickets`` of ``step``; True if the step will close again."""
+async def _redo(node: Node, step: int, revision: int, tickets: list[int], reason: str, *, expected: bool = False) -> bool:
+    """Ask the coordinator to redo ``tickets`` of ``step``; True if the step will close again.
+
+    ``expected``: a refusal is the normal answer (the participants are alive, just slow), not worth a warning.
+    """
     try:
         reply = await node.link.redo(step, tickets, reason)
     except ProtocolError as err:
-        log.warning("redo refused step=%d tickets=%s reason=%s", step, tickets, err.reason)
+        log.log(logging.INFO if expected else logging.WARNING, "redo refused step=%d tickets=%s reason=%s", step, tickets, err.reason)
         # Another replica of the stage may have reopened the step first: then it closes again anyway.
         return await _reopened(node, step, revision)
     node.progress.event("redo", step=step, tickets=tickets, reason=reason, reopened=reply.reopened)
