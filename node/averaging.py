@@ -18,11 +18,12 @@ dead peers, and :attr:`Averager.last_done` says whose contributions are in (``ex
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import trio
+from protolearn.node.core import REVISIONS_PER_STEP
 from protolearn.node.errors import NodeError
 from protolearn.protocol.collective import (
     DEFAULT_FLOOR_S,
@@ -44,8 +45,6 @@ log = logging.getLogger("protolearn.node")
 # Early parts held per round: scatter + gather from each of up to this many participants.
 MAX_EARLY_PARTS = 2 * 1024
 SEND_RETRY_S = 0.2
-# Round ids per step: revision r of step t averages in round t * REVISIONS_PER_STEP + r - 1.
-REVISIONS_PER_STEP = 16
 
 
 def _borrowed_frame(t: torch.Tensor) -> TensorFrame:
@@ -56,14 +55,6 @@ def _borrowed_frame(t: torch.Tensor) -> TensorFrame:
     # TensorFrame.data is bytes on the wire; a memoryview is what send_tensor reads it through anyway.
     data = memoryview(t.view(torch.uint8).numpy()) if t.numel() else b""
     return TensorFrame.model_construct(codec="none", dtype="float32", shape=list(t.shape), data=data, aux=b"")
-
-
-def round_id(step: int, revision: int = 1) -> int:
-    """The collective round of ``step``'s accounting at ``revision`` (a step reopened to redo tickets
-    closes again at a higher revision, and its replicas average again in a fresh round)."""
-    if not 1 <= revision <= REVISIONS_PER_STEP:
-        raise AveragingError(f"step {step} reached revision {revision}; at most {REVISIONS_PER_STEP} are averaged")
-    return step * REVISIONS_PER_STEP + revision - 1
 
 
 class AveragingError(NodeError):
@@ -87,13 +78,21 @@ class _Pending:
 class Averager:
     """All-reduce of one stage's gradients among its replicas, one round per step."""
 
-    def __init__(self, host: Host, stage: int, numel: int, *, timeout_s: float, next_round: int = 0, floor_s: float = DEFAULT_FLOOR_S) -> None:
+    def __init__(
+        self, host: Host, stage: int, numel: int, *, timeout_s: float, floor_s: float = DEFAULT_FLOOR_S,
+        window: Callable[[], int] | None = None, first_round: int = 0, clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        """``window``: the round this replica takes part in next, from its owner (the node core, which
+        knows whether a step may still reopen). Without one, the averager counts its own rounds from
+        ``first_round`` (a stand-alone averager in a test or benchmark)."""
         self.host = host
         self.stage = stage
         self.numel = numel
         self.timeout_s = timeout_s
         self.floor_s = floor_s
-        self.next_round = next_round
+        self.clock = clock
+        self._window = window
+        self._own_next = first_round
         # Receive-rate EMA across rounds: the per-wait deadlines scale with it.
         self.bandwidth = Bandwidth()
         # The last round's outcome: ``contributors`` are in the result, ``excluded`` died and are out.
@@ -110,6 +109,10 @@ class Averager:
         self._pending: dict[str, int] = {}
         self._drained = trio.Event()
 
+    @property
+    def next_round(self) -> int:
+        return self._window() if self._window is not None else self._own_next
+
     def register(self) -> None:
         self.host.serve_stream(COLLECTIVE, self._handle, max_inbound=64)
 
@@ -124,10 +127,10 @@ class Averager:
             return
         r = self._round if self._round is not None and self._round.round_id == msg.round else None
         if r is not None:
-            r.peer_alive(peer, trio.current_time())  # a part may take a while to arrive; its sender is alive
+            r.peer_alive(peer, self.clock())  # a part may take a while to arrive; its sender is alive
         if msg.phase == "probe":
             if r is not None:  # a probe's suspects may hand this replica a dead peer's part
-                self._dispatch(r.receive(peer, "probe", 0, None, suspects=msg.suspects, now=trio.current_time()))
+                self._dispatch(r.receive(peer, "probe", 0, None, suspects=msg.suspects, now=self.clock()))
             await s.send(Ack())
             return
         data = None
@@ -143,7 +146,7 @@ class Averager:
         # The round may have started while the tensor was read; its held parts are already taken.
         r = self._round if self._round is not None and self._round.round_id == msg.round else None
         if r is not None:
-            actions = r.receive(peer, msg.phase, msg.part, data, contributors=msg.contributors, suspects=msg.suspects, now=trio.current_time())
+            actions = r.receive(peer, msg.phase, msg.part, data, contributors=msg.contributors, suspects=msg.suspects, now=self.clock())
             refused = [a for a in actions if isinstance(a, Rejected)]
             self._dispatch(actions)
             if refused:
@@ -177,9 +180,9 @@ class Averager:
 
     async def fetch_result(self, round_id: int, participants: list[str]) -> torch.Tensor:
         """Get round ``round_id``'s vector from one of ``participants`` (this replica was not one)."""
-        deadline = time.monotonic() + 2 * self.timeout_s
+        deadline = self.clock() + 2 * self.timeout_s
         last = "no participant answered"
-        while time.monotonic() < deadline:
+        while self.clock() < deadline:
             for peer in participants:
                 try:
                     with trio.fail_after(self.timeout_s + 5):
@@ -192,7 +195,7 @@ class Averager:
                                 last = f"{peer}: {reply.reason}"
                                 continue
                             frame = await s.receive_tensor(codec="none", dtype=torch.float32, shape=[self.numel], limits=self._limits)
-                    self.next_round = round_id + 1
+                    self._own_next = round_id + 1
                     return from_frame(frame, peer=peer, dtype=torch.float32, shape=[self.numel], limits=self._limits, require_finite=True)
                 except ProtocolError as err:
                     last = f"{peer}: {err.reason}"
@@ -210,7 +213,7 @@ class Averager:
                     self._pending[a.peer] = self._pending.get(a.peer, 0) + 1
                 except trio.ClosedResourceError:
                     # The round finished and is draining its last sends; anything it asks for now is moot.
-                    log.debug("collective action after the round finished dropped: %s to %s", type(a).__name__, a.peer)
+                    log.warning("collective %s to %s dropped: round %d already finished here", type(a).__name__, a.peer, self._round.round_id if self._round else -1)
             elif isinstance(a, Rejected):
                 log.warning("collective rejected peer=%s stage=%d reason=%s", a.peer, self.stage, a.reason)
             elif isinstance(a, (Done, Failed)):
@@ -239,14 +242,14 @@ class Averager:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._sender, recv, round_id, nursery)
-                self._dispatch(r.start(vector, trio.current_time()))
+                self._dispatch(r.start(vector, self.clock()))
                 for p in self._early.pop(round_id, []):
-                    self._dispatch(r.receive(p.peer, p.phase, p.part, p.data, contributors=p.contributors, suspects=p.suspects, now=trio.current_time()))
+                    self._dispatch(r.receive(p.peer, p.phase, p.part, p.data, contributors=p.contributors, suspects=p.suspects, now=self.clock()))
                 while r.finished is None:
                     wake = r.next_deadline()
-                    with trio.move_on_at(trio.current_time() + 1.0 if wake is None else wake):
+                    with trio.move_on_at(self.clock() + 1.0 if wake is None else wake):
                         await self._finished.wait()
-                    self._dispatch(r.poll(trio.current_time()))
+                    self._dispatch(r.poll(self.clock()))
                 # Finished means we hold every live peer's fin, not that they hold ours: a fin queued by the
                 # same event that finished this round is still on its way, and without it the peer waits
                 # out its deadline. So let the sends to live peers drain, for a bounded time. Sends to
@@ -259,7 +262,7 @@ class Averager:
                 nursery.cancel_scope.cancel()
         finally:
             self._round, self._outbox = None, None
-            self.next_round = round_id + 1
+            self._own_next = round_id + 1
         result = r.finished
         if isinstance(result, Failed):
             raise AveragingError(f"stage {self.stage} averaging of step {round_id} failed: {result.reason}")
@@ -307,16 +310,16 @@ class Averager:
                     reply = await s.receive((Ack, Refuse))
         except ProtocolError as err:
             log.info("collective peer failed peer=%s round=%d phase=%s reason=%s", a.peer, round_id, phase, err.reason)
-            self._dispatch(r.peer_failed(a.peer, err.reason, trio.current_time()))
+            self._dispatch(r.peer_failed(a.peer, err.reason, self.clock()))
             return
         except trio.TooSlowError:
             log.info("collective peer failed peer=%s round=%d phase=%s reason=no answer within %g s", a.peer, round_id, phase, limit)
-            self._dispatch(r.peer_failed(a.peer, f"no answer within {limit:g} s", trio.current_time()))
+            self._dispatch(r.peer_failed(a.peer, f"no answer within {limit:g} s", self.clock()))
             return
         if isinstance(reply, Refuse):
             # Alive but not taking this (e.g. it already finished): not a death, so nothing to suspect.
             log.warning("collective part refused peer=%s round=%d phase=%s reason=%s", a.peer, round_id, phase, reply.reason)
         if isinstance(a, Send):
-            self._dispatch(r.delivered(a, trio.current_time()))
+            self._dispatch(r.delivered(a, self.clock()))
         else:
-            r.peer_alive(a.peer, trio.current_time())
+            r.peer_alive(a.peer, self.clock())

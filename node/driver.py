@@ -1,25 +1,38 @@
-"""Stage 0's ticket driver: lease the open step's tickets, start them, restart broken ones, report completions.
+"""The trio adapter of stage 0's :class:`~protolearn.node.leasing.LeaseCore`.
 
-Only a stage-0 replica starts microbatches. While step t is open, :meth:`TicketDriver.drive` leases
-tickets from the coordinator (at most ``max_in_flight`` in this replica's hands) and starts each one
-through the :class:`~protolearn.node.router.Router`. It remembers when each in-flight ticket was
-(re)started, and restarts a ticket whose gradient has not come back in time, whose forward send just
-failed on a next-stage peer (:meth:`peer_down`), or, after a replica left the membership
-(:meth:`member_left`), every in-flight ticket. A ticket that cannot start is released back to the
-coordinator; one whose gradient comes back is reported complete (:meth:`complete`, the router's
-``on_complete``). The node (:mod:`protolearn.node.node`) owns one driver for its lifetime and binds it
-to each stage it builds.
+:meth:`TicketDriver.drive` runs while step t is open: it polls the core with the node's clock,
+carries out its actions (a lease request, starting a ticket through the
+:class:`~protolearn.node.router.Router`, releasing tickets, reporting a completion), feeds the answers
+back as events, and sleeps until the core's next wake-up or until something happens (a completion, a
+failed send, a departure). The node owns one driver for its lifetime and binds it to each stage it builds.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
 
 import trio
 from protolearn.node.accounting import Accounting
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
+from protolearn.node.core import Emit
+from protolearn.node.leasing import (
+    Completed,
+    CompleteRefused,
+    LeaseAction,
+    LeaseCore,
+    Leased,
+    LeaseEvent,
+    LeaseFailed,
+    MemberLeft,
+    NotStarted,
+    PeerDown,
+    Release,
+    ReportComplete,
+    RequestLease,
+    StartTicket,
+)
 from protolearn.node.progress import Progress
 from protolearn.node.router import Router
 from protolearn.node.worker import StageWorker
@@ -27,23 +40,31 @@ from protolearn.protocol.errors import ProtocolError
 from protolearn.stages.config import RunConfig
 
 log = logging.getLogger("protolearn.node")
-LEASE_RETRY_S = 0.05
+
+
+def emit(progress: Progress, action: Emit) -> None:
+    """Write a core's :class:`Emit` to the event log, and to the log when it carries a level."""
+    if action.level:
+        log.log(action.level, "%s", action.message)
+    progress.event(action.event, **action.fields)
 
 
 class TicketDriver:
     """Leases and drives stage 0's tickets. Call :meth:`bind` after each build, then :meth:`drive` per step."""
 
-    def __init__(self, config: NodeConfig, run: RunConfig, link: CoordinatorLink, progress: Progress) -> None:
+    def __init__(self, config: NodeConfig, run: RunConfig, link: CoordinatorLink, progress: Progress, *, clock: Callable[[], float] = trio.current_time) -> None:
         self.config = config
         self.run = run
         self.link = link
         self.progress = progress
-        self._slot_free = trio.Event()
-        # When each in-flight ticket of the open step was (re)started; a departure restarts them.
-        self._started: dict[int, float] = {}
-        self._departed = trio.Event()
-        # Next-stage peers a forward send just failed on: the tickets sent to them earlier are restarted.
-        self._down: set[str] = set()
+        self.clock = clock
+        # A ticket whose gradient has not come back within this long is restarted (its route broke).
+        self.core = LeaseCore(
+            max_in_flight=config.max_in_flight, lease_block=config.lease_block,
+            stall_s=config.request_timeout_s * run.stages.num_stages, last_stage=run.stages.num_stages == 1,
+        )
+        self._wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
         self.worker: StageWorker
         self.router: Router
         self.accounting: Accounting
@@ -54,78 +75,79 @@ class TicketDriver:
         self.router = router
         self.accounting = accounting
 
+    # -- events from the node and the router --------------------------------------------------------
+    def _feed(self, event: LeaseEvent) -> None:
+        self._carry(self.core.handle(event, self.clock()))
+        self._wake.set()
+
     def member_left(self) -> None:
         """A replica left or died: tickets routed through it will never get their gradient back."""
-        self._departed.set()
-        self._slot_free.set()  # wake the drive loop now rather than at its next poll
-
-    async def drive(self, step: int, closed: trio.Event) -> None:
-        """Lease tickets of ``step`` and start them, at most ``max_in_flight`` at once, until it closes."""
-
-        async def pause(seconds: float) -> None:
-            with trio.move_on_after(seconds):
-                await closed.wait()
-
-        self._started = {t: at for t, at in self._started.items() if self.accounting.holds(step, t)}
-        # A ticket whose gradient has not come back within this long is restarted (its route broke).
-        stall_s = self.config.request_timeout_s * self.run.stages.num_stages
-        async with trio.open_nursery() as nursery:
-            while not closed.is_set():
-                now = time.monotonic()
-                stalled = [t for t, at in self._started.items() if now - at > stall_s]
-                if self._down:
-                    down, self._down = self._down, set()
-                    stalled += [t for t in self._started if self.router.sent_to.get((step, t)) in down and t not in stalled]
-                if self._departed.is_set():
-                    self._departed = trio.Event()
-                    stalled = list(self._started)
-                for t in stalled:
-                    log.warning("ticket restarted step=%d ticket=%d reason=its route broke (no gradient back)", step, t)
-                    self.progress.event("ticket_redo", step=step, ticket=t, reason="route broke")
-                    self._started[t] = now
-                    nursery.start_soon(self._run_ticket, step, t)
-                if not self.worker.last and not self.router.next_peers:
-                    # No replica of stage 1 yet: leased tickets would only expire in our hands.
-                    await pause(LEASE_RETRY_S * 4)
-                    continue
-                room = self.config.max_in_flight - self.accounting.num_in_flight
-                if room <= 0:
-                    self._slot_free = trio.Event()
-                    with trio.move_on_after(1.0):
-                        await self._slot_free.wait()
-                    continue
-                try:
-                    reply = await self.link.lease(min(room, self.config.lease_block))
-                except ProtocolError as err:
-                    log.warning("lease failed step=%d reason=%s", step, err.reason)
-                    await pause(1.0)
-                    continue
-                if reply.step != step:
-                    if reply.indices:  # the next step's tickets: not ours to start before step is applied
-                        await self._release(reply.step, reply.indices)
-                    return
-                if not reply.indices:
-                    await pause(LEASE_RETRY_S)
-                    continue
-                for i in reply.indices:
-                    # A ticket we hold may come back: our lease ran out, or the step reopened to redo it.
-                    # Starting it again is safe: every stage replaces a redone ticket's earlier attempt.
-                    self._started[i] = time.monotonic()
-                    nursery.start_soon(self._run_ticket, step, i)
+        self._feed(MemberLeft())
 
     def peer_down(self, peer: str) -> None:
         """A forward send to next-stage ``peer`` just failed (the router's ``on_peer_down``), or the
         connection to it closed: the tickets sent to it will not come back."""
-        if self.worker.first:  # only stage 0 can restart a ticket
-            self._down.add(peer)
-            self._slot_free.set()
+        if not self.worker.first:  # only stage 0 can restart a ticket
+            return
+        step = self.core.step
+        self._feed(PeerDown(peer, [t for (s, t), p in self.router.sent_to.items() if s == step and p == peer]))
+
+    async def complete(self, step: int, ticket: int, route: list[str], loss: float) -> None:
+        """The router's ``on_complete``: ``ticket``'s gradient came back, so report it to the coordinator
+        (awaited here, so a completion that lands after the step's drive ended is still reported)."""
+        actions = self.core.handle(Completed(step, ticket, route, loss), self.clock())
+        self._wake.set()
+        for a in actions:
+            if isinstance(a, ReportComplete):
+                await self._report(a)
+            else:
+                self._carry([a])
+
+    # -- the loop ------------------------------------------------------------------------------------
+    async def drive(self, step: int, closed: trio.Event) -> None:
+        """Lease tickets of ``step`` and start them, at most ``max_in_flight`` at once, until it closes."""
+        core = self.core
+        core.begin(step, [t for t in core.started if self.accounting.holds(step, t)], self.clock())
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                while not closed.is_set() and not core.finished:
+                    now = self.clock()
+                    self._carry(core.poll(now, in_flight=self.accounting.num_in_flight, has_next_stage=bool(self.router.next_peers)))
+                    self._wake = trio.Event()
+                    with trio.move_on_at(core.next_wake(now)):
+                        await _first(closed, self._wake)
+            finally:
+                self._nursery = None
+                nursery.cancel_scope.cancel()
+
+    def _carry(self, actions: list[LeaseAction]) -> None:
+        for a in actions:
+            if isinstance(a, Emit):
+                emit(self.progress, a)
+            elif self._nursery is None:
+                # Between steps nothing is leased or started: the next drive restarts what is still held.
+                log.warning("ticket action outside a driven step dropped: %s (step %d)", type(a).__name__, getattr(a, "step", -1))
+            elif isinstance(a, RequestLease):
+                self._nursery.start_soon(self._lease, a.max_tickets)
+            elif isinstance(a, StartTicket):
+                self._nursery.start_soon(self._run_ticket, a.step, a.ticket)
+            elif isinstance(a, Release):
+                self._nursery.start_soon(self._release, a.step, a.tickets)
+            elif isinstance(a, ReportComplete):
+                self._nursery.start_soon(self._report, a)
+
+    async def _lease(self, n: int) -> None:
+        try:
+            reply = await self.link.lease(n)
+        except ProtocolError as err:
+            self._feed(LeaseFailed(err.reason))
+            return
+        self._feed(Leased(reply.step, list(reply.indices)))
 
     async def _run_ticket(self, step: int, ticket: int) -> None:
-        ok = await self.router.start_ticket(step, ticket)
-        if not ok:
-            self._started.pop(ticket, None)
-            await self._release(step, [ticket])
-            self._slot_free.set()
+        if not await self.router.start_ticket(step, ticket):
+            self._feed(NotStarted(step, ticket))
 
     async def _release(self, step: int, indices: list[int]) -> None:
         try:
@@ -133,15 +155,24 @@ class TicketDriver:
         except ProtocolError as err:
             log.info("release failed step=%d tickets=%s reason=%s", step, indices, err.reason)
 
-    async def complete(self, step: int, ticket: int, route: list[str], loss: float) -> None:
-        """The router's ``on_complete``: ``ticket``'s gradient came back, so report it to the coordinator."""
-        self._slot_free.set()
-        self._started.pop(ticket, None)
+    async def _report(self, a: ReportComplete) -> None:
         try:
-            await self.link.complete(step, ticket, route, loss)
+            await self.link.complete(a.step, a.ticket, a.route, a.loss)
         except ProtocolError as err:
-            log.warning("complete refused step=%d ticket=%d reason=%s", step, ticket, err.reason)
-            self.progress.event("complete_refused", step=step, ticket=ticket, reason=err.reason)
-            if isinstance(err, CoordinatorRefused) and err.code == "bad_route":
-                # A replica on its route left or moved: hand the ticket back so it is redone now, not when the lease runs out.
-                await self._release(step, [ticket])
+            code = err.code if isinstance(err, CoordinatorRefused) else "unreachable"
+            for b in self.core.handle(CompleteRefused(a.step, a.ticket, code, err.reason), self.clock()):
+                if isinstance(b, Release):
+                    await self._release(b.step, b.tickets)
+                else:
+                    self._carry([b])
+
+
+async def _first(*events: trio.Event) -> None:
+    """Return as soon as one of ``events`` is set."""
+    async with trio.open_nursery() as nursery:
+        async def one(e: trio.Event) -> None:
+            await e.wait()
+            nursery.cancel_scope.cancel()
+
+        for e in events:
+            nursery.start_soon(one, e)

@@ -21,25 +21,26 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import trio
-from protolearn.node.accounting import Accounting
-from protolearn.node.averaging import Averager, round_id
+from protolearn.node.averaging import Averager
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
+from protolearn.node.core import CoreConfig, NodeCore, Synced
 from protolearn.node.driver import TicketDriver
 from protolearn.node.errors import JoinError, StateSyncError
+from protolearn.node.finishing import Finisher
 from protolearn.node.join import join_coordinator, resolve_device
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
 from protolearn.node.router import Router
 from protolearn.node.state_sync import Snapshot, StateServer, fetch_state, fetch_state_split
-from protolearn.node.step import finish_step
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.coordination import NodeState
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import Identity
 from protolearn.protocol.transport import Host, TransportConfig, open_host
@@ -49,7 +50,6 @@ from protolearn.stages.corpus import load_corpus
 log = logging.getLogger("protolearn.node")
 # Long-poll length of one wait_step request (the coordinator caps it at 30 s).
 WAIT_POLL_S = 10.0
-LIVE_STATES = ("training", "averaging")
 # A failed state download is retried this often while the stage has live replicas.
 SYNC_RETRY_S = 1.0
 
@@ -62,44 +62,65 @@ class _View:
     members: list[cm.MemberView] = field(default_factory=list)
 
     def stage_peers(self, stage: int, *, live: bool = True) -> list[str]:
-        return sorted(m.peer_id for m in self.members if m.stage == stage and (not live or m.state in LIVE_STATES))
+        return sorted(m.peer_id for m in self.members if m.stage == stage and (not live or m.state.live))
+
+    def empty_stages(self, num_stages: int) -> list[int]:
+        """Stages with no live replica: training halts until one joins."""
+        live = {m.stage for m in self.members if m.state.live}
+        return [s for s in range(num_stages) if s not in live]
 
 
 class Node:
-    """One joined node. Build and run it with :func:`run_node`."""
+    """One joined node: the trio adapter around its :class:`NodeCore`. Build and run it with :func:`run_node`."""
 
-    def __init__(self, config: NodeConfig, host: Host, link: CoordinatorLink, joined: cm.JoinReply, run: RunConfig, progress: Progress) -> None:
+    def __init__(
+        self, config: NodeConfig, host: Host, link: CoordinatorLink, joined: cm.JoinReply, run: RunConfig, progress: Progress,
+        *, clock: Callable[[], float] = trio.current_time,
+    ) -> None:
         self.config = config
         self.host = host
         self.link = link
         self.run = run
+        self.clock = clock
         self.run_hash = joined.run_hash
         self.stage = joined.stage  # the stage this node serves; the coordinator's choice is self.link.stage
         self.progress = progress
         self.view = _View(joined.view_version, list(joined.members))
         self.heartbeat_s = joined.heartbeat_interval_s
-        self.state = "syncing"
         self.device = resolve_device(config.device)
+        # Held for every compute step, and while a step is applied together with the applied count.
         self.compute = trio.CapacityLimiter(1)
         self.last_loss: float | None = None
         self.target_steps = min(run.steps, config.max_steps) if config.max_steps else run.steps
         self._hash_by_step: dict[int, str] = {}
         self._checked_hash_steps: set[int] = set()
-        self.driver = TicketDriver(config, run, link, progress)
+        self.driver = TicketDriver(config, run, link, progress, clock=clock)
         self._first_logged = False
         self._moved_warned = False
-        self._built = False
-        self.persistence = StagePersistence(config, run, progress)
+        self._leaving = False
+        self._waiting = ""
+        self.persistence = StagePersistence(config, run, progress, self.compute)
+        self.core: NodeCore | None = None
         self.worker: StageWorker
         self.router: Router
         self.averager: Averager
-        self.accounting: Accounting
+        self.finisher: Finisher
+
+    @property
+    def state(self) -> NodeState:
+        if self._leaving:
+            return NodeState.LEAVING
+        return self.core.state if self.core is not None else NodeState.SYNCING
+
+    @property
+    def applied(self) -> int:
+        """Steps this node's stage has applied (0 before it is built)."""
+        return self.core.applied if self.core is not None else 0
 
     # -- set-up ------------------------------------------------------------------------------
     async def build(self, stage: int) -> None:
         """Build ``stage`` (again, after the coordinator moved this node) and serve its protocols."""
-        self._built = False
-        self.state = "syncing"
+        self.core = None
         self.stage = stage
         self._hash_by_step.clear()
         self._checked_hash_steps.clear()
@@ -114,28 +135,37 @@ class Node:
                 if err.code == "corpus_mismatch":
                     raise JoinError(err.detail) from None
                 raise
-        self.accounting = Accounting(run.batch.microbatches_per_step, self.config.max_in_flight, self.config.max_deferred)
+        core = NodeCore(self.host.peer_id, stage, CoreConfig(
+            microbatches_per_step=run.batch.microbatches_per_step, max_in_flight=self.config.max_in_flight,
+            max_deferred=self.config.max_deferred, averaging_timeout_s=self.config.averaging_timeout_s,
+        ))
         self.router = Router(
-            self.host, run, self.worker, corpus, self.accounting, self.compute,
-            on_complete=self.driver.complete, send_timeout_s=self.config.request_timeout_s,
+            self.host, run, self.worker, corpus, core.accounting, self.compute,
+            on_complete=self.driver.complete, send_timeout_s=self.config.request_timeout_s, clock=self.clock,
         )
         self.router.on_peer_down = self.driver.peer_down
         self.host.on_connection = self._on_connection
-        self.driver.bind(self.worker, self.router, self.accounting)
-        self.averager = Averager(self.host, stage, self.worker.numel, timeout_s=self.config.averaging_timeout_s)
+        self.driver.bind(self.worker, self.router, core.accounting)
+        self.averager = Averager(self.host, stage, self.worker.numel, timeout_s=self.config.averaging_timeout_s,
+                                 window=lambda: core.next_round, clock=self.clock)
         self.averager.register()
+        self.finisher = Finisher(
+            core, self.worker, self.averager, self.link, self.compute, self.progress,
+            reported_hashes=self._reported_hashes, resync=self.resync, start_held=self.router.release, clock=self.clock,
+        )
         StateServer(self.host, stage, self.run_hash, self._snapshot).register()
-        self._built = True
+        self.core = core
         self._apply_view()
         self.progress.update(stage=f"{stage}/{self.worker.module.plan.num_stages}")
         self.progress.event("built", stage=stage, device=self.device, params=self.worker.numel, layers=list(self.worker.module.layers))
 
     async def _snapshot(self) -> Snapshot | None:
-        if self.state == "syncing":
+        core = self.core
+        if core is None or core.state is NodeState.SYNCING:
             return None
 
         def take() -> Snapshot:
-            return self.worker.applied, self.worker.param_hash(), self.worker.snapshot()
+            return core.applied, self.worker.param_hash(), self.worker.snapshot()
 
         return await trio.to_thread.run_sync(take, limiter=self.compute)
 
@@ -148,14 +178,19 @@ class Node:
         when it expires) and never replaced by an older checkpoint, which would make this replica
         diverge from its stage (I2). Only a stage with no live replica left restores a checkpoint.
         """
-        deadline = trio.current_time() + self.config.sync_timeout_s
+        assert self.core is not None  # built
+        deadline = self.clock() + self.config.sync_timeout_s
         tried, last, planned_for = 0, "", None
         while True:
             donors = [p for p in self.view.stage_peers(self.stage) if p != self.host.peer_id]
-            # A local or given checkpoint, the init, or (False) a download: see node/persistence.py.
+            # A local or given checkpoint, the init, or (None) a download: see node/persistence.py.
             if donors != planned_for:
                 planned_for = donors
-                if await self.persistence.restore(self, open_step if not tried else self.link.step, donors):
+                applied = await self.persistence.restore(
+                    self.stage, self.worker, open_step if not tried else self.link.step, donors, self._reported_list,
+                )
+                if applied is not None:
+                    self.core.handle(Synced(applied), self.clock())
                     return
             # Several replicas each send a share (a hivemind newcomer loads everything from one); if
             # that fails, or they disagree, one replica at a time sends everything.
@@ -173,16 +208,18 @@ class Node:
                     log.warning("state sync failed donors=%s reason=%s", source, last)
                     continue
                 return
-            if trio.current_time() > deadline:
+            if self.clock() > deadline:
                 raise StateSyncError(
                     f"could not sync stage {self.stage} from its replicas within {self.config.sync_timeout_s:g} s "
                     f"({tried} attempts, last: {last}); restart the node to try again"
                 )
+            self._say_waiting(f"syncing stage {self.stage}: no replica handed over its state yet" if donors else "")
             await trio.sleep(SYNC_RETRY_S)
 
     async def _install(self, donors: list[str], applied: int, claimed: str, entries: dict[str, torch.Tensor]) -> None:
         """Install downloaded state if it hashes to what the donors claimed and the stage's replicas report."""
-        got = await trio.to_thread.run_sync(self.worker.load, entries, applied, limiter=self.compute)
+        assert self.core is not None  # built
+        got = await trio.to_thread.run_sync(self.worker.load, entries, limiter=self.compute)
         if got != claimed:
             raise StateSyncError(f"state from {donors} hashes to {got[:12]}, they claimed {claimed[:12]}")
         reported = await self._reported_hashes(applied - 1)
@@ -190,14 +227,20 @@ class Node:
             raise StateSyncError(
                 f"state from {donors} hashes to {got[:12]}, but replicas report {sorted({h[:12] for h in reported.values()})} for step {applied - 1}"
             )
-        self.accounting.applied = applied
-        self.averager.next_round = round_id(applied)
+        self.core.handle(Synced(applied), self.clock())
         self.progress.event("synced", donor=donors[0], donors=donors, applied=applied, hash=got)
 
     async def _reported_hashes(self, step: int) -> dict[str, str]:
-        """The parameter hashes this stage's replicas reported for ``step`` (empty if unknown)."""
+        """The parameter hashes this stage's other replicas reported for ``step`` (empty if unknown)."""
         if step < 0:
             return {}
+        return {p: h for p, (s, h) in (await self._reported()).items() if s == step}
+
+    async def _reported_list(self) -> list[tuple[int, str]]:
+        return list((await self._reported()).values())
+
+    async def _reported(self) -> dict[str, tuple[int, str]]:
+        """peer → (step, parameter hash) as this stage's other replicas reported them (empty if unknown)."""
         try:
             status = await self.link.status(loss_history=0)
         except ProtocolError as err:
@@ -206,10 +249,7 @@ class Node:
         stage = next((s for s in status.stages if s.index == self.stage), None)
         if stage is None:
             return {}
-        return {ph.peer_id: ph.hash for ph in stage.param_hashes if ph.step == step and ph.hash and ph.peer_id != self.host.peer_id}
-
-    async def _hash(self) -> str:
-        return await trio.to_thread.run_sync(self.worker.param_hash, limiter=self.compute)
+        return {ph.peer_id: (ph.step, ph.hash) for ph in stage.param_hashes if ph.hash and ph.peer_id != self.host.peer_id}
 
     def _apply_view(self) -> None:
         for m in self.view.members:
@@ -221,11 +261,30 @@ class Node:
         if self.stage + 1 < self.run.stages.num_stages:
             self.router.next_peers = self.view.stage_peers(self.stage + 1)
         self.progress.update(peers=len(self.view.members) - 1)
+        self._update_waiting()
+
+    def _update_waiting(self) -> None:
+        """Name, on the progress line, what training waits for when a stage has no replica."""
+        if self.core is None or not self.state.live:
+            return
+        empty = [s for s in self.view.empty_stages(self.run.stages.num_stages) if s != self.stage]
+        if empty:
+            which = ", ".join(str(s) for s in empty)
+            self._say_waiting(f"stage{'s' if len(empty) > 1 else ''} {which} ha{'ve' if len(empty) > 1 else 's'} no replicas")
+        else:
+            self._say_waiting("")
+
+    def _say_waiting(self, what: str) -> None:
+        if what != self._waiting:
+            self._waiting = what
+            self.progress.update(waiting=what)
+            if what:
+                self.progress.event("waiting", reason=what)
 
     def _on_connection(self, peer: str, up: bool) -> None:
         """A member's last connection closed (it died or restarted): stage 0 restarts the tickets it
         had in flight through it at once, instead of when the coordinator's view drops the member."""
-        if up or not self._built or not self.worker.first:
+        if up or self.core is None or not self.worker.first:
             return
         stage = next((m.stage for m in self.view.members if m.peer_id == peer), None)
         if stage == 1:
@@ -235,18 +294,17 @@ class Node:
 
     # -- heartbeat ---------------------------------------------------------------------------
     def _make_heartbeat(self) -> cm.Heartbeat:
-        if not self._built:  # heartbeats start before the stage is built, so a slow start never expires
-            return cm.Heartbeat(state="syncing", view_version=self.view.version)
-        applied = self.worker.applied
+        if self.core is None:  # heartbeats start before the stage is built, so a slow start never expires
+            return cm.Heartbeat(state=self.state, view_version=self.view.version)
+        applied = self.core.applied
         if self.router.stats.first_at is not None and not self._first_logged:
             self._first_logged = True
             self.progress.event("first_microbatch", at=self.router.stats.first_at, stage=self.stage)
-        elapsed = max(1e-9, time.monotonic() - self.router.stats.started)
         return cm.Heartbeat(
             stage=self.stage,
-            state=self.state,  # type: ignore[arg-type]
+            state=self.state,
             # Layer-tokens per second: the coordinator compares nodes across stages of different depth.
-            throughput=self.router.stats.tokens * len(self.worker.module.layers) / elapsed,
+            throughput=self.router.stats.tokens * len(self.worker.module.layers) / self._elapsed(),
             queue_len=self.router.queue_len,
             step=applied - 1,
             param_hash=self._hash_by_step.get(applied - 1, ""),
@@ -254,21 +312,25 @@ class Node:
             view_version=self.view.version,
         )
 
+    def _elapsed(self) -> float:
+        return max(1e-9, self.clock() - self.router.stats.started)
+
     def _on_heartbeat(self, reply: cm.HeartbeatReply) -> None:
         for peer in reply.bans:
             if not self.host.is_banned(peer):
                 self.host.ban(peer, "banned by the coordinator")
-                self.router.balancer.ban(peer)
+                if self.core is not None:
+                    self.router.balancer.ban(peer)
         if self.link.view_version != self.view.version:
-            before = {m.peer_id for m in self.view.members if m.state in LIVE_STATES}
+            before = {m.peer_id for m in self.view.members if m.state.live}
             self.view = _View(self.link.view_version, list(self.link.members))
-            if before - {m.peer_id for m in self.view.members if m.state in LIVE_STATES}:
-                self.driver.member_left()
-            if self._built:
+            if self.core is not None:
+                if before - {m.peer_id for m in self.view.members if m.state.live}:
+                    self.driver.member_left()
                 self._apply_view()
         if reply.stage != self.stage and not self._moved_warned:
             self._moved_warned = True
-            log.warning("coordinator reassigned this node to stage %d; it moves after step %d", reply.stage, self.worker.applied if self._built else -1)
+            log.warning("coordinator reassigned this node to stage %d; it moves after step %d", reply.stage, self.applied)
 
     async def hash_check_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -299,22 +361,24 @@ class Node:
                 log.error("replica mismatch step=%d peer=%s theirs=%s mine=%s", ph.step, ph.peer_id, ph.hash, mine)
             self._checked_hash_steps.add(ph.step)
         # Keep the bookkeeping bounded.
-        for s in [s for s in self._hash_by_step if s < self.worker.applied - 8]:
+        for s in [s for s in self._hash_by_step if s < self.applied - 8]:
             self._hash_by_step.pop(s, None)
             self._checked_hash_steps.discard(s)
 
     # -- training ----------------------------------------------------------------------------
     async def train(self) -> bool:
         """Train until the run's last step (True) or until the coordinator moves this node (False)."""
-        self.state = "training"
+        core = self.core
+        assert core is not None  # built and synced
         self.link.beat_now()  # the coordinator counts this replica's share of tickets from the next lease
-        self.progress.update(state="training", step=self.worker.applied)
-        while self.worker.applied < self.target_steps:
+        self.progress.update(state=core.state.value, step=core.applied)
+        self._update_waiting()
+        while core.applied < self.target_steps:
             if self.link.stage != self.stage:
                 # A step boundary: this replica's part in every closed step is done, so it can move.
-                self.progress.event("moved", stage=self.stage, to=self.link.stage, applied=self.worker.applied)
+                self.progress.event("moved", stage=self.stage, to=self.link.stage, applied=core.applied)
                 return False
-            step = self.worker.applied
+            step = core.applied
             revision = 1
             while revision:
                 closed = trio.Event()
@@ -324,9 +388,22 @@ class Node:
                     info = await self._wait_closed(step, revision)
                     # Not a cancel: a lease request cut off mid-flight would strand tickets until their lease expires.
                     closed.set()
-                # 0 once applied; otherwise the step was reopened to redo tickets and closes again later.
-                revision = await finish_step(self, step, info)
+                # 0 once applied (or resynced); otherwise the step was reopened to redo tickets and closes again later.
+                done = await self.finisher.finish(step, info)
+                revision = done.revision
+                if not revision and done.param_hash:
+                    await self._after_apply(step, info, done.param_hash)
         return True
+
+    async def _after_apply(self, step: int, info: cm.StepInfo, param_hash: str) -> None:
+        core = self.core
+        assert core is not None
+        self._hash_by_step[step] = param_hash
+        await self.persistence.after_step(self.stage, self.worker, lambda: core.applied, self.target_steps)
+        if self.worker.last and info.loss is not None:
+            self.last_loss = info.loss
+        tps = self.router.stats.tokens / self._elapsed()
+        self.progress.update(state=core.state.value, step=step + 1, loss=info.loss, tokens_per_s=tps, in_flight=core.accounting.num_in_flight)
 
     async def _wait_closed(self, step: int, min_revision: int = 1) -> cm.StepInfo:
         while True:
@@ -341,22 +418,29 @@ class Node:
 
     async def resync(self, step: int) -> None:
         """This replica fell behind (it could not get step ``step``'s result): take a live replica's state."""
-        self.state = "syncing"
-        self.progress.update(state="syncing")
+        assert self.core is not None
+        self.core.start_syncing()
+        self.progress.update(state=NodeState.SYNCING.value)
         self.progress.event("resync", step=step)
         await trio.to_thread.run_sync(self.worker.zero_grads, limiter=self.compute)
         await self.sync_state(self.link.step)
-        self.accounting.reset(self.worker.applied)
-        self.state = "training"
+        self.progress.update(state=self.core.state.value, step=self.core.applied)
 
     async def leave(self, reason: str) -> None:
-        self.state = "leaving"
+        self._leaving = True
         with trio.CancelScope(shield=True), trio.move_on_after(5.0):
             try:
                 released = await self.link.leave(reason)
                 self.progress.event("left", reason=reason, released=released)
             except ProtocolError as err:
                 log.warning("leave failed reason=%s", err.reason)
+
+    async def at_leave(self) -> None:
+        """Write the stage's checkpoint as the node leaves (a built, synced stage only)."""
+        core = self.core
+        if core is None or core.state is NodeState.SYNCING:
+            return
+        await self.persistence.at_leave(self.stage, self.worker, lambda: core.applied)
 
 
 async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -> int:
@@ -399,11 +483,11 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
                         break
                     stage, open_step = link.stage, link.step
                     node._moved_warned = False
-                progress.event("finished", applied=node.worker.applied)
+                progress.event("finished", applied=node.applied)
                 await link.heartbeat(node._make_heartbeat())
                 await node._check_replica_hashes()
                 nursery.cancel_scope.cancel()
         finally:
-            await node.persistence.at_leave(node)
-            await node.leave("finished" if node._built and node.worker.applied >= node.target_steps else "stopped")
-        return node.worker.applied if node._built else 0
+            await node.at_leave()
+            await node.leave("finished" if node.applied >= node.target_steps else "stopped")
+        return node.applied

@@ -28,20 +28,20 @@ step and the stage's live replicas; it returns a :class:`RestorePlan` with a rea
   saying which checkpoint to pass.
 
 :class:`StagePersistence` is the adapter the node calls at its hooks (build/sync, after each step, at
-leave). File writes and loads run in a worker thread under the node's compute limiter, so a checkpoint
-is always taken between optimizer steps.
+leave), passing the stage's worker and applied-step count. File writes and loads run in a worker
+thread under the node's compute limiter, which the node also holds while it applies a step and
+advances its count, so a checkpoint is always one consistent (parameters, step) pair.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import trio
-from protolearn.node.averaging import round_id
 from protolearn.node.checkpoint import (
     CheckpointError,
     CheckpointInfo,
@@ -53,11 +53,8 @@ from protolearn.node.checkpoint import (
 from protolearn.node.config import NodeConfig
 from protolearn.node.errors import StateSyncError
 from protolearn.node.progress import Progress
-from protolearn.protocol.errors import ProtocolError
+from protolearn.node.worker import StageWorker
 from protolearn.stages.config import RunConfig
-
-if TYPE_CHECKING:
-    from protolearn.node.node import Node
 
 log = logging.getLogger("protolearn.node")
 
@@ -133,13 +130,14 @@ def plan_restore(
 class StagePersistence:
     """The node's checkpoint writer and restore planner; the node calls it at its hooks."""
 
-    def __init__(self, config: NodeConfig, run: RunConfig, progress: Progress) -> None:
+    def __init__(self, config: NodeConfig, run: RunConfig, progress: Progress, compute: trio.CapacityLimiter) -> None:
         self.dir = config.data_dir / CHECKPOINT_DIR
         self.every = config.checkpoint_every
         self.keep = config.checkpoint_keep
         self.given = config.checkpoint
         self.run = run
         self.progress = progress
+        self.compute = compute
         self._saved: tuple[int, int] | None = None  # (stage, applied) of the last write
         self._warned_given = False
 
@@ -160,81 +158,71 @@ class StagePersistence:
         return max(mine, key=lambda i: i.step, default=None)
 
     # -- hooks -------------------------------------------------------------------------------
-    async def restore(self, node: Node, open_step: int, donors: Sequence[str], *, donor_error: str = "") -> bool:
-        """Install the stage's state from a checkpoint, or keep the init; False: sync from ``donors``."""
-        candidate = self.candidate(node.stage)
-        reported = await self._reported(node) if donors and candidate is not None and not donor_error else []
-        plan = plan_restore(node.stage, open_step, num_donors=len(donors), candidate=candidate, reported=reported, donor_error=donor_error)
-        log.info("restore plan stage=%d source=%s reason=%s", node.stage, plan.source, plan.reason)
+    async def restore(
+        self, stage: int, worker: StageWorker, open_step: int, donors: Sequence[str],
+        reported: Callable[[], Awaitable[list[tuple[int, str]]]], *, donor_error: str = "",
+    ) -> int | None:
+        """Install the stage's state from a checkpoint, or keep the init; returns the applied-step count
+        installed, or None: sync from ``donors``. ``reported`` asks what the stage's replicas report."""
+        candidate = self.candidate(stage)
+        got_reported = await reported() if donors and candidate is not None and not donor_error else []
+        plan = plan_restore(stage, open_step, num_donors=len(donors), candidate=candidate, reported=got_reported, donor_error=donor_error)
+        log.info("restore plan stage=%d source=%s reason=%s", stage, plan.source, plan.reason)
         if plan.source == "donor":
             if candidate is not None:
                 self.progress.event("restore", source="donor", reason=plan.reason)
-            return False
+            return None
         if plan.source == "lost":
             raise StateSyncError(plan.reason)
         if plan.source == "init":
-            self.progress.event("init", stage=node.stage, hash=await node._hash(), reason=plan.reason)
-            return True
+            got = await trio.to_thread.run_sync(worker.param_hash, limiter=self.compute)
+            self.progress.event("init", stage=stage, hash=got, reason=plan.reason)
+            return 0
         info = plan.checkpoint
         if info is None:  # plan_restore always names the checkpoint of a local or checkpoint plan
-            raise StateSyncError(f"stage {node.stage}: restore plan {plan.source} names no checkpoint")
-        worker = node.worker
+            raise StateSyncError(f"stage {stage}: restore plan {plan.source} names no checkpoint")
 
         def install() -> str:
             worker.zero_grads()
-            load_checkpoint(info.path, self.run, node.stage, worker.module, worker.optimizer)
-            worker.applied = plan.applied
+            load_checkpoint(info.path, self.run, stage, worker.module, worker.optimizer)
             return worker.param_hash()
 
-        got = await trio.to_thread.run_sync(install, limiter=node.compute)
-        node.accounting.applied = plan.applied
-        node.averager.next_round = round_id(plan.applied)
-        self._saved = (node.stage, info.step)
+        got = await trio.to_thread.run_sync(install, limiter=self.compute)
+        self._saved = (stage, info.step)
         if plan.source == "checkpoint":
-            node.progress.say(plan.reason)
+            self.progress.say(plan.reason)
             if info.step < open_step:
                 log.warning("%s", plan.reason)
         self.progress.event("restored", source=plan.source, path=str(info.path), checkpoint_step=info.step, applied=plan.applied, hash=got, reason=plan.reason)
-        return True
+        return plan.applied
 
-    async def after_step(self, node: Node) -> None:
+    async def after_step(self, stage: int, worker: StageWorker, applied: Callable[[], int], target: int) -> None:
         """Write a checkpoint if one is due after the step just applied."""
-        if checkpoint_due(node.worker.applied, self.every, node.target_steps):
-            await self.write(node)
+        if checkpoint_due(applied(), self.every, target):
+            await self.write(stage, worker, applied)
 
-    async def at_leave(self, node: Node) -> None:
+    async def at_leave(self, stage: int, worker: StageWorker, applied: Callable[[], int]) -> None:
         """Write the stage once more as the node leaves (unless nothing changed since the last write)."""
-        if not node._built or node.state == "syncing" or node.worker.applied == 0:
+        if applied() == 0:
             return
         with trio.CancelScope(shield=True), trio.move_on_after(LEAVE_WRITE_S):
-            await self.write(node)
+            await self.write(stage, worker, applied)
 
-    async def write(self, node: Node) -> None:
-        worker, stage = node.worker, node.stage
-        if self._saved == (stage, worker.applied):
+    async def write(self, stage: int, worker: StageWorker, applied: Callable[[], int]) -> None:
+        """Write the stage; ``applied`` is read under the compute lock, with the parameters it goes with."""
+        if self._saved == (stage, applied()):
             return
 
         def save() -> tuple[int, Path]:
-            applied = worker.applied  # read under the limiter: no optimizer step runs while this writes
-            return applied, save_checkpoint(self.dir, self.run, stage, applied, worker.module, worker.optimizer, keep=self.keep)
+            n = applied()  # read under the limiter: no optimizer step runs while this writes
+            return n, save_checkpoint(self.dir, self.run, stage, n, worker.module, worker.optimizer, keep=self.keep)
 
         try:
-            applied, path = await trio.to_thread.run_sync(save, limiter=node.compute)
+            n, path = await trio.to_thread.run_sync(save, limiter=self.compute)
         except CheckpointError as err:
             # A full disk must not stop training; the user sees it once per failure in the log and on stderr.
             log.error("checkpoint not written: %s", err)
             self.progress.event("checkpoint_failed", stage=stage, reason=str(err))
             return
-        self._saved = (stage, applied)
-        self.progress.event("checkpoint", stage=stage, step=applied, path=str(path))
-
-    async def _reported(self, node: Node) -> list[tuple[int, str]]:
-        try:
-            status = await node.link.status(loss_history=0)
-        except ProtocolError as err:
-            log.info("status request failed reason=%s", err.reason)
-            return []
-        view = next((s for s in status.stages if s.index == node.stage), None)
-        if view is None:
-            return []
-        return [(ph.step, ph.hash) for ph in view.param_hashes if ph.hash and ph.peer_id != node.host.peer_id]
+        self._saved = (stage, n)
+        self.progress.event("checkpoint", stage=stage, step=n, path=str(path))

@@ -25,7 +25,7 @@ class Progress:
     def __init__(self, log_path: Path, *, name: str, live: bool | None = None, plain_every_s: float = 5.0) -> None:
         self.log_path = log_path
         self.name = name
-        self.fields: dict[str, Any] = {"stage": "-", "step": 0, "state": "joining", "loss": None, "tokens_per_s": 0.0, "peers": 0, "in_flight": 0}
+        self.fields: dict[str, Any] = {"stage": "-", "step": 0, "state": "joining", "loss": None, "tokens_per_s": 0.0, "peers": 0, "in_flight": 0, "waiting": ""}
         self._console = Console(stderr=True)
         self._live_enabled = sys.stderr.isatty() if live is None else live
         self._live: Live | None = None
@@ -76,4 +76,5 @@ class Progress:
         return Text(
             f"{self.name}  stage {f['stage']}  step {f['step']}  {f['state']:<9}  loss {loss}  "
             f"{f['tokens_per_s']:,.0f} tok/s  peers {f['peers']}  in-flight {f['in_flight']}"
+            + (f"  waiting: {f['waiting']}" if f["waiting"] else "")
         )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import trio
@@ -61,7 +61,8 @@ class RouterStats:
     refused: int = 0
     dropped: int = 0
     last_loss: float | None = None
-    started: float = field(default_factory=time.monotonic)
+    # When this replica started (the node's clock), for tokens/s.
+    started: float = 0.0
     # Wall-clock time of the first microbatch this replica processed (the join-to-productive measure).
     first_at: float | None = None
 
@@ -80,6 +81,7 @@ class Router:
         *,
         on_complete: Complete,
         send_timeout_s: float,
+        clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.host = host
         self.run = run
@@ -91,8 +93,9 @@ class Router:
         self.compute = compute
         self.on_complete = on_complete
         self.send_timeout_s = send_timeout_s
+        self.clock = clock
         self.balancer = Balancer()
-        self.stats = RouterStats()
+        self.stats = RouterStats(started=clock())
         self.next_peers: list[str] = []
         self.codec = parse_codec_spec(run.codec)
         self._encoders: dict[tuple[str, str], Encoder] = {}
@@ -212,17 +215,17 @@ class Router:
     async def _send_forward(self, step: int, ticket: int, route: list[str], hidden: torch.Tensor) -> bool:
         key = (step, ticket)
         tried: set[str] = set()
-        deadline = time.monotonic() + self.send_timeout_s
-        while time.monotonic() < deadline and len(tried) < MAX_FORWARD_TRIES:
+        deadline = self.clock() + self.send_timeout_s
+        while self.clock() < deadline and len(tried) < MAX_FORWARD_TRIES:
             candidates = [p for p in self.next_peers if p not in tried] or list(self.next_peers)
-            choice = self.balancer.choose(candidates, time.monotonic())
+            choice = self.balancer.choose(candidates, self.clock())
             if choice.peer is None:
                 await trio.sleep(RETRY_PAUSE_S)  # the next stage may be joining; the view refreshes
                 continue
             peer = choice.peer
             tried.add(peer)
             frame, _ = self._encoder(peer, "fwd").encode(hidden)
-            t0 = time.monotonic()
+            t0 = self.clock()
             self.balancer.on_sent(peer)
             try:
                 async with self.host.open_stream(peer, ACTIVATION) as s:
@@ -230,19 +233,19 @@ class Router:
                     await s.send_tensor(frame)
                     reply = await s.receive((Ack, Refuse))
             except ProtocolError as err:
-                self.balancer.on_failure(peer, time.monotonic())
+                self.balancer.on_failure(peer, self.clock())
                 log.warning("forward failed peer=%s step=%d ticket=%d reason=%s", peer, step, ticket, err.reason)
                 if self.on_peer_down is not None:
                     self.on_peer_down(peer)
                 continue
             if isinstance(reply, Refuse):
-                self.balancer.on_failure(peer, time.monotonic())
+                self.balancer.on_failure(peer, self.clock())
                 log.info("forward refused peer=%s step=%d ticket=%d reason=%s", peer, step, ticket, reply.reason)
                 if reply.code == "busy":
                     tried.discard(peer)
                     await trio.sleep(RETRY_PAUSE_S)
                 continue
-            self.balancer.on_done(peer, time.monotonic() - t0)
+            self.balancer.on_done(peer, self.clock() - t0)
             self.balancer.on_queue_report(peer, reply.queue_len)
             self.sent_to[key] = peer
             return True
@@ -292,7 +295,7 @@ class Router:
         assert grad is not None
         peer = route[self.stage - 1]
         frame, _ = self._encoder(peer, "bwd").encode(grad)
-        deadline = time.monotonic() + self.send_timeout_s
+        deadline = self.clock() + self.send_timeout_s
         while True:
             try:
                 async with self.host.open_stream(peer, GRADIENT) as s:
@@ -304,7 +307,7 @@ class Router:
                 return
             except ProtocolError as err:
                 # Only this peer holds the microbatch's graph, so there is no one else to send it to.
-                if time.monotonic() + RETRY_PAUSE_S >= deadline:
+                if self.clock() + RETRY_PAUSE_S >= deadline:
                     self.stats.dropped += 1
                     log.warning("gradient lost peer=%s step=%d ticket=%d reason=%s", peer, step, ticket, err.reason)
                     return

@@ -31,7 +31,6 @@ from protolearn.stages.config import RunConfig
 log = logging.getLogger("protolearn.node")
 
 COORDINATOR_SERVICE = "coordinator"
-LIVE_STATES = ("training", "averaging")
 # Rounds of re-fetching stages that answered at an older step than the others.
 MAX_ROUNDS = 20
 
@@ -57,7 +56,7 @@ async def _fetch_stage(host: Host, worker: StageWorker, replicas: list[str], run
             last = f"{peer}: {err}"
             log.warning("export: fetching stage %d from %s failed: %s", worker.stage, peer, err)
             continue
-        got = await trio.to_thread.run_sync(worker.load, entries, applied)
+        got = await trio.to_thread.run_sync(worker.load, entries)
         if got != claimed:
             last = f"{peer}: its state hashes to {got[:12]}, it claimed {claimed[:12]}"
             continue
@@ -83,7 +82,7 @@ async def _export(host: Host, coordinator: str, out: Path, timeout_s: float) -> 
     if run.run_hash() != members.run_hash:
         raise ExportError(f"the coordinator's run hash {members.run_hash[:12]} does not match its run config; it runs another protolearn version")
     num_stages = run.stages.num_stages
-    by_stage = {s: sorted(m.peer_id for m in members.members if m.stage == s and m.state in LIVE_STATES) for s in range(num_stages)}
+    by_stage = {s: sorted(m.peer_id for m in members.members if m.stage == s and m.state.live) for s in range(num_stages)}
     empty = [s for s, peers in by_stage.items() if not peers]
     if empty:
         raise ExportError(f"stage {', '.join(map(str, empty))} has no live replica, so its parameters cannot be fetched; export from checkpoints with `protolearn export --checkpoints DIR`")

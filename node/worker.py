@@ -31,7 +31,7 @@ OPTIM_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
 class StageWorker:
-    """Stage ``stage`` of ``run`` on ``device``, with the run's optimizer; ``applied`` steps taken."""
+    """Stage ``stage`` of ``run`` on ``device``, with the run's optimizer and per-ticket gradients."""
 
     def __init__(self, run: RunConfig, stage: int, device: str = "cpu", *, bf16_autocast: bool = False) -> None:
         self.run = run
@@ -42,7 +42,6 @@ class StageWorker:
         params = dict(self.module.named_parameters())
         self.params = [params[n] for n in self.names]
         self.optimizer = make_optimizer(self.module.parameters(), run.optim)
-        self.applied = 0
         self.numel = sum(p.numel() for p in self.params)
         self._autocast = bf16_autocast and self.device.type == "cuda"
         # Microbatches whose graph the module holds (forward done, backward not yet).
@@ -136,16 +135,16 @@ class StageWorker:
 
     @torch.no_grad()
     def apply(self, step: int, flat: torch.Tensor) -> tuple[str, float]:
-        """Install the averaged gradients, take optimizer step ``step``; returns (param hash, grad norm)."""
-        if step != self.applied:
-            raise ValueError(f"stage {self.stage}: applying step {step} but {self.applied} steps were applied")
+        """Install the averaged gradients, take optimizer step ``step``; returns (param hash, grad norm).
+
+        Which step comes next is the node core's to know (:attr:`NodeCore.applied`), not the worker's.
+        """
         offset = 0
         for p in self.params:
             n = p.numel()
             p.grad = flat[offset : offset + n].view_as(p).to(self.device, dtype=p.dtype).clone()
             offset += n
         norm = apply_step(self.module, self.optimizer, step, self.run.optim)
-        self.applied = step + 1
         return self.module.state_hash(), norm
 
     def zero_grads(self) -> None:
@@ -188,7 +187,7 @@ class StageWorker:
         return {n: i for i, n in enumerate(self.names)}
 
     @torch.no_grad()
-    def load(self, entries: dict[str, torch.Tensor], applied: int) -> str:
+    def load(self, entries: dict[str, torch.Tensor]) -> str:
         """Install a donor's snapshot (already validated by name, dtype and shape); returns the new hash."""
         missing = [n for n in self.names if f"param/{n}" not in entries]
         if missing:
@@ -203,5 +202,4 @@ class StageWorker:
             if st:
                 # AdamW keeps "step" on the CPU (not capturable); the moments live beside the parameter.
                 self.optimizer.state[p] = {k: (v.clone() if k == "step" else v.to(self.device).clone()) for k, v in st.items()}
-        self.applied = applied
         return self.module.state_hash()

@@ -31,6 +31,7 @@ Request → reply:
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, ClassVar, Literal
 
 from protolearn.protocol.wire import Message
@@ -51,8 +52,25 @@ MAX_RUN_TOML = 256 * 1024
 # A long poll never holds a stream longer than this.
 MAX_WAIT_S = 30.0
 
-NodeState = Literal["syncing", "training", "averaging", "leaving"]
-NODE_STATES: tuple[str, ...] = ("syncing", "training", "averaging", "leaving")
+
+
+class NodeState(StrEnum):
+    """What a member is doing, as its heartbeat says. One type from the node core to the coordinator's view."""
+
+    SYNCING = "syncing"
+    TRAINING = "training"
+    AVERAGING = "averaging"
+    LEAVING = "leaving"
+
+    @property
+    def live(self) -> bool:
+        """A live replica serves its stage: it takes work and can donate its state."""
+        return self in (NodeState.TRAINING, NodeState.AVERAGING)
+
+
+NODE_STATES: tuple[str, ...] = tuple(s.value for s in NodeState)
+# On the wire a state is its string value; the schema turns it into the enum (and refuses any other).
+State = Annotated[NodeState, Field(strict=False)]
 
 PeerId = Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID)]
 Addr = Annotated[str, Field(min_length=1, max_length=MAX_ADDR)]
@@ -75,7 +93,7 @@ class MemberView(_Part):
     peer_id: PeerId
     stage: int
     addrs: list[Addr]
-    state: str
+    state: State
     throughput: float
     queue_len: int
 
@@ -109,7 +127,7 @@ class JoinReply(Message):
 
 class Heartbeat(Message):
     KIND: ClassVar[str] = "coord.heartbeat"
-    state: NodeState
+    state: State
     throughput: Rate = 0.0
     queue_len: Annotated[int, Field(ge=0, lt=2**31)] = 0
     # The last step this node applied (-1: none yet) and the hash of its stage's parameters after it.
@@ -324,7 +342,7 @@ class ParamHash(_Part):
 class NodeView(_Part):
     peer_id: str
     stage: int
-    state: str
+    state: State
     last_seen_s: float
     throughput: float
     queue_len: int

@@ -226,7 +226,8 @@ def worker(rank: int, numel: int, seeds: list[str], ports: list[int], bulk: bool
             for k, ident in enumerate(ids):
                 if k != rank:
                     host.add_peer_addrs(ident.peer_id, [f"/ip4/127.0.0.1/tcp/{ports[k]}"])
-            avg = BenchAverager(host, 0, numel, timeout_s=ROUND_TIMEOUT_S)
+            current = {"round": 0}  # the round the parent asks for next: this process's window
+            avg = BenchAverager(host, 0, numel, timeout_s=ROUND_TIMEOUT_S, window=lambda: current["round"])
             avg.register()
             weights = {ident.peer_id: 1.0 for ident in ids}
             say({"ready": host.peer_id})
@@ -235,7 +236,7 @@ def worker(rank: int, numel: int, seeds: list[str], ports: list[int], bulk: bool
                 if not line:
                     return
                 cmd = json.loads(line)
-                avg.next_round = cmd["round"]
+                current["round"] = cmd["round"]
                 avg.kill = cmd["kill"]
                 avg.t_reduced = avg.t_committed = None
                 t0, c0 = time.monotonic(), time.process_time()

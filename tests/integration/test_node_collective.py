@@ -14,7 +14,7 @@ def test_three_replicas_average_and_an_idle_one_fetches_the_result(open_hosts, r
 
     async def main() -> None:
         async with open_hosts(4) as hosts:
-            avgs = [Averager(h, 1, numel, timeout_s=20.0, next_round=5) for h in hosts]
+            avgs = [Averager(h, 1, numel, timeout_s=20.0, first_round=5) for h in hosts]
             for a in avgs:
                 a.register()
             vectors = [torch.randn(numel, generator=gen) for _ in hosts]

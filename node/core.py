@@ -1,0 +1,519 @@
+"""The node core: every decision a replica takes about a closed step, as a sans-IO state machine.
+
+:class:`NodeCore` holds the facts a replica's decisions rest on: its :class:`NodeState`, the number
+of optimizer steps it has applied (the one owner of that number: the accounting, the collective's
+round window and the checkpoints read it from here), and, while a step is being finished, where it
+stands. It never does IO and never reads a clock: the adapter (:mod:`protolearn.node.node`) feeds it
+events with ``now`` and carries out the actions it returns, and the unit tests and the simulator do
+the same with a fake clock. Each action that asks something (a round, a redo, the commit) is answered
+by exactly one event; the core takes one question at a time, so a step's decisions read top to
+bottom.
+
+Finishing step t once the coordinator closed it at revision r (its frozen accounting names, for this
+stage, which peer accounts for which tickets):
+
+1. A **participant** (the accounting lists it) sums exactly its accounted tickets. If it lacks some
+   (it restarted after the step closed), and a replica already applied the step, it resyncs; else it
+   asks for those tickets to be redone. Then it runs the stage's collective round.
+2. A replica the accounting **left out** fetches the round's result from a participant. While that
+   fails it asks whether the step reopened, and, once every participant is gone, to redo the step.
+3. **The round** leaves out replicas that died (their tickets are redone, the step reopens and closes
+   at r+1) or fails outright (the whole step is redone). No replica applies a sum that misses a ticket
+   unless the coordinator refused the redo, which is logged as ``tickets_lost``.
+4. **The commit barrier.** Every replica waits until every stage has averaged t at r. If the step
+   reopened meanwhile, it waits for it to close again; otherwise it applies the identical update.
+5. A refused redo is followed by the question "did the step reopen anyway?" (another replica may have
+   asked first). A coordinator error is not an answer: the question is asked again, for a bounded
+   time, and only then does the replica fall back to the safe choice (a resync, which never applies
+   anything of its own).
+
+Why replicas take the same decisions (I1, I2): every branch above is a function of the frozen
+accounting, the round's outcome (which the collective makes identical on every survivor) and the
+coordinator's answers, which are one ledger's. So survivors of a stage either all apply the same sum
+of the same B tickets or all wait for revision r+1.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from enum import Enum
+
+from protolearn.node.accounting import Accounting, contribution
+from protolearn.protocol.coordination import NodeState
+
+# Round ids per step: revision r of step t averages in round t * REVISIONS_PER_STEP + r - 1. The
+# coordinator caps revisions far below this; a step past it is not averaged here (see ``Closed``).
+REVISIONS_PER_STEP = 1 << 12
+# A replica the accounting left out asks the participants for the step's result this long before it
+# checks whether the step reopened, or whether every participant is gone and the step must be redone.
+FETCH_TRY_S = 3.0
+# A coordinator error while asking whether the step reopened: ask again after this long.
+ASK_AGAIN_S = 1.0
+
+
+def round_id(step: int, revision: int = 1) -> int:
+    """The collective round of ``step``'s accounting at ``revision`` (a reopened step closes again at a
+    higher revision, and its replicas average again in a fresh round)."""
+    if not 1 <= revision <= REVISIONS_PER_STEP:
+        raise ValueError(f"step {step} revision {revision} is outside 1..{REVISIONS_PER_STEP}")
+    return step * REVISIONS_PER_STEP + revision - 1
+
+
+# -- events ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Closed:
+    """The coordinator closed ``step`` at ``revision``; ``account`` is this stage's peer → tickets."""
+
+    step: int
+    revision: int
+    account: dict[str, list[int]]
+    loss: float | None
+    # Tickets of the step whose parameter gradients this replica holds.
+    held: list[int]
+
+
+@dataclass(frozen=True)
+class Reported:
+    """Whether some other replica of the stage reported a parameter hash after ``step``."""
+
+    step: int
+    applied_elsewhere: bool
+
+
+@dataclass(frozen=True)
+class RoundDone:
+    step: int
+    revision: int
+    excluded: list[str]
+
+
+@dataclass(frozen=True)
+class RoundFailed:
+    step: int
+    revision: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """The left-out replica got the round's result (``gone``: the participants no longer keep it;
+    neither: this try ran out of time or every participant refused)."""
+
+    step: int
+    revision: int
+    ok: bool
+    gone: bool = False
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class RedoAnswer:
+    step: int
+    revision: int
+    granted: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ReopenAnswer:
+    """Whether ``step`` reopened after closing at ``revision``; ``None``: the coordinator did not answer."""
+
+    step: int
+    revision: int
+    reopened: bool | None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class CommitAnswer:
+    step: int
+    revision: int
+    committed: bool
+
+
+@dataclass(frozen=True)
+class Applied:
+    step: int
+    param_hash: str
+
+
+@dataclass(frozen=True)
+class Synced:
+    """The replica installed state after ``applied`` steps (a donor's, a checkpoint, or the init)."""
+
+    applied: int
+
+
+Event = Closed | Reported | RoundDone | RoundFailed | Fetched | RedoAnswer | ReopenAnswer | CommitAnswer | Applied | Synced
+
+
+# -- actions ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AskReported:
+    step: int
+
+
+@dataclass(frozen=True)
+class Average:
+    """Run the stage's collective round over ``weights`` with the sum of exactly ``tickets``."""
+
+    step: int
+    revision: int
+    round: int
+    weights: dict[str, float]
+    tickets: list[int]
+
+
+@dataclass(frozen=True)
+class Fetch:
+    step: int
+    revision: int
+    round: int
+    participants: list[str]
+    try_s: float
+
+
+@dataclass(frozen=True)
+class Redo:
+    step: int
+    revision: int
+    tickets: list[int]
+    reason: str
+    # A refusal is the normal answer (e.g. the participants are alive, just slow): log it at info.
+    expected: bool = False
+
+
+@dataclass(frozen=True)
+class AskReopened:
+    step: int
+    revision: int
+    delay_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class WaitCommit:
+    step: int
+    revision: int
+    report: bool
+
+
+@dataclass(frozen=True)
+class Apply:
+    step: int
+    revision: int
+    loss: float | None
+    tickets: list[int]
+    replicas: list[str]
+    # The tickets whose gradients are in the applied average (None: this replica fetched the result).
+    counted: list[int] | None
+
+
+@dataclass(frozen=True)
+class Resync:
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class StartHeld:
+    """Start the next step's work that was held until this step was applied, in arrival order."""
+
+    payloads: list[object]
+
+
+@dataclass(frozen=True)
+class WaitClosed:
+    """The step reopened: wait until it closes at ``revision`` and finish it again."""
+
+    step: int
+    revision: int
+
+
+@dataclass(frozen=True)
+class Emit:
+    """A progress event for the node's log (and, with ``level``, a log line)."""
+
+    event: str
+    fields: dict[str, object] = field(default_factory=dict)
+    level: int = 0
+    message: str = ""
+
+
+Action = AskReported | Average | Fetch | Redo | AskReopened | WaitCommit | Apply | Resync | StartHeld | WaitClosed | Emit
+
+
+class Phase(Enum):
+    IDLE = "idle"
+    ASK_REPORTED = "ask_reported"
+    AVERAGING = "averaging"
+    FETCHING = "fetching"
+    REDOING = "redoing"
+    ASK_REOPENED = "ask_reopened"
+    COMMITTING = "committing"
+    APPLYING = "applying"
+    RESYNCING = "resyncing"
+
+
+# What a replica does when a redo was refused and the step did not reopen.
+class Fallback(Enum):
+    RESYNC = "resync"  # take a live replica's state: never apply a sum that misses tickets
+    LOST = "lost"  # the round already left a dead replica out: apply, and say which tickets are lost
+    FETCH = "fetch"  # a left-out replica: keep asking the participants for the result
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    microbatches_per_step: int
+    max_in_flight: int
+    max_deferred: int
+    # How long a left-out replica keeps trying to get the result, and a reopen question is retried.
+    averaging_timeout_s: float
+
+
+class NodeCore:
+    """One replica's decisions. Feed :meth:`handle` events; carry out the actions it returns."""
+
+    def __init__(self, me: str, stage: int, config: CoreConfig, *, applied: int = 0) -> None:
+        self.me = me
+        self.stage = stage
+        self.config = config
+        self.state = NodeState.SYNCING
+        # Admission of microbatch work; it also holds the applied-step count (see :attr:`applied`).
+        self.accounting = Accounting(config.microbatches_per_step, config.max_in_flight, config.max_deferred, applied=applied)
+        self.phase = Phase.IDLE
+        self._next_round = round_id(applied)
+        self._step = -1
+        self._revision = 0
+        self._account: dict[str, list[int]] = {}
+        self._loss: float | None = None
+        self._summed: list[int] = []
+        self._counted: list[int] | None = None
+        self._fallback = Fallback.RESYNC
+        self._deadline = 0.0
+        self._started_at = 0.0
+        self._missing: list[int] = []
+        self._lost: tuple[list[int], list[str]] = ([], [])
+        self._redo_all_next = False
+
+    # -- facts -------------------------------------------------------------------------------------
+    @property
+    def applied(self) -> int:
+        """Optimizer steps this replica has applied; it trains step ``applied`` next."""
+        return self.accounting.applied
+
+    @property
+    def next_round(self) -> int:
+        """The collective round this replica takes part in next (parts for it may arrive early).
+
+        While a step is finished but not committed, it may reopen: its next round is revision + 1.
+        """
+        return self._next_round
+
+    def _window(self, step: int, revision: int) -> None:
+        self._next_round = round_id(step, min(revision, REVISIONS_PER_STEP))
+
+    @property
+    def participant(self) -> bool:
+        return self.me in self._account
+
+    def all_tickets(self) -> list[int]:
+        return sorted({t for ts in self._account.values() for t in ts})
+
+    # -- events ------------------------------------------------------------------------------------
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Take one event at ``now``; returns what to do next (questions are answered by one event each)."""
+        if isinstance(event, Synced):
+            return self._synced(event)
+        if isinstance(event, Closed):
+            return self._closed(event, now)
+        if event.step != self._step:
+            return [Emit("ignored", {"step": event.step, "expected": self._step}, logging.WARNING,
+                         f"dropped {type(event).__name__} of step {event.step}: finishing step {self._step}")]
+        if isinstance(event, Reported):
+            return self._reported(event)
+        if isinstance(event, RoundDone):
+            return self._round_done(event)
+        if isinstance(event, RoundFailed):
+            self._expect(Phase.AVERAGING, event)
+            self.phase = Phase.IDLE
+            return [Emit("averaging_failed", {"step": self._step, "reason": event.reason}),
+                    *self._redo(self.all_tickets(), f"stage {self.stage} averaging failed: {event.reason}", Fallback.RESYNC)]
+        if isinstance(event, Fetched):
+            return self._fetched(event, now)
+        if isinstance(event, RedoAnswer):
+            return self._redo_answer(event)
+        if isinstance(event, ReopenAnswer):
+            return self._reopen_answer(event, now)
+        if isinstance(event, CommitAnswer):
+            return self._commit_answer(event)
+        if isinstance(event, Applied):
+            return self._applied(event, now)
+        raise TypeError(f"not a node core event: {event!r}")
+
+    def _expect(self, phase: Phase, event: object) -> None:
+        if self.phase is not phase:
+            raise RuntimeError(f"{type(event).__name__} in phase {self.phase.value}, expected {phase.value}")
+
+    def _synced(self, event: Synced) -> list[Action]:
+        self.accounting.reset(event.applied)
+        self.phase = Phase.IDLE
+        self._window(event.applied, 1)
+        self.state = NodeState.TRAINING
+        return []
+
+    def start_syncing(self) -> None:
+        """The replica is about to take another state (a build, a move, a resync)."""
+        self.state = NodeState.SYNCING
+
+    def leaving(self) -> None:
+        self.state = NodeState.LEAVING
+
+    def _closed(self, event: Closed, now: float) -> list[Action]:
+        if self.phase is not Phase.IDLE:
+            raise RuntimeError(f"step {event.step} closed while finishing step {self._step} ({self.phase.value})")
+        if event.step != self.applied:
+            return [Emit("ignored", {"step": event.step, "applied": self.applied}, logging.WARNING,
+                         f"step {event.step} closed, but this replica trains step {self.applied}")]
+        self._step, self._revision, self._loss = event.step, event.revision, event.loss
+        self._account = {p: sorted(ts) for p, ts in event.account.items()}
+        self._counted, self._started_at = None, now
+        self.state = NodeState.AVERAGING
+        if not self._account:
+            return self._resync(f"step {event.step} closed without an accounting for stage {self.stage}")
+        if event.revision > REVISIONS_PER_STEP:
+            return self._resync(f"step {event.step} reached revision {event.revision}; at most {REVISIONS_PER_STEP} are averaged")
+        self._window(event.step, event.revision)
+        if not self.participant:
+            self._deadline = now + self.config.averaging_timeout_s
+            return self._fetch()
+        summed, missing, dropped = contribution(self._account[self.me], event.held)
+        self._summed = summed
+        out: list[Action] = []
+        if dropped:
+            # Completion refused or route broken after this stage: another attempt counts these.
+            out.append(Emit("tickets_not_counted", {"step": event.step, "tickets": dropped}))
+        if missing:
+            # E.g. this peer restarted after the step closed: its earlier life computed these tickets.
+            self.phase = Phase.ASK_REPORTED
+            self._missing = missing
+            return out + [AskReported(event.step)]
+        return out + self._average()
+
+    def _average(self) -> list[Action]:
+        self.phase = Phase.AVERAGING
+        weights = {p: float(len(ts)) for p, ts in self._account.items()}
+        return [Average(self._step, self._revision, round_id(self._step, self._revision), weights, self._summed)]
+
+    def _fetch(self) -> list[Action]:
+        self.phase = Phase.FETCHING
+        return [Fetch(self._step, self._revision, round_id(self._step, self._revision), sorted(self._account), FETCH_TRY_S)]
+
+    def _reported(self, event: Reported) -> list[Action]:
+        self._expect(Phase.ASK_REPORTED, event)
+        missing = self._missing
+        if event.applied_elsewhere:
+            return self._resync(f"step {self._step}: accounted tickets {missing} have no gradients here; a replica applied the step")
+        return [Emit("missing_tickets", {"step": self._step, "tickets": missing}, logging.ERROR,
+                     f"step {self._step}: accounted tickets {missing} have no gradients here; asking to redo them"),
+                *self._redo(missing, "replica lost the tickets' gradients", Fallback.RESYNC)]
+
+    def _round_done(self, event: RoundDone) -> list[Action]:
+        self._expect(Phase.AVERAGING, event)
+        excluded = sorted(event.excluded)
+        self._counted = sorted(t for p, ts in self._account.items() if p not in excluded for t in ts)
+        if excluded:
+            lost = sorted({t for p in excluded for t in self._account.get(p, [])})
+            out: list[Action] = [Emit("replica_out", {"step": self._step, "excluded": excluded, "tickets": lost})]
+            if lost:
+                self._lost = (lost, excluded)
+                return out + self._redo(lost, f"replicas {excluded} of stage {self.stage} died during averaging", Fallback.LOST)
+            return out + self._commit()
+        return self._commit()
+
+    def _fetched(self, event: Fetched, now: float) -> list[Action]:
+        self._expect(Phase.FETCHING, event)
+        if event.ok:
+            return self._commit()
+        if event.gone:
+            return self._resync(f"step {self._step}: {event.reason}")
+        # A participant died and its tickets are being redone, or every participant is gone: ask.
+        self.phase = Phase.ASK_REOPENED
+        self._fallback = Fallback.FETCH
+        self._redo_all_next = True
+        return [AskReopened(self._step, self._revision)]
+
+    def _redo(self, tickets: list[int], reason: str, fallback: Fallback, *, expected: bool = False) -> list[Action]:
+        self.phase = Phase.REDOING
+        self._window(self._step, self._revision + 1)
+        self._fallback = fallback
+        self._redo_all_next = False
+        return [Redo(self._step, self._revision, tickets, reason, expected)]
+
+    def _redo_answer(self, event: RedoAnswer) -> list[Action]:
+        self._expect(Phase.REDOING, event)
+        if event.granted:
+            return self._reopened()
+        # Another replica of the stage may have reopened the step first: then it closes again anyway.
+        self.phase = Phase.ASK_REOPENED
+        return [AskReopened(self._step, self._revision)]
+
+    def _reopen_answer(self, event: ReopenAnswer, now: float) -> list[Action]:
+        self._expect(Phase.ASK_REOPENED, event)
+        if event.reopened:
+            return self._reopened()
+        if event.reopened is None:
+            # No answer is not "no": a wrong "no" would apply or resync a step that is being redone.
+            if now < self._started_at + self.config.averaging_timeout_s:
+                return [Emit("coordinator_unanswered", {"step": self._step, "reason": event.reason}, logging.WARNING,
+                             f"step {self._step}: could not ask the coordinator whether the step reopened ({event.reason}); asking again"),
+                        AskReopened(self._step, self._revision, ASK_AGAIN_S)]
+            return self._resync(f"step {self._step}: the coordinator did not say whether the step reopened within "
+                                f"{self.config.averaging_timeout_s:g} s ({event.reason})")
+        if self._fallback is Fallback.FETCH:
+            if self._redo_all_next:
+                # Granted only once every participant of the stage is gone: nobody holds its gradients.
+                return self._redo(self.all_tickets(), f"all replicas of stage {self.stage} that averaged the step are gone",
+                                  Fallback.FETCH, expected=True)
+            if now > self._deadline:
+                return self._resync(f"step {self._step}: no participant of stage {self.stage} served the result")
+            return self._fetch()
+        if self._fallback is Fallback.LOST:
+            lost, excluded = self._lost
+            return [Emit("tickets_lost", {"step": self._step, "tickets": lost, "excluded": excluded}, logging.ERROR,
+                         f"step {self._step} applied without tickets {lost} of dead replicas {excluded}: the coordinator refused to redo them"),
+                    *self._commit()]
+        return self._resync(f"step {self._step}: the coordinator refused the redo and the step did not reopen")
+
+    def _reopened(self) -> list[Action]:
+        self.phase = Phase.IDLE
+        self._window(self._step, self._revision + 1)
+        return [WaitClosed(self._step, self._revision + 1)]
+
+    def _commit(self) -> list[Action]:
+        self.phase = Phase.COMMITTING
+        self._window(self._step, self._revision + 1)
+        return [WaitCommit(self._step, self._revision, report=self.participant)]
+
+    def _commit_answer(self, event: CommitAnswer) -> list[Action]:
+        self._expect(Phase.COMMITTING, event)
+        if not event.committed:
+            return [Emit("reopened", {"step": self._step, "revision": self._revision}), *self._reopened()]
+        self.phase = Phase.APPLYING
+        return [Apply(self._step, self._revision, self._loss, self._account.get(self.me, []), sorted(self._account), self._counted)]
+
+    def _applied(self, event: Applied, now: float) -> list[Action]:
+        self._expect(Phase.APPLYING, event)
+        held = self.accounting.applied_step(event.step)
+        self.phase = Phase.IDLE
+        self._window(event.step + 1, 1)
+        self.state = NodeState.TRAINING
+        return [StartHeld(held)] if held else []
+
+    def _resync(self, reason: str) -> list[Action]:
+        self.phase = Phase.RESYNCING
+        self.state = NodeState.SYNCING
+        return [Emit("resync", {"step": self._step, "reason": reason}, logging.WARNING, reason), Resync(self._step, reason)]
+
+    def averaging_seconds(self, now: float) -> float:
+        return now - self._started_at

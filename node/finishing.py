@@ -1,0 +1,191 @@
+"""The trio adapter that finishes a closed step: it carries out :class:`~protolearn.node.core.NodeCore`'s actions.
+
+:meth:`Finisher.finish` feeds the core the closed step, then answers each of its questions with the IO
+it names (the gradients this replica holds, a collective round, fetching the round's result, a redo,
+"did the step reopen?", the commit wait, applying the update) until the core says the step is applied,
+reopened (wait for the next revision) or lost here (resync). Every decision is the core's; this module
+only does reads, writes and waits, and reads time through the node's one clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+import trio
+from protolearn.node.averaging import Averager, AveragingError, ResultGone
+from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
+from protolearn.node.core import (
+    Action,
+    Applied,
+    Apply,
+    AskReopened,
+    AskReported,
+    Average,
+    Closed,
+    CommitAnswer,
+    Emit,
+    Event,
+    Fetch,
+    Fetched,
+    NodeCore,
+    Redo,
+    RedoAnswer,
+    ReopenAnswer,
+    Reported,
+    Resync,
+    RoundDone,
+    RoundFailed,
+    StartHeld,
+    WaitClosed,
+    WaitCommit,
+)
+from protolearn.node.driver import emit
+from protolearn.node.progress import Progress
+from protolearn.node.worker import StageWorker
+from protolearn.protocol import coordination as cm
+from protolearn.protocol.errors import ProtocolError
+
+log = logging.getLogger("protolearn.node")
+# Long-poll length of one commit wait (the coordinator caps it at 30 s).
+COMMIT_POLL_S = 10.0
+# How long "did the step reopen?" waits for a closing at the next revision.
+REOPEN_POLL_S = 0.5
+
+
+@dataclass
+class StepResult:
+    """How finishing a step ended: applied (``revision`` 0), reopened (wait for ``revision``) or resynced."""
+
+    revision: int
+    param_hash: str = ""
+
+
+class Finisher:
+    """Finishes closed steps for one built stage. The node passes in what the IO needs."""
+
+    def __init__(
+        self,
+        core: NodeCore,
+        worker: StageWorker,
+        averager: Averager,
+        link: CoordinatorLink,
+        compute: trio.CapacityLimiter,
+        progress: Progress,
+        *,
+        reported_hashes: Callable[[int], Awaitable[dict[str, str] | None]],
+        resync: Callable[[int], Awaitable[None]],
+        start_held: Callable[[list], None],
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.core = core
+        self.worker = worker
+        self.averager = averager
+        self.link = link
+        self.compute = compute
+        self.progress = progress
+        self.reported_hashes = reported_hashes
+        self.resync = resync
+        self.start_held = start_held
+        self.clock = clock
+
+    async def finish(self, step: int, info: cm.StepInfo) -> StepResult:
+        """Finish ``step``, closed as ``info`` says; see :class:`StepResult`."""
+        self.progress.update(state=cm.NodeState.AVERAGING.value)
+        account = {pt.peer_id: list(pt.tickets) for sa in info.accounting if sa.stage == self.core.stage for pt in sa.peers}
+        held = await trio.to_thread.run_sync(self.worker.held_tickets, step, limiter=self.compute)
+        self._result: torch.Tensor | None = None
+        event: Event | None = Closed(step, info.revision, account, info.loss, held)
+        while event is not None:
+            actions = self.core.handle(event, self.clock())
+            event = None
+            for a in actions:
+                if isinstance(a, WaitClosed):
+                    return StepResult(a.revision)
+                if isinstance(a, Resync):
+                    await self.resync(a.step)
+                    return StepResult(0)
+                if isinstance(a, Apply):
+                    return StepResult(0, await self._apply(a))
+                got = await self._carry(a)
+                if got is not None:
+                    event = got
+        raise RuntimeError(f"the node core left step {step} unfinished in phase {self.core.phase.value}")
+
+    async def _carry(self, a: Action) -> Event | None:
+        if isinstance(a, Emit):
+            emit(self.progress, a)
+            return None
+        if isinstance(a, AskReported):
+            hashes = await self.reported_hashes(a.step)
+            return Reported(a.step, bool(hashes))
+        if isinstance(a, Average):
+            flat = await trio.to_thread.run_sync(self.worker.flat_grads, a.step, a.tickets, limiter=self.compute)
+            try:
+                done = await self.averager.run_round_detailed(a.round, a.weights, flat)
+            except AveragingError as err:
+                return RoundFailed(a.step, a.revision, str(err))
+            self._result = done.result
+            return RoundDone(a.step, a.revision, list(done.excluded))
+        if isinstance(a, Fetch):
+            with trio.move_on_after(a.try_s):
+                try:
+                    self._result = await self.averager.fetch_result(a.round, a.participants)
+                except ResultGone as err:
+                    return Fetched(a.step, a.revision, ok=False, gone=True, reason=str(err))
+                except AveragingError as err:
+                    log.warning("%s", err)
+                    return Fetched(a.step, a.revision, ok=False, reason=str(err))
+                return Fetched(a.step, a.revision, ok=True)
+            return Fetched(a.step, a.revision, ok=False, reason=f"no result within {a.try_s:g} s")
+        if isinstance(a, Redo):
+            try:
+                reply = await self.link.redo(a.step, a.tickets, a.reason)
+            except ProtocolError as err:
+                log.log(logging.INFO if a.expected else logging.WARNING, "redo refused step=%d tickets=%s reason=%s", a.step, a.tickets, err.reason)
+                return RedoAnswer(a.step, a.revision, granted=False, reason=err.reason)
+            self.progress.event("redo", step=a.step, tickets=a.tickets, reason=a.reason, reopened=reply.reopened)
+            return RedoAnswer(a.step, a.revision, granted=True)
+        if isinstance(a, AskReopened):
+            if a.delay_s:
+                await trio.sleep(a.delay_s)
+            return await self._reopened(a)
+        if isinstance(a, WaitCommit):
+            self.progress.event("averaged", step=a.step, revision=a.revision, seconds=round(self.core.averaging_seconds(self.clock()), 4))
+            committed = await self.link.wait_committed(a.step, a.revision, report=a.report, poll_s=COMMIT_POLL_S)
+            return CommitAnswer(a.step, a.revision, committed)
+        if isinstance(a, StartHeld):
+            self.start_held(a.payloads)
+            return None
+        raise TypeError(f"no adapter for node core action {a!r}")
+
+    async def _reopened(self, a: AskReopened) -> ReopenAnswer:
+        try:
+            info = await self.link.wait_step(a.step, min_revision=a.revision + 1, timeout_s=REOPEN_POLL_S)
+        except CoordinatorRefused as err:
+            # A refusal is an answer about this step (e.g. it is unknown or stale): it did not reopen.
+            return ReopenAnswer(a.step, a.revision, reopened=False, reason=err.reason)
+        except ProtocolError as err:
+            return ReopenAnswer(a.step, a.revision, reopened=None, reason=err.reason)
+        return ReopenAnswer(a.step, a.revision, reopened=info.closed or info.open_step == a.step)
+
+    async def _apply(self, a: Apply) -> str:
+        result = self._result
+        if result is None:
+            raise RuntimeError(f"step {a.step}: the node core applies a step without a result")
+        t_avg = self.core.averaging_seconds(self.clock())
+        # The update and the applied count change together under the compute lock, so a snapshot or a
+        # checkpoint (taken under the same lock) never sees new parameters with the old count.
+        async with self.compute:
+            param_hash, norm = await trio.to_thread.run_sync(self.worker.apply, a.step, result)
+            follow = self.core.handle(Applied(a.step, param_hash), self.clock())
+        await trio.to_thread.run_sync(self.worker.forget, a.step, limiter=self.compute)
+        for b in follow:
+            await self._carry(b)
+        self.progress.event(
+            "step", step=a.step, loss=a.loss, hash=param_hash, tickets=a.tickets, replicas=a.replicas, counted=a.counted,
+            grad_norm=norm, averaging_s=round(t_avg, 4), revision=a.revision,
+        )
+        return param_hash

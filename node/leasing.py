@@ -1,0 +1,214 @@
+"""Stage 0's ticket decisions as a sans-IO core: lease the open step's tickets, start them, restart
+broken ones, hand back what cannot start, report completions.
+
+Only a stage-0 replica starts microbatches. While step t is open, :class:`LeaseCore` asks for tickets
+(at most ``max_in_flight`` in this replica's hands, ``lease_block`` per request, one request at a
+time) and starts each one. It remembers when each in-flight ticket was (re)started and restarts a
+ticket whose gradient has not come back within ``stall_s``, whose forward send failed on a next-stage
+peer (:class:`PeerDown`), or, after a replica left the membership (:class:`MemberLeft`), every
+in-flight ticket: stage 0 cannot know which of them went through it. Starting a ticket again is
+safe, because every stage replaces a redone ticket's earlier attempt (I1). A ticket that cannot start
+is released to the coordinator; one whose gradient came back is reported complete, and one whose
+completion was refused for a broken route is released at once rather than when its lease runs out.
+
+The adapter (:mod:`protolearn.node.driver`) calls :meth:`LeaseCore.poll` with ``now`` and what it
+sees (room for more work, whether stage 1 has a replica), carries out the actions, and sleeps until
+:meth:`LeaseCore.next_wake` or until something happens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from protolearn.node.core import Emit
+
+# Pause after an empty lease (every ticket of the step is taken) and after a failed lease request.
+LEASE_RETRY_S = 0.05
+LEASE_FAILED_S = 1.0
+# With room for no more work, look again at least this often.
+IDLE_POLL_S = 1.0
+
+
+# -- events ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Leased:
+    step: int
+    indices: list[int]
+
+
+@dataclass(frozen=True)
+class LeaseFailed:
+    reason: str
+
+
+@dataclass(frozen=True)
+class NotStarted:
+    """The ticket could not be sent on (no next-stage replica took it)."""
+
+    step: int
+    ticket: int
+
+
+@dataclass(frozen=True)
+class Completed:
+    step: int
+    ticket: int
+    route: list[str]
+    loss: float
+
+
+@dataclass(frozen=True)
+class CompleteRefused:
+    step: int
+    ticket: int
+    code: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PeerDown:
+    """A forward send to next-stage ``peer`` failed, or its connection closed: ``tickets`` were sent to it."""
+
+    peer: str
+    tickets: list[int]
+
+
+@dataclass(frozen=True)
+class MemberLeft:
+    """A replica of a later stage left or died: tickets routed through it never get their gradient back."""
+
+
+LeaseEvent = Leased | LeaseFailed | NotStarted | Completed | CompleteRefused | PeerDown | MemberLeft
+
+
+# -- actions ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestLease:
+    max_tickets: int
+
+
+@dataclass(frozen=True)
+class StartTicket:
+    step: int
+    ticket: int
+
+
+@dataclass(frozen=True)
+class Release:
+    step: int
+    tickets: list[int]
+
+
+@dataclass(frozen=True)
+class ReportComplete:
+    step: int
+    ticket: int
+    route: list[str]
+    loss: float
+
+
+LeaseAction = RequestLease | StartTicket | Release | ReportComplete | Emit
+
+
+class LeaseCore:
+    """The tickets one stage-0 replica drives. :meth:`begin` each open step, then :meth:`poll` and :meth:`handle`."""
+
+    def __init__(self, *, max_in_flight: int, lease_block: int, stall_s: float, last_stage: bool) -> None:
+        self.max_in_flight = max_in_flight
+        self.lease_block = lease_block
+        self.stall_s = stall_s
+        self.last_stage = last_stage
+        self.step = -1
+        # When each in-flight ticket of the open step was (re)started.
+        self.started: dict[int, float] = {}
+        # The coordinator answered a lease with the next step: this step's tickets are all out.
+        self.finished = False
+        self._leasing = False
+        self._pause_until = 0.0
+        self._restart: set[int] = set()
+        self._departed = False
+
+    def begin(self, step: int, still_held: list[int], now: float) -> None:
+        """Drive ``step``: keep the start times of tickets still held (a reopened step's earlier tickets)."""
+        if step != self.step:
+            self.started = {}
+        held = set(still_held)
+        self.started = {t: at for t, at in self.started.items() if t in held}
+        self.step, self.finished, self._leasing, self._pause_until = step, False, False, now
+        self._restart.clear()
+
+    def poll(self, now: float, *, in_flight: int, has_next_stage: bool) -> list[LeaseAction]:
+        """What to start, restart or lease now."""
+        out: list[LeaseAction] = []
+        restart = [t for t, at in self.started.items() if now - at > self.stall_s]
+        restart += sorted(t for t in self._restart if t in self.started and t not in restart)
+        if self._departed:
+            restart = sorted(self.started)
+        self._departed = False
+        self._restart.clear()
+        for t in restart:
+            self.started[t] = now
+            out.append(Emit("ticket_redo", {"step": self.step, "ticket": t, "reason": "route broke"}, logging.WARNING,
+                            f"ticket restarted step={self.step} ticket={t} reason=its route broke (no gradient back)"))
+            out.append(StartTicket(self.step, t))
+        if self.finished or self._leasing or now < self._pause_until:
+            return out
+        if not self.last_stage and not has_next_stage:
+            # No replica of stage 1 yet: leased tickets would only expire in our hands.
+            self._pause_until = now + 4 * LEASE_RETRY_S
+            return out
+        room = self.max_in_flight - in_flight
+        if room > 0:
+            self._leasing = True
+            out.append(RequestLease(min(room, self.lease_block)))
+        return out
+
+    def next_wake(self, now: float) -> float:
+        """When :meth:`poll` has something to do at the latest, if nothing happens before."""
+        wake = now + IDLE_POLL_S
+        if self.started:
+            wake = min(wake, min(self.started.values()) + self.stall_s)
+        if self._pause_until > now:
+            wake = min(wake, self._pause_until)
+        return max(now, wake)
+
+    def handle(self, event: LeaseEvent, now: float) -> list[LeaseAction]:
+        if isinstance(event, Leased):
+            self._leasing = False
+            if event.step != self.step:
+                # The next step's tickets: not ours to start before this step is applied.
+                self.finished = True
+                return [Release(event.step, list(event.indices))] if event.indices else []
+            if not event.indices:
+                self._pause_until = now + LEASE_RETRY_S
+                return []
+            # A ticket we hold may come back: our lease ran out, or the step reopened to redo it.
+            for t in event.indices:
+                self.started[t] = now
+            return [StartTicket(event.step, t) for t in event.indices]
+        if isinstance(event, LeaseFailed):
+            self._leasing = False
+            self._pause_until = now + LEASE_FAILED_S
+            return [Emit("lease_failed", {"step": self.step, "reason": event.reason}, logging.WARNING,
+                         f"lease failed step={self.step} reason={event.reason}")]
+        if isinstance(event, NotStarted):
+            self.started.pop(event.ticket, None)
+            return [Release(event.step, [event.ticket])]
+        if isinstance(event, Completed):
+            self.started.pop(event.ticket, None)
+            return [ReportComplete(event.step, event.ticket, list(event.route), event.loss)]
+        if isinstance(event, CompleteRefused):
+            out: list[LeaseAction] = [Emit("complete_refused", {"step": event.step, "ticket": event.ticket, "reason": event.reason},
+                                           logging.WARNING, f"complete refused step={event.step} ticket={event.ticket} reason={event.reason}")]
+            if event.code == "bad_route":
+                # A replica on its route left or moved: hand the ticket back so it is redone now.
+                out.append(Release(event.step, [event.ticket]))
+            return out
+        if isinstance(event, PeerDown):
+            self._restart.update(event.tickets)
+            return []
+        if isinstance(event, MemberLeft):
+            self._departed = True
+            return []
+        raise TypeError(f"not a lease core event: {event!r}")
