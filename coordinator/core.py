@@ -333,7 +333,9 @@ class CoordinatorCore:
 
     def _redo(self, member: Member, msg: cm.Redo) -> cm.RedoReply:
         peer = member.peer_id
-        d = self.ledger.redo(msg.step, msg.indices, by=peer, by_stage=member.stage, orphaned=self._orphaned(msg.step, member.stage))
+        d = self.ledger.redo(
+            msg.step, msg.indices, by=peer, by_stage=member.stage, orphaned=self._orphaned(msg.step, member.stage), revision=msg.revision,
+        )
         if not d.accepted:
             raise self.refuse(d.code, d.reason)
         log.info("redo peer=%s step=%d tickets=%s reopened=%s reason=%s", peer, msg.step, d.indices, d.reopened, msg.reason)
@@ -349,7 +351,7 @@ class CoordinatorCore:
         return bool(peers) and not any(self.registry.present(p) for p in peers)
 
     def _averaged(self, member: Member, msg: cm.Averaged) -> cm.StepInfo:
-        d = self.ledger.averaged(member.peer_id, member.stage, msg.step, msg.revision)
+        d = self.ledger.averaged(member.peer_id, member.stage, msg.step, msg.revision, needed=self.registry.serving)
         if not d.accepted:
             raise self.refuse(d.code, d.reason)
         if d.committed and self.ledger.commit_dirty:
@@ -462,6 +464,9 @@ class CoordinatorCore:
         if fresh:
             events.append(f"leases expired step={self.ledger.step} tickets={fresh} (re-issued on the next lease)")
         self.verdicts.prune(now)
+        # A replica the commit waited for may have died: the step can commit without it now.
+        if self.ledger.try_commit(self.registry.serving).committed and self.ledger.commit_dirty:
+            events.append(f"step committed step={self.ledger.committed_through} (the replicas it waited for are gone)")
         if now - self._last_rebalance >= self.settings.rebalance_interval_s:
             self._last_rebalance = now
             move = self.registry.rebalance(now)

@@ -127,6 +127,13 @@ class Registry:
             1 for m in self.live() if m.stage == stage and m.serving in (-1, stage) and m.state in ("training", "averaging")
         )
 
+    def serving(self, stage: int) -> list[str]:
+        """The replicas that serve ``stage`` now and train, and whose connection is not closed."""
+        return [
+            m.peer_id for m in self.live()
+            if m.stage == stage and m.serving in (-1, stage) and m.state in ("training", "averaging") and m.peer_id not in self._gone
+        ]
+
     def live(self) -> Iterator[Member]:
         return (m for m in self.members.values() if m.status == LIVE)
 

@@ -17,7 +17,8 @@ step); the step then closes again with ``revision + 1``.
 
 **The commit barrier.** A closed step is not yet final: each stage's replicas average it, and a
 participant of each stage reports :meth:`TicketLedger.averaged` once its round finished with every
-contribution in. When every stage has reported for the step's current revision, the step *commits*:
+contribution in; a replica the accounting left out reports once it fetched the result. When every
+stage has reported for the step's current revision, and every live replica holds the result, the step *commits*:
 replicas apply it only then, the next step's tickets are leased only then, and it never reopens. So a
 replica that dies while its stage averages is never lost: its stage's survivors redo its tickets and
 the step reopens, because no stage can have applied it yet (I1).
@@ -38,7 +39,7 @@ Every operation returns a decision with a reason; nothing here raises on a peer'
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -141,9 +142,13 @@ class TicketLedger:
         # The last step that committed (every closed step before it did too). A restored ledger without
         # the field counts its closed steps as committed, which is what the old rule-free swarm did.
         self.committed_through = step - 1 if committed_through is None else committed_through
-        self.commit_dirty = False
-        # Stages that reported averaging the last closed step at its current revision.
-        self._averaged: set[int] = set()
+        # A fresh run persists "nothing committed" with its first drain: a store without the field reads
+        # as "every closed step committed", so a crash between step 0's close and its commit would
+        # otherwise restore step 0 as committed, and a replica would apply it without a dead peer's tickets.
+        self.commit_dirty = committed_through is None and step == 0 and not closed
+        # Per stage, the replicas that reported holding the last closed step's full average at its current
+        # revision: participants whose round had every contribution in, and replicas that fetched it.
+        self._holders: dict[int, set[str]] = {}
 
     def _fresh(self) -> list[Ticket]:
         return [Ticket(i) for i in range(self.num_tickets)]
@@ -155,8 +160,21 @@ class TicketLedger:
     def committed(self, step: int) -> bool:
         return step <= self.committed_through
 
-    def averaged(self, peer: str, stage: int, step: int, revision: int) -> AveragedDecision:
-        """``peer`` (of ``stage``) reports its stage averaged ``step`` at ``revision`` with every contribution in."""
+    def averaged(
+        self, peer: str, stage: int, step: int, revision: int, *, needed: Callable[[int], Iterable[str]] = lambda s: (),
+    ) -> AveragedDecision:
+        """``peer`` (of ``stage``) holds the full average of ``step`` at ``revision``: it took part in a round
+        that had every contribution in, or, left out of the accounting, it fetched such a round's result
+        (participants serve only complete results).
+
+        The step commits once every stage has a holder *and* every replica in ``needed(stage)`` (the
+        stage's live replicas) holds the result. Waiting for the left-out replicas too means that the
+        result survives the death of every participant right after the commit: otherwise a stage whose
+        participants all died before a left-out replica fetched the result would have lost its state
+        (I6), with the step committed and no way to redo it. And because a holder's report counts for
+        its stage, a participant that reported and died while the coordinator restarted (reports are
+        not persisted; holders report again on every poll) does not hold the step forever.
+        """
         if self.committed(step):
             return AveragedDecision(True, True, f"step {step} is committed")
         closed = self.closed.get(step)
@@ -166,15 +184,25 @@ class TicketLedger:
             return AveragedDecision(
                 False, False, f"step {step} is at revision {closed.revision}, not {revision}; average that one", "stale_revision"
             )
-        if not _participant(closed, peer, stage):
-            return AveragedDecision(False, False, f"the sender processed no ticket of step {step} at stage {stage}", "not_participant")
-        self._averaged.add(stage)
-        missing = sorted(set(range(self.num_stages)) - self._averaged)
+        self._holders.setdefault(stage, set()).add(peer)
+        return self.try_commit(needed)
+
+    def try_commit(self, needed: Callable[[int], Iterable[str]]) -> AveragedDecision:
+        """Commit the last closed step if every stage averaged it and every needed replica holds it
+        (called on each report, and again when a needed replica leaves or expires)."""
+        step = self.last_closed
+        if step < 0 or self.committed(step) or step not in self.closed:
+            return AveragedDecision(False, self.committed(step), f"step {step} has nothing to commit")
+        missing = sorted(s for s in range(self.num_stages) if not self._holders.get(s))
         if missing:
             return AveragedDecision(True, False, f"step {step} waits for stages {missing} to average")
+        for s in range(self.num_stages):
+            waiting = sorted(set(needed(s)) - self._holders.get(s, set()))
+            if waiting:
+                return AveragedDecision(True, False, f"step {step} waits for replicas {waiting} of stage {s} to hold its result")
         self.committed_through = step
         self.commit_dirty = True
-        return AveragedDecision(True, True, f"step {step} committed at revision {revision}")
+        return AveragedDecision(True, True, f"step {step} committed at revision {self.closed[step].revision}")
 
     def remaining(self) -> int:
         return sum(1 for t in self.tickets if not t.done)
@@ -278,7 +306,7 @@ class TicketLedger:
         self.step += 1
         self.tickets = self._fresh()
         self.reset = True
-        self._averaged = set()
+        self._holders = {}
         return closed
 
     def redo(
@@ -289,16 +317,24 @@ class TicketLedger:
         by: str | None = None,
         by_stage: int | None = None,
         orphaned: bool = False,
+        revision: int = 0,
     ) -> RedoDecision:
         """Un-complete tickets of the open step, or reopen the step that just closed (if not committed).
 
         ``by`` (when given) must be on the route of every ticket it redoes, hold its lease, or be a
         participant of stage ``by_stage`` (its current stage) in the step's frozen accounting, or belong
         to a stage whose participants are all gone (``orphaned``); see the module docstring.
+        ``revision`` (when given) is the closing the request is about; an older one than the last is stale.
         """
         wanted = sorted(set(indices))
         if any(not 0 <= i < self.num_tickets for i in wanted):
             return RedoDecision(False, f"ticket indices {wanted} are not all within 0..{self.num_tickets - 1}")
+        last = self.closed.get(step)
+        if revision and last is not None and revision < last.revision:
+            return RedoDecision(
+                False, f"step {step} closed again at revision {last.revision} after revision {revision}; average that one",
+                code="stale_revision",
+            )
         if step == self.step:
             return self._redo_open(step, wanted, by, by_stage, orphaned)
         closed = self.closed.get(step)
@@ -316,7 +352,7 @@ class TicketLedger:
                 False, f"the sender is neither in the route of every ticket {wanted} of step {step} nor a participant of its stage"
             )
         self.step = step
-        self._averaged = set()
+        self._holders = {}
         self.tickets = [
             Ticket(i, holder=route[0], done=True, route=list(route), loss=loss)
             if i not in wanted

@@ -271,7 +271,10 @@ class Averager:
             log.warning("collective step=%d stage=%d left out dead replicas %s", round_id, self.stage, result.excluded)
         self.last_done = result
         self._results = {k: v for k, v in self._results.items() if k >= round_id - 2 * REVISIONS_PER_STEP}
-        self._results[round_id] = result.result
+        if not result.excluded:
+            # Only a full average is served: a replica that fetched one reports holding the step, which
+            # counts for the commit; a round that left a replica out is redone at the next revision.
+            self._results[round_id] = result.result
         self._result_ready.setdefault(round_id, trio.Event()).set()
         self._result_ready = {k: v for k, v in self._result_ready.items() if k >= round_id - 2 * REVISIONS_PER_STEP}
         return result

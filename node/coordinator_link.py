@@ -259,8 +259,10 @@ class CoordinatorLink:
         reply, _ = await self._request(cm.CorpusCheck(fingerprint=fingerprint), cm.CorpusCheckReply)
         return reply
 
-    async def redo(self, step: int, indices: list[int], reason: str) -> cm.RedoReply:
-        reply, _ = await self._request(cm.Redo(step=step, indices=indices, reason=reason[: cm.MAX_TEXT]), cm.RedoReply)
+    async def redo(self, step: int, indices: list[int], reason: str, *, revision: int = 0) -> cm.RedoReply:
+        """Ask to redo ``indices`` of ``step``; ``revision``: the closing of the step this is about."""
+        msg = cm.Redo(step=step, indices=indices, reason=reason[: cm.MAX_TEXT], revision=revision)
+        reply, _ = await self._request(msg, cm.RedoReply)
         return reply
 
     async def report(self, target: str, reason: str, evidence: cm.Evidence | None = None) -> cm.ReportReply:

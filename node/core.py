@@ -36,11 +36,11 @@ of the same B tickets or all wait for revision r+1.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from protolearn.node.accounting import Accounting, contribution
-from protolearn.protocol.coordination import NodeState
+from protolearn.protocol.states import NodeState
 
 # Round ids per step: revision r of step t averages in round t * REVISIONS_PER_STEP + r - 1. The
 # coordinator caps revisions far below this; a step past it is not averaged here (see ``Closed``).
@@ -109,9 +109,11 @@ class Fetched:
 
 @dataclass(frozen=True)
 class RedoAnswer:
+    """The coordinator granted or refused the redo; ``None``: it did not answer (unreachable, restarting)."""
+
     step: int
     revision: int
-    granted: bool
+    granted: bool | None
     reason: str = ""
 
 
@@ -182,6 +184,8 @@ class Redo:
     reason: str
     # A refusal is the normal answer (e.g. the participants are alive, just slow): log it at info.
     expected: bool = False
+    # Ask after this long (the coordinator did not answer the last time).
+    delay_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -295,6 +299,7 @@ class NodeCore:
         self._missing: list[int] = []
         self._lost: tuple[list[int], list[str]] = ([], [])
         self._redo_all_next = False
+        self._last_redo = Redo(-1, 0, [], "")
 
     # -- facts -------------------------------------------------------------------------------------
     @property
@@ -342,7 +347,7 @@ class NodeCore:
         if isinstance(event, Fetched):
             return self._fetched(event, now)
         if isinstance(event, RedoAnswer):
-            return self._redo_answer(event)
+            return self._redo_answer(event, now)
         if isinstance(event, ReopenAnswer):
             return self._reopen_answer(event, now)
         if isinstance(event, CommitAnswer):
@@ -448,12 +453,22 @@ class NodeCore:
         self._window(self._step, self._revision + 1)
         self._fallback = fallback
         self._redo_all_next = False
-        return [Redo(self._step, self._revision, tickets, reason, expected)]
+        self._last_redo = Redo(self._step, self._revision, tickets, reason, expected)
+        return [self._last_redo]
 
-    def _redo_answer(self, event: RedoAnswer) -> list[Action]:
+    def _redo_answer(self, event: RedoAnswer, now: float) -> list[Action]:
         self._expect(Phase.REDOING, event)
         if event.granted:
             return self._reopened()
+        if event.granted is None:
+            # Unanswered is not refused: a refusal taken from a restarting coordinator would apply a sum
+            # that misses the tickets. Ask again while the step may still be finished in time.
+            if now < self._started_at + self.config.averaging_timeout_s:
+                return [Emit("coordinator_unanswered", {"step": self._step, "reason": event.reason}, logging.WARNING,
+                             f"step {self._step}: the redo got no answer ({event.reason}); asking again"),
+                        replace(self._last_redo, delay_s=ASK_AGAIN_S)]
+            return self._resync(f"step {self._step}: the coordinator did not answer the redo within "
+                                f"{self.config.averaging_timeout_s:g} s ({event.reason})")
         # Another replica of the stage may have reopened the step first: then it closes again anyway.
         self.phase = Phase.ASK_REOPENED
         return [AskReopened(self._step, self._revision)]
@@ -491,9 +506,11 @@ class NodeCore:
         return [WaitClosed(self._step, self._revision + 1)]
 
     def _commit(self) -> list[Action]:
+        # A participant reports that its stage averaged the step; a left-out replica that it fetched the
+        # result. The step commits only once every live replica holds the result (see the ledger).
         self.phase = Phase.COMMITTING
         self._window(self._step, self._revision + 1)
-        return [WaitCommit(self._step, self._revision, report=self.participant)]
+        return [WaitCommit(self._step, self._revision, report=True)]
 
     def _commit_answer(self, event: CommitAnswer) -> list[Action]:
         self._expect(Phase.COMMITTING, event)

@@ -111,7 +111,7 @@ class TicketDriver:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:
-                while not closed.is_set() and not core.finished:
+                while not closed.is_set():
                     now = self.clock()
                     self._carry(core.poll(now, in_flight=self.accounting.num_in_flight, has_next_stage=bool(self.router.next_peers)))
                     self._wake = trio.Event()

@@ -141,11 +141,15 @@ class Finisher:
                 return Fetched(a.step, a.revision, ok=True)
             return Fetched(a.step, a.revision, ok=False, reason=f"no result within {a.try_s:g} s")
         if isinstance(a, Redo):
+            if a.delay_s:
+                await trio.sleep(a.delay_s)
             try:
-                reply = await self.link.redo(a.step, a.tickets, a.reason)
-            except ProtocolError as err:
+                reply = await self.link.redo(a.step, a.tickets, a.reason, revision=a.revision)
+            except CoordinatorRefused as err:
                 log.log(logging.INFO if a.expected else logging.WARNING, "redo refused step=%d tickets=%s reason=%s", a.step, a.tickets, err.reason)
                 return RedoAnswer(a.step, a.revision, granted=False, reason=err.reason)
+            except ProtocolError as err:  # unreachable or no answer in time: not a refusal
+                return RedoAnswer(a.step, a.revision, granted=None, reason=err.reason)
             self.progress.event("redo", step=a.step, tickets=a.tickets, reason=a.reason, reopened=reply.reopened)
             return RedoAnswer(a.step, a.revision, granted=True)
         if isinstance(a, AskReopened):

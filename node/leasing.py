@@ -11,9 +11,12 @@ safe, because every stage replaces a redone ticket's earlier attempt (I1). A tic
 is released to the coordinator; one whose gradient came back is reported complete, and one whose
 completion was refused for a broken route is released at once rather than when its lease runs out.
 
-The adapter (:mod:`protolearn.node.driver`) calls :meth:`LeaseCore.poll` with ``now`` and what it
-sees (room for more work, whether stage 1 has a replica), carries out the actions, and sleeps until
-:meth:`LeaseCore.next_wake` or until something happens.
+A lease answered with the next step means this step closed; the core keeps asking (slowly) rather
+than stopping, because the step may reopen to redo tickets before the node sees it closed, and then
+nobody else would lease them. The adapter (:mod:`protolearn.node.driver`) calls
+:meth:`LeaseCore.poll` with ``now`` and what it sees (room for more work, whether stage 1 has a
+replica), carries out the actions, sleeps until :meth:`LeaseCore.next_wake` or until something
+happens, and stops when the node sees the step closed.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ LEASE_RETRY_S = 0.05
 LEASE_FAILED_S = 1.0
 # With room for no more work, look again at least this often.
 IDLE_POLL_S = 1.0
+# The coordinator answered with the next step: this step closed. It may still reopen (a redo) before
+# the node sees it closed, and then its tickets need leasing again, so ask again after this long.
+CLOSED_RETRY_S = 0.25
 
 
 # -- events ----------------------------------------------------------------------------------------
@@ -122,8 +128,6 @@ class LeaseCore:
         self.step = -1
         # When each in-flight ticket of the open step was (re)started.
         self.started: dict[int, float] = {}
-        # The coordinator answered a lease with the next step: this step's tickets are all out.
-        self.finished = False
         self._leasing = False
         self._pause_until = 0.0
         self._restart: set[int] = set()
@@ -135,7 +139,7 @@ class LeaseCore:
             self.started = {}
         held = set(still_held)
         self.started = {t: at for t, at in self.started.items() if t in held}
-        self.step, self.finished, self._leasing, self._pause_until = step, False, False, now
+        self.step, self._leasing, self._pause_until = step, False, now
         self._restart.clear()
 
     def poll(self, now: float, *, in_flight: int, has_next_stage: bool) -> list[LeaseAction]:
@@ -152,7 +156,7 @@ class LeaseCore:
             out.append(Emit("ticket_redo", {"step": self.step, "ticket": t, "reason": "route broke"}, logging.WARNING,
                             f"ticket restarted step={self.step} ticket={t} reason=its route broke (no gradient back)"))
             out.append(StartTicket(self.step, t))
-        if self.finished or self._leasing or now < self._pause_until:
+        if self._leasing or now < self._pause_until:
             return out
         if not self.last_stage and not has_next_stage:
             # No replica of stage 1 yet: leased tickets would only expire in our hands.
@@ -177,8 +181,9 @@ class LeaseCore:
         if isinstance(event, Leased):
             self._leasing = False
             if event.step != self.step:
-                # The next step's tickets: not ours to start before this step is applied.
-                self.finished = True
+                # The step closed. The next step's tickets are not ours to start before this one is
+                # applied; and this one may reopen before the node sees it closed, so keep asking.
+                self._pause_until = now + CLOSED_RETRY_S
                 return [Release(event.step, list(event.indices))] if event.indices else []
             if not event.indices:
                 self._pause_until = now + LEASE_RETRY_S

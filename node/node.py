@@ -40,7 +40,7 @@ from protolearn.node.router import Router
 from protolearn.node.state_sync import Snapshot, StateServer, fetch_state, fetch_state_split
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
-from protolearn.protocol.coordination import NodeState
+from protolearn.protocol.states import NodeState
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import Identity
 from protolearn.protocol.transport import Host, TransportConfig, open_host

@@ -31,9 +31,9 @@ Request → reply:
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Annotated, ClassVar, Literal
 
+from protolearn.protocol.states import NodeState
 from protolearn.protocol.wire import Message
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -52,20 +52,6 @@ MAX_RUN_TOML = 256 * 1024
 # A long poll never holds a stream longer than this.
 MAX_WAIT_S = 30.0
 
-
-
-class NodeState(StrEnum):
-    """What a member is doing, as its heartbeat says. One type from the node core to the coordinator's view."""
-
-    SYNCING = "syncing"
-    TRAINING = "training"
-    AVERAGING = "averaging"
-    LEAVING = "leaving"
-
-    @property
-    def live(self) -> bool:
-        """A live replica serves its stage: it takes work and can donate its state."""
-        return self in (NodeState.TRAINING, NodeState.AVERAGING)
 
 
 NODE_STATES: tuple[str, ...] = tuple(s.value for s in NodeState)
@@ -240,6 +226,10 @@ class Redo(Message):
     step: Step
     indices: list[Index] = Field(min_length=1, max_length=MAX_TICKETS_PER_REQUEST)
     reason: Text = ""
+    # The revision of the step's accounting the request is about (0: not said). A redo about an older
+    # revision than the step's last closing is stale and refused: it would reopen a step whose newer
+    # revision the other replicas are averaging, and the replicas could leapfrog each other forever.
+    revision: Annotated[int, Field(ge=0, lt=2**31)] = 0
 
 
 class RedoReply(Message):

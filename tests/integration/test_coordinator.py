@@ -100,7 +100,8 @@ def test_nodes_join_heartbeat_train_steps_leave_and_expire(open_hosts, run_trio,
                         # the long poll answered as soon as the step closed, not on a polling tick
                         assert closed_at[0] - last < 0.5
                         latencies.append(closed_at[0] - last)
-                        # The commit barrier: the step commits once a participant of every stage averaged it.
+                        # The commit barrier: the step commits once every stage averaged it and every live
+                        # replica holds the result (a participant, or a replica that fetched it).
                         committed: list[cm.StepInfo] = []
 
                         async def commit_waiter(lk=s0[1], step=step, committed=committed):
@@ -112,7 +113,10 @@ def test_nodes_join_heartbeat_train_steps_leave_and_expire(open_hosts, run_trio,
                             assert not (await s0[0].averaged(step, info.revision)).committed
                             await trio.sleep(0.1)
                             assert committed == []  # stage 1 has not averaged yet
-                            assert (await s1[0].averaged(step, info.revision)).committed
+                            assert not (await s1[0].averaged(step, info.revision)).committed
+                            assert not (await s0[1].averaged(step, info.revision)).committed
+                            assert committed == []  # the last live replica does not hold the result yet
+                            assert (await s1[1].averaged(step, info.revision)).committed
                         assert committed[0].committed and committed[0].revision == info.revision
                     beats.cancel_scope.cancel()
                 print(f"step-close to long-poll reply: {[round(x * 1000, 1) for x in latencies]} ms")

@@ -16,7 +16,9 @@ import subprocess
 import sys
 
 PURE_PACKAGES = ("protolearn.protocol", "protolearn.stages")
-PURE_MODULES = ("protolearn.node.checkpoint", "protolearn.node.export")
+PURE_MODULES = (
+    "protolearn.node.checkpoint", "protolearn.node.export", "protolearn.node.core", "protolearn.node.leasing", "protolearn.node.accounting",
+)
 # Module name prefixes of the adapter that binds the wire protocol to libp2p streams.
 ADAPTERS = ("protolearn.protocol.transport",)  # the one adapter package, with its submodules
 FORBIDDEN = ("trio", "libp2p")

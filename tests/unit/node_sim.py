@@ -1,0 +1,600 @@
+"""A fake-clock swarm: real node cores and the real coordinator core, a modelled network and collective.
+
+Every node runs a :class:`~protolearn.node.core.NodeCore` (and on stage 0 a
+:class:`~protolearn.node.leasing.LeaseCore`); the coordinator is a real
+:class:`~protolearn.coordinator.core.CoordinatorCore` persisted to a real SQLite store, so a
+coordinator restart restores what a crashed service would. What is modelled, because no sockets or
+torch run here: the pipeline (a ticket's forward and gradient hop between replicas with a delay; a dead
+or hung replica takes nothing), the collective (a round ends when every participant joined or is
+dead or hung past the round timeout; the survivors all get the same outcome, as the real collective
+guarantees; with two or more left out it may fail outright) and the parameters (a replica's state is
+the list of ticket multisets it applied, so I1 and I2 are checked exactly).
+
+Faults: SIGKILL of a node (its connection to the coordinator closes), a hang longer than the
+membership expiry (events addressed to it wait until it resumes, as a SIGSTOPped process's socket
+buffers do), and a coordinator restart (every request fails for a while, then the core is rebuilt
+from SQLite).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.core import CoordinatorCore, RunInfo
+from protolearn.coordinator.errors import Refusal
+from protolearn.coordinator.store import Store
+from protolearn.node import core as nc
+from protolearn.node import leasing as lc
+from protolearn.protocol import coordination as cm
+
+HOP_S = 0.01  # one network hop
+HEARTBEAT_S = 1.0
+HOUSEKEEPING_S = 0.25
+POLL_S = 0.1  # the long polls' answer delay when nothing changed
+ROUND_TIMEOUT_S = 2.0
+STALL_S = 2.0  # stage 0 restarts a ticket whose gradient has not come back
+SEND_TIMEOUT_S = 1.0
+SETTINGS = CoordinatorSettings(
+    heartbeat_interval_s=HEARTBEAT_S, expiry_s=3.0, restart_grace_s=5.0, lease_s=4.0, disconnect_grace_s=0.5,
+    lease_block=2, rate_per_s=1e6, rate_burst=1e6, rebalance_interval_s=1e9,
+)
+
+
+class Unavailable(Exception):
+    """The coordinator is restarting: the request failed as a dial would."""
+
+
+@dataclass
+class SimNode:
+    peer: str
+    stage: int
+    core: nc.NodeCore
+    lease: lc.LeaseCore | None
+    alive: bool = True
+    hung_until: float = 0.0
+    # The worker: tickets whose parameter gradients are held, per step.
+    grads: dict[int, set[int]] = field(default_factory=dict)
+    # The parameters: the sorted ticket multiset of every applied step, in order.
+    params: list[tuple[int, ...]] = field(default_factory=list)
+    result: tuple[int, ...] | None = None
+    waiting: tuple[int, int] | None = None  # (step, revision) the train loop waits to close
+    finishing: bool = False
+    moved: bool = False
+    # (step, revision) → what the node decided after its round: "apply", "reopen" or "resync".
+    decisions: dict[tuple[int, int], str] = field(default_factory=dict)
+    round_seen: set[tuple[int, int]] = field(default_factory=set)
+    # Rounds whose outcome reached this replica as a survivor: it must decide as the others did.
+    survived: set[tuple[int, int]] = field(default_factory=set)
+    events: list[str] = field(default_factory=list)
+
+    def live(self, now: float) -> bool:
+        return self.alive and now >= self.hung_until and not self.moved
+
+
+@dataclass
+class Round:
+    stage: int
+    step: int
+    revision: int
+    participants: set[str]
+    started: float
+    joined: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    outcome: tuple[str, tuple[int, ...], list[str]] | None = None  # ("done"|"failed", result, excluded)
+
+
+class Sim:
+    def __init__(self, seed: int, tmp: Path, *, stages: int = 2, replicas: int = 2, tickets: int = 4, steps: int = 4) -> None:
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.tmp = tmp
+        self.now = 0.0
+        self.B = tickets
+        self.S = stages
+        self.steps = steps
+        self.run = RunInfo(name="sim", run_hash="0" * 64, run_toml="", layers=(1,) * stages, microbatches_per_step=tickets, tokens_per_step=tickets)
+        self.store: Store | None = None  # opened at the first coordinator crash (SQLite only where it is needed)
+        self.coord = CoordinatorCore(self.run, SETTINGS, peer_id="coord", started_at=0.0)
+        self.down_until = -1.0
+        self._queue: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.nodes: dict[str, SimNode] = {}
+        self.rounds: dict[tuple[int, int, int], Round] = {}
+        self.on_average: Callable[[SimNode, nc.Average], None] | None = None
+        self.log: list[str] = []
+        for k in range(stages * replicas):
+            self.add_node(f"n{k}")
+        self.at(HOUSEKEEPING_S, self._housekeeping)
+
+    # -- plumbing ----------------------------------------------------------------------------------
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._queue, (when, next(self._seq), fn))
+
+    def after(self, delay: float, fn: Callable[[], None]) -> None:
+        self.at(self.now + delay, fn)
+
+    def to_node(self, node: SimNode, delay: float, fn: Callable[[], None]) -> None:
+        """Deliver ``fn`` to ``node`` after ``delay``; a hung node takes it when it resumes, a dead one never."""
+
+        def deliver() -> None:
+            if not node.alive or node.moved:
+                return
+            if self.now < node.hung_until:
+                self.at(node.hung_until, deliver)
+                return
+            fn()
+
+        # Every message's delay varies (seeded), so each schedule interleaves the replicas differently.
+        self.after(delay * self.rng.uniform(0.5, 2.0), deliver)
+
+    def request(self, peer: str, msg: cm.Message) -> cm.Message:
+        """One coordinator request now; raises Refusal, or Unavailable while it restarts."""
+        if self.now < self.down_until:
+            raise Unavailable("coordinator restarting")
+        return self.coord.handle(peer, msg, self.now)
+
+    def run_until_done(self, limit_s: float = 400.0) -> None:
+        while self._queue:
+            when, _, fn = heapq.heappop(self._queue)
+            if when > limit_s:
+                break
+            self.now = max(self.now, when)
+            fn()
+            if self.finished():
+                return
+
+    def finished(self) -> bool:
+        live = [n for n in self.nodes.values() if n.alive and not n.moved]
+        return bool(live) and all(n.core.applied >= self.steps for n in live)
+
+    # -- membership ----------------------------------------------------------------------------------
+    def add_node(self, peer: str) -> SimNode:
+        reply = self.request(peer, cm.Join(addrs=["/ip4/127.0.0.1/tcp/1"], throughput=100.0))
+        assert isinstance(reply, cm.JoinReply)
+        core = nc.NodeCore(peer, reply.stage, nc.CoreConfig(self.B, max_in_flight=self.B, max_deferred=self.B, averaging_timeout_s=10.0))
+        lease = lc.LeaseCore(max_in_flight=self.B, lease_block=2, stall_s=STALL_S, last_stage=self.S == 1) if reply.stage == 0 else None
+        node = SimNode(peer, reply.stage, core, lease)
+        self.nodes[peer] = node
+        self.after(0.0, lambda: self._sync(node, first=True))
+        self.after(HEARTBEAT_S, lambda: self._heartbeat_loop(node))
+        return node
+
+    def kill(self, node: SimNode) -> None:
+        if not node.alive:
+            return
+        node.alive = False
+        self.log.append(f"{self.now:.2f} kill {node.peer}")
+        if self.now >= self.down_until:
+            self.coord.connection_changed(node.peer, False, self.now)
+
+    def hang(self, node: SimNode, seconds: float) -> None:
+        node.hung_until = self.now + seconds
+        self.log.append(f"{self.now:.2f} hang {node.peer} for {seconds:.1f}s")
+
+    def restart_coordinator(self, outage_s: float) -> None:
+        """Crash now. The service persists every change before it replies, so what the core has drained
+        into SQLite at this moment is what a restarted coordinator finds."""
+        if self.store is None:
+            self.store = Store(self.tmp)
+        self.store.apply(self.coord.drain())
+        self.down_until = self.now + outage_s
+        self.log.append(f"{self.now:.2f} coordinator down for {outage_s:.1f}s")
+
+        def back() -> None:
+            assert self.store is not None
+            self.coord = CoordinatorCore(self.run, SETTINGS, peer_id="coord", started_at=self.now)
+            self.coord.restore(**self.store.load(), now=self.now)
+            for n in self.nodes.values():
+                if not n.alive:
+                    self.coord.connection_changed(n.peer, False, self.now)
+
+        self.at(self.down_until, back)
+
+    def _housekeeping(self) -> None:
+        if self.now >= self.down_until:
+            self.coord.housekeeping(self.now)
+        self.after(HOUSEKEEPING_S, self._housekeeping)
+
+    def _heartbeat_loop(self, node: SimNode) -> None:
+        def beat() -> None:
+            self._beat(node)
+            self._heartbeat_loop(node)
+
+        self.to_node(node, HEARTBEAT_S, beat)
+
+    def _beat(self, node: SimNode) -> None:
+        """One heartbeat; a node the coordinator forgot (it expired while hung) joins again."""
+        hb = cm.Heartbeat(
+            state=node.core.state, step=node.core.applied - 1, stage=node.stage,
+            param_hash=_hash(node.params) if node.params else "",
+        )
+        try:
+            self.request(node.peer, hb)
+        except Unavailable:
+            return
+        except Refusal as err:
+            if err.code != "not_member":
+                raise
+            try:
+                again = self.request(node.peer, cm.Join(addrs=["/ip4/127.0.0.1/tcp/1"], throughput=100.0))
+            except Refusal:
+                return
+            if isinstance(again, cm.JoinReply) and again.stage != node.stage:
+                node.moved = True  # the coordinator moved it: out of this simulation
+                self.log.append(f"{self.now:.2f} {node.peer} rejoined at stage {again.stage}: leaves the sim")
+
+    def stage_nodes(self, stage: int) -> list[SimNode]:
+        return [n for n in self.nodes.values() if n.stage == stage]
+
+    # -- a node's life -------------------------------------------------------------------------------
+    def _sync(self, node: SimNode, *, first: bool = False) -> None:
+        """Take a live replica's state, or the init on a fresh run; retry while there is no donor."""
+        donors = [d for d in self.stage_nodes(node.stage) if d is not node and d.live(self.now) and d.core.state.live]
+        if not donors:
+            if first and self._frontier() == 0:
+                self._install(node, [])
+                return
+            self.to_node(node, 1.0, lambda: self._sync(node, first=first))
+            return
+        donor = self.rng.choice(donors)
+        self._install(node, list(donor.params))
+
+    def _frontier(self) -> int:
+        return self.coord.ledger.frontier if self.now >= self.down_until else -1
+
+    def _install(self, node: SimNode, params: list[tuple[int, ...]]) -> None:
+        node.params = params
+        node.grads.clear()
+        node.core.handle(nc.Synced(len(params)), self.now)
+        node.finishing = False
+        node.events.append(f"{self.now:.2f} synced applied={len(params)}")
+        self._beat(node)  # a node heartbeats at once when it starts training
+        self._train(node)
+
+    def _train(self, node: SimNode) -> None:
+        step = node.core.applied
+        if step >= self.steps:
+            return
+        node.waiting = (step, 1)
+        self._drive(node)
+        self._wait_closed(node)
+
+    def _wait_closed(self, node: SimNode) -> None:
+        assert node.waiting is not None
+        step, revision = node.waiting
+
+        def poll() -> None:
+            if node.waiting != (step, revision) or node.finishing:
+                return
+            try:
+                info = self.coord.step_info(step, revision) if self.now >= self.down_until else None
+            except Refusal:
+                info = None
+            if info is None or not info.closed:
+                self._wait_closed(node)
+                return
+            node.waiting = None  # the drive loop ends when the node sees the step closed
+            account = {pt.peer_id: list(pt.tickets) for sa in info.accounting if sa.stage == node.stage for pt in sa.peers}
+            node.finishing = True
+            node.result = None
+            self._feed(node, nc.Closed(step, info.revision, account, info.loss, sorted(node.grads.get(step, ()))))
+
+        self.to_node(node, POLL_S, poll)
+
+    # -- the node core's actions ---------------------------------------------------------------------
+    def _feed(self, node: SimNode, event: nc.Event) -> None:
+        if not node.alive or node.moved:
+            return
+        for a in node.core.handle(event, self.now):
+            self._carry(node, a)
+
+    def _answer(self, node: SimNode, delay: float, make: Callable[[], nc.Event | None]) -> None:
+        def go() -> None:
+            ev = make()
+            if ev is not None:
+                self._feed(node, ev)
+
+        self.to_node(node, delay, go)
+
+    def _carry(self, node: SimNode, a: nc.Action) -> None:
+        if isinstance(a, nc.Emit):
+            node.events.append(f"{self.now:.2f} {a.event} {a.fields}")
+        elif isinstance(a, nc.AskReported):
+            applied = any(o is not node and o.live(self.now) and o.core.applied > a.step for o in self.stage_nodes(node.stage))
+            self._answer(node, HOP_S, lambda: nc.Reported(a.step, applied))
+        elif isinstance(a, nc.Average):
+            self._average(node, a)
+        elif isinstance(a, nc.Fetch):
+            self._fetch(node, a)
+        elif isinstance(a, nc.Redo):
+            def redo() -> nc.Event:
+                try:
+                    self.request(node.peer, cm.Redo(step=a.step, indices=a.tickets, reason=a.reason[:100], revision=a.revision))
+                except Refusal as err:
+                    return nc.RedoAnswer(a.step, a.revision, granted=False, reason=str(err))
+                except Unavailable as err:
+                    return nc.RedoAnswer(a.step, a.revision, granted=None, reason=str(err))
+                return nc.RedoAnswer(a.step, a.revision, granted=True)
+
+            self._answer(node, a.delay_s + HOP_S, redo)
+        elif isinstance(a, nc.AskReopened):
+            def ask() -> nc.Event:
+                if self.now < self.down_until:
+                    return nc.ReopenAnswer(a.step, a.revision, reopened=None, reason="coordinator restarting")
+                info = self.coord.step_info(a.step, a.revision + 1)
+                return nc.ReopenAnswer(a.step, a.revision, reopened=info.closed or info.open_step == a.step)
+
+            self._answer(node, a.delay_s + HOP_S, ask)
+        elif isinstance(a, nc.WaitCommit):
+            self._wait_commit(node, a.step, a.revision, a.report)
+        elif isinstance(a, nc.Apply):
+            assert node.result is not None, f"{node.peer} applies step {a.step} without a result"
+            node.params.append(node.result)
+            node.decisions[(a.step, a.revision)] = "apply"
+            node.grads.pop(a.step, None)
+            node.finishing = False
+            for b in node.core.handle(nc.Applied(a.step, _hash(node.params)), self.now):
+                self._carry(node, b)
+            self._train(node)
+        elif isinstance(a, nc.Resync):
+            node.decisions.setdefault((node.core._step, node.core._revision), "resync")
+            node.grads.clear()
+            node.finishing = False
+            self.to_node(node, HOP_S, lambda: self._sync(node))
+        elif isinstance(a, nc.StartHeld):
+            for step, ticket, route, sender in a.payloads:  # type: ignore[misc]
+                self._forward_arrived(node, step, ticket, route, sender, admitted=True)
+        elif isinstance(a, nc.WaitClosed):
+            node.decisions.setdefault((a.step, a.revision - 1), "reopen")
+            node.finishing = False
+            node.waiting = (a.step, a.revision)
+            self._drive(node)
+            self._wait_closed(node)
+        else:
+            raise AssertionError(f"unexpected action {a!r}")
+
+    def _wait_commit(self, node: SimNode, step: int, revision: int, report: bool) -> None:
+        """The link's commit wait: report (if a participant) and long-poll until committed or reopened."""
+
+        def poll(report: bool) -> None:
+            if self.now < self.down_until:
+                self.to_node(node, 1.0, lambda: poll(report))  # the link retries a failed request
+                return
+            info: cm.StepInfo | None = None
+            if report:
+                try:
+                    info = self.coord.handle(node.peer, cm.Averaged(step=step, revision=revision), self.now)  # type: ignore[assignment]
+                except Refusal as err:
+                    if err.code in ("stale_revision", "step_not_closed"):
+                        self._feed(node, nc.CommitAnswer(step, revision, False))
+                        return
+                    if err.code == "not_participant":
+                        self.to_node(node, HOP_S, lambda: poll(False))
+                        return
+                    self.to_node(node, 1.0, lambda: poll(report))
+                    return
+            if info is None or not info.committed:
+                info = self.coord.step_info(step, revision)
+            if info.committed and info.revision == revision:
+                self._feed(node, nc.CommitAnswer(step, revision, True))
+            elif not info.closed or info.revision != revision:
+                self._feed(node, nc.CommitAnswer(step, revision, False))
+            else:
+                self.to_node(node, POLL_S, lambda: poll(report))
+
+        self.to_node(node, HOP_S, lambda: poll(report))
+
+    # -- the collective --------------------------------------------------------------------------------
+    def _average(self, node: SimNode, a: nc.Average) -> None:
+        key = (node.stage, a.step, a.revision)
+        r = self.rounds.get(key)
+        if r is None:
+            r = self.rounds[key] = Round(node.stage, a.step, a.revision, set(a.weights), self.now)
+            self.after(ROUND_TIMEOUT_S, lambda: self._settle(r, timeout=True))
+        node.round_seen.add((a.step, a.revision))
+        if self.on_average is not None:
+            self.on_average(node, a)
+        if r.outcome is not None:
+            # It arrived after the round ended without it (it was hung): nobody waits for its parts.
+            self._answer(node, HOP_S, lambda: nc.RoundFailed(a.step, a.revision, "the round ended without this replica"))
+            return
+        r.joined[node.peer] = tuple(a.tickets)
+        self._settle(r)
+
+    def _settle(self, r: Round, *, timeout: bool = False) -> None:
+        if r.outcome is not None:
+            return
+        waiting = [p for p in r.participants if p not in r.joined and self.nodes[p].alive and not timeout]
+        if waiting:
+            return
+        ok = [p for p in r.joined if self.nodes[p].alive and (timeout is False or self.nodes[p].live(self.now))]
+        excluded = sorted(r.participants - set(ok))
+        if not ok:
+            r.outcome = ("failed", (), excluded)
+            return
+        if len(excluded) >= 2 and self.rng.random() < 0.5:
+            r.outcome = ("failed", (), excluded)
+        else:
+            r.outcome = ("done", tuple(sorted(t for p in ok for t in r.joined[p])), excluded)
+        kind, result, excl = r.outcome
+        for p in ok:
+            node = self.nodes[p]
+
+            def tell(node: SimNode = node) -> None:
+                node.survived.add((r.step, r.revision))
+                if kind == "done":
+                    node.result = result
+                    self._feed(node, nc.RoundDone(r.step, r.revision, list(excl)))
+                else:
+                    self._feed(node, nc.RoundFailed(r.step, r.revision, f"replicas {excl} left out"))
+
+            self.to_node(node, HOP_S, tell)
+
+    def _fetch(self, node: SimNode, a: nc.Fetch) -> None:
+        """A participant answers once its round finished (it waits for that), for up to ``try_s``."""
+        give_up = self.now + a.try_s
+
+        def look() -> None:
+            r = self.rounds.get((node.stage, a.step, a.revision))
+            if r is not None and r.outcome is not None and r.outcome[0] == "done" and not r.outcome[2]:  # full averages only
+                if any(self.nodes[p].live(self.now) for p in r.joined if p not in r.outcome[2]):
+                    node.result = r.outcome[1]
+                    self._feed(node, nc.Fetched(a.step, a.revision, ok=True))
+                    return
+            if self.now >= give_up:  # the averager keeps retrying the participants until the try ends
+                self._feed(node, nc.Fetched(a.step, a.revision, ok=False, reason="no participant served the result"))
+                return
+            self.to_node(node, min(POLL_S, max(HOP_S, give_up - self.now)), look)
+
+        self.to_node(node, HOP_S, look)
+
+    # -- stage 0's tickets and the pipeline ------------------------------------------------------------
+    def _drive(self, node: SimNode) -> None:
+        lease = node.lease
+        if lease is None or node.waiting is None:
+            return
+        step = node.waiting[0]
+        lease.begin(step, [t for t in lease.started if node.core.accounting.holds(step, t)], self.now)
+        self._drive_poll(node, step)
+
+    def _drive_poll(self, node: SimNode, step: int) -> None:
+        lease = node.lease
+        assert lease is not None
+        if node.waiting is None or node.waiting[0] != step or node.finishing:
+            return
+        has_next = any(n.live(self.now) for n in self.stage_nodes(1)) if self.S > 1 else True
+        self._carry_lease(node, lease.poll(self.now, in_flight=node.core.accounting.num_in_flight, has_next_stage=has_next))
+        self.to_node(node, min(0.1, max(0.01, lease.next_wake(self.now) - self.now)), lambda: self._drive_poll(node, step))
+
+    def _carry_lease(self, node: SimNode, actions: list[lc.LeaseAction]) -> None:
+        lease = node.lease
+        assert lease is not None
+        for a in actions:
+            if isinstance(a, nc.Emit):
+                node.events.append(f"{self.now:.2f} {a.event} {a.fields}")
+            elif isinstance(a, lc.RequestLease):
+                def ask(a: lc.RequestLease = a) -> None:
+                    try:
+                        reply = self.request(node.peer, cm.Lease(max_tickets=a.max_tickets))
+                    except (Refusal, Unavailable) as err:
+                        self._carry_lease(node, lease.handle(lc.LeaseFailed(str(err)), self.now))
+                        return
+                    assert isinstance(reply, cm.LeaseReply)
+                    self._carry_lease(node, lease.handle(lc.Leased(reply.step, list(reply.indices)), self.now))
+
+                self.to_node(node, HOP_S, ask)
+            elif isinstance(a, lc.StartTicket):
+                self._start_ticket(node, a.step, a.ticket)
+            elif isinstance(a, lc.Release):
+                def release(a: lc.Release = a) -> None:
+                    try:
+                        self.request(node.peer, cm.Release(step=a.step, indices=a.tickets))
+                    except (Refusal, Unavailable):
+                        pass  # the lease runs out instead
+
+                self.to_node(node, HOP_S, release)
+            elif isinstance(a, lc.ReportComplete):
+                self._report(node, a)
+
+    def _report(self, node: SimNode, a: lc.ReportComplete) -> None:
+        lease = node.lease
+        assert lease is not None
+
+        def go() -> None:
+            try:
+                self.request(node.peer, cm.Complete(step=a.step, index=a.ticket, route=a.route, loss=1.0))
+            except Unavailable:
+                self.to_node(node, 1.0, go)  # the link retries for a while
+                return
+            except Refusal as err:
+                self._carry_lease(node, lease.handle(lc.CompleteRefused(a.step, a.ticket, err.code, err.reason), self.now))
+
+        self.to_node(node, HOP_S, go)
+
+    def _start_ticket(self, node: SimNode, step: int, ticket: int) -> None:
+        d = node.core.accounting.admit_forward(step, ticket)
+        if d.action != "process":
+            self._not_started(node, step, ticket)
+            return
+        node.grads.get(step, set()).discard(ticket)
+        if self.S == 1:
+            node.grads.setdefault(step, set()).add(ticket)
+            node.core.accounting.backward_done(step, ticket)
+            self._gradient_home(node, step, ticket, [node.peer])
+            return
+        self._send_forward(node, step, ticket, [node.peer])
+
+    def _not_started(self, node: SimNode, step: int, ticket: int) -> None:
+        node.core.accounting.dropped(step, ticket)
+        if node.lease is not None and node.stage == 0:
+            self._carry_lease(node, node.lease.handle(lc.NotStarted(step, ticket), self.now))
+
+    def _send_forward(self, node: SimNode, step: int, ticket: int, route: list[str]) -> None:
+        stage = len(route)
+        members = {m.peer_id for m in self.coord.registry.live()} if self.now >= self.down_until else set(self.nodes)
+        candidates = [n for n in self.stage_nodes(stage) if n.peer in members and n.core.state.live]
+        if not candidates:
+            self._drop(node, step, ticket)
+            return
+        target = self.rng.choice(candidates)
+        if not target.alive or target.moved:
+            self._drop(node, step, ticket)  # the dial fails at once
+            return
+        if self.now < target.hung_until:
+            self.to_node(node, SEND_TIMEOUT_S, lambda: self._drop(node, step, ticket))  # the send times out
+            return
+        self.to_node(target, HOP_S, lambda: self._forward_arrived(target, step, ticket, route, node.peer))
+
+    def _drop(self, node: SimNode, step: int, ticket: int) -> None:
+        if node.stage == 0:
+            self._not_started(node, step, ticket)
+        else:
+            node.core.accounting.dropped(step, ticket)
+
+    def _forward_arrived(self, node: SimNode, step: int, ticket: int, route: list[str], sender: str, *, admitted: bool = False) -> None:
+        if not admitted:
+            d = node.core.accounting.admit_forward(step, ticket, (step, ticket, route, sender))
+            if d.action == "refuse":
+                self._drop(self.nodes[sender], step, ticket)
+                return
+            if d.action == "defer":
+                return
+        route = route + [node.peer]
+        node.grads.get(step, set()).discard(ticket)
+        if len(route) == self.S:
+            node.grads.setdefault(step, set()).add(ticket)
+            node.core.accounting.backward_done(step, ticket)
+            self._send_backward(node, step, ticket, route)
+        else:
+            self._send_forward(node, step, ticket, route)
+
+    def _send_backward(self, node: SimNode, step: int, ticket: int, route: list[str]) -> None:
+        prev = self.nodes[route[node.stage - 1]]
+
+        def arrive() -> None:
+            d = prev.core.accounting.admit_backward(step, ticket)
+            if d.action != "process":
+                return
+            prev.grads.setdefault(step, set()).add(ticket)
+            prev.core.accounting.backward_done(step, ticket)
+            if prev.stage == 0:
+                self._gradient_home(prev, step, ticket, route)
+            else:
+                self._send_backward(prev, step, ticket, route)
+
+        self.to_node(prev, HOP_S, arrive)
+
+    def _gradient_home(self, node: SimNode, step: int, ticket: int, route: list[str]) -> None:
+        assert node.lease is not None
+        self._carry_lease(node, node.lease.handle(lc.Completed(step, ticket, route, 1.0), self.now))
+
+
+def _hash(params: list[tuple[int, ...]]) -> str:
+    import hashlib
+
+    return hashlib.sha256(repr(params).encode()).hexdigest()
