@@ -36,7 +36,6 @@ from protolearn.protocol.wire import Message
 
 log = logging.getLogger("protolearn.coordinator")
 
-SERVICE_NAME = "coordinator"
 # Heartbeat telemetry (last seen, throughput) is written this often rather than on every heartbeat.
 SOFT_PERSIST_S = 5.0
 REQUEST_TYPES: tuple[type[Message], ...] = (
@@ -211,7 +210,7 @@ async def serve(
             svc = _Service(core, store, host, clock)
             host.on_connection = lambda peer, up: core.connection_changed(peer, up, clock())
             host.serve(
-                SERVICE_NAME,
+                cm.COORDINATOR,
                 svc.on_request,
                 request_type=REQUEST_TYPES,
                 max_inbound=settings.max_concurrent_waits + 256,

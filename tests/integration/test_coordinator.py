@@ -167,7 +167,7 @@ def test_coordinator_refuses_abuse_and_keeps_serving(open_hosts, run_trio, tmp_p
 
                 # malformed bytes and an unknown message kind on the coordinator protocol
                 for raw in (b"\x00\x00\x00\x00\x00\x00\x00\x05hello", b"\xff" * 7):
-                    async with stranger.open_stream(coord.addrs[0], "coordinator") as s:
+                    async with stranger.open_stream(coord.addrs[0], cm.COORDINATOR) as s:
                         await s.raw.write(raw)
                         await s.close()  # half-close: a truncated frame reads as EOF on the server
                         try:
@@ -177,7 +177,7 @@ def test_coordinator_refuses_abuse_and_keeps_serving(open_hosts, run_trio, tmp_p
                         else:
                             raise AssertionError("malformed request got a reply")
                 try:
-                    await stranger.request(coord.addrs[0], "coordinator", cm.StepInfo(
+                    await stranger.request(coord.addrs[0], cm.COORDINATOR, cm.StepInfo(
                         step=0, closed=False, revision=0, loss=None, num_tickets=1, accounting=[], open_step=0,
                     ), cm.JoinReply, timeout=5)
                 except Refused as err:
@@ -236,7 +236,7 @@ def test_coordinator_refuses_abuse_and_keeps_serving(open_hosts, run_trio, tmp_p
 
 
 async def _raw_join(host, coord: Running):
-    return await host.request(coord.addrs[0], "coordinator", join_msg(host), cm.JoinReply, timeout=5)
+    return await host.request(coord.addrs[0], cm.COORDINATOR, join_msg(host), cm.JoinReply, timeout=5)
 
 
 def test_a_dead_stage0_nodes_leases_go_to_another_replica_long_before_they_expire(open_hosts, run_trio, tmp_path):
