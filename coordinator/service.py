@@ -27,7 +27,7 @@ import trio
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core import CoordinatorCore, RunInfo
 from protolearn.coordinator.errors import Refusal, RunMismatch
-from protolearn.coordinator.metrics import render, serve_metrics
+from protolearn.coordinator.metrics import metrics_registry, serve_metrics
 from protolearn.coordinator.store import Store
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.identity import load_or_create_identity
@@ -219,7 +219,7 @@ async def serve(
                 await nursery.start(svc.housekeeping)
                 port = None
                 if metrics_port is not None:
-                    port = await nursery.start(serve_metrics, lambda: render(core, clock()), metrics_port, metrics_host)
+                    port = await nursery.start(serve_metrics, metrics_registry(core, clock), metrics_port, metrics_host)
                 log.info(
                     "coordinator peer=%s run=%s step=%d members=%d resumed=%s",
                     host.peer_id, core.run.name, core.ledger.step, sum(1 for _ in core.registry.live()), resumed,

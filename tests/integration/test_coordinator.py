@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.service import Running, serve
 from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
@@ -116,10 +117,13 @@ def test_nodes_join_heartbeat_train_steps_leave_and_expire(open_hosts, run_trio,
                         assert committed[0].committed and committed[0].revision == info.revision
                     beats.cancel_scope.cancel()
                 print(f"step-close to long-poll reply: {[round(x * 1000, 1) for x in latencies]} ms")
-                metrics = await scrape(coord.metrics_port)
-                assert "HTTP/1.1 200 OK" in metrics
-                assert "protolearn_step 2" in metrics and "protolearn_nodes 4" in metrics
-                assert 'protolearn_stage_replicas{stage="1"} 2' in metrics
+                head, _, body = (await scrape(coord.metrics_port)).partition("\r\n\r\n")
+                assert head.startswith("HTTP/1.1 200 OK")
+                samples = {
+                    (x.name, tuple(x.labels.items())): x.value for f in text_string_to_metric_families(body) for x in f.samples
+                }
+                assert samples[("protolearn_step", ())] == 2 and samples[("protolearn_nodes", ())] == 4
+                assert samples[("protolearn_stage_replicas", (("stage", "1"),))] == 2
 
                 # A graceful leave, then a silent node expires.
                 assert await s1[1].leave("done") == []
