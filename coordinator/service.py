@@ -27,7 +27,7 @@ import trio
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core import CoordinatorCore, RunInfo
 from protolearn.coordinator.errors import Refusal, RunMismatch
-from protolearn.coordinator.metrics import render, serve_metrics
+from protolearn.coordinator.metrics import metrics_registry, serve_metrics
 from protolearn.coordinator.store import Store
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.identity import load_or_create_identity
@@ -36,7 +36,6 @@ from protolearn.protocol.wire import Message
 
 log = logging.getLogger("protolearn.coordinator")
 
-SERVICE_NAME = "coordinator"
 # Heartbeat telemetry (last seen, throughput) is written this often rather than on every heartbeat.
 SOFT_PERSIST_S = 5.0
 REQUEST_TYPES: tuple[type[Message], ...] = (
@@ -211,7 +210,7 @@ async def serve(
             svc = _Service(core, store, host, clock)
             host.on_connection = lambda peer, up: core.connection_changed(peer, up, clock())
             host.serve(
-                SERVICE_NAME,
+                cm.COORDINATOR,
                 svc.on_request,
                 request_type=REQUEST_TYPES,
                 max_inbound=settings.max_concurrent_waits + 256,
@@ -220,7 +219,7 @@ async def serve(
                 await nursery.start(svc.housekeeping)
                 port = None
                 if metrics_port is not None:
-                    port = await nursery.start(serve_metrics, lambda: render(core, clock()), metrics_port, metrics_host)
+                    port = await nursery.start(serve_metrics, metrics_registry(core, clock), metrics_port, metrics_host)
                 log.info(
                     "coordinator peer=%s run=%s step=%d members=%d resumed=%s",
                     host.peer_id, core.run.name, core.ledger.step, sum(1 for _ in core.registry.live()), resumed,

@@ -32,7 +32,6 @@ from protolearn.protocol.wire import Message
 
 log = logging.getLogger("protolearn.node")
 
-SERVICE_NAME = "coordinator"
 R = TypeVar("R", bound=Message)
 
 
@@ -104,12 +103,12 @@ class CoordinatorLink:
             try:
                 target = self.addr if failures else self.peer
                 try:
-                    reply = await self.host.request(target, SERVICE_NAME, msg, reply_type, timeout=limit)
+                    reply = await self.host.request(target, cm.COORDINATOR, msg, reply_type, timeout=limit)
                 except PeerUnavailable:
                     if target is self.addr:
                         raise
                     # Not connected yet (or the address was forgotten): dial the full multiaddr.
-                    reply = await self.host.request(self.addr, SERVICE_NAME, msg, reply_type, timeout=limit)
+                    reply = await self.host.request(self.addr, cm.COORDINATOR, msg, reply_type, timeout=limit)
                 return reply, failures
             except Refused as err:
                 refusal = err if isinstance(err, CoordinatorRefused) else _parse_refusal(self.peer, err)

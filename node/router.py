@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import torch
 import trio
+from protolearn.codec_spec import CodecSpecError, parse_codec_spec
 from protolearn.node.accounting import Accounting, Decision
 from protolearn.node.balancer import Balancer
 from protolearn.node.worker import StageWorker
-from protolearn.protocol.codecs import Encoder, decode, make_encoder, parse_codec_spec
+from protolearn.protocol.codecs import Encoder, decode, make_encoder
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.pipeline import (
     ACTIVATION,
@@ -97,7 +98,7 @@ class Router:
         self.balancer = Balancer()
         self.stats = RouterStats(started=clock())
         self.next_peers: list[str] = []
-        self.codec = parse_codec_spec(run.codec)
+        self.codec = run.codec_spec
         self._encoders: dict[tuple[str, str], Encoder] = {}
         b = run.batch
         self.hidden_shape = [b.microbatch_size, b.seq_len, run.model.d_model]  # (mb, T, D)
@@ -136,7 +137,7 @@ class Router:
         key = (peer, direction)
         enc = self._encoders.get(key)
         if enc is None:
-            enc = self._encoders[key] = make_encoder(self.run.codec)
+            enc = self._encoders[key] = make_encoder(self.codec)
         return enc
 
     async def _run(self, fn, *args):
@@ -149,9 +150,9 @@ class Router:
     async def _read_tensor(self, peer: str, s: FramedStream) -> torch.Tensor:
         frame = await s.receive_tensor(limits=self._limits)
         try:
-            got = parse_codec_spec(frame.codec)
-        except ValueError:
-            raise ProtocolError(peer, f"unknown codec {frame.codec[:32]!r}") from None
+            got = parse_codec_spec(frame.codec, field="frame codec")
+        except CodecSpecError as err:
+            raise ProtocolError(peer, str(err)) from None
         if got.name != self.codec.name:
             raise ProtocolError(peer, f"tensor in codec {frame.codec[:32]!r}, but this run uses {self.run.codec!r}")
         return decode(frame, peer=peer, shape=self.hidden_shape, dtype=torch.float32, limits=self._limits, require_finite=True)

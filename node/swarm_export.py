@@ -30,7 +30,6 @@ from protolearn.stages.config import RunConfig
 
 log = logging.getLogger("protolearn.node")
 
-COORDINATOR_SERVICE = "coordinator"
 # Rounds of re-fetching stages that answered at an older step than the others.
 MAX_ROUNDS = 20
 
@@ -40,7 +39,7 @@ class ExportError(NodeError):
 
 
 async def fetch_members(host: Host, coordinator: str, *, timeout_s: float) -> cm.Members:
-    reply = await host.request(coordinator, COORDINATOR_SERVICE, cm.MembersRequest(), cm.Members, timeout=timeout_s)
+    reply = await host.request(coordinator, cm.COORDINATOR, cm.MembersRequest(), cm.Members, timeout=timeout_s)
     if not isinstance(reply, cm.Members):
         raise ExportError(f"the coordinator answered {type(reply).__name__} to a membership request")
     return reply

@@ -1,7 +1,8 @@
 """Activation and gradient codecs: how a float tensor is squeezed into a :class:`TensorFrame`.
 
 A codec spec names the codec and its parameter: ``none``, ``fp16``, ``bf16``, ``int8`` or
-``topk[:fraction]``. :func:`make_encoder` builds a stateful encoder for one link (``topk`` keeps its
+``topk[:fraction]``; its grammar and parser live in :mod:`protolearn.codec_spec`, shared with the run
+config, and are re-exported here. :func:`make_encoder` builds a stateful encoder for one link (``topk`` keeps its
 error-feedback residual there); :func:`decode` is stateless and trusts nothing.
 
 Wire layouts (``frame.dtype``/``frame.shape`` are those of the decoded tensor; C order; little endian):
@@ -29,13 +30,20 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from protolearn.errors import ConfigError
+from protolearn.codec_spec import (
+    CODECS,
+    DEFAULT_TOPK_FRACTION,
+    MAX_SPEC_CHARS,
+    CodecSpec,
+    CodecSpecError,
+    parse_codec_spec,
+)
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.tensors import (
     DEFAULT_LIMITS,
@@ -47,32 +55,19 @@ from protolearn.protocol.tensors import (
     to_frame,
 )
 
-CODECS = ("none", "fp16", "bf16", "int8", "topk")
-DEFAULT_TOPK_FRACTION = 0.05
+__all__ = [
+    "CODECS", "DEFAULT_TOPK_FRACTION", "FLOAT_DTYPES", "MAX_INT8_SCALE", "MAX_TOPK_RESIDUALS", "CodecContext", "CodecSpec",
+    "CodecSpecError", "ENCODERS", "EncodeStats", "Encoder", "TopKEncoder", "decode", "make_encoder", "parse_codec_spec",
+]
+
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 # int8 scales above this could overflow float32 once multiplied by |q| <= 128; a sender never needs them.
 MAX_INT8_SCALE = torch.finfo(torch.float32).max / 128
 # A topk encoder keeps one residual per tensor shape it has sent; a link rarely sees more than a few.
 MAX_TOPK_RESIDUALS = 8
-_MAX_SPEC_CHARS = 32
 # topk on tensors this large first narrows the candidates with a threshold estimated from a sample.
 _SAMPLED_TOPK_MIN = 1 << 16
 _TOPK_SAMPLE = 1 << 14
-
-
-class CodecSpecError(ConfigError, ValueError):
-    """A codec spec is not one of the known forms (a ValueError too, so pydantic validators accept it)."""
-
-
-@dataclass(frozen=True)
-class CodecSpec:
-    """A parsed codec spec. ``str(spec)`` is its canonical wire name."""
-
-    name: str
-    fraction: float | None = None
-
-    def __str__(self) -> str:
-        return f"{self.name}:{self.fraction!r}" if self.fraction is not None else self.name
 
 
 @dataclass(frozen=True)
@@ -111,32 +106,10 @@ class Encoder(Protocol):
     def encode(self, t: torch.Tensor, *, context: CodecContext | None = None) -> tuple[TensorFrame, EncodeStats]: ...
 
 
-def parse_codec_spec(spec: str) -> CodecSpec:
-    """Parse ``none | fp16 | bf16 | int8 | topk | topk:<fraction in (0, 1]>``."""
-    if not isinstance(spec, str) or len(spec) > _MAX_SPEC_CHARS:
-        raise CodecSpecError(f"codec spec {str(spec)[:_MAX_SPEC_CHARS]!r} is not one of {', '.join(CODECS)} (or topk:<fraction>)")
-    name, sep, arg = spec.partition(":")
-    if name not in CODECS or (sep and name != "topk"):
-        raise CodecSpecError(f"unknown codec {spec!r}; use one of {', '.join(CODECS)} (topk takes a fraction, e.g. topk:0.05)")
-    if name != "topk":
-        return CodecSpec(name)
-    if not sep:
-        return CodecSpec(name, DEFAULT_TOPK_FRACTION)
-    try:
-        fraction = float(arg)
-    except ValueError:
-        fraction = math.nan
-    if not 0.0 < fraction <= 1.0:  # also refuses NaN
-        raise CodecSpecError(f"topk fraction in {spec!r} must be a number in (0, 1], e.g. topk:0.05")
-    return CodecSpec(name, fraction)
-
-
-def make_encoder(spec: str) -> Encoder:
+def make_encoder(spec: str | CodecSpec) -> Encoder:
     """Return a fresh encoder for one link. Raises :class:`CodecSpecError` for an unknown spec."""
-    parsed = parse_codec_spec(spec)
-    if parsed.name == "topk":
-        return TopKEncoder(parsed)
-    return _STATELESS[parsed.name](parsed)
+    parsed = spec if isinstance(spec, CodecSpec) else parse_codec_spec(spec)
+    return ENCODERS[parsed.name](parsed)
 
 
 def _float_input(t: torch.Tensor, codec: str) -> torch.Tensor:
@@ -340,7 +313,10 @@ def _mask(indices: torch.Tensor, n: int) -> torch.Tensor:
     return mask
 
 
-_STATELESS = {"none": _NoneEncoder, "fp16": _CastEncoder, "bf16": _CastEncoder, "int8": _Int8Encoder}
+# The codec registry: one encoder class per name of the grammar (a unit test holds the two equal).
+ENCODERS: dict[str, Callable[[CodecSpec], Encoder]] = {
+    "none": _NoneEncoder, "fp16": _CastEncoder, "bf16": _CastEncoder, "int8": _Int8Encoder, "topk": TopKEncoder,
+}
 
 
 def _buffer(data: bytes, dtype: torch.dtype) -> torch.Tensor:
@@ -352,7 +328,7 @@ def _expect_sizes(frame: TensorFrame, peer: str, data: int, aux: int) -> None:
     if len(frame.data) != data or len(frame.aux) != aux:
         raise ProtocolError(
             peer,
-            f"{frame.codec[:_MAX_SPEC_CHARS]} frame of shape {frame.shape} needs {data}+{aux} bytes, "
+            f"{frame.codec[:MAX_SPEC_CHARS]} frame of shape {frame.shape} needs {data}+{aux} bytes, "
             f"got {len(frame.data)}+{len(frame.aux)}",
         )
 
@@ -374,9 +350,9 @@ def decode(
     :class:`~protolearn.protocol.errors.TooLarge`) naming ``peer``.
     """
     try:
-        spec = parse_codec_spec(frame.codec)
-    except CodecSpecError:
-        raise ProtocolError(peer, f"unknown codec {frame.codec[:_MAX_SPEC_CHARS]!r}") from None
+        spec = parse_codec_spec(frame.codec, field="frame codec")
+    except CodecSpecError as err:
+        raise ProtocolError(peer, str(err)) from None
     if spec.name == "none":
         t = from_frame(frame, peer=peer, limits=limits, dtype=dtype, shape=shape)
         if require_finite and t.is_floating_point() and not _all_finite(t):

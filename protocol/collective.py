@@ -79,11 +79,13 @@ from pydantic import Field
 # The liveness names stay importable from here: the adapter and the tests know the collective only.
 __all__ = [
     "DEFAULT_FACTOR", "DEFAULT_FLOOR_S", "DEFAULT_TIMEOUT_S", "EMA_ALPHA", "INITIAL_BYTES_PER_S", "MAX_PARTICIPANTS",
-    "PROTOCOL_ID", "STUCK_FACTOR", "Action", "Bandwidth", "CollectiveRound", "Done", "Failed", "PartHeader", "Probe",
+    "STUCK_FACTOR", "Action", "Bandwidth", "CollectiveRound", "Done", "Failed", "PartHeader", "Probe",
     "Rejected", "Send",
 ]
 
-PROTOCOL_ID = "/protolearn/collective/1.0.0"
+# A round's parts travel on the protocol named protocol/pipeline.py's COLLECTIVE, next to the rest of that
+# exchange (ResultRequest, Ack, Refuse). It is not defined here: this module imports pipeline, so a name
+# kept here and re-exported there would be an import cycle.
 # Hard cap on one round; the adaptive per-wait deadlines below normally end a round long before.
 DEFAULT_TIMEOUT_S = 60.0
 # Upper bound on participants of one round; a stage with more replicas is a misconfiguration.

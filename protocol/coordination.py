@@ -1,7 +1,7 @@
 """Messages between nodes (and `swarm status`) and the coordinator.
 
 Every request kind is a :class:`~protolearn.protocol.wire.Message` with a ``coord.`` kind, sent as one
-request/response on :data:`PROTOCOL_ID`. The coordinator carries no tensors, so every field is small
+request/response of the protocol named :data:`COORDINATOR`. The coordinator carries no tensors, so every field is small
 and bounded here: a peer cannot make the coordinator allocate without bound (I4).
 
 Request → reply:
@@ -37,7 +37,8 @@ from protolearn.protocol.states import NodeState
 from protolearn.protocol.wire import Message
 from pydantic import BaseModel, ConfigDict, Field
 
-PROTOCOL_ID = "/protolearn/coordinator/1.0.0"
+# The protocol's name, defined here only; the transport's protocol_id() makes it /protolearn/coordinator/1.0.0.
+COORDINATOR = "coordinator"
 
 # Bounds on every variable-size field. A peer ID is ~52 characters; multiaddrs are short.
 MAX_PEER_ID = 128

@@ -2,10 +2,18 @@
 
 The key is a 32-byte raw Ed25519 seed in ``<data dir>/identity.key``, created with mode 0600 on first
 run and reused afterwards, so a node keeps its peer ID across restarts. The peer ID is computed here
-without libp2p, exactly as libp2p does for Ed25519 keys: the protobuf ``PublicKey{Type: Ed25519,
-Data: <32 bytes>}`` is short enough to be inlined in an *identity* multihash, which is then written in
-base58btc (``12D3KooW…``). Because the key is inside the ID, anyone holding a peer ID can verify that
-peer's signatures (:func:`verify_peer`), which is what makes signed messages usable as evidence.
+exactly as libp2p does for Ed25519 keys: the protobuf ``PublicKey{Type: Ed25519, Data: <32 bytes>}``
+is short enough to be inlined in an *identity* multihash, which is then written in base58btc with the
+``base58`` package (``12D3KooW…``). Because the key is inside the ID, anyone holding a peer ID can
+verify that peer's signatures (:func:`verify_peer`), which is what makes signed messages usable as
+evidence.
+
+Why the derivation (two constant byte prefixes) is written here rather than taken from
+``libp2p.peer.id.ID.from_pubkey``: this module is pure, and importing ``libp2p.peer.id`` loads libp2p
+and trio with it (measured on py-libp2p 0.8: about 1,200 modules and 0.7-2 s in a fresh interpreter,
+against 9 modules and under 25 ms for ``base58``), so ``tests/unit/test_purity.py`` would fail and
+every pure user of identities would pay for the whole network stack. ``tests/unit/test_identity.py``
+checks the result against libp2p's own ``ID.from_pubkey`` for many keys.
 
 Signatures are plain Ed25519 over the bytes given (Ed25519 hashes internally with SHA-512), the same
 as libp2p's own ``PrivateKey.sign``. To sign a message, sign its canonical encoding
@@ -19,6 +27,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import base58
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -36,8 +45,6 @@ _MULTIHASH_PREFIX = bytes([0x00, len(_PROTO_KEY_PREFIX) + KEY_BYTES])
 _PEER_ID_BYTES = len(_MULTIHASH_PREFIX) + len(_PROTO_KEY_PREFIX) + KEY_BYTES
 # An Ed25519 peer ID is 52 characters; anything much longer is refused before big-integer decoding.
 _MAX_PEER_ID_CHARS = 64
-_B58_ALPHABET = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
-_B58_INDEX = {c: i for i, c in enumerate(_B58_ALPHABET)}
 _RAW = serialization.Encoding.Raw
 
 
@@ -45,33 +52,11 @@ class IdentityError(ProtolearnError):
     """The identity key file is missing, malformed or unsafe. The message says how to fix it."""
 
 
-def _b58encode(data: bytes) -> str:
-    n = int.from_bytes(data, "big")
-    out = []
-    while n:
-        n, r = divmod(n, 58)
-        out.append(_B58_ALPHABET[r])
-    pad = len(data) - len(data.lstrip(b"\0"))
-    return "1" * pad + "".join(reversed(out))
-
-
-def _b58decode(text: str) -> bytes:
-    n = 0
-    for c in text:
-        digit = _B58_INDEX.get(c)
-        if digit is None:
-            raise ValueError(f"{c!r} is not a base58 character")
-        n = n * 58 + digit
-    pad = len(text) - len(text.lstrip("1"))
-    body = n.to_bytes((n.bit_length() + 7) // 8, "big") if n else b""
-    return b"\0" * pad + body
-
-
 def peer_id_from_public_key(public_bytes: bytes) -> str:
     """Return the libp2p peer ID (``12D3KooW…``) of a raw 32-byte Ed25519 public key."""
     if len(public_bytes) != KEY_BYTES:
         raise ValueError(f"an Ed25519 public key is {KEY_BYTES} bytes, got {len(public_bytes)}")
-    return _b58encode(_MULTIHASH_PREFIX + _PROTO_KEY_PREFIX + public_bytes)
+    return base58.b58encode(_MULTIHASH_PREFIX + _PROTO_KEY_PREFIX + public_bytes).decode("ascii")
 
 
 def public_key_from_peer_id(peer_id: str) -> bytes:
@@ -84,12 +69,16 @@ def public_key_from_peer_id(peer_id: str) -> bytes:
     if len(peer_id) > _MAX_PEER_ID_CHARS:
         raise ProtocolError(shown, f"peer ID of {len(peer_id)} characters is too long for an Ed25519 peer ID")
     try:
-        raw = _b58decode(peer_id)
+        raw = base58.b58decode(peer_id)  # ValueError (UnicodeEncodeError for non-ASCII) on a bad character
     except ValueError as err:
         raise ProtocolError(shown, f"peer ID is not base58: {err}") from None
     prefix = _MULTIHASH_PREFIX + _PROTO_KEY_PREFIX
     if len(raw) != _PEER_ID_BYTES or not raw.startswith(prefix):
         raise ProtocolError(shown, "peer ID does not embed an Ed25519 public key")
+    # b58decode ignores trailing whitespace; one key must have exactly one peer ID string, or a
+    # signature would verify under two spellings of the same peer.
+    if base58.b58encode(raw).decode("ascii") != peer_id:
+        raise ProtocolError(shown, "peer ID is not in canonical base58")
     return raw[len(prefix):]
 
 

@@ -29,6 +29,8 @@ from pydantic import Field
 
 from protolearn.protocol.wire import Message
 
+# The node-to-node protocol names, each defined only here; the transport's protocol_id() makes
+# "/protolearn/<name>/1.0.0" of one. The coordinator's is protocol/coordination.py's COORDINATOR.
 ACTIVATION = "activation"
 GRADIENT = "gradient"
 COLLECTIVE = "collective"

@@ -21,11 +21,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from protolearn.codec_spec import CodecSpec, parse_codec_spec
 from protolearn.errors import ConfigError
 
-# The activation/gradient codecs that protocol/codecs.py implements ("topk" also as "topk:F").
-# The design card's "subspace" joins this list when its codec lands.
-KNOWN_CODECS = ("none", "fp16", "bf16", "int8", "topk")
 DEMO_RUN = "demo"
 
 
@@ -145,16 +143,8 @@ class RunConfig(_Frozen):
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, v: str) -> str:
-        name, sep, fraction = v.partition(":")
-        if name not in KNOWN_CODECS or (sep and name != "topk"):
-            raise ValueError(f"codec={v!r} is unknown; use one of {', '.join(KNOWN_CODECS)} (or topk:F, 0 < F <= 1)")
-        if sep:
-            try:
-                f = float(fraction)
-            except ValueError:
-                f = math.nan
-            if not 0 < f <= 1:
-                raise ValueError(f"codec={v!r}: the topk fraction must be a number in (0, 1], e.g. topk:0.05")
+        # The one codec grammar, shared with protocol/codecs.py; its error names this field.
+        parse_codec_spec(v, field="codec")
         return v
 
     @model_validator(mode="after")
@@ -173,6 +163,11 @@ class RunConfig(_Frozen):
                 f"batch.seq_len={self.batch.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
         return self
+
+    @property
+    def codec_spec(self) -> CodecSpec:
+        """The parsed :attr:`codec` (already validated, so this cannot fail)."""
+        return parse_codec_spec(self.codec, field="codec")
 
     def run_hash(self) -> str:
         """sha256 hex of the canonical JSON form; equal configs hash equally in every process."""

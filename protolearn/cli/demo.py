@@ -28,6 +28,7 @@ from typing import Annotated, Any
 
 import typer
 
+from protolearn.codec_spec import CODECS
 from protolearn.errors import ConfigError, ProtolearnError
 
 CLI = [sys.executable, "-m", "protolearn.cli.main"]
@@ -381,7 +382,7 @@ def _demo(
     nodes: Annotated[int, typer.Option("--nodes", help="Node processes to start.")] = 2,
     stages: Annotated[int, typer.Option("--stages", help="Pipeline stages (at most the model's layers).")] = 2,
     steps: Annotated[int, typer.Option("--steps", help="Optimizer steps to train.")] = 40,
-    codec: Annotated[str, typer.Option("--codec", help="Activation/gradient codec: none, fp16, bf16, int8, topk.")] = "none",
+    codec: Annotated[str, typer.Option("--codec", help=f"Activation/gradient codec: {', '.join(CODECS)} (topk:F sends the fraction F).")] = "none",
     config: Annotated[Path | None, typer.Option("--config", help="Run config TOML (default: the built-in demo run).")] = None,
     workdir: Annotated[Path | None, typer.Option("--workdir", help="Where logs and state go (default: a new temp dir).")] = None,
     threads: Annotated[int, typer.Option("--threads", help="Torch threads per node.")] = 1,

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.service import Running, serve
 from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
@@ -120,10 +121,13 @@ def test_nodes_join_heartbeat_train_steps_leave_and_expire(open_hosts, run_trio,
                         assert committed[0].committed and committed[0].revision == info.revision
                     beats.cancel_scope.cancel()
                 print(f"step-close to long-poll reply: {[round(x * 1000, 1) for x in latencies]} ms")
-                metrics = await scrape(coord.metrics_port)
-                assert "HTTP/1.1 200 OK" in metrics
-                assert "protolearn_step 2" in metrics and "protolearn_nodes 4" in metrics
-                assert 'protolearn_stage_replicas{stage="1"} 2' in metrics
+                head, _, body = (await scrape(coord.metrics_port)).partition("\r\n\r\n")
+                assert head.startswith("HTTP/1.1 200 OK")
+                samples = {
+                    (x.name, tuple(x.labels.items())): x.value for f in text_string_to_metric_families(body) for x in f.samples
+                }
+                assert samples[("protolearn_step", ())] == 2 and samples[("protolearn_nodes", ())] == 4
+                assert samples[("protolearn_stage_replicas", (("stage", "1"),))] == 2
 
                 # A graceful leave, then a silent node expires.
                 assert await s1[1].leave("done") == []
@@ -171,7 +175,7 @@ def test_coordinator_refuses_abuse_and_keeps_serving(open_hosts, run_trio, tmp_p
 
                 # malformed bytes and an unknown message kind on the coordinator protocol
                 for raw in (b"\x00\x00\x00\x00\x00\x00\x00\x05hello", b"\xff" * 7):
-                    async with stranger.open_stream(coord.addrs[0], "coordinator") as s:
+                    async with stranger.open_stream(coord.addrs[0], cm.COORDINATOR) as s:
                         await s.raw.write(raw)
                         await s.close()  # half-close: a truncated frame reads as EOF on the server
                         try:
@@ -181,7 +185,7 @@ def test_coordinator_refuses_abuse_and_keeps_serving(open_hosts, run_trio, tmp_p
                         else:
                             raise AssertionError("malformed request got a reply")
                 try:
-                    await stranger.request(coord.addrs[0], "coordinator", cm.StepInfo(
+                    await stranger.request(coord.addrs[0], cm.COORDINATOR, cm.StepInfo(
                         step=0, closed=False, revision=0, loss=None, num_tickets=1, accounting=[], open_step=0,
                     ), cm.JoinReply, timeout=5)
                 except Refused as err:
@@ -240,7 +244,7 @@ def test_coordinator_refuses_abuse_and_keeps_serving(open_hosts, run_trio, tmp_p
 
 
 async def _raw_join(host, coord: Running):
-    return await host.request(coord.addrs[0], "coordinator", join_msg(host), cm.JoinReply, timeout=5)
+    return await host.request(coord.addrs[0], cm.COORDINATOR, join_msg(host), cm.JoinReply, timeout=5)
 
 
 def test_a_dead_stage0_nodes_leases_go_to_another_replica_long_before_they_expire(open_hosts, run_trio, tmp_path):

@@ -11,8 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protolearn.codec_spec import CODECS
 from protolearn.errors import ConfigError
 from protolearn.protocol.codecs import (
+    ENCODERS,
     MAX_INT8_SCALE,
     CodecContext,
     CodecSpecError,
@@ -205,7 +207,14 @@ def test_codec_specs_parse_and_bad_ones_say_what_is_allowed() -> None:
         with pytest.raises(CodecSpecError) as info:
             make_encoder(bad)
         assert isinstance(info.value, ConfigError) and isinstance(info.value, ValueError)
-        assert "\n" not in str(info.value) and ("topk" in str(info.value))
+        text = str(info.value)
+        assert "\n" not in text and text.startswith("codec=") and "topk" in text
+
+
+def test_the_registry_has_one_encoder_for_every_name_of_the_grammar() -> None:
+    assert set(ENCODERS) == set(CODECS)
+    for name in CODECS:
+        assert make_encoder(name).spec == parse_codec_spec(name)
 
 
 def test_fp16_refuses_values_it_would_turn_into_inf() -> None:
@@ -255,8 +264,9 @@ def _i32(*values: int) -> bytes:
 @pytest.mark.parametrize(
     ("frame", "kwargs", "words"),
     [
-        (_f("gzip", [2], bytes(8)), {}, "unknown codec 'gzip'"),
-        (_f("topk:2", [2], bytes(8)), {}, "unknown codec"),
+        (_f("gzip", [2], bytes(8)), {}, "frame codec='gzip' is unknown"),
+        (_f("topk:2", [2], bytes(8)), {}, "frame codec='topk:2': the topk fraction"),
+        (_f("topk:" + "1" * 40, [2], bytes(8)), {}, "longer than 32 characters"),
         (_f("fp16", [2], bytes(8), dtype="int32"), {"dtype": None}, "carries float tensors"),
         (_f("fp16", [2], bytes(4), dtype="float16"), {}, "dtype float16 but float32 was expected"),
         (_f("fp16", [2], bytes(4)), {"shape": [3]}, "shape [2] but [3] was expected"),

@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protolearn.codec_spec import CodecSpec, CodecSpecError
 from protolearn.errors import ConfigError
+from protolearn.protocol.codecs import make_encoder
 from protolearn.stages.config import RunConfig, default_run, load_run_config
 
 PROTOLEARN = Path(sys.executable).with_name("protolearn")
@@ -67,6 +69,7 @@ BAD = [
     ('[model]\nn_layers = "x"\n', "field 'model.n_layers' = 'x'"),
     ("[batch]\nseq_len = 1000\n", "batch.seq_len=1000 exceeds model.max_seq_len=256"),
     ('codec = "zip"\n', "codec='zip' is unknown"),
+    ('codec = "topk:0.0500000000000000000000000000001"\n', "field 'codec': codec='topk:0.0500000000000000000000000'... is longer than 32"),
     ("[optim]\nwarmup_steps = 500\n", "warmup_steps=500 exceeds total_steps=200"),
     ("[optim]\nlr = nan\n", "field 'optim.lr' = nan"),
     ("[data]\nval_fraction = 1.5\n", "field 'data.val_fraction' = 1.5"),
@@ -125,3 +128,25 @@ def test_every_implemented_codec_is_accepted_and_round_trips(codec: str) -> None
 def test_unimplemented_or_malformed_codecs_are_refused_naming_the_field(codec: str) -> None:
     with pytest.raises(ConfigError, match="codec"):
         default_run().replace(codec=codec)
+
+
+@pytest.mark.parametrize(
+    "codec",
+    ["none", "int8", "topk", "topk:0.25", "topk:1", "subspace", "int8:3", "topk:0", "topk:2", "topk:", "Int8",
+     "topk:0.0500000000000000000000000000001"],
+)
+def test_config_and_codec_registry_accept_and_refuse_the_same_specs_with_the_same_words(codec: str) -> None:
+    # One grammar: the run config validates exactly the specs a node can encode, and says the same thing.
+    try:
+        encoder_error = None
+        spec = make_encoder(codec).spec
+    except CodecSpecError as err:
+        encoder_error = str(err)
+    if encoder_error is None:
+        run = default_run().replace(codec=codec)
+        assert run.codec == codec and run.codec_spec == spec and isinstance(spec, CodecSpec)
+        return
+    with pytest.raises(ConfigError) as info:
+        default_run().replace(codec=codec)
+    line = str(info.value)
+    assert "\n" not in line and line == f"run config override: field 'codec': {encoder_error}"

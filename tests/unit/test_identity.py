@@ -76,6 +76,7 @@ def test_a_third_party_verifies_a_signature_from_the_peer_id_alone() -> None:
     [
         ("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "does not embed an Ed25519"),  # an RSA-style sha256 peer ID
         ("12D3KooW0OIl", "not base58"),
+        ("12D3KooWé", "not base58"),
         ("", "does not embed"),
         ("1" * 500, "too long"),
         ("12D3KooWEvi1Peer", "does not embed"),  # base58, but far too short
@@ -87,6 +88,19 @@ def test_peer_ids_without_an_ed25519_key_are_refused(peer_id: str, words: str) -
     assert words in info.value.reason and len(info.value.peer) <= 64
     with pytest.raises(SignatureError):
         verify_peer(peer_id, b"x", bytes(64))
+
+
+@pytest.mark.parametrize("suffix", [" ", "\n", "\t ", "\x00"])
+def test_a_peer_id_has_one_spelling(suffix: str) -> None:
+    # base58.b58decode strips trailing whitespace; a second spelling of a peer ID must not verify.
+    ident = Identity.generate()
+    sig = ident.sign(b"x")
+    verify_peer(ident.peer_id, b"x", sig)
+    with pytest.raises(ProtocolError) as info:
+        public_key_from_peer_id(ident.peer_id + suffix)
+    assert "base58" in info.value.reason
+    with pytest.raises(SignatureError):
+        verify_peer(ident.peer_id + suffix, b"x", sig)
 
 
 def test_repr_never_shows_the_private_key() -> None:

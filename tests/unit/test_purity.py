@@ -1,5 +1,6 @@
 """The pure core stays pure: no module of protolearn.protocol (but the libp2p adapter), of
-protolearn.stages, nor the stage checkpoint and model export modules of protolearn.node may pull in
+protolearn.stages, nor the codec grammar they share, nor the stage checkpoint and model export modules of
+protolearn.node may pull in
 trio or libp2p (STYLE.md, "Dependencies point one way").
 
 Packages are walked with pkgutil, so a module added later is checked without editing this test;
@@ -17,7 +18,8 @@ import sys
 
 PURE_PACKAGES = ("protolearn.protocol", "protolearn.stages")
 PURE_MODULES = (
-    "protolearn.node.checkpoint", "protolearn.node.export", "protolearn.node.core", "protolearn.node.leasing", "protolearn.node.accounting",
+    "protolearn.codec_spec", "protolearn.node.checkpoint", "protolearn.node.export",
+    "protolearn.node.core", "protolearn.node.leasing", "protolearn.node.accounting",
 )
 # Module name prefixes of the adapter that binds the wire protocol to libp2p streams.
 ADAPTERS = ("protolearn.protocol.transport",)  # the one adapter package, with its submodules
