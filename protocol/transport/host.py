@@ -30,6 +30,7 @@ from protolearn.protocol.addresses import advertised, check_port_free, parse_mul
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused
 from protolearn.protocol.frames import DEFAULT_LIMITS, TensorLimits
 from protolearn.protocol.gate import Gate
+from protolearn.protocol.log_digest import DEFAULT_INTERVAL_S, DEFAULT_MAX_PEERS
 from protolearn.protocol.transport.bulk import BulkLane, lane_ip
 from protolearn.protocol.transport.streams import FramedStream
 from protolearn.protocol.wire import ErrorReply, Message
@@ -70,6 +71,10 @@ class TransportConfig(BaseModel):
     bulk_min_bytes: int = Field(default=1024 * 1024, gt=0)
     bulk_connect_timeout_s: float = Field(default=2.0, gt=0)
     bulk_max_pending_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)  # receive buffers reserved at once
+    # Rejection log lines (protocol/gate.py): a peer's first rejection per interval in full, the rest
+    # summarised with counts at the interval's end; at most this many peers are counted apart.
+    rejection_log_interval_s: float = Field(default=DEFAULT_INTERVAL_S, gt=0)
+    rejection_log_max_peers: int = Field(default=DEFAULT_MAX_PEERS, gt=0)
 
 
 class HasSeed(Protocol):
@@ -87,7 +92,7 @@ class _BanNotifee(INotifee):
         peer = str(conn.muxed_conn.peer_id)
         rejection = self._host.gate.check_connection(peer)
         if rejection is not None:
-            self._host.gate.record(rejection)
+            self._host.gate.record(rejection, self._host.clock())
             self._host._schedule_disconnect(peer)
         elif self._host.on_connection is not None:
             self._host.on_connection(peer, True)
@@ -114,11 +119,13 @@ class _BanNotifee(INotifee):
 class Host:
     """A running libp2p host. Build it with :func:`open_host`; see the module docstring for the API."""
 
-    def __init__(self, lp: IHost, config: TransportConfig) -> None:
+    def __init__(self, lp: IHost, config: TransportConfig, *, clock: Callable[[], float] = trio.current_time) -> None:
         self._lp = lp
         self.config = config
+        # The time rejections are logged against (seconds, monotonic); a test may pass a fake.
+        self.clock = clock
         self.peer_id = str(lp.get_id())
-        self.gate = Gate()
+        self.gate = Gate(log_interval_s=config.rejection_log_interval_s, log_max_peers=config.rejection_log_max_peers)
         self.requests_served = 0  # requests answered with a normal (non-error) reply
         # None when config.bulk is off; host.bulk.stats counts what went over the lane.
         self.bulk: BulkLane | None = None
@@ -240,6 +247,17 @@ class Host:
                 except (BaseLibp2pError, OSError, ProtocolError) as err:
                     log.info("could not close connection peer=%s reason=%s", peer_id, _why(err))
 
+    async def _rejection_log_service(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Write each peer's rejection summary when its interval ends, also when the peer went quiet."""
+        task_status.started()
+        interval = self.config.rejection_log_interval_s
+        while True:
+            now = self.clock()
+            due = self.gate.next_log_due()
+            # An interval that starts after this sleep began ends after it does: nothing is late.
+            await trio.sleep(interval if due is None else max(due - now, interval / 100))
+            self.gate.flush_log(self.clock())
+
     # -- serving ------------------------------------------------------------------------------
 
     def serve(
@@ -263,13 +281,13 @@ class Host:
             try:
                 request = await s.receive(request_type, timeout=self.config.request_timeout_s)
             except ProtocolError as err:
-                self.gate.reject(peer, name, type(err).__name__, err.reason)
+                self.gate.reject(peer, name, type(err).__name__, err.reason, self.clock())
                 await self._refuse(s, err)
                 return
             try:
                 reply = await handler(peer, request)
             except ProtocolError as err:
-                self.gate.reject(peer, name, type(err).__name__, err.reason)
+                self.gate.reject(peer, name, type(err).__name__, err.reason, self.clock())
                 reply = ErrorReply(code=type(err).__name__, reason=err.reason)
             except ProtolearnError as err:
                 log.info("refused peer=%s protocol=%s reason=%s", peer, name, err)
@@ -311,7 +329,7 @@ class Host:
             s = self._wrap(raw, peer, name)
             rejection = self.gate.check_stream(peer, name, num_active=self._active[name], limit=limit)
             if rejection is not None:
-                self.gate.record(rejection)
+                self.gate.record(rejection, self.clock())
                 await s.reset()
                 if self.is_banned(peer):
                     self._schedule_disconnect(peer)
@@ -329,11 +347,11 @@ class Host:
         try:
             await handler(peer, s)
         except ProtocolError as err:
-            self.gate.reject(peer, name, type(err).__name__, err.reason)
+            self.gate.reject(peer, name, type(err).__name__, err.reason, self.clock())
             await s.reset()
             return
         except Exception as err:
-            self.gate.reject(peer, name, "handler_error", f"handler failed: {type(err).__name__}: {err}")
+            self.gate.reject(peer, name, "handler_error", f"handler failed: {type(err).__name__}: {err}", self.clock())
             log.exception("handler failed peer=%s protocol=%s", peer, name)
             await s.reset()
             return
@@ -421,11 +439,14 @@ async def open_host(
     identity: HasSeed,
     listen: Sequence[str] = DEFAULT_LISTEN,
     config: TransportConfig | None = None,
+    *,
+    clock: Callable[[], float] = trio.current_time,
 ) -> AsyncIterator[Host]:
     """Build, start and yield a :class:`Host` listening on ``listen``; close everything on exit.
 
     An error raised in the body comes out as itself, not wrapped in the nurseries' ExceptionGroup.
-    A listen address that cannot be used raises :class:`ConfigError`.
+    A listen address that cannot be used raises :class:`ConfigError`. ``clock`` is the monotonic
+    time the rejection log's intervals are measured in (the trio clock unless a test fakes it).
     """
     cfg = TransportConfig() if config is None else config
     key_pair = create_new_key_pair(bytes(identity.private_bytes))
@@ -441,7 +462,7 @@ async def open_host(
         enable_mDNS=False,
         enable_upnp=False,
     )
-    host = Host(lp, cfg)
+    host = Host(lp, cfg, clock=clock)
     lp.get_network().register_notifee(_BanNotifee(host))
     try:
         async with lp.run(listen_addrs), trio.open_nursery() as nursery:
@@ -453,6 +474,7 @@ async def open_host(
                 # to a peer that just died would race ours and mark the peer undialable for 60 s.
                 await lp.get_network().auto_connector.stop()
                 await nursery.start(host._disconnect_service)
+                await nursery.start(host._rejection_log_service)
                 ip = lane_ip([str(a) for a in listen_addrs])
                 if host.bulk is not None and ip is not None:
                     await nursery.start(host.bulk.serve, ip)
@@ -462,6 +484,7 @@ async def open_host(
                 # Close connections explicitly: cancelling the swarm alone leaves sockets to the GC.
                 with trio.CancelScope(shield=True), trio.move_on_after(cfg.connect_timeout_s):
                     await lp.close()
+                host.gate.flush_log(host.clock(), everything=True)  # no count is lost at shutdown
     except BaseExceptionGroup as group:
         leaf = _single_leaf(group)
         if leaf is None:
