@@ -104,10 +104,4 @@ class Gate:
 
 def _write_summaries(summaries: list[Summary[Rejection]]) -> None:
     for s in summaries:
-        kinds = ", ".join(f"{kind} {n}" for kind, n in s.kinds)
-        who = s.peer if s.peer is not None else "(peers beyond the tracked ones)"
-        last = s.last
-        log.warning(
-            "rejected peer=%s: %d more in %.1f s (%s); the last: %sprotocol=%s reason=%s",
-            who, s.num_more, s.span_s, kinds, "" if s.peer is not None else f"peer={last.peer} ", last.protocol, last.reason,
-        )
+        log.warning("rejected %s protocol=%s reason=%s", s.head(), s.last.protocol, s.last.reason)

@@ -49,6 +49,14 @@ class Summary(Generic[T]):
     last_peer: str  # who sent the last one (differs from ``peer`` only for the overflow entry)
     span_s: float  # from the written event to the last counted one
 
+    def head(self) -> str:
+        """``peer=<id>: 249 more in 9.9 s (TooLarge 200, ProtocolError 49); the last:``, for the caller
+        to append the last event's fields to (the overflow entry adds ``peer=<who sent it>``)."""
+        kinds = ", ".join(f"{kind} {n}" for kind, n in self.kinds)
+        who = self.peer if self.peer is not None else "(peers beyond the tracked ones)"
+        last_peer = "" if self.peer is not None else f" peer={self.last_peer}"
+        return f"peer={who}: {self.num_more} more in {self.span_s:.1f} s ({kinds}); the last:{last_peer}"
+
 
 @dataclass
 class _Entry(Generic[T]):

@@ -30,7 +30,7 @@ from protolearn.protocol.addresses import advertised, check_port_free, parse_mul
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused
 from protolearn.protocol.frames import DEFAULT_LIMITS, TensorLimits
 from protolearn.protocol.gate import Gate
-from protolearn.protocol.log_digest import DEFAULT_INTERVAL_S, DEFAULT_MAX_PEERS
+from protolearn.protocol.log_digest import DEFAULT_INTERVAL_S, DEFAULT_MAX_PEERS, LogDigest, Summary
 from protolearn.protocol.transport.bulk import BulkLane, lane_ip
 from protolearn.protocol.transport.streams import FramedStream
 from protolearn.protocol.wire import ErrorReply, Message
@@ -126,6 +126,11 @@ class Host:
         self.clock = clock
         self.peer_id = str(lp.get_id())
         self.gate = Gate(log_interval_s=config.rejection_log_interval_s, log_max_peers=config.rejection_log_max_peers)
+        # (protocol, reason) of requests a handler refused on purpose: logged per peer and interval too,
+        # since a peer can ask for refusals as fast as for rejections.
+        self._refusal_log: LogDigest[tuple[str, str]] = LogDigest(
+            interval_s=config.rejection_log_interval_s, max_peers=config.rejection_log_max_peers,
+        )
         self.requests_served = 0  # requests answered with a normal (non-error) reply
         # None when config.bulk is off; host.bulk.stats counts what went over the lane.
         self.bulk: BulkLane | None = None
@@ -247,16 +252,27 @@ class Host:
                 except (BaseLibp2pError, OSError, ProtocolError) as err:
                     log.info("could not close connection peer=%s reason=%s", peer_id, _why(err))
 
+    def _log_refusal(self, peer: str, name: str, kind: str, reason: str) -> None:
+        write, due = self._refusal_log.note(peer, kind, (name, reason), self.clock())
+        _log_refusal_summaries(due)
+        if write:
+            log.info("refused peer=%s protocol=%s reason=%s", peer, name, reason)
+
+    def _flush_logs(self, *, everything: bool = False) -> None:
+        self.gate.flush_log(self.clock(), everything=everything)
+        _log_refusal_summaries(self._refusal_log.flush(self.clock(), everything=everything))
+
     async def _rejection_log_service(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Write each peer's rejection summary when its interval ends, also when the peer went quiet."""
+        """Write each peer's rejection and refusal summaries when their interval ends, also when the
+        peer went quiet."""
         task_status.started()
         interval = self.config.rejection_log_interval_s
         while True:
             now = self.clock()
-            due = self.gate.next_log_due()
+            due = min((d for d in (self.gate.next_log_due(), self._refusal_log.next_due()) if d is not None), default=None)
             # An interval that starts after this sleep began ends after it does: nothing is late.
             await trio.sleep(interval if due is None else max(due - now, interval / 100))
-            self.gate.flush_log(self.clock())
+            self._flush_logs()
 
     # -- serving ------------------------------------------------------------------------------
 
@@ -290,7 +306,7 @@ class Host:
                 self.gate.reject(peer, name, type(err).__name__, err.reason, self.clock())
                 reply = ErrorReply(code=type(err).__name__, reason=err.reason)
             except ProtolearnError as err:
-                log.info("refused peer=%s protocol=%s reason=%s", peer, name, err)
+                self._log_refusal(peer, name, type(err).__name__, str(err))
                 reply = ErrorReply(code=type(err).__name__, reason=str(err))
             await s.send(reply, timeout=self.config.request_timeout_s)
             if not isinstance(reply, ErrorReply):
@@ -484,12 +500,17 @@ async def open_host(
                 # Close connections explicitly: cancelling the swarm alone leaves sockets to the GC.
                 with trio.CancelScope(shield=True), trio.move_on_after(cfg.connect_timeout_s):
                     await lp.close()
-                host.gate.flush_log(host.clock(), everything=True)  # no count is lost at shutdown
+                host._flush_logs(everything=True)  # no count is lost at shutdown
     except BaseExceptionGroup as group:
         leaf = _single_leaf(group)
         if leaf is None:
             raise
         raise leaf from None
+
+
+def _log_refusal_summaries(summaries: list[Summary[tuple[str, str]]]) -> None:
+    for s in summaries:
+        log.info("refused %s protocol=%s reason=%s", s.head(), *s.last)
 
 
 def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
