@@ -6,7 +6,7 @@ See the package docstring of :mod:`protolearn.protocol.transport` for the API.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar
 
@@ -20,6 +20,7 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.exceptions import PeerIDMismatchesPubkey
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from protolearn.errors import ConfigError, ProtolearnError
 from protolearn.protocol import wire
 from protolearn.protocol.addresses import advertised, check_port_free, parse_multiaddr, strip_p2p
-from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused
+from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused, WrongPeer
 from protolearn.protocol.frames import DEFAULT_LIMITS, TensorLimits
 from protolearn.protocol.gate import Gate
 from protolearn.protocol.log_digest import DEFAULT_INTERVAL_S, DEFAULT_MAX_PEERS, LogDigest, Summary
@@ -167,7 +168,8 @@ class Host:
     async def connect(self, addr: str, *, timeout: float | None = None) -> str:
         """Dial ``addr`` (which must end in ``/p2p/<id>``) and return the peer ID.
 
-        Noise authenticates the remote; a remote whose key does not match the ``/p2p/`` part fails.
+        Noise authenticates the remote; a remote whose key does not match the ``/p2p/`` part raises
+        :class:`WrongPeer` (nobody listening, or a failed dial, raises :class:`PeerUnavailable`).
         """
         maddr = parse_multiaddr(addr, "unknown")
         try:
@@ -186,6 +188,8 @@ class Host:
         except trio.TooSlowError:
             raise PeerUnavailable(peer, f"could not connect to {addr} within {limit:g} s") from None
         except (BaseLibp2pError, OSError) as err:
+            if any(isinstance(e, PeerIDMismatchesPubkey) for e in _causes(err)):
+                raise WrongPeer(peer, f"{strip_p2p(maddr)} answered with another peer id than {peer}") from None
             raise PeerUnavailable(peer, f"could not connect to {addr}: {_why(err)}") from None
         return peer
 
@@ -528,6 +532,19 @@ def _parse_peer_id(text: str) -> ID:
         return ID.from_base58(text)
     except Exception as err:  # base58 and multihash raise several unrelated types
         raise PeerUnavailable(text[:80], f"invalid peer ID: {err}") from None
+
+
+def _causes(err: BaseException, depth: int = 0) -> Iterator[BaseException]:
+    """``err`` and what it wraps: py-libp2p hides a failed dial's reason in a MultiError under its cause."""
+    yield err
+    if depth >= 8:
+        return
+    for inner in getattr(err, "errors", None) or ():
+        if isinstance(inner, BaseException):
+            yield from _causes(inner, depth + 1)
+    nested = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+    if nested is not None:
+        yield from _causes(nested, depth + 1)
 
 
 def _why(err: BaseException) -> str:
