@@ -7,11 +7,14 @@ from the one persisted there, restores the state, starts a host that answers
 Each request is handled by :meth:`CoordinatorCore.handle` with the wall clock (persisted times stay
 meaningful across restarts), then every change is written to SQLite before the reply goes out, so a
 reply a node has seen is never lost to a SIGKILL. A refusal is logged with the peer, the request and
-the reason and goes back as an ``ErrorReply``. ``WaitStep`` is a long poll: it waits on an event that
-is set whenever a step closes, reopens or commits, bounded by the request's timeout (≤ 30 s). A housekeeping
-task expires members and leases and rebalances; the host tells the core when a member's connection
-closes, so a dead member's leases end after a short grace instead of at their expiry. Banned peers
-are handed to the host's gate, which refuses them at connection time.
+the reason and goes back as an ``ErrorReply``. Like the transport's rejections, a peer's first refusal
+in an interval is written in full and the rest go into one summary line with their count
+(:mod:`protolearn.protocol.log_digest`), so a flooding peer cannot fill the disk. ``WaitStep`` is a
+long poll: it waits on an event that is set whenever a step closes, reopens or commits, bounded by
+the request's timeout (≤ 30 s). A housekeeping task expires members and leases and rebalances; the
+host tells the core when a member's connection closes, so a dead member's leases end after a short
+grace instead of at their expiry. Banned peers are handed to the host's gate, which refuses them at
+connection time.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from protolearn.coordinator.metrics import metrics_registry, serve_metrics
 from protolearn.coordinator.store import Store
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.identity import load_or_create_identity
+from protolearn.protocol.log_digest import LogDigest, Summary
 from protolearn.protocol.transport import Host, TransportConfig, open_host
 from protolearn.protocol.wire import Message
 
@@ -113,6 +117,10 @@ class _Service:
         self._changed = trio.Event()
         self._seen = self._progress()
         self._waiting = 0
+        # (request kind, code, reason) of refusals, logged per peer and interval like the host's rejections.
+        self._refusals: LogDigest[tuple[str, str, str]] = LogDigest(
+            interval_s=host.config.rejection_log_interval_s, max_peers=host.config.rejection_log_max_peers,
+        )
         self.sync_bans()
 
     def _progress(self) -> tuple[int, int, int]:
@@ -142,7 +150,10 @@ class _Service:
                 return await self._wait(peer, msg)
             reply = self.core.handle(peer, msg, self.clock())
         except Refusal as r:
-            log.warning("refused peer=%s request=%s code=%s reason=%s", peer, msg.KIND, r.code, r.reason)
+            write, due = self._refusals.note(peer, r.code, (msg.KIND, r.code, r.reason), self.host.clock())
+            _log_refusal_summaries(due)
+            if write:
+                log.warning("refused peer=%s request=%s code=%s reason=%s", peer, msg.KIND, r.code, r.reason)
             self.commit()
             raise
         self.commit()
@@ -164,6 +175,10 @@ class _Service:
         finally:
             self._waiting -= 1
 
+    def flush_refusal_log(self, *, everything: bool = False) -> None:
+        """Write the refusal summaries of the intervals that are over (all of them with ``everything``)."""
+        _log_refusal_summaries(self._refusals.flush(self.host.clock(), everything=everything))
+
     async def housekeeping(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         last_soft = trio.current_time()
@@ -171,10 +186,16 @@ class _Service:
             await trio.sleep(self.core.settings.housekeeping_interval_s)
             for event in self.core.housekeeping(self.clock()):
                 log.info("%s", event)
+            self.flush_refusal_log()
             soft = trio.current_time() - last_soft >= SOFT_PERSIST_S
             if soft:
                 last_soft = trio.current_time()
             self.commit(soft=soft)
+
+
+def _log_refusal_summaries(summaries: list[Summary[tuple[str, str, str]]]) -> None:
+    for s in summaries:
+        log.warning("refused %s request=%s code=%s reason=%s", s.head(), *s.last)
 
 
 def _answered(msg: cm.WaitStep, info: cm.StepInfo) -> bool:
@@ -205,6 +226,7 @@ async def serve(
     identity = load_or_create_identity(data_dir)
     # A long poll holds a stream for up to MAX_WAIT_S, so requests need a longer deadline than that.
     transport = transport or TransportConfig(request_timeout_s=cm.MAX_WAIT_S + 5.0)
+    svc: _Service | None = None
     try:
         async with open_host(identity, listen, transport) as host:
             svc = _Service(core, store, host, clock)
@@ -226,4 +248,6 @@ async def serve(
                 )
                 task_status.started(Running(host.peer_id, host.addrs(), port, core, host, data_dir, resumed))
     finally:
+        if svc is not None:
+            svc.flush_refusal_log(everything=True)  # no count is lost at shutdown
         store.close()

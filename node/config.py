@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+import multiaddr
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
@@ -17,6 +18,9 @@ class NodeConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     coordinator: str = Field(min_length=1)
+    # How long a starting node waits for an unreachable coordinator (it may be restarting), retrying
+    # with capped backoff, before it gives up with one error line (0: one dial only).
+    coordinator_wait_s: float = Field(default=60.0, ge=0, le=24 * 3600)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     data_dir: Path
     listen: str = DEFAULT_LISTEN
@@ -44,6 +48,11 @@ class NodeConfig(BaseModel):
     def _has_peer_id(cls, v: str) -> str:
         if not v.startswith("/") or "/p2p/" not in v:
             raise ValueError(f"{v!r} must be a full multiaddr ending in /p2p/<peer id>, as `protolearn coordinator start` prints it")
+        try:  # a typo must fail now, not be retried for --coordinator-wait seconds
+            multiaddr.Multiaddr(v)
+        except Exception as err:  # multiaddr raises several unrelated types for bad text
+            why = str(err).split(": ", 1)[-1].split(" (string:")[0]  # its text repeats the address twice
+            raise ValueError(f"{v!r} is not a valid multiaddr ({why}); copy the line `protolearn coordinator start` prints") from None
         return v
 
     @property

@@ -1,22 +1,45 @@
 """Joining: dial the coordinator, check its peer ID and its run, and pick the compute device.
 
-Every failure is one :class:`~protolearn.node.errors.JoinError` line that says what to do. The first
-dial is made without retries, because at start an unreachable coordinator is a user error (a wrong
-address or peer ID), not a network blip.
+Every failure is one :class:`~protolearn.node.errors.JoinError` line that says what to do.
+
+An unreachable coordinator is retried for ``NodeConfig.coordinator_wait_s`` (``--coordinator-wait``,
+a minute by default), because it may just be restarting: a node restarted while the coordinator was
+down for 3 s used to exit after one failed dial. Retries back off from :data:`FIRST_RETRY_S` to at
+most :data:`MAX_RETRY_S` (with jitter, so a swarm's nodes do not dial in lockstep), and each one is
+announced as ``waiting for the coordinator at <addr> (attempt N, retry in S s)``. When the time is up
+the node fails with the one line it always did. A coordinator that answers with another peer ID is
+a wrong address, not a restart, and fails at once.
 """
 
 from __future__ import annotations
 
+import logging
+import random
+from collections.abc import Callable
+
 import torch
+import trio
 
 from protolearn.errors import ConfigError
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
 from protolearn.node.errors import JoinError
 from protolearn.protocol import coordination as cm
-from protolearn.protocol.errors import ProtocolError, Refused
+from protolearn.protocol.errors import ProtocolError, Refused, WrongPeer
 from protolearn.protocol.transport import Host
 from protolearn.stages.config import RunConfig
+
+log = logging.getLogger("protolearn.node")
+
+# Waiting for the coordinator at start: the first retry comes after about FIRST_RETRY_S, each
+# later one after twice the last, at most MAX_RETRY_S (times a jitter of 0.5-1), so a coordinator
+# that comes back is found within seconds and a dead one costs one refused dial every few seconds.
+FIRST_RETRY_S = 0.5
+MAX_RETRY_S = 4.0
+# One dial's deadline (also bounded by the node's request timeout); later dials get what is left of
+# the wait, but at least MIN_DIAL_S.
+DIAL_TIMEOUT_S = 10.0
+MIN_DIAL_S = 2.0
 
 
 def resolve_device(device: str) -> str:
@@ -27,13 +50,53 @@ def resolve_device(device: str) -> str:
     return device
 
 
-async def join_coordinator(host: Host, config: NodeConfig) -> tuple[CoordinatorLink, cm.JoinReply, RunConfig]:
-    """Dial and join the coordinator; check its run. Every failure is one JoinError line."""
-    try:
-        # Dial once without retries first: at start, an unreachable coordinator is a user error.
-        await host.connect(config.coordinator, timeout=min(10.0, config.request_timeout_s))
-    except ProtocolError as err:
-        raise JoinError(f"cannot reach the coordinator at {config.coordinator}: {err.reason}; check the address (including its /p2p/ peer id) and that the coordinator is running") from None
+async def wait_for_coordinator(
+    host: Host,
+    config: NodeConfig,
+    *,
+    on_wait: Callable[[str], None] | None = None,
+    clock: Callable[[], float] = trio.current_time,
+) -> None:
+    """Dial the coordinator, retrying for ``config.coordinator_wait_s``; then one JoinError line.
+
+    ``on_wait`` gets each ``waiting for the coordinator ...`` line (default: a warning in the log,
+    which the CLI shows on stderr).
+    """
+    say = on_wait or log.warning
+    addr = config.coordinator
+    deadline = clock() + config.coordinator_wait_s
+    full = min(DIAL_TIMEOUT_S, config.request_timeout_s)
+    backoff = FIRST_RETRY_S
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            # The first dial gets its full deadline even with --coordinator-wait 0, as it always did.
+            await host.connect(addr, timeout=full if attempt == 1 else min(full, max(deadline - clock(), MIN_DIAL_S)))
+            return
+        except WrongPeer as err:
+            raise JoinError(f"cannot reach the coordinator at {addr}: {err.reason}; check the address (including its /p2p/ peer id)") from None
+        except ProtocolError as err:
+            left = deadline - clock()
+            if left <= 0:
+                waited = f" (waited {config.coordinator_wait_s:g} s, {attempt} attempts)" if attempt > 1 else ""
+                raise JoinError(
+                    f"cannot reach the coordinator at {addr}{waited}: {err.reason}; check the address (including its /p2p/ "
+                    "peer id) and that the coordinator is running"
+                ) from None
+        # The last retry comes at the deadline, so the whole wait is used.
+        delay = min(backoff * random.uniform(0.5, 1.0), left)
+        say(f"waiting for the coordinator at {addr} (attempt {attempt}, retry in {delay:.1f} s)")
+        await trio.sleep(delay)
+        backoff = min(2 * backoff, MAX_RETRY_S)
+
+
+async def join_coordinator(
+    host: Host, config: NodeConfig, *, on_wait: Callable[[str], None] | None = None,
+) -> tuple[CoordinatorLink, cm.JoinReply, RunConfig]:
+    """Dial (waiting for it, see :func:`wait_for_coordinator`) and join the coordinator; check its
+    run. Every failure is one JoinError line."""
+    await wait_for_coordinator(host, config, on_wait=on_wait)
     link = CoordinatorLink(host, config.coordinator, retry=RetryPolicy(request_timeout_s=config.request_timeout_s))
     device = resolve_device(config.device)
     try:

@@ -30,6 +30,10 @@ class PeerUnavailable(ProtocolError):
     """A peer could not be dialled, or its stream broke (reset, EOF mid-message, refused)."""
 
 
+class WrongPeer(PeerUnavailable):
+    """The address answered, but the Noise handshake showed another peer's key: a retry cannot help."""
+
+
 class Refused(ProtocolError):
     """The remote side refused a request (banned, over its stream limit, or an application error)."""
 

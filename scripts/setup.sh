@@ -2,11 +2,21 @@
 # Set up protolearn in ./.venv and install it in editable mode, with its test tools.
 #
 # torch: a torch that the chosen Python already has (for example a CUDA build on a GPU machine) is
-# kept, by giving the venv access to the system site-packages. Otherwise the CPU build
-# torch==2.13.0 is installed; a plain `pip install torch` would pull a multi-GB CUDA build.
+# kept, by giving the venv access to the system site-packages. Otherwise torch==2.13.0 is installed
+# from pip's configured index. On Linux x86_64 the default index (PyPI) serves the CUDA build of that
+# pin, which pulls several GB of nvidia-* libraries: right for a GPU volunteer, wasted on a CPU-only
+# box. PROTOLEARN_TORCH=cpu installs the CPU build from PyTorch's CPU index instead
+# (https://download.pytorch.org/whl/cpu). Unset, nothing changes (CI relies on the plain pin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+TORCH_PIN="torch==2.13.0"
+TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
+case "${PROTOLEARN_TORCH:-}" in
+    "") TORCH_ARGS=("$TORCH_PIN") ;;
+    cpu) TORCH_ARGS=("$TORCH_PIN" --index-url "$TORCH_CPU_INDEX") ;;
+    *) echo "setup: PROTOLEARN_TORCH='$PROTOLEARN_TORCH' is not understood; use PROTOLEARN_TORCH=cpu, or leave it unset" >&2; exit 1 ;;
+esac
 
 if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
     echo "protolearn needs Python >= 3.11; '$PY' is $("$PY" --version 2>&1). Set PYTHON=/path/to/python3.11." >&2
@@ -24,8 +34,12 @@ fi
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
-    echo "setup: installing the CPU build of torch (torch==2.13.0)"
-    .venv/bin/python -m pip install -q "torch==2.13.0"
+    if [ "${PROTOLEARN_TORCH:-}" = cpu ]; then
+        echo "setup: installing the CPU build of torch ($TORCH_PIN from $TORCH_CPU_INDEX)"
+    else
+        echo "setup: installing $TORCH_PIN from pip's index (on Linux x86_64, PyPI's is the CUDA build; PROTOLEARN_TORCH=cpu for the CPU one)"
+    fi
+    .venv/bin/python -m pip install -q "${TORCH_ARGS[@]}"
 fi
 .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/python -c 'import protolearn.cli.main' || { echo "setup: protolearn failed to import" >&2; exit 1; }

@@ -6,6 +6,10 @@ a split is the concatenation of its files (int16, compact). Reading stops at ``m
 taken in hash order rather than name order, so a capped corpus still samples the whole tree. The
 result is cached per :class:`DataConfig` in this process.
 
+Files and folders that cannot be read (permissions, a broken link) are skipped, never silently: one
+warning gives their count and the first few names. Fewer than two readable non-empty files is a
+one-line :class:`~protolearn.errors.ConfigError` that names the unreadable ones too.
+
 Note: the stdlib differs between Python versions. :attr:`Corpus.fingerprint` lets nodes check
 that they hold the same tokens.
 """
@@ -13,6 +17,7 @@ that they hold the same tokens.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -28,6 +33,10 @@ from protolearn.stages.tokenizer import encode_document
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".toml", ".json", ".csv", ".html", ".c", ".h", ".js", ".ts")
 # Third-party and generated code is not part of the default corpus.
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "lib2to3"}
+# How many unreadable files a warning or an error names; the count covers them all.
+NUM_NAMED_SKIPS = 5
+
+log = logging.getLogger("protolearn.stages")
 
 
 @dataclass(frozen=True)
@@ -50,9 +59,18 @@ def _is_val(rel: str, val_fraction: float) -> bool:
     return _path_hash("val/" + rel) / 2**64 < val_fraction
 
 
-def _list_files(root: Path, *, stdlib: bool) -> list[str]:
+def _list_files(root: Path, *, stdlib: bool) -> tuple[list[str], list[str]]:
+    """The text files under ``root`` (relative paths), and the folders that could not be listed
+    (relative, with a trailing ``/``): os.walk skips those silently unless asked."""
     found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    unlisted: list[str] = []
+
+    def on_error(err: OSError) -> None:
+        where = Path(err.filename) if err.filename else root
+        rel = where.relative_to(root).as_posix() if where.is_relative_to(root) else str(where)
+        unlisted.append(("" if rel == "." else rel) + "/")
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=on_error):
         if stdlib:
             dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS]
         else:
@@ -62,11 +80,14 @@ def _list_files(root: Path, *, stdlib: bool) -> list[str]:
                 continue
             if (stdlib and fn.endswith(".py")) or (not stdlib and fn.lower().endswith(TEXT_SUFFIXES)):
                 found.append(Path(dirpath, fn).relative_to(root).as_posix())
-    return sorted(found)
+    return sorted(found), sorted(unlisted)
 
 
-def _read(root: Path, files: list[str], max_bytes: int) -> list[tuple[str, bytes]]:
+def _read(root: Path, files: list[str], max_bytes: int) -> tuple[list[tuple[str, bytes]], list[str]]:
+    """The (relative path, bytes) of the files read, in hash order up to ``max_bytes``, and the
+    relative paths of the files that could not be read (permissions, a broken link, a vanished file)."""
     docs: list[tuple[str, bytes]] = []
+    unreadable: list[str] = []
     total = 0
     for rel in sorted(files, key=_path_hash):
         if total >= max_bytes:
@@ -74,13 +95,20 @@ def _read(root: Path, files: list[str], max_bytes: int) -> list[tuple[str, bytes
         try:
             data = (root / rel).read_bytes()
         except OSError:
-            continue  # unreadable file (permissions, a broken link): the corpus is just smaller
+            unreadable.append(rel)  # reported by the caller: the corpus must never shrink unseen
+            continue
         if not data:
             continue
         data = data[: max_bytes - total]
         docs.append((rel, data))
         total += len(data)
-    return docs
+    return docs, unreadable
+
+
+def _describe(unreadable: list[str]) -> str:
+    """``3 unreadable file(s) or folder(s): a.txt, b/, c/d.md`` (at most NUM_NAMED_SKIPS names)."""
+    names = ", ".join(unreadable[:NUM_NAMED_SKIPS]) + (", ..." if len(unreadable) > NUM_NAMED_SKIPS else "")
+    return f"{len(unreadable)} unreadable file(s) or folder(s): {names}"
 
 
 def _concat(docs: list[tuple[str, bytes]]) -> torch.Tensor:
@@ -109,13 +137,17 @@ def _load(data: DataConfig) -> Corpus:
         source = str(root)
         if not root.is_dir():
             raise ConfigError(f"data folder '{root}' does not exist or is not a folder; pass --data FOLDER of text files")
-    files = _list_files(root, stdlib=stdlib)
-    docs = _read(root, files, data.max_bytes)
+    files, unlisted = _list_files(root, stdlib=stdlib)
+    docs, unread = _read(root, files, data.max_bytes)
+    unreadable = sorted(unlisted + unread)
     if len(docs) < 2:
+        skipped = f", and {_describe(unreadable)} (check their permissions)" if unreadable else ""
         raise ConfigError(
-            f"data folder '{root}' has {len(docs)} non-empty text file(s) ({', '.join(TEXT_SUFFIXES)}); "
+            f"data folder '{root}' has {len(docs)} non-empty text file(s) ({', '.join(TEXT_SUFFIXES)}){skipped}; "
             "it needs at least 2, because train and validation are split by file"
         )
+    if unreadable:
+        log.warning("corpus %s: skipped %s; training uses the %d readable file(s)", source, _describe(unreadable), len(docs))
     val_docs = [d for d in docs if _is_val(d[0], data.val_fraction)]
     train_docs = [d for d in docs if not _is_val(d[0], data.val_fraction)]
     # A small folder can hash all files to one side; move the most extreme file over, deterministically.

@@ -13,6 +13,7 @@ Public API (other packages code against these names)::
         async with host.open_stream(peer, name, timeout=None) as s: ...   # a FramedStream
         host.ban(peer_id, reason); host.unban(peer_id); host.is_banned(peer_id) -> bool
         host.gate.rejected: Counter[str]; host.gate.recent: deque[Rejection]  # see protocol/gate.py
+        host.clock -> the monotonic clock rejection-log intervals use (open_host(..., clock=) to fake it)
         host.requests_served -> int; host.active_streams(name) -> int
         host.bulk -> BulkLane | None        # None when config.bulk is off; .stats (BulkStats), .ip, .port
 
@@ -28,11 +29,13 @@ stream per request keeps a slow reply from blocking others and needs no request 
 Every inbound stream passes the sans-IO :class:`~protolearn.protocol.gate.Gate` before a byte is read:
 a banned peer's stream is reset, and so is a stream over the protocol's limit of concurrent inbound
 streams (never queued). A banned peer's connection is also closed as soon as it is established. Every
-rejection is logged on the ``protolearn.protocol`` logger as ``rejected peer=<id> protocol=<name>
-reason=<reason>`` and counted in ``host.gate``. A request that fails to decode gets an ErrorReply
-naming the reason. A handler that raises a :class:`ProtolearnError` sends back an :class:`ErrorReply`;
-anything else is logged with the peer, protocol and reason, the stream is reset, and the host keeps
-serving. A request handler itself has no deadline: the caller's ``request`` timeout bounds the wait.
+rejection is counted in ``host.gate`` and logged on the ``protolearn.protocol`` logger as ``rejected
+peer=<id> protocol=<name> reason=<reason>``: a peer's first rejection in an interval
+(``TransportConfig.rejection_log_interval_s``) in full, the rest in one summary line with their count
+when the interval ends, so a peer that sends garbage as fast as it can costs two lines per interval.
+A request that fails to decode gets an ErrorReply naming the reason. A handler that raises a
+:class:`ProtolearnError` sends back an :class:`ErrorReply`; anything else is logged with the peer,
+protocol and reason, the stream is reset, and the host keeps serving. A request handler itself has no deadline: the caller's ``request`` timeout bounds the wait.
 
 Three py-libp2p 0.8.1 behaviours are worked around here: it keeps a connection the remote closed and
 then refuses to redial, it refuses any dial for 60 s after a failed one, and identify replaces the

@@ -6,7 +6,7 @@ See the package docstring of :mod:`protolearn.protocol.transport` for the API.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar
 
@@ -20,6 +20,7 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.exceptions import PeerIDMismatchesPubkey
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,9 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from protolearn.errors import ConfigError, ProtolearnError
 from protolearn.protocol import wire
 from protolearn.protocol.addresses import advertised, check_port_free, parse_multiaddr, strip_p2p
-from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused
+from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused, WrongPeer
 from protolearn.protocol.frames import DEFAULT_LIMITS, TensorLimits
 from protolearn.protocol.gate import Gate
+from protolearn.protocol.log_digest import DEFAULT_INTERVAL_S, DEFAULT_MAX_PEERS, LogDigest, Summary
 from protolearn.protocol.transport.bulk import BulkLane, lane_ip
 from protolearn.protocol.transport.streams import FramedStream
 from protolearn.protocol.wire import ErrorReply, Message
@@ -70,6 +72,10 @@ class TransportConfig(BaseModel):
     bulk_min_bytes: int = Field(default=1024 * 1024, gt=0)
     bulk_connect_timeout_s: float = Field(default=2.0, gt=0)
     bulk_max_pending_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)  # receive buffers reserved at once
+    # Rejection log lines (protocol/gate.py): a peer's first rejection per interval in full, the rest
+    # summarised with counts at the interval's end; at most this many peers are counted apart.
+    rejection_log_interval_s: float = Field(default=DEFAULT_INTERVAL_S, gt=0)
+    rejection_log_max_peers: int = Field(default=DEFAULT_MAX_PEERS, gt=0)
 
 
 class HasSeed(Protocol):
@@ -87,7 +93,7 @@ class _BanNotifee(INotifee):
         peer = str(conn.muxed_conn.peer_id)
         rejection = self._host.gate.check_connection(peer)
         if rejection is not None:
-            self._host.gate.record(rejection)
+            self._host.gate.record(rejection, self._host.clock())
             self._host._schedule_disconnect(peer)
         elif self._host.on_connection is not None:
             self._host.on_connection(peer, True)
@@ -114,11 +120,18 @@ class _BanNotifee(INotifee):
 class Host:
     """A running libp2p host. Build it with :func:`open_host`; see the module docstring for the API."""
 
-    def __init__(self, lp: IHost, config: TransportConfig) -> None:
+    def __init__(self, lp: IHost, config: TransportConfig, *, clock: Callable[[], float] = trio.current_time) -> None:
         self._lp = lp
         self.config = config
+        # The time rejections are logged against (seconds, monotonic); a test may pass a fake.
+        self.clock = clock
         self.peer_id = str(lp.get_id())
-        self.gate = Gate()
+        self.gate = Gate(log_interval_s=config.rejection_log_interval_s, log_max_peers=config.rejection_log_max_peers)
+        # (protocol, reason) of requests a handler refused on purpose: logged per peer and interval too,
+        # since a peer can ask for refusals as fast as for rejections.
+        self._refusal_log: LogDigest[tuple[str, str]] = LogDigest(
+            interval_s=config.rejection_log_interval_s, max_peers=config.rejection_log_max_peers,
+        )
         self.requests_served = 0  # requests answered with a normal (non-error) reply
         # None when config.bulk is off; host.bulk.stats counts what went over the lane.
         self.bulk: BulkLane | None = None
@@ -155,7 +168,8 @@ class Host:
     async def connect(self, addr: str, *, timeout: float | None = None) -> str:
         """Dial ``addr`` (which must end in ``/p2p/<id>``) and return the peer ID.
 
-        Noise authenticates the remote; a remote whose key does not match the ``/p2p/`` part fails.
+        Noise authenticates the remote; a remote whose key does not match the ``/p2p/`` part raises
+        :class:`WrongPeer` (nobody listening, or a failed dial, raises :class:`PeerUnavailable`).
         """
         maddr = parse_multiaddr(addr, "unknown")
         try:
@@ -174,6 +188,8 @@ class Host:
         except trio.TooSlowError:
             raise PeerUnavailable(peer, f"could not connect to {addr} within {limit:g} s") from None
         except (BaseLibp2pError, OSError) as err:
+            if any(isinstance(e, PeerIDMismatchesPubkey) for e in _causes(err)):
+                raise WrongPeer(peer, f"{strip_p2p(maddr)} answered with another peer id than {peer}") from None
             raise PeerUnavailable(peer, f"could not connect to {addr}: {_why(err)}") from None
         return peer
 
@@ -240,6 +256,28 @@ class Host:
                 except (BaseLibp2pError, OSError, ProtocolError) as err:
                     log.info("could not close connection peer=%s reason=%s", peer_id, _why(err))
 
+    def _log_refusal(self, peer: str, name: str, kind: str, reason: str) -> None:
+        write, due = self._refusal_log.note(peer, kind, (name, reason), self.clock())
+        _log_refusal_summaries(due)
+        if write:
+            log.info("refused peer=%s protocol=%s reason=%s", peer, name, reason)
+
+    def _flush_logs(self, *, everything: bool = False) -> None:
+        self.gate.flush_log(self.clock(), everything=everything)
+        _log_refusal_summaries(self._refusal_log.flush(self.clock(), everything=everything))
+
+    async def _rejection_log_service(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Write each peer's rejection and refusal summaries when their interval ends, also when the
+        peer went quiet."""
+        task_status.started()
+        interval = self.config.rejection_log_interval_s
+        while True:
+            now = self.clock()
+            due = min((d for d in (self.gate.next_log_due(), self._refusal_log.next_due()) if d is not None), default=None)
+            # An interval that starts after this sleep began ends after it does: nothing is late.
+            await trio.sleep(interval if due is None else max(due - now, interval / 100))
+            self._flush_logs()
+
     # -- serving ------------------------------------------------------------------------------
 
     def serve(
@@ -263,16 +301,16 @@ class Host:
             try:
                 request = await s.receive(request_type, timeout=self.config.request_timeout_s)
             except ProtocolError as err:
-                self.gate.reject(peer, name, type(err).__name__, err.reason)
+                self.gate.reject(peer, name, type(err).__name__, err.reason, self.clock())
                 await self._refuse(s, err)
                 return
             try:
                 reply = await handler(peer, request)
             except ProtocolError as err:
-                self.gate.reject(peer, name, type(err).__name__, err.reason)
+                self.gate.reject(peer, name, type(err).__name__, err.reason, self.clock())
                 reply = ErrorReply(code=type(err).__name__, reason=err.reason)
             except ProtolearnError as err:
-                log.info("refused peer=%s protocol=%s reason=%s", peer, name, err)
+                self._log_refusal(peer, name, type(err).__name__, str(err))
                 reply = ErrorReply(code=type(err).__name__, reason=str(err))
             await s.send(reply, timeout=self.config.request_timeout_s)
             if not isinstance(reply, ErrorReply):
@@ -311,7 +349,7 @@ class Host:
             s = self._wrap(raw, peer, name)
             rejection = self.gate.check_stream(peer, name, num_active=self._active[name], limit=limit)
             if rejection is not None:
-                self.gate.record(rejection)
+                self.gate.record(rejection, self.clock())
                 await s.reset()
                 if self.is_banned(peer):
                     self._schedule_disconnect(peer)
@@ -329,11 +367,11 @@ class Host:
         try:
             await handler(peer, s)
         except ProtocolError as err:
-            self.gate.reject(peer, name, type(err).__name__, err.reason)
+            self.gate.reject(peer, name, type(err).__name__, err.reason, self.clock())
             await s.reset()
             return
         except Exception as err:
-            self.gate.reject(peer, name, "handler_error", f"handler failed: {type(err).__name__}: {err}")
+            self.gate.reject(peer, name, "handler_error", f"handler failed: {type(err).__name__}: {err}", self.clock())
             log.exception("handler failed peer=%s protocol=%s", peer, name)
             await s.reset()
             return
@@ -421,11 +459,14 @@ async def open_host(
     identity: HasSeed,
     listen: Sequence[str] = DEFAULT_LISTEN,
     config: TransportConfig | None = None,
+    *,
+    clock: Callable[[], float] = trio.current_time,
 ) -> AsyncIterator[Host]:
     """Build, start and yield a :class:`Host` listening on ``listen``; close everything on exit.
 
     An error raised in the body comes out as itself, not wrapped in the nurseries' ExceptionGroup.
-    A listen address that cannot be used raises :class:`ConfigError`.
+    A listen address that cannot be used raises :class:`ConfigError`. ``clock`` is the monotonic
+    time the rejection log's intervals are measured in (the trio clock unless a test fakes it).
     """
     cfg = TransportConfig() if config is None else config
     key_pair = create_new_key_pair(bytes(identity.private_bytes))
@@ -441,7 +482,7 @@ async def open_host(
         enable_mDNS=False,
         enable_upnp=False,
     )
-    host = Host(lp, cfg)
+    host = Host(lp, cfg, clock=clock)
     lp.get_network().register_notifee(_BanNotifee(host))
     try:
         async with lp.run(listen_addrs), trio.open_nursery() as nursery:
@@ -453,6 +494,7 @@ async def open_host(
                 # to a peer that just died would race ours and mark the peer undialable for 60 s.
                 await lp.get_network().auto_connector.stop()
                 await nursery.start(host._disconnect_service)
+                await nursery.start(host._rejection_log_service)
                 ip = lane_ip([str(a) for a in listen_addrs])
                 if host.bulk is not None and ip is not None:
                     await nursery.start(host.bulk.serve, ip)
@@ -462,11 +504,17 @@ async def open_host(
                 # Close connections explicitly: cancelling the swarm alone leaves sockets to the GC.
                 with trio.CancelScope(shield=True), trio.move_on_after(cfg.connect_timeout_s):
                     await lp.close()
+                host._flush_logs(everything=True)  # no count is lost at shutdown
     except BaseExceptionGroup as group:
         leaf = _single_leaf(group)
         if leaf is None:
             raise
         raise leaf from None
+
+
+def _log_refusal_summaries(summaries: list[Summary[tuple[str, str]]]) -> None:
+    for s in summaries:
+        log.info("refused %s protocol=%s reason=%s", s.head(), *s.last)
 
 
 def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
@@ -484,6 +532,19 @@ def _parse_peer_id(text: str) -> ID:
         return ID.from_base58(text)
     except Exception as err:  # base58 and multihash raise several unrelated types
         raise PeerUnavailable(text[:80], f"invalid peer ID: {err}") from None
+
+
+def _causes(err: BaseException, depth: int = 0) -> Iterator[BaseException]:
+    """``err`` and what it wraps: py-libp2p hides a failed dial's reason in a MultiError under its cause."""
+    yield err
+    if depth >= 8:
+        return
+    for inner in getattr(err, "errors", None) or ():
+        if isinstance(inner, BaseException):
+            yield from _causes(inner, depth + 1)
+    nested = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+    if nested is not None:
+        yield from _causes(nested, depth + 1)
 
 
 def _why(err: BaseException) -> str:

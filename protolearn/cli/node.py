@@ -2,7 +2,8 @@
 
 Flags are read here, once, into a :class:`~protolearn.node.config.NodeConfig`. Ctrl-C or SIGTERM
 leaves the swarm gracefully (the coordinator gets the node's tickets back) and exits 0. A bad flag, an
-unreachable coordinator or a run this node cannot train is one error line and exit 1. The node writes
+unreachable coordinator (after ``--coordinator-wait`` seconds of retries, for a coordinator that is
+restarting) or a run this node cannot train is one error line and exit 1. The node writes
 its stage to ``<data dir>/checkpoints`` every ``--checkpoint-every`` steps and as it leaves; restarted
 with the same data dir, or given ``--checkpoint FILE``, it restores a stage that lost all its replicas
 (see :mod:`protolearn.node.persistence`).
@@ -25,6 +26,7 @@ node_app = typer.Typer(help="Run a volunteer node.", no_args_is_help=True)
 @node_app.command("join")
 def _join(
     coordinator: Annotated[str, typer.Option("--coordinator", help="The coordinator's multiaddr, ending in /p2p/<peer id>.")],
+    coordinator_wait: Annotated[float, typer.Option("--coordinator-wait", help="Seconds to keep retrying an unreachable coordinator (it may be restarting) before giving up; 0: one try.")] = 60.0,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Key, logs and checkpoints (default: ~/.protolearn/<name>).")] = None,
     listen: Annotated[str, typer.Option("--listen", help="Listen multiaddr; use a reachable IP for a multi-machine swarm.")] = "/ip4/127.0.0.1/tcp/0",
@@ -47,13 +49,13 @@ def _join(
 
     try:
         config = NodeConfig(
-            coordinator=coordinator, device=device, data_dir=data_dir or default_data_dir(name), listen=listen,
-            threads=threads, name=name, bf16=bf16, max_steps=max_steps, max_in_flight=max_in_flight,
+            coordinator=coordinator, coordinator_wait_s=coordinator_wait, device=device,
+            data_dir=data_dir or default_data_dir(name), listen=listen, threads=threads, name=name, bf16=bf16, max_steps=max_steps, max_in_flight=max_in_flight,
             checkpoint=checkpoint, checkpoint_every=checkpoint_every,
         )
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
-        field = ".".join(str(p) for p in first["loc"]).replace("_", "-")
+        field = ".".join(str(p) for p in first["loc"]).removesuffix("_s").replace("_", "-")  # coordinator_wait_s: --coordinator-wait
         raise ConfigError(f"--{field}: {first['msg'].removeprefix('Value error, ')}") from None
     if config.checkpoint is not None:
         from protolearn.node.checkpoint import read_checkpoint_info

@@ -191,7 +191,7 @@ def test_three_stages_with_int8_codec_lower_the_loss(swarm) -> None:
 
 def test_unreachable_coordinator_is_one_line_and_exit_1(tmp_path: Path) -> None:
     addr = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWLtmWBffp4nFR617coSMPgcuXAjkp2AZYcRQ6ESJFKjAd"
-    r = subprocess.run([*CLI, "node", "join", "--coordinator", addr, "--data-dir", str(tmp_path / "n")],
+    r = subprocess.run([*CLI, "node", "join", "--coordinator", addr, "--data-dir", str(tmp_path / "n"), "--coordinator-wait", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert "Traceback" not in r.stderr

@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from protolearn.errors import ConfigError
-from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused
+from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused, WrongPeer
 from protolearn.protocol.identity import Identity
 from protolearn.protocol.transport import open_host
 from protolearn.protocol.wire import Message
@@ -77,8 +77,13 @@ def test_connect_checks_the_peer_id(open_hosts, run_trio):
             assert await a.connect(b.addrs()[0]) == b.peer_id
             impostor = b.addrs()[0].replace(b.peer_id, Identity.generate().peer_id)
             async with open_hosts(1, introduce=False) as (c,):
-                with pytest.raises(PeerUnavailable):
+                # the address answers, with another key: WrongPeer (a retry cannot help), not just unreachable
+                with pytest.raises(WrongPeer, match="answered with another peer id"):
                     await c.connect(impostor, timeout=5)
+                b_port = b.addrs()[0].split("/tcp/")[1].split("/")[0]
+                with pytest.raises(PeerUnavailable) as nobody:
+                    await c.connect(b.addrs()[0].replace(f"/tcp/{b_port}/", "/tcp/9/"), timeout=5)
+                assert not isinstance(nobody.value, WrongPeer)
             with pytest.raises(PeerUnavailable, match="/p2p/"):
                 await a.connect(b.addrs()[0].split("/p2p/")[0])
 

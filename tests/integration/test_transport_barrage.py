@@ -7,8 +7,10 @@ counter), the server's memory must stay bounded, and an honest peer must still b
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
+import re
 import tracemalloc
 from typing import ClassVar
 
@@ -123,6 +125,8 @@ def test_barrage_of_bad_requests_is_rejected_and_server_keeps_serving(open_hosts
     rng = random.Random(7)
     num_bad = 1000
     answers: dict[str, set[str]] = {}
+    bad_peer: list[str] = []
+    barrage_s: list[float] = []
 
     def rss_bytes() -> int:
         with open("/proc/self/statm") as f:
@@ -131,8 +135,10 @@ def test_barrage_of_bad_requests_is_rejected_and_server_keeps_serving(open_hosts
     async def main():
         async with open_hosts(3, SERVER_CONFIG) as (server, bad, good):
             serve_all(server)
+            bad_peer.append(bad.peer_id)
             kinds = bad_requests(rng)
             rss_before = rss_bytes()
+            started = trio.current_time()
 
             async def worker(offset: int) -> None:
                 for i in range(offset, num_bad, 4):
@@ -145,6 +151,7 @@ def test_barrage_of_bad_requests_is_rejected_and_server_keeps_serving(open_hosts
                 for w in range(4):
                     nursery.start_soon(worker, w)
             grown = rss_bytes() - rss_before
+            barrage_s.append(trio.current_time() - started)
 
             assert sum(server.gate.rejected.values()) == num_bad
             assert server.requests_served == 0
@@ -166,8 +173,60 @@ def test_barrage_of_bad_requests_is_rejected_and_server_keeps_serving(open_hosts
     assert "NaN or Inf" in reasons["nan"] and "NaN or Inf" in reasons["inf"]
     assert "invalid test_barrage_ping" in reasons["wrong types"]
     assert "stream ended mid-message" in reasons["truncated body"]
+    # Every rejection is accounted for in the log, but a barrage is not written line by line: one
+    # peer's rejections cost a full line plus a summary with the count per interval (10 s by default).
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rejected peer=")]
-    assert len(logged) == 1000 and all(" protocol=" in m and " reason=" in m for m in logged)
+    assert all(" protocol=" in m and " reason=" in m and bad_peer[0] in m for m in logged)
+    assert _num_rejections(logged) == 1000
+    assert len(logged) <= 2 * (math.ceil(barrage_s[0] / SERVER_CONFIG.rejection_log_interval_s) + 1), logged
+
+
+def _num_rejections(lines: list[str]) -> int:
+    """The rejections the log lines account for: one per full line, N per summary (``: N more in``)."""
+    total = 0
+    for line in lines:
+        more = re.match(r"rejected peer=\S+: (\d+) more in ", line)
+        total += int(more.group(1)) if more else 1
+    return total
+
+
+def test_a_barrage_costs_a_bounded_number_of_log_lines_that_count_every_rejection(open_hosts, run_trio, caplog):
+    """Garbage sent as fast as one peer can for a few seconds: two lines per interval, summaries on time."""
+    caplog.set_level(logging.WARNING, logger="protolearn.protocol")
+    interval = 0.5
+    config = SERVER_CONFIG.model_copy(update={"rejection_log_interval_s": interval})
+    rng = random.Random(11)
+    kinds = [k for k in bad_requests(rng) if k[0] in ("random body", "not a map", "unknown kind", "nan", "gigabyte prefix")]
+    sent = 0
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("rejected peer=")]
+
+    async def main():
+        nonlocal sent
+        async with open_hosts(2, config) as (server, bad):
+            serve_all(server)
+            start = trio.current_time()
+            while trio.current_time() - start < 3.0:
+                _, name, data = kinds[sent % len(kinds)]
+                await send_raw(bad, server, name, data)
+                sent += 1
+            elapsed = trio.current_time() - start
+            assert sum(server.gate.rejected.values()) == sent
+            # the host's timer writes the last interval's summary although the peer went quiet
+            with trio.fail_after(5 * interval + 5):
+                while _num_rejections(lines()) < sent:
+                    await trio.sleep(0.05)
+            return server.gate.rejected, elapsed, bad.peer_id
+
+    counts, elapsed, bad_peer = run_trio(main, timeout=60)
+    logged = lines()
+    assert sent > 100, f"only {sent} bad requests in 3 s"  # a barrage, or the bound below says little
+    assert _num_rejections(logged) == sent == sum(counts.values())
+    assert len(logged) <= 2 * (math.ceil(elapsed / interval) + 2), logged
+    assert all(m.startswith(f"rejected peer={bad_peer}") and " reason=" in m for m in logged)
+    summaries = [m for m in logged if " more in " in m]
+    assert summaries and all(re.search(r"more in [0-9.]+ s \(\w+ \d+", m) for m in summaries), summaries  # counts by kind
 
 
 def test_huge_claims_never_allocate(open_hosts, run_trio):

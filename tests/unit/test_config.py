@@ -103,12 +103,16 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
         (["--config", "{tmp}/bad.toml"], "d_model=250 is not divisible by n_heads=8"),
         (["--config", "{tmp}/missing.toml"], "not found"),
         (["--data", "{tmp}/empty"], "needs at least 2"),
+        (["--data", "{tmp}/unreadable"], "2 unreadable file(s) or folder(s): a.txt, b.txt (check their permissions)"),
         (["--steps", "0"], "--steps=0 must be at least 1"),
     ],
 )
 def test_cli_reports_bad_config_in_one_line(args: list[str], expected: str, tmp_path: Path) -> None:
     (tmp_path / "bad.toml").write_text("[model]\nd_model = 250\n")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "unreadable").mkdir()
+    for name in ("a.txt", "b.txt"):  # broken links: unreadable even for root
+        (tmp_path / "unreadable" / name).symlink_to(tmp_path / "nowhere" / name)
     argv = [str(PROTOLEARN), "train-local", *[a.format(tmp=tmp_path) for a in args], "--log", str(tmp_path / "l.jsonl")]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from protolearn.errors import ConfigError
 from protolearn.stages import tokenizer
 from protolearn.stages.config import DataConfig, default_run
+from protolearn.stages import corpus as corpus_module
 from protolearn.stages.corpus import load_corpus
 from protolearn.stages.sampling import microbatch, validation_batches
 
@@ -68,6 +70,32 @@ def test_unusable_data_folder_is_a_one_line_config_error(setup: str, expected: s
     with pytest.raises(ConfigError, match=expected) as info:
         load_corpus(DataConfig(path=str(root)))
     assert "\n" not in str(info.value)
+
+
+def test_unreadable_files_are_skipped_with_one_warning_that_counts_and_names_them(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = make_folder(tmp_path / "c", n=6)
+    for i in range(7):  # broken links read as OSError even for root, unlike chmod 000
+        (root / f"gone{i}.txt").symlink_to(tmp_path / "nowhere" / f"{i}.txt")
+    caplog.set_level(logging.WARNING, logger="protolearn.stages")
+    corpus = load_corpus(DataConfig(path=str(root), max_bytes=10_000_000))
+    assert set(corpus.train_files) | set(corpus.val_files) == {f"doc{i:02d}.txt" for i in range(6)}
+    warnings = [r.getMessage() for r in caplog.records if r.name == "protolearn.stages"]
+    assert len(warnings) == 1, warnings
+    assert "skipped 7 unreadable file(s)" in warnings[0] and "uses the 6 readable file(s)" in warnings[0]
+    named = [f"gone{i}.txt" for i in range(7) if f"gone{i}.txt" in warnings[0]]
+    assert len(named) == corpus_module.NUM_NAMED_SKIPS and ", ..." in warnings[0]  # a few names, not all seven
+
+
+def test_a_folder_with_only_unreadable_files_is_a_one_line_error_that_says_so(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    root.mkdir()
+    for name in ("a.txt", "b.txt", "c.md"):
+        (root / name).symlink_to(tmp_path / "nowhere" / name)
+    with pytest.raises(ConfigError, match="0 non-empty") as info:
+        load_corpus(DataConfig(path=str(root)))
+    text = str(info.value)
+    assert "3 unreadable file(s) or folder(s): a.txt, b.txt, c.md" in text and "permissions" in text
+    assert "\n" not in text
 
 
 def test_microbatch_is_a_pure_function_of_seed_step_index(tmp_path: Path) -> None:
