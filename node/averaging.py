@@ -215,7 +215,7 @@ class Averager:
                     # The round finished and is draining its last sends; anything it asks for now is moot.
                     log.warning("collective %s to %s dropped: round %d already finished here", type(a).__name__, a.peer, self._round.round_id if self._round else -1)
             elif isinstance(a, Rejected):
-                log.warning("collective rejected peer=%s stage=%d reason=%s", a.peer, self.stage, a.reason)
+                self.host.log_refusal(a.peer, COLLECTIVE, "rejected", f"stage {self.stage}: {a.reason}")
             elif isinstance(a, (Done, Failed)):
                 self._finished.set()
 

@@ -450,7 +450,7 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
     tconfig = TransportConfig(request_timeout_s=config.request_timeout_s)
     async with open_host(identity, [config.listen], tconfig) as host:
         progress.event("start", peer_id=host.peer_id, addrs=host.addrs(), pid=os.getpid())
-        link, joined, run = await join_coordinator(host, config)
+        link, joined, run = await join_coordinator(host, config, on_wait=progress.say)
         progress.say(f"joined {link.peer[-8:]}: run {run.name} ({run.run_hash()[:12]}), stage {joined.stage}, step {joined.step}; peer id {host.peer_id}")
         progress.event("joined", stage=joined.stage, step=joined.step, run_hash=joined.run_hash, reason=joined.reason, members=len(joined.members))
         node = Node(config, host, link, joined, run, progress)

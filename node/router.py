@@ -195,7 +195,7 @@ class Router:
 
     async def _refuse(self, s: FramedStream, peer: str, code: str, reason: str) -> None:
         self.stats.refused += 1
-        log.warning("refused peer=%s stage=%d reason=%s", peer, self.stage, reason)
+        self.host.log_refusal(peer, f"stage {self.stage}", code, reason)
         await s.send(Refuse(code=code[:32], reason=reason[:500]))
 
     async def _forward_received(self, step: int, ticket: int, route: list[str], hidden: torch.Tensor) -> None:

@@ -256,7 +256,9 @@ class Host:
                 except (BaseLibp2pError, OSError, ProtocolError) as err:
                     log.info("could not close connection peer=%s reason=%s", peer_id, _why(err))
 
-    def _log_refusal(self, peer: str, name: str, kind: str, reason: str) -> None:
+    def log_refusal(self, peer: str, name: str, kind: str, reason: str) -> None:
+        """Log that this host refused ``peer`` on protocol ``name``: the first time per peer and interval
+        in full, then only counted into one summary line (a peer must not fill the disk with our logs)."""
         write, due = self._refusal_log.note(peer, kind, (name, reason), self.clock())
         _log_refusal_summaries(due)
         if write:
@@ -310,7 +312,7 @@ class Host:
                 self.gate.reject(peer, name, type(err).__name__, err.reason, self.clock())
                 reply = ErrorReply(code=type(err).__name__, reason=err.reason)
             except ProtolearnError as err:
-                self._log_refusal(peer, name, type(err).__name__, str(err))
+                self.log_refusal(peer, name, type(err).__name__, str(err))
                 reply = ErrorReply(code=type(err).__name__, reason=str(err))
             await s.send(reply, timeout=self.config.request_timeout_s)
             if not isinstance(reply, ErrorReply):

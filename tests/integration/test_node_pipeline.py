@@ -121,7 +121,9 @@ def test_last_stage_hop_matches_the_reference_and_refuses_bad_input(open_hosts, 
                 assert torch.count_nonzero(await trio.to_thread.run_sync(worker.flat_grads, 0, [])) == 0
                 nursery.cancel_scope.cancel()
 
-    with caplog.at_level(logging.WARNING, logger="protolearn"):
+    # Bad bytes are rejected (warning); a well-formed request the stage cannot take is refused (info):
+    # both go through the host's per-peer digest, so a peer cannot flood the log with either.
+    with caplog.at_level(logging.INFO, logger="protolearn"):
         run_trio(main, timeout=60)
     text = caplog.text
     assert "shape" in text and "NaN" in text and "unknown microbatch" in text
