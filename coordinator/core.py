@@ -465,7 +465,7 @@ class CoordinatorCore:
             events.append(f"leases expired step={self.ledger.step} tickets={fresh} (re-issued on the next lease)")
         self.verdicts.prune(now)
         # A replica the commit waited for may have died: the step can commit without it now.
-        if self.ledger.try_commit(self.registry.serving).committed and self.ledger.commit_dirty:
+        if self.ledger.try_commit(self.registry.serving).committed:
             events.append(f"step committed step={self.ledger.committed_through} (the replicas it waited for are gone)")
         if now - self._last_rebalance >= self.settings.rebalance_interval_s:
             self._last_rebalance = now

@@ -192,7 +192,7 @@ class TicketLedger:
         (called on each report, and again when a needed replica leaves or expires)."""
         step = self.last_closed
         if step < 0 or self.committed(step) or step not in self.closed:
-            return AveragedDecision(False, self.committed(step), f"step {step} has nothing to commit")
+            return AveragedDecision(False, False, f"step {step} has nothing left to commit")
         missing = sorted(s for s in range(self.num_stages) if not self._holders.get(s))
         if missing:
             return AveragedDecision(True, False, f"step {step} waits for stages {missing} to average")

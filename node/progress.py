@@ -19,6 +19,10 @@ from rich.live import Live
 from rich.text import Text
 
 
+# Fields whose change is printed at once on a plain (non-terminal) display.
+PROMPT_FIELDS = frozenset({"stage", "state", "waiting"})
+
+
 class Progress:
     """Status line plus JSON-lines events. Use as a context manager."""
 
@@ -61,12 +65,15 @@ class Progress:
         self._console.print(line, highlight=False, soft_wrap=True)
 
     def update(self, **fields: Any) -> None:
+        # Without a terminal the line is printed every few seconds, but at once when what the node does
+        # changes: a node that stops at "waiting: stage 1 has no replicas" must not keep showing "joining".
+        changed = any(k in PROMPT_FIELDS and self.fields.get(k) != v for k, v in fields.items())
         self.fields.update(fields)
         if self._live is not None:
             self._live.update(self._render())
             return
         now = time.monotonic()
-        if now - self._last_plain >= self._plain_every_s:
+        if changed or now - self._last_plain >= self._plain_every_s:
             self._last_plain = now
             self._console.print(self._render(), highlight=False, soft_wrap=True)
 
