@@ -36,10 +36,35 @@ of the same B tickets or all wait for revision r+1.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from protolearn.node.accounting import Accounting, contribution
+from protolearn.node.events import (
+    Action,
+    Applied,
+    Apply,
+    AskReopened,
+    AskReported,
+    Average,
+    Closed,
+    CommitAnswer,
+    Emit,
+    Event,
+    Fetch,
+    Fetched,
+    Redo,
+    RedoAnswer,
+    ReopenAnswer,
+    Reported,
+    Resync,
+    RoundDone,
+    RoundFailed,
+    StartHeld,
+    Synced,
+    WaitClosed,
+    WaitCommit,
+)
 from protolearn.protocol.states import NodeState
 
 # Round ids per step: revision r of step t averages in round t * REVISIONS_PER_STEP + r - 1. The
@@ -58,193 +83,6 @@ def round_id(step: int, revision: int = 1) -> int:
     if not 1 <= revision <= REVISIONS_PER_STEP:
         raise ValueError(f"step {step} revision {revision} is outside 1..{REVISIONS_PER_STEP}")
     return step * REVISIONS_PER_STEP + revision - 1
-
-
-# -- events ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Closed:
-    """The coordinator closed ``step`` at ``revision``; ``account`` is this stage's peer → tickets."""
-
-    step: int
-    revision: int
-    account: dict[str, list[int]]
-    loss: float | None
-    # Tickets of the step whose parameter gradients this replica holds.
-    held: list[int]
-
-
-@dataclass(frozen=True)
-class Reported:
-    """Whether some other replica of the stage reported a parameter hash after ``step``."""
-
-    step: int
-    applied_elsewhere: bool
-
-
-@dataclass(frozen=True)
-class RoundDone:
-    step: int
-    revision: int
-    excluded: list[str]
-
-
-@dataclass(frozen=True)
-class RoundFailed:
-    step: int
-    revision: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """The left-out replica got the round's result (``gone``: the participants no longer keep it;
-    neither: this try ran out of time or every participant refused)."""
-
-    step: int
-    revision: int
-    ok: bool
-    gone: bool = False
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class RedoAnswer:
-    """The coordinator granted or refused the redo; ``None``: it did not answer (unreachable, restarting)."""
-
-    step: int
-    revision: int
-    granted: bool | None
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class ReopenAnswer:
-    """Whether ``step`` reopened after closing at ``revision``; ``None``: the coordinator did not answer."""
-
-    step: int
-    revision: int
-    reopened: bool | None
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class CommitAnswer:
-    step: int
-    revision: int
-    committed: bool
-
-
-@dataclass(frozen=True)
-class Applied:
-    step: int
-    param_hash: str
-
-
-@dataclass(frozen=True)
-class Synced:
-    """The replica installed state after ``applied`` steps (a donor's, a checkpoint, or the init)."""
-
-    applied: int
-
-
-Event = Closed | Reported | RoundDone | RoundFailed | Fetched | RedoAnswer | ReopenAnswer | CommitAnswer | Applied | Synced
-
-
-# -- actions ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class AskReported:
-    step: int
-
-
-@dataclass(frozen=True)
-class Average:
-    """Run the stage's collective round over ``weights`` with the sum of exactly ``tickets``."""
-
-    step: int
-    revision: int
-    round: int
-    weights: dict[str, float]
-    tickets: list[int]
-
-
-@dataclass(frozen=True)
-class Fetch:
-    step: int
-    revision: int
-    round: int
-    participants: list[str]
-    try_s: float
-
-
-@dataclass(frozen=True)
-class Redo:
-    step: int
-    revision: int
-    tickets: list[int]
-    reason: str
-    # A refusal is the normal answer (e.g. the participants are alive, just slow): log it at info.
-    expected: bool = False
-    # Ask after this long (the coordinator did not answer the last time).
-    delay_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class AskReopened:
-    step: int
-    revision: int
-    delay_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class WaitCommit:
-    step: int
-    revision: int
-    report: bool
-
-
-@dataclass(frozen=True)
-class Apply:
-    step: int
-    revision: int
-    loss: float | None
-    tickets: list[int]
-    replicas: list[str]
-    # The tickets whose gradients are in the applied average (None: this replica fetched the result).
-    counted: list[int] | None
-
-
-@dataclass(frozen=True)
-class Resync:
-    step: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class StartHeld:
-    """Start the next step's work that was held until this step was applied, in arrival order."""
-
-    payloads: list[object]
-
-
-@dataclass(frozen=True)
-class WaitClosed:
-    """The step reopened: wait until it closes at ``revision`` and finish it again."""
-
-    step: int
-    revision: int
-
-
-@dataclass(frozen=True)
-class Emit:
-    """A progress event for the node's log (and, with ``level``, a log line)."""
-
-    event: str
-    fields: dict[str, object] = field(default_factory=dict)
-    level: int = 0
-    message: str = ""
-
-
-Action = AskReported | Average | Fetch | Redo | AskReopened | WaitCommit | Apply | Resync | StartHeld | WaitClosed | Emit
 
 
 class Phase(Enum):

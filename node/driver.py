@@ -16,7 +16,7 @@ import trio
 from protolearn.node.accounting import Accounting
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
-from protolearn.node.core import Emit
+from protolearn.node.events import Emit
 from protolearn.node.leasing import (
     Completed,
     CompleteRefused,

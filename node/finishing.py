@@ -17,7 +17,7 @@ import torch
 import trio
 from protolearn.node.averaging import Averager, AveragingError, ResultGone
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
-from protolearn.node.core import (
+from protolearn.node.events import (
     Action,
     Applied,
     Apply,
@@ -30,7 +30,6 @@ from protolearn.node.core import (
     Event,
     Fetch,
     Fetched,
-    NodeCore,
     Redo,
     RedoAnswer,
     ReopenAnswer,
@@ -42,6 +41,7 @@ from protolearn.node.core import (
     WaitClosed,
     WaitCommit,
 )
+from protolearn.node.core import NodeCore
 from protolearn.node.driver import emit
 from protolearn.node.progress import Progress
 from protolearn.node.worker import StageWorker

@@ -29,7 +29,8 @@ import trio
 from protolearn.node.averaging import Averager
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
-from protolearn.node.core import CoreConfig, NodeCore, Synced
+from protolearn.node.core import CoreConfig, NodeCore
+from protolearn.node.events import Synced
 from protolearn.node.driver import TicketDriver
 from protolearn.node.errors import JoinError, StateSyncError
 from protolearn.node.finishing import Finisher
@@ -37,7 +38,8 @@ from protolearn.node.join import join_coordinator, resolve_device
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
 from protolearn.node.router import Router
-from protolearn.node.state_sync import Snapshot, StateServer, fetch_state, fetch_state_split
+from protolearn.node.state_sync import Snapshot, StateServer
+from protolearn.node.syncing import StageSync
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.states import NodeState
@@ -50,8 +52,6 @@ from protolearn.stages.corpus import load_corpus
 log = logging.getLogger("protolearn.node")
 # Long-poll length of one wait_step request (the coordinator caps it at 30 s).
 WAIT_POLL_S = 10.0
-# A failed state download is retried this often while the stage has live replicas.
-SYNC_RETRY_S = 1.0
 
 
 @dataclass
@@ -105,6 +105,7 @@ class Node:
         self.router: Router
         self.averager: Averager
         self.finisher: Finisher
+        self.syncer: StageSync
 
     @property
     def state(self) -> NodeState:
@@ -121,6 +122,7 @@ class Node:
     async def build(self, stage: int) -> None:
         """Build ``stage`` (again, after the coordinator moved this node) and serve its protocols."""
         self.core = None
+        self._moved_warned = False
         self.stage = stage
         self._hash_by_step.clear()
         self._checked_hash_steps.clear()
@@ -149,9 +151,14 @@ class Node:
         self.averager = Averager(self.host, stage, self.worker.numel, timeout_s=self.config.averaging_timeout_s,
                                  window=lambda: core.next_round, clock=self.clock)
         self.averager.register()
+        self.syncer = StageSync(
+            self.config, self.host, self.link, self.worker, self.persistence, self.compute, self.progress,
+            stage=stage, run_hash=self.run_hash, donors=lambda: [p for p in self.view.stage_peers(stage) if p != self.host.peer_id],
+            say_waiting=self._say_waiting, clock=self.clock,
+        )
         self.finisher = Finisher(
             core, self.worker, self.averager, self.link, self.compute, self.progress,
-            reported_hashes=self._reported_hashes, resync=self.resync, start_held=self.router.release, clock=self.clock,
+            reported_hashes=self.syncer.reported_hashes, resync=self.resync, start_held=self.router.release, clock=self.clock,
         )
         StateServer(self.host, stage, self.run_hash, self._snapshot).register()
         self.core = core
@@ -170,86 +177,10 @@ class Node:
         return await trio.to_thread.run_sync(take, limiter=self.compute)
 
     async def sync_state(self, open_step: int) -> None:
-        """Take the stage's state from a live replica, or keep the deterministic init on a fresh run.
-
-        The installed state must hash to what the donor claims and to what every replica of the stage
-        reported to the coordinator for the same step. While the coordinator lists a live replica, a
-        failed download is retried (the list is refreshed by the heartbeats: a dead replica drops out
-        when it expires) and never replaced by an older checkpoint, which would make this replica
-        diverge from its stage (I2). Only a stage with no live replica left restores a checkpoint.
-        """
+        """Take the stage's state (see :class:`~protolearn.node.syncing.StageSync`); the core counts it applied."""
         assert self.core is not None  # built
-        deadline = self.clock() + self.config.sync_timeout_s
-        tried, last, planned_for = 0, "", None
-        while True:
-            donors = [p for p in self.view.stage_peers(self.stage) if p != self.host.peer_id]
-            # A local or given checkpoint, the init, or (None) a download: see node/persistence.py.
-            if donors != planned_for:
-                planned_for = donors
-                applied = await self.persistence.restore(
-                    self.stage, self.worker, open_step if not tried else self.link.step, donors, self._reported_list,
-                )
-                if applied is not None:
-                    self.core.handle(Synced(applied), self.clock())
-                    return
-            # Several replicas each send a share (a hivemind newcomer loads everything from one); if
-            # that fails, or they disagree, one replica at a time sends everything.
-            attempts = [donors] if len(donors) > 1 else []
-            for source in attempts + [[d] for d in donors]:
-                tried += 1
-                try:
-                    if len(source) > 1:
-                        applied, claimed, entries = await fetch_state_split(self.host, source, self.worker, self.run_hash, timeout_s=self.config.sync_timeout_s)
-                    else:
-                        applied, claimed, entries = await fetch_state(self.host, source[0], self.worker, self.run_hash, timeout_s=self.config.sync_timeout_s)
-                    await self._install(source, applied, claimed, entries)
-                except (ProtocolError, StateSyncError) as err:
-                    last = str(err)
-                    log.warning("state sync failed donors=%s reason=%s", source, last)
-                    continue
-                return
-            if self.clock() > deadline:
-                raise StateSyncError(
-                    f"could not sync stage {self.stage} from its replicas within {self.config.sync_timeout_s:g} s "
-                    f"({tried} attempts, last: {last}); restart the node to try again"
-                )
-            self._say_waiting(f"syncing stage {self.stage}: no replica handed over its state yet" if donors else "")
-            await trio.sleep(SYNC_RETRY_S)
-
-    async def _install(self, donors: list[str], applied: int, claimed: str, entries: dict[str, torch.Tensor]) -> None:
-        """Install downloaded state if it hashes to what the donors claimed and the stage's replicas report."""
-        assert self.core is not None  # built
-        got = await trio.to_thread.run_sync(self.worker.load, entries, limiter=self.compute)
-        if got != claimed:
-            raise StateSyncError(f"state from {donors} hashes to {got[:12]}, they claimed {claimed[:12]}")
-        reported = await self._reported_hashes(applied - 1)
-        if reported and any(h != got for h in reported.values()):
-            raise StateSyncError(
-                f"state from {donors} hashes to {got[:12]}, but replicas report {sorted({h[:12] for h in reported.values()})} for step {applied - 1}"
-            )
+        applied = await self.syncer.sync(open_step)
         self.core.handle(Synced(applied), self.clock())
-        self.progress.event("synced", donor=donors[0], donors=donors, applied=applied, hash=got)
-
-    async def _reported_hashes(self, step: int) -> dict[str, str]:
-        """The parameter hashes this stage's other replicas reported for ``step`` (empty if unknown)."""
-        if step < 0:
-            return {}
-        return {p: h for p, (s, h) in (await self._reported()).items() if s == step}
-
-    async def _reported_list(self) -> list[tuple[int, str]]:
-        return list((await self._reported()).values())
-
-    async def _reported(self) -> dict[str, tuple[int, str]]:
-        """peer → (step, parameter hash) as this stage's other replicas reported them (empty if unknown)."""
-        try:
-            status = await self.link.status(loss_history=0)
-        except ProtocolError as err:
-            log.info("status request failed reason=%s", err.reason)
-            return {}
-        stage = next((s for s in status.stages if s.index == self.stage), None)
-        if stage is None:
-            return {}
-        return {ph.peer_id: (ph.step, ph.hash) for ph in stage.param_hashes if ph.hash and ph.peer_id != self.host.peer_id}
 
     def _apply_view(self) -> None:
         for m in self.view.members:
@@ -293,7 +224,7 @@ class Node:
             self.driver.member_left()  # stage 0 does not know which tickets went through it: all of them
 
     # -- heartbeat ---------------------------------------------------------------------------
-    def _make_heartbeat(self) -> cm.Heartbeat:
+    def make_heartbeat(self) -> cm.Heartbeat:
         if self.core is None:  # heartbeats start before the stage is built, so a slow start never expires
             return cm.Heartbeat(state=self.state, view_version=self.view.version)
         applied = self.core.applied
@@ -315,7 +246,7 @@ class Node:
     def _elapsed(self) -> float:
         return max(1e-9, self.clock() - self.router.stats.started)
 
-    def _on_heartbeat(self, reply: cm.HeartbeatReply) -> None:
+    def on_heartbeat(self, reply: cm.HeartbeatReply) -> None:
         for peer in reply.bans:
             if not self.host.is_banned(peer):
                 self.host.ban(peer, "banned by the coordinator")
@@ -336,9 +267,9 @@ class Node:
         task_status.started()
         while True:
             await trio.sleep(self.heartbeat_s)
-            await self._check_replica_hashes()
+            await self.check_replica_hashes()
 
-    async def _check_replica_hashes(self) -> None:
+    async def check_replica_hashes(self) -> None:
         """I2: compare this replica's hash after each step with what its stage's replicas report."""
         pending = [s for s in self._hash_by_step if s not in self._checked_hash_steps]
         if not pending:
@@ -461,7 +392,7 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
             return 0
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(link.heartbeat_loop, node._make_heartbeat, node._on_heartbeat)
+                await nursery.start(link.heartbeat_loop, node.make_heartbeat, node.on_heartbeat)
                 await nursery.start(node.hash_check_loop)
                 stage, open_step = joined.stage, joined.step
                 while True:
@@ -482,10 +413,9 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
                     if finished:
                         break
                     stage, open_step = link.stage, link.step
-                    node._moved_warned = False
                 progress.event("finished", applied=node.applied)
-                await link.heartbeat(node._make_heartbeat())
-                await node._check_replica_hashes()
+                await link.heartbeat(node.make_heartbeat())
+                await node.check_replica_hashes()
                 nursery.cancel_scope.cancel()
         finally:
             await node.at_leave()

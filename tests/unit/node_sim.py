@@ -30,6 +30,7 @@ from protolearn.coordinator.core import CoordinatorCore, RunInfo
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.store import Store
 from protolearn.node import core as nc
+from protolearn.node import events as ev
 from protolearn.node import leasing as lc
 from protolearn.protocol import coordination as cm
 
@@ -105,7 +106,7 @@ class Sim:
         self._seq = itertools.count()
         self.nodes: dict[str, SimNode] = {}
         self.rounds: dict[tuple[int, int, int], Round] = {}
-        self.on_average: Callable[[SimNode, nc.Average], None] | None = None
+        self.on_average: Callable[[SimNode, ev.Average], None] | None = None
         self.log: list[str] = []
         for k in range(stages * replicas):
             self.add_node(f"n{k}")
@@ -250,7 +251,7 @@ class Sim:
     def _install(self, node: SimNode, params: list[tuple[int, ...]]) -> None:
         node.params = params
         node.grads.clear()
-        node.core.handle(nc.Synced(len(params)), self.now)
+        node.core.handle(ev.Synced(len(params)), self.now)
         node.finishing = False
         node.events.append(f"{self.now:.2f} synced applied={len(params)}")
         self._beat(node)  # a node heartbeats at once when it starts training
@@ -282,18 +283,18 @@ class Sim:
             account = {pt.peer_id: list(pt.tickets) for sa in info.accounting if sa.stage == node.stage for pt in sa.peers}
             node.finishing = True
             node.result = None
-            self._feed(node, nc.Closed(step, info.revision, account, info.loss, sorted(node.grads.get(step, ()))))
+            self._feed(node, ev.Closed(step, info.revision, account, info.loss, sorted(node.grads.get(step, ()))))
 
         self.to_node(node, POLL_S, poll)
 
     # -- the node core's actions ---------------------------------------------------------------------
-    def _feed(self, node: SimNode, event: nc.Event) -> None:
+    def _feed(self, node: SimNode, event: ev.Event) -> None:
         if not node.alive or node.moved:
             return
         for a in node.core.handle(event, self.now):
             self._carry(node, a)
 
-    def _answer(self, node: SimNode, delay: float, make: Callable[[], nc.Event | None]) -> None:
+    def _answer(self, node: SimNode, delay: float, make: Callable[[], ev.Event | None]) -> None:
         def go() -> None:
             ev = make()
             if ev is not None:
@@ -301,55 +302,55 @@ class Sim:
 
         self.to_node(node, delay, go)
 
-    def _carry(self, node: SimNode, a: nc.Action) -> None:
-        if isinstance(a, nc.Emit):
+    def _carry(self, node: SimNode, a: ev.Action) -> None:
+        if isinstance(a, ev.Emit):
             node.events.append(f"{self.now:.2f} {a.event} {a.fields}")
-        elif isinstance(a, nc.AskReported):
+        elif isinstance(a, ev.AskReported):
             applied = any(o is not node and o.live(self.now) and o.core.applied > a.step for o in self.stage_nodes(node.stage))
-            self._answer(node, HOP_S, lambda: nc.Reported(a.step, applied))
-        elif isinstance(a, nc.Average):
+            self._answer(node, HOP_S, lambda: ev.Reported(a.step, applied))
+        elif isinstance(a, ev.Average):
             self._average(node, a)
-        elif isinstance(a, nc.Fetch):
+        elif isinstance(a, ev.Fetch):
             self._fetch(node, a)
-        elif isinstance(a, nc.Redo):
-            def redo() -> nc.Event:
+        elif isinstance(a, ev.Redo):
+            def redo() -> ev.Event:
                 try:
                     self.request(node.peer, cm.Redo(step=a.step, indices=a.tickets, reason=a.reason[:100], revision=a.revision))
                 except Refusal as err:
-                    return nc.RedoAnswer(a.step, a.revision, granted=False, reason=str(err))
+                    return ev.RedoAnswer(a.step, a.revision, granted=False, reason=str(err))
                 except Unavailable as err:
-                    return nc.RedoAnswer(a.step, a.revision, granted=None, reason=str(err))
-                return nc.RedoAnswer(a.step, a.revision, granted=True)
+                    return ev.RedoAnswer(a.step, a.revision, granted=None, reason=str(err))
+                return ev.RedoAnswer(a.step, a.revision, granted=True)
 
             self._answer(node, a.delay_s + HOP_S, redo)
-        elif isinstance(a, nc.AskReopened):
-            def ask() -> nc.Event:
+        elif isinstance(a, ev.AskReopened):
+            def ask() -> ev.Event:
                 if self.now < self.down_until:
-                    return nc.ReopenAnswer(a.step, a.revision, reopened=None, reason="coordinator restarting")
+                    return ev.ReopenAnswer(a.step, a.revision, reopened=None, reason="coordinator restarting")
                 info = self.coord.step_info(a.step, a.revision + 1)
-                return nc.ReopenAnswer(a.step, a.revision, reopened=info.closed or info.open_step == a.step)
+                return ev.ReopenAnswer(a.step, a.revision, reopened=info.closed or info.open_step == a.step)
 
             self._answer(node, a.delay_s + HOP_S, ask)
-        elif isinstance(a, nc.WaitCommit):
+        elif isinstance(a, ev.WaitCommit):
             self._wait_commit(node, a.step, a.revision, a.report)
-        elif isinstance(a, nc.Apply):
+        elif isinstance(a, ev.Apply):
             assert node.result is not None, f"{node.peer} applies step {a.step} without a result"
             node.params.append(node.result)
             node.decisions[(a.step, a.revision)] = "apply"
             node.grads.pop(a.step, None)
             node.finishing = False
-            for b in node.core.handle(nc.Applied(a.step, _hash(node.params)), self.now):
+            for b in node.core.handle(ev.Applied(a.step, _hash(node.params)), self.now):
                 self._carry(node, b)
             self._train(node)
-        elif isinstance(a, nc.Resync):
+        elif isinstance(a, ev.Resync):
             node.decisions.setdefault((node.core._step, node.core._revision), "resync")
             node.grads.clear()
             node.finishing = False
             self.to_node(node, HOP_S, lambda: self._sync(node))
-        elif isinstance(a, nc.StartHeld):
+        elif isinstance(a, ev.StartHeld):
             for step, ticket, route, sender in a.payloads:  # type: ignore[misc]
                 self._forward_arrived(node, step, ticket, route, sender, admitted=True)
-        elif isinstance(a, nc.WaitClosed):
+        elif isinstance(a, ev.WaitClosed):
             node.decisions.setdefault((a.step, a.revision - 1), "reopen")
             node.finishing = False
             node.waiting = (a.step, a.revision)
@@ -371,7 +372,7 @@ class Sim:
                     info = self.coord.handle(node.peer, cm.Averaged(step=step, revision=revision), self.now)  # type: ignore[assignment]
                 except Refusal as err:
                     if err.code in ("stale_revision", "step_not_closed"):
-                        self._feed(node, nc.CommitAnswer(step, revision, False))
+                        self._feed(node, ev.CommitAnswer(step, revision, False))
                         return
                     if err.code == "not_participant":
                         self.to_node(node, HOP_S, lambda: poll(False))
@@ -381,16 +382,16 @@ class Sim:
             if info is None or not info.committed:
                 info = self.coord.step_info(step, revision)
             if info.committed and info.revision == revision:
-                self._feed(node, nc.CommitAnswer(step, revision, True))
+                self._feed(node, ev.CommitAnswer(step, revision, True))
             elif not info.closed or info.revision != revision:
-                self._feed(node, nc.CommitAnswer(step, revision, False))
+                self._feed(node, ev.CommitAnswer(step, revision, False))
             else:
                 self.to_node(node, POLL_S, lambda: poll(report))
 
         self.to_node(node, HOP_S, lambda: poll(report))
 
     # -- the collective --------------------------------------------------------------------------------
-    def _average(self, node: SimNode, a: nc.Average) -> None:
+    def _average(self, node: SimNode, a: ev.Average) -> None:
         key = (node.stage, a.step, a.revision)
         r = self.rounds.get(key)
         if r is None:
@@ -401,7 +402,7 @@ class Sim:
             self.on_average(node, a)
         if r.outcome is not None:
             # It arrived after the round ended without it (it was hung): nobody waits for its parts.
-            self._answer(node, HOP_S, lambda: nc.RoundFailed(a.step, a.revision, "the round ended without this replica"))
+            self._answer(node, HOP_S, lambda: ev.RoundFailed(a.step, a.revision, "the round ended without this replica"))
             return
         r.joined[node.peer] = tuple(a.tickets)
         self._settle(r)
@@ -429,13 +430,13 @@ class Sim:
                 node.survived.add((r.step, r.revision))
                 if kind == "done":
                     node.result = result
-                    self._feed(node, nc.RoundDone(r.step, r.revision, list(excl)))
+                    self._feed(node, ev.RoundDone(r.step, r.revision, list(excl)))
                 else:
-                    self._feed(node, nc.RoundFailed(r.step, r.revision, f"replicas {excl} left out"))
+                    self._feed(node, ev.RoundFailed(r.step, r.revision, f"replicas {excl} left out"))
 
             self.to_node(node, HOP_S, tell)
 
-    def _fetch(self, node: SimNode, a: nc.Fetch) -> None:
+    def _fetch(self, node: SimNode, a: ev.Fetch) -> None:
         """A participant answers once its round finished (it waits for that), for up to ``try_s``."""
         give_up = self.now + a.try_s
 
@@ -444,10 +445,10 @@ class Sim:
             if r is not None and r.outcome is not None and r.outcome[0] == "done" and not r.outcome[2]:  # full averages only
                 if any(self.nodes[p].live(self.now) for p in r.joined if p not in r.outcome[2]):
                     node.result = r.outcome[1]
-                    self._feed(node, nc.Fetched(a.step, a.revision, ok=True))
+                    self._feed(node, ev.Fetched(a.step, a.revision, ok=True))
                     return
             if self.now >= give_up:  # the averager keeps retrying the participants until the try ends
-                self._feed(node, nc.Fetched(a.step, a.revision, ok=False, reason="no participant served the result"))
+                self._feed(node, ev.Fetched(a.step, a.revision, ok=False, reason="no participant served the result"))
                 return
             self.to_node(node, min(POLL_S, max(HOP_S, give_up - self.now)), look)
 
@@ -475,7 +476,7 @@ class Sim:
         lease = node.lease
         assert lease is not None
         for a in actions:
-            if isinstance(a, nc.Emit):
+            if isinstance(a, ev.Emit):
                 node.events.append(f"{self.now:.2f} {a.event} {a.fields}")
             elif isinstance(a, lc.RequestLease):
                 def ask(a: lc.RequestLease = a) -> None:

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from protolearn.node import core as nc
+from protolearn.node import events as ev
 from protolearn.node import leasing as lc
 from protolearn.protocol.states import NodeState
 
@@ -18,24 +19,24 @@ ACCOUNT = {"me": [0, 1], "mate": [2, 3]}
 
 def make(applied: int = 0, me: str = "me") -> nc.NodeCore:
     core = nc.NodeCore(me, 1, CONFIG)
-    core.handle(nc.Synced(applied), 0.0)
+    core.handle(ev.Synced(applied), 0.0)
     return core
 
 
-def only(actions: list[nc.Action], kind: type) -> list:
+def only(actions: list[ev.Action], kind: type) -> list:
     """The actions of ``kind``, after checking every other action is a log event."""
-    assert all(isinstance(a, (kind, nc.Emit)) for a in actions), actions
+    assert all(isinstance(a, (kind, ev.Emit)) for a in actions), actions
     return [a for a in actions if isinstance(a, kind)]
 
 
-def emitted(actions: list[nc.Action]) -> list[str]:
-    return [a.event for a in actions if isinstance(a, nc.Emit)]
+def emitted(actions: list[ev.Action]) -> list[str]:
+    return [a.event for a in actions if isinstance(a, ev.Emit)]
 
 
 def test_the_node_core_loads_no_trio_libp2p_socket_or_torch() -> None:
     probe = (
         "import json, sys\n"
-        "import protolearn.node.core, protolearn.node.leasing, protolearn.node.accounting\n"
+        "import protolearn.node.core, protolearn.node.events, protolearn.node.leasing, protolearn.node.accounting\n"
         "print(json.dumps([m for m in ('trio', 'libp2p', 'socket', 'torch') if m in sys.modules]))\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
@@ -46,143 +47,143 @@ def test_the_node_core_loads_no_trio_libp2p_socket_or_torch() -> None:
 def test_a_participant_averages_its_accounted_tickets_waits_for_the_commit_and_applies() -> None:
     core = make()
     assert core.state is NodeState.TRAINING and core.applied == 0 and core.next_round == nc.round_id(0)
-    (avg,) = only(core.handle(nc.Closed(0, 1, ACCOUNT, 2.5, held=[0, 1]), 1.0), nc.Average)
+    (avg,) = only(core.handle(ev.Closed(0, 1, ACCOUNT, 2.5, held=[0, 1]), 1.0), ev.Average)
     assert avg.tickets == [0, 1] and avg.weights == {"me": 2.0, "mate": 2.0} and avg.round == nc.round_id(0, 1)
     assert core.state is NodeState.AVERAGING
-    (wait,) = only(core.handle(nc.RoundDone(0, 1, []), 1.5), nc.WaitCommit)
+    (wait,) = only(core.handle(ev.RoundDone(0, 1, []), 1.5), ev.WaitCommit)
     assert wait.report and core.next_round == nc.round_id(0, 2)  # it may still reopen
-    (apply,) = only(core.handle(nc.CommitAnswer(0, 1, True), 2.0), nc.Apply)
+    (apply,) = only(core.handle(ev.CommitAnswer(0, 1, True), 2.0), ev.Apply)
     assert apply.counted == [0, 1, 2, 3] and apply.loss == 2.5
-    assert core.handle(nc.Applied(0, "h"), 2.1) == []
+    assert core.handle(ev.Applied(0, "h"), 2.1) == []
     assert core.applied == 1 and core.state is NodeState.TRAINING and core.next_round == nc.round_id(1)
 
 
 def test_gradients_held_but_not_accounted_are_left_out_and_said() -> None:
     core = make()
-    actions = core.handle(nc.Closed(0, 1, ACCOUNT, None, held=[0, 1, 2]), 0.0)
-    assert only(actions, nc.Average)[0].tickets == [0, 1]
+    actions = core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[0, 1, 2]), 0.0)
+    assert only(actions, ev.Average)[0].tickets == [0, 1]
     assert emitted(actions) == ["tickets_not_counted"]
 
 
 def test_a_dead_mate_is_redone_and_the_step_waits_for_the_next_revision() -> None:
     core = make()
-    core.handle(nc.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
-    (redo,) = only(core.handle(nc.RoundDone(0, 1, ["mate"]), 1.0), nc.Redo)
+    core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
+    (redo,) = only(core.handle(ev.RoundDone(0, 1, ["mate"]), 1.0), ev.Redo)
     assert redo.tickets == [2, 3] and redo.revision == 1
-    (wait,) = only(core.handle(nc.RedoAnswer(0, 1, granted=True), 1.1), nc.WaitClosed)
+    (wait,) = only(core.handle(ev.RedoAnswer(0, 1, granted=True), 1.1), ev.WaitClosed)
     assert (wait.step, wait.revision) == (0, 2) and core.applied == 0
     # The step closes again at revision 2: it is averaged in a fresh round.
-    (avg,) = only(core.handle(nc.Closed(0, 2, {"me": [0, 1, 2, 3]}, None, held=[0, 1, 2, 3]), 2.0), nc.Average)
+    (avg,) = only(core.handle(ev.Closed(0, 2, {"me": [0, 1, 2, 3]}, None, held=[0, 1, 2, 3]), 2.0), ev.Average)
     assert avg.round == nc.round_id(0, 2) and avg.tickets == [0, 1, 2, 3]
 
 
 def test_a_refused_redo_of_a_dead_mates_tickets_is_applied_only_with_a_loud_tickets_lost() -> None:
     core = make()
-    core.handle(nc.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
-    core.handle(nc.RoundDone(0, 1, ["mate"]), 1.0)
-    only(core.handle(nc.RedoAnswer(0, 1, granted=False, reason="no"), 1.1), nc.AskReopened)
-    actions = core.handle(nc.ReopenAnswer(0, 1, reopened=False), 1.2)
-    assert "tickets_lost" in emitted(actions) and only(actions, nc.WaitCommit)
+    core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
+    core.handle(ev.RoundDone(0, 1, ["mate"]), 1.0)
+    only(core.handle(ev.RedoAnswer(0, 1, granted=False, reason="no"), 1.1), ev.AskReopened)
+    actions = core.handle(ev.ReopenAnswer(0, 1, reopened=False), 1.2)
+    assert "tickets_lost" in emitted(actions) and only(actions, ev.WaitCommit)
     # Another replica reopened the step first: the same answer path waits for the next revision.
     core2 = make()
-    core2.handle(nc.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
-    core2.handle(nc.RoundDone(0, 1, ["mate"]), 1.0)
-    core2.handle(nc.RedoAnswer(0, 1, granted=False), 1.1)
-    assert only(core2.handle(nc.ReopenAnswer(0, 1, reopened=True), 1.2), nc.WaitClosed)
+    core2.handle(ev.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
+    core2.handle(ev.RoundDone(0, 1, ["mate"]), 1.0)
+    core2.handle(ev.RedoAnswer(0, 1, granted=False), 1.1)
+    assert only(core2.handle(ev.ReopenAnswer(0, 1, reopened=True), 1.2), ev.WaitClosed)
 
 
 def test_an_unanswered_redo_is_asked_again_never_taken_as_a_refusal() -> None:
     core = make()
-    core.handle(nc.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
-    (first,) = only(core.handle(nc.RoundDone(0, 1, ["mate"]), 1.0), nc.Redo)
-    (again,) = only(core.handle(nc.RedoAnswer(0, 1, granted=None, reason="restarting"), 1.1), nc.Redo)
+    core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
+    (first,) = only(core.handle(ev.RoundDone(0, 1, ["mate"]), 1.0), ev.Redo)
+    (again,) = only(core.handle(ev.RedoAnswer(0, 1, granted=None, reason="restarting"), 1.1), ev.Redo)
     assert again.tickets == first.tickets and again.delay_s == nc.ASK_AGAIN_S
     # Past the averaging timeout it gives up safely: a resync, never an apply of a partial sum.
-    assert only(core.handle(nc.RedoAnswer(0, 1, granted=None, reason="restarting"), 11.0), nc.Resync)
+    assert only(core.handle(ev.RedoAnswer(0, 1, granted=None, reason="restarting"), 11.0), ev.Resync)
     assert core.state is NodeState.SYNCING
 
 
 def test_an_unanswered_reopen_question_is_asked_again_then_resyncs() -> None:
     core = make()
-    core.handle(nc.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
-    core.handle(nc.RoundFailed(0, 1, "two replicas died"), 1.0)
-    core.handle(nc.RedoAnswer(0, 1, granted=False), 1.1)
-    (ask,) = only(core.handle(nc.ReopenAnswer(0, 1, reopened=None, reason="timeout"), 1.2), nc.AskReopened)
+    core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
+    core.handle(ev.RoundFailed(0, 1, "two replicas died"), 1.0)
+    core.handle(ev.RedoAnswer(0, 1, granted=False), 1.1)
+    (ask,) = only(core.handle(ev.ReopenAnswer(0, 1, reopened=None, reason="timeout"), 1.2), ev.AskReopened)
     assert ask.delay_s == nc.ASK_AGAIN_S
-    assert only(core.handle(nc.ReopenAnswer(0, 1, reopened=None, reason="timeout"), 10.5), nc.Resync)
+    assert only(core.handle(ev.ReopenAnswer(0, 1, reopened=None, reason="timeout"), 10.5), ev.Resync)
 
 
 def test_a_failed_round_redoes_the_whole_step_or_resyncs_if_refused() -> None:
     core = make()
-    core.handle(nc.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
-    actions = core.handle(nc.RoundFailed(0, 1, "two replicas died"), 1.0)
-    assert emitted(actions) == ["averaging_failed"] and only(actions, nc.Redo)[0].tickets == [0, 1, 2, 3]
-    core.handle(nc.RedoAnswer(0, 1, granted=False), 1.1)
-    assert only(core.handle(nc.ReopenAnswer(0, 1, reopened=False), 1.2), nc.Resync)
+    core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
+    actions = core.handle(ev.RoundFailed(0, 1, "two replicas died"), 1.0)
+    assert emitted(actions) == ["averaging_failed"] and only(actions, ev.Redo)[0].tickets == [0, 1, 2, 3]
+    core.handle(ev.RedoAnswer(0, 1, granted=False), 1.1)
+    assert only(core.handle(ev.ReopenAnswer(0, 1, reopened=False), 1.2), ev.Resync)
 
 
 def test_lost_gradients_resync_when_a_replica_applied_else_are_redone() -> None:
     core = make()
-    assert only(core.handle(nc.Closed(0, 1, ACCOUNT, None, held=[]), 0.0), nc.AskReported)
-    assert only(core.handle(nc.Reported(0, applied_elsewhere=True), 0.1), nc.Resync)
+    assert only(core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[]), 0.0), ev.AskReported)
+    assert only(core.handle(ev.Reported(0, applied_elsewhere=True), 0.1), ev.Resync)
     core = make()
-    core.handle(nc.Closed(0, 1, ACCOUNT, None, held=[1]), 0.0)
-    actions = core.handle(nc.Reported(0, applied_elsewhere=False), 0.1)
-    assert "missing_tickets" in emitted(actions) and only(actions, nc.Redo)[0].tickets == [0]
+    core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[1]), 0.0)
+    actions = core.handle(ev.Reported(0, applied_elsewhere=False), 0.1)
+    assert "missing_tickets" in emitted(actions) and only(actions, ev.Redo)[0].tickets == [0]
 
 
 def test_a_left_out_replica_fetches_reports_and_applies() -> None:
     core = make(me="idle")
-    (fetch,) = only(core.handle(nc.Closed(0, 1, ACCOUNT, None, held=[]), 0.0), nc.Fetch)
+    (fetch,) = only(core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[]), 0.0), ev.Fetch)
     assert fetch.participants == ["mate", "me"] and fetch.round == nc.round_id(0, 1)
-    (wait,) = only(core.handle(nc.Fetched(0, 1, ok=True), 0.5), nc.WaitCommit)
+    (wait,) = only(core.handle(ev.Fetched(0, 1, ok=True), 0.5), ev.WaitCommit)
     assert wait.report, "a replica that holds the result says so: the commit waits for it"
-    assert only(core.handle(nc.CommitAnswer(0, 1, True), 0.6), nc.Apply)[0].counted is None
+    assert only(core.handle(ev.CommitAnswer(0, 1, True), 0.6), ev.Apply)[0].counted is None
 
 
 def test_a_left_out_replica_without_a_result_asks_reopen_then_redo_then_fetches_again_until_its_deadline() -> None:
     core = make(me="idle")
-    core.handle(nc.Closed(0, 1, ACCOUNT, None, held=[]), 0.0)
-    only(core.handle(nc.Fetched(0, 1, ok=False, reason="timeout"), 3.0), nc.AskReopened)
-    (redo,) = only(core.handle(nc.ReopenAnswer(0, 1, reopened=False), 3.1), nc.Redo)
+    core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[]), 0.0)
+    only(core.handle(ev.Fetched(0, 1, ok=False, reason="timeout"), 3.0), ev.AskReopened)
+    (redo,) = only(core.handle(ev.ReopenAnswer(0, 1, reopened=False), 3.1), ev.Redo)
     assert redo.expected and redo.tickets == [0, 1, 2, 3]  # granted only once every participant is gone
-    core.handle(nc.RedoAnswer(0, 1, granted=False), 3.2)
-    assert only(core.handle(nc.ReopenAnswer(0, 1, reopened=False), 3.3), nc.Fetch)
-    core.handle(nc.Fetched(0, 1, ok=False), 9.0)
-    core.handle(nc.ReopenAnswer(0, 1, reopened=False), 9.1)
-    core.handle(nc.RedoAnswer(0, 1, granted=False), 9.2)
-    assert only(core.handle(nc.ReopenAnswer(0, 1, reopened=False), 10.5), nc.Resync)
+    core.handle(ev.RedoAnswer(0, 1, granted=False), 3.2)
+    assert only(core.handle(ev.ReopenAnswer(0, 1, reopened=False), 3.3), ev.Fetch)
+    core.handle(ev.Fetched(0, 1, ok=False), 9.0)
+    core.handle(ev.ReopenAnswer(0, 1, reopened=False), 9.1)
+    core.handle(ev.RedoAnswer(0, 1, granted=False), 9.2)
+    assert only(core.handle(ev.ReopenAnswer(0, 1, reopened=False), 10.5), ev.Resync)
     # A participant that no longer keeps the round: straight to a resync.
     core = make(me="idle")
-    core.handle(nc.Closed(0, 1, ACCOUNT, None, held=[]), 0.0)
-    assert only(core.handle(nc.Fetched(0, 1, ok=False, gone=True, reason="moved on"), 0.1), nc.Resync)
+    core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[]), 0.0)
+    assert only(core.handle(ev.Fetched(0, 1, ok=False, gone=True, reason="moved on"), 0.1), ev.Resync)
 
 
 def test_a_step_that_reopened_while_waiting_for_the_commit_is_finished_again() -> None:
     core = make()
-    core.handle(nc.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
-    core.handle(nc.RoundDone(0, 1, []), 0.5)
-    actions = core.handle(nc.CommitAnswer(0, 1, False), 0.6)
-    assert emitted(actions) == ["reopened"] and only(actions, nc.WaitClosed)[0].revision == 2
+    core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
+    core.handle(ev.RoundDone(0, 1, []), 0.5)
+    actions = core.handle(ev.CommitAnswer(0, 1, False), 0.6)
+    assert emitted(actions) == ["reopened"] and only(actions, ev.WaitClosed)[0].revision == 2
 
 
 def test_work_held_for_the_next_step_starts_once_the_step_is_applied() -> None:
     core = make()
     assert core.accounting.admit_forward(1, 0, "payload").action == "defer"
-    core.handle(nc.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
-    core.handle(nc.RoundDone(0, 1, []), 0.1)
-    core.handle(nc.CommitAnswer(0, 1, True), 0.2)
-    assert core.handle(nc.Applied(0, "h"), 0.3) == [nc.StartHeld(["payload"])]
+    core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
+    core.handle(ev.RoundDone(0, 1, []), 0.1)
+    core.handle(ev.CommitAnswer(0, 1, True), 0.2)
+    assert core.handle(ev.Applied(0, "h"), 0.3) == [ev.StartHeld(["payload"])]
 
 
 def test_stray_events_are_dropped_with_a_warning_and_a_revision_past_the_cap_resyncs() -> None:
     core = make(applied=3)
-    actions = core.handle(nc.Closed(1, 1, ACCOUNT, None, held=[]), 0.0)
+    actions = core.handle(ev.Closed(1, 1, ACCOUNT, None, held=[]), 0.0)
     assert emitted(actions) == ["ignored"] and actions[0].level  # logged, not silent
-    assert emitted(core.handle(nc.RoundDone(7, 1, []), 0.0)) == ["ignored"]
-    assert only(core.handle(nc.Closed(3, nc.REVISIONS_PER_STEP + 1, ACCOUNT, None, held=[0, 1]), 0.0), nc.Resync)
+    assert emitted(core.handle(ev.RoundDone(7, 1, []), 0.0)) == ["ignored"]
+    assert only(core.handle(ev.Closed(3, nc.REVISIONS_PER_STEP + 1, ACCOUNT, None, held=[0, 1]), 0.0), ev.Resync)
     with pytest.raises(RuntimeError):  # an answer to a question the core did not ask is an adapter bug
-        make().handle(nc.CommitAnswer(-1, 1, True), 0.0)
+        make().handle(ev.CommitAnswer(-1, 1, True), 0.0)
 
 
 # -- stage 0's leases ------------------------------------------------------------------------------

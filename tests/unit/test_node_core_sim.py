@@ -20,7 +20,7 @@ import random
 
 import pytest
 
-from protolearn.node import core as nc
+from protolearn.node import events as ev
 from tests.unit.node_sim import Sim, SimNode
 
 SEEDS = range(*map(int, os.environ.get("PROTOLEARN_SIM_SEEDS", "0:1040").split(":")))
@@ -41,7 +41,7 @@ def plan(sim: Sim, kind: str, rng: random.Random) -> None:
         at_step = rng.randrange(sim.steps - 1)
         fired = []
 
-        def on_average(node: SimNode, a: nc.Average) -> None:
+        def on_average(node: SimNode, a: ev.Average) -> None:
             if fired or node.stage != stage or a.step != at_step:
                 return
             others = [sim.nodes[p] for p in sorted(a.weights) if p != node.peer and sim.nodes[p].alive]
