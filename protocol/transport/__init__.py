@@ -44,6 +44,22 @@ listener, which another machine cannot dial). Each would leave a peer that resta
 before dialling the host drops dead connections, forgets past dial failures and restores the
 addresses it was given (by ``connect`` or ``add_peer_addrs``).
 
+Lifetime. The host works until its ``async with open_host(...)`` block exits, also while that block
+is being cancelled: the libp2p swarm and the host's own services run in a task of their own under a
+shielded cancel scope, and the block's exit stops them (within ``2 * connect_timeout_s``). The
+reason: ``protolearn node join`` stops on SIGINT/SIGTERM by cancelling everything the node runs in,
+and then says goodbye to the coordinator from a shielded ``finally`` inside the host's block. Had the
+swarm's tasks been cancelled along with the node, the swarm would close its connections and stop its
+service manager first, the goodbye would redial into a stopped swarm ("Lifecycle reconcile pruned 1
+phantom connection(s)", then ``[ADDCONN_FAIL] ... LifecycleError('Cannot schedule task after service
+has stopped')``) and fail, and the coordinator would find the node gone only when it expired.
+
+py-libp2p's auto-connector is stopped as the host starts. It dials peers from the peerstore (any peer
+with an address, not connected and not backing off) to keep about 200 connections: every 30 s, every
+10 s while under 50, and after each disconnect. A protolearn host dials only on purpose (the
+coordinator, and the peers its protocols name); background dials would connect every node to every
+member it has heard of and race our redials of a peer that just died.
+
 The bulk lane (:mod:`protolearn.protocol.transport.bulk`, on by default: ``TransportConfig.bulk``,
 ``bulk_min_bytes``, ``bulk_connect_timeout_s``): a host also listens on a plain TCP port on its listen
 IP, and a tensor payload of at least ``bulk_min_bytes`` goes over a direct AES-GCM-sealed connection

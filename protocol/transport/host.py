@@ -1,6 +1,8 @@
 """The libp2p host: TCP + Noise only + yamux, the ban gate, request/response and stream opening.
 
-See the package docstring of :mod:`protolearn.protocol.transport` for the API.
+See the package docstring of :mod:`protolearn.protocol.transport` for the API. :func:`open_host` runs
+the swarm in a shielded task of its own, so that a cancelled ``async with open_host(...)`` block can
+still use the host in its cleanup (a node's leave on SIGTERM); "Lifetime" there says why.
 """
 
 from __future__ import annotations
@@ -486,32 +488,62 @@ async def open_host(
     )
     host = Host(lp, cfg, clock=clock)
     lp.get_network().register_notifee(_BanNotifee(host))
+    # The swarm and the host's services run in a task of their own under a shield, so a cancel from
+    # outside (a signal stopping the node) reaches the body but not them: the body's cleanup (a
+    # node's goodbye to the coordinator) still has a host. They stop when the body is done, within
+    # twice connect_timeout_s. See "Lifetime" in the package docstring.
+    stop = trio.Event()
+    services = trio.CancelScope(shield=True)
     try:
-        async with lp.run(listen_addrs), trio.open_nursery() as nursery:
+        async with trio.open_nursery() as nursery:
             try:
+                await nursery.start(_run_services, lp, host, listen_addrs, services, stop)
                 if not lp.get_addrs():  # py-libp2p logs a failed listen and carries on
                     raise ConfigError(f"cannot listen on {', '.join(listen)}: use an address of this machine, e.g. /ip4/0.0.0.0/tcp/0")
-                # py-libp2p's auto-connector dials every peer in the peerstore, every 30 s and after each
-                # disconnect, to keep 150 connections. Here every dial is on purpose: its background dials
-                # to a peer that just died would race ours and mark the peer undialable for 60 s.
+                yield host
+            finally:
+                stop.set()
+                services.deadline = trio.current_time() + 2 * cfg.connect_timeout_s
+    except BaseExceptionGroup as group:
+        leaf = _single_leaf(group)
+        if leaf is None:
+            raise
+        raise leaf from None
+    finally:
+        host._flush_logs(everything=True)  # no count is lost at shutdown
+
+
+async def _run_services(
+    lp: IHost,
+    host: Host,
+    listen_addrs: list[multiaddr.Multiaddr],
+    services: trio.CancelScope,
+    stop: trio.Event,
+    *,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the libp2p swarm and the host's own services inside ``services`` until ``stop`` is set."""
+    with services:
+        async with lp.run(listen_addrs), trio.open_nursery() as nursery:
+            try:
+                # py-libp2p's auto-connector dials peers from the peerstore to keep about 200
+                # connections: every 30 s (every 10 s while below 50) and after each disconnect. Here
+                # every dial is on purpose: its background dials to a peer that just died would race
+                # ours and mark the peer undialable for 60 s. Its one tick at start-up, before this
+                # stop, finds an empty peerstore and dials nothing.
                 await lp.get_network().auto_connector.stop()
                 await nursery.start(host._disconnect_service)
                 await nursery.start(host._rejection_log_service)
                 ip = lane_ip([str(a) for a in listen_addrs])
                 if host.bulk is not None and ip is not None:
                     await nursery.start(host.bulk.serve, ip)
-                yield host
+                task_status.started()
+                await stop.wait()
             finally:
                 nursery.cancel_scope.cancel()
                 # Close connections explicitly: cancelling the swarm alone leaves sockets to the GC.
-                with trio.CancelScope(shield=True), trio.move_on_after(cfg.connect_timeout_s):
+                with trio.CancelScope(shield=True), trio.move_on_after(host.config.connect_timeout_s):
                     await lp.close()
-                host._flush_logs(everything=True)  # no count is lost at shutdown
-    except BaseExceptionGroup as group:
-        leaf = _single_leaf(group)
-        if leaf is None:
-            raise
-        raise leaf from None
 
 
 def _log_refusal_summaries(summaries: list[Summary[tuple[str, str]]]) -> None:
