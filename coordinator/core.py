@@ -128,7 +128,8 @@ class CoordinatorCore:
         self.verify = verify
         self.registry = Registry(run.num_stages, shares_from_layers(run.layers), settings)
         self.ledger = TicketLedger(
-            run.microbatches_per_step, run.num_stages, lease_s=settings.lease_s, block=settings.lease_block
+            run.microbatches_per_step, run.num_stages, lease_s=settings.lease_s, block=settings.lease_block,
+            keep_closed=KEEP_CLOSED,
         )
         self.verdicts = VerdictPolicy(settings)
         self.limiter = RateLimiter(settings.rate_per_s, settings.rate_burst, max_peers=settings.max_members * 2)
@@ -159,27 +160,11 @@ class CoordinatorCore:
         corpus: str | None = None,
     ) -> None:
         """Load persisted state after a restart, giving live members and leases a fresh term."""
-        self.registry.members = {m.peer_id: m for m in members}
-        self.registry.view_version = 1
-        self.registry.restore_grace(now)
-        by_index = {t.index: t for t in tickets}
-        full = [by_index.get(i, Ticket(i)) for i in range(self.run.microbatches_per_step)]
-        self.ledger = TicketLedger(
-            self.run.microbatches_per_step,
-            self.run.num_stages,
-            lease_s=self.settings.lease_s,
-            block=self.settings.lease_block,
-            step=step,
-            tickets=full,
-            closed=closed[-KEEP_CLOSED:],
-            committed_through=committed,
-        )
-        self.ledger.refresh_leases(now)
+        self.registry.restore(members, now)
+        self.ledger.restore(step=step, tickets=tickets, closed=closed, committed_through=committed, now=now)
+        self.verdicts.restore(bans)
         self.corpus = corpus
         self.history.extend(history)
-        self.verdicts.bans = {b.peer_id: b for b in bans}
-        self.registry.dirty.clear()
-        self.verdicts.dirty.clear()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -327,9 +312,6 @@ class CoordinatorCore:
         while self.history and self.history[-1].step >= closed.step:
             self.history.pop()  # a reopened step closes again: replace its point
         self.history.append(LossPoint(closed.step, closed.loss, closed.num_tickets, closed.closed_at))
-        if len(self.ledger.closed) > KEEP_CLOSED:
-            for step in sorted(self.ledger.closed)[: len(self.ledger.closed) - KEEP_CLOSED]:
-                del self.ledger.closed[step]
 
     def _redo(self, member: Member, msg: cm.Redo) -> cm.RedoReply:
         peer = member.peer_id
@@ -477,26 +459,12 @@ class CoordinatorCore:
 
     def drain(self, *, soft: bool = False) -> Changes:
         """Take the changes to persist; ``soft`` includes heartbeat-only telemetry too."""
-        reg, led, ver = self.registry, self.ledger, self.verdicts
-        ch = Changes(step=led.step)
-        dirty = reg.dirty | reg.soft if soft else reg.dirty
-        ch.members = [reg.members[p] for p in sorted(dirty) if p in reg.members]
-        if soft:
-            reg.soft.clear()
-        ch.removed = sorted(reg.removed)
-        if led.reset:
-            ch.tickets, ch.tickets_reset = list(led.tickets), True
-        else:
-            ch.tickets = [led.tickets[i] for i in sorted(led.dirty)]
-        ch.closed = list(self._new_closed)
-        ch.bans = [ver.bans[p] for p in sorted(ver.dirty)]
-        if led.commit_dirty:
-            ch.committed, led.commit_dirty = led.committed_through, False
-        ch.corpus, self._corpus_dirty = self._corpus_dirty, None
-        reg.dirty.clear()
-        reg.removed.clear()
-        led.dirty.clear()
-        led.reset = False
-        ver.dirty.clear()
+        members, removed = self.registry.drain(soft=soft)
+        tickets = self.ledger.drain()
+        ch = Changes(
+            step=self.ledger.step, members=members, removed=removed, tickets=tickets.tickets, tickets_reset=tickets.reset,
+            closed=list(self._new_closed), bans=self.verdicts.drain(), committed=tickets.committed, corpus=self._corpus_dirty,
+        )
         self._new_closed.clear()
+        self._corpus_dirty = None
         return ch

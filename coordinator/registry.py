@@ -17,7 +17,7 @@ change), so a heartbeat reply carries the membership view only when the node's c
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from protolearn.coordinator.assignment import Choice, Move, choose_stage, propose_move, stage_loads
@@ -258,6 +258,34 @@ class Registry:
             m.step, m.param_hash = -1, ""  # its hashes were of the old stage
             self._touch(m, True)
         return move
+
+    def restore(self, members: Iterable[Member], now: float) -> None:
+        """Load the persisted members after a restart; live ones get a fresh term (:meth:`restore_grace`).
+
+        Nothing counts as changed afterwards: the store already holds exactly this.
+        """
+        self.members = {m.peer_id: m for m in members}
+        self.view_version = 1
+        self.dirty.clear()
+        self.removed.clear()
+        self.soft.clear()
+        self._disconnected.clear()
+        self._gone.clear()
+        self.restore_grace(now)
+
+    def drain(self, *, soft: bool = False) -> tuple[list[Member], list[str]]:
+        """Take what to persist: the changed members (``soft``: telemetry-only changes too) and the
+        forgotten peer IDs, each sorted; the registry then counts as persisted."""
+        dirty = self.dirty | self.soft if soft else self.dirty
+        changed = [self.members[p] for p in sorted(dirty) if p in self.members]
+        removed = sorted(self.removed)
+        if soft:
+            self.soft.clear()
+        else:
+            self.soft -= self.dirty  # written in full just now
+        self.dirty.clear()
+        self.removed.clear()
+        return changed, removed
 
     def restore_grace(self, now: float) -> None:
         """After a restart, count live members as just seen: the coordinator, not they, was away.

@@ -18,6 +18,7 @@ refuses banned peers.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from protolearn.coordinator.config import CoordinatorSettings
@@ -58,6 +59,18 @@ class VerdictPolicy:
             self.dirty.add(peer_id)
             self.reports.pop(peer_id, None)
         return ban
+
+    def restore(self, bans: Iterable[Ban]) -> None:
+        """Load the persisted bans after a restart (reports are not persisted: they start afresh)."""
+        self.bans = {b.peer_id: b for b in bans}
+        self.reports.clear()
+        self.dirty.clear()
+
+    def drain(self) -> list[Ban]:
+        """Take the bans made since the last drain, to persist, sorted by peer ID."""
+        out = [self.bans[p] for p in sorted(self.dirty)]
+        self.dirty.clear()
+        return out
 
     def report(self, reporter: str, target: str, reason: str, *, evidence_verified: bool, now: float) -> Verdict:
         if target in self.bans:

@@ -92,3 +92,35 @@ def test_rebalance_moves_a_training_node_into_an_empty_stage() -> None:
     move = r.rebalance(6.0)
     assert move is not None and move.dst == 2 and r.members[move.peer_id].stage == 2
     assert r.heartbeat(move.peer_id, HeartbeatInfo("syncing"), 6.5).reason == move.reason
+
+
+def test_drain_hands_over_changed_and_forgotten_members_once_and_telemetry_only_when_soft() -> None:
+    r = registry()
+    r.join("a", info(), 0.0)
+    r.join("b", info(), 0.0)
+    changed, removed = r.drain()
+    assert [m.peer_id for m in changed] == ["a", "b"] and removed == []
+    assert r.drain() == ([], [])
+    r.heartbeat("a", HeartbeatInfo("syncing", 150.0), 1.0)  # telemetry only: written lazily
+    assert r.drain() == ([], [])
+    changed, _ = r.drain(soft=True)
+    assert [(m.peer_id, m.throughput) for m in changed] == [("a", 150.0)]
+    assert r.drain(soft=True) == ([], [])
+    r.leave("b", 2.0)
+    r.expire(200.0)  # a expires, the departed b is forgotten
+    changed, removed = r.drain()
+    assert [(m.peer_id, m.status) for m in changed] == [("a", EXPIRED)] and removed == ["b"]
+
+
+def test_restore_loads_members_with_a_fresh_term_and_nothing_to_persist() -> None:
+    r = registry()
+    r.join("a", info(), 0.0)
+    r.join("b", info(), 0.0)
+    r.leave("b", 1.0)
+    members = [r.members["a"], r.members["b"]]
+    again = registry()
+    again.restore(members, 50.0)
+    assert again.is_live("a") and not again.is_live("b") and again.members["b"].status == LEFT
+    assert again.members["a"].last_seen == 50.0 and again.drain(soft=True) == ([], [])
+    assert again.expire(50.0 + 3.5) == []  # the restart grace: nodes are still reconnecting
+    assert again.join("b", info(), 51.0).rejoined
