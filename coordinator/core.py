@@ -27,7 +27,9 @@ from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.ratelimit import RateLimiter
 from protolearn.coordinator.registry import LIVE, HeartbeatInfo, JoinInfo, Member, Registry
-from protolearn.coordinator.tickets import ClosedStep, Ticket, TicketLedger
+from protolearn.coordinator.run import RunInfo
+from protolearn.coordinator.status import build_status
+from protolearn.coordinator.tickets import ClosedStep, LossPoint, Ticket, TicketLedger
 from protolearn.coordinator.verdicts import Ban, VerdictPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import SignatureError
@@ -40,43 +42,6 @@ log = logging.getLogger("protolearn.coordinator")
 KEEP_CLOSED = 1000
 # Compact (step, loss, tickets, closed_at) history kept in memory for status and tokens/s.
 KEEP_HISTORY = 10_000
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What the coordinator needs to know about the run."""
-
-    name: str
-    run_hash: str
-    run_toml: str
-    layers: tuple[int, ...]
-    microbatches_per_step: int
-    tokens_per_step: int
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.layers)
-
-    @classmethod
-    def from_run(cls, run) -> RunInfo:  # run: protolearn.stages.config.RunConfig
-        from protolearn.stages.partition import PartitionPlan
-
-        return cls(
-            name=run.name,
-            run_hash=run.run_hash(),
-            run_toml=run.to_toml(),
-            layers=tuple(PartitionPlan.from_config(run).layers),
-            microbatches_per_step=run.batch.microbatches_per_step,
-            tokens_per_step=run.batch.tokens_per_step,
-        )
-
-
-@dataclass(frozen=True)
-class LossPoint:
-    step: int
-    loss: float
-    tickets: int
-    closed_at: float
 
 
 @dataclass
@@ -183,8 +148,6 @@ class CoordinatorCore:
         """Answer one request (everything except the long-poll wait, see :meth:`check_wait`)."""
         self.admit(peer, now)
         if isinstance(msg, cm.StatusRequest):
-            from protolearn.coordinator.status import build_status
-
             return build_status(self, now, msg.loss_history)
         if isinstance(msg, cm.MembersRequest):
             return cm.Members(run_toml=self.run.run_toml, run_hash=self.run.run_hash, step=self.ledger.step, members=self.view())

@@ -78,6 +78,16 @@ class ClosedStep:
 
 
 @dataclass(frozen=True)
+class LossPoint:
+    """A closed step in brief: the history behind `swarm status` and tokens/s (routes are in :class:`ClosedStep`)."""
+
+    step: int
+    loss: float
+    tickets: int
+    closed_at: float
+
+
+@dataclass(frozen=True)
 class TicketChanges:
     """What :meth:`TicketLedger.drain` hands the store: the open step's changed tickets (all of them
     when ``reset``: the step changed wholesale) and the new last committed step, if it moved."""
