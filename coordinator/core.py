@@ -150,7 +150,8 @@ class CoordinatorCore:
         if isinstance(msg, cm.StatusRequest):
             return build_status(self, now, msg.loss_history)
         if isinstance(msg, cm.MembersRequest):
-            return cm.Members(run_toml=self.run.run_toml, run_hash=self.run.run_hash, step=self.ledger.step, members=self.view())
+            members = self.registry.view.snapshot(range(self.run.num_stages), peer)
+            return cm.Members(run_toml=self.run.run_toml, run_hash=self.run.run_hash, step=self.ledger.step, members=members)
         if isinstance(msg, cm.Join):
             return self._join(peer, msg, now)
         if isinstance(msg, cm.Report):
@@ -197,6 +198,7 @@ class CoordinatorCore:
             raise self.refuse(d.code, d.reason)
         log.info("join peer=%s stage=%d rejoined=%s reason=%s", peer, d.stage, d.rejoined, d.reason)
         s = self.settings
+        view = self.registry.view.full(peer, self._view_stages(self.registry.members[peer], delta=False))
         return cm.JoinReply(
             stage=d.stage,
             run_toml=self.run.run_toml,
@@ -207,40 +209,37 @@ class CoordinatorCore:
             heartbeat_interval_s=s.heartbeat_interval_s,
             expiry_s=s.expiry_s,
             lease_s=s.lease_s,
-            bans=sorted(self.verdicts.bans),
-            view_version=self.registry.view_version,
-            members=self.view(),
+            bans=self.verdicts.banned(),
+            view_version=view.version,
+            members=view.members,
         )
 
-    def view(self) -> list[cm.MemberView]:
-        return [
-            cm.MemberView(
-                peer_id=m.peer_id,
-                stage=m.stage,
-                addrs=list(m.addrs),
-                state=m.state,
-                throughput=float(m.throughput),
-                queue_len=m.queue_len,
-            )
-            for m in self.registry.live()
-        ]
+    def _view_stages(self, m: Member, *, delta: bool) -> tuple[int, ...]:
+        """The stages ``m`` is told about: its neighbourhood, or every stage for a stage-0 node that
+        takes snapshots (node code diffs them to notice a departure on any of its routes)."""
+        if not delta and 0 in (m.stage, m.serving):
+            return tuple(range(self.run.num_stages))
+        return self.registry.view.neighbourhood(m.stage, m.serving)
 
     def _heartbeat(self, peer: str, msg: cm.Heartbeat, now: float) -> cm.HeartbeatReply:
         info = HeartbeatInfo(msg.state, msg.throughput, msg.queue_len, msg.step, msg.param_hash, msg.loss, msg.stage)
         d = self.registry.heartbeat(peer, info, now)
         if not d.accepted:
             raise self.refuse(d.code, d.reason)
-        version = self.registry.view_version
-        changed = msg.view_version != version
+        member = self.registry.members[peer]
+        stages = self._view_stages(member, delta=msg.view_delta)
+        view = self.registry.view.update_for(peer, stages, msg.view_version, delta=msg.view_delta)
         return cm.HeartbeatReply(
             stage=d.stage,
             step=self.ledger.frontier,
             last_closed=self.ledger.last_closed,
-            bans=sorted(self.verdicts.bans),
-            view_version=version,
-            view_changed=changed,
-            members=self.view() if changed else [],
+            bans=self.verdicts.banned(),
+            view_version=self.registry.view_version if view is None else view.version,
+            view_changed=view is not None,
+            members=[] if view is None else view.members,
             reason=d.reason,
+            view_delta=view is not None and view.delta,
+            removed=[] if view is None else view.removed,
         )
 
     def _lease(self, member: Member, msg: cm.Lease, now: float) -> cm.LeaseReply:

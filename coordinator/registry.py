@@ -11,10 +11,11 @@ Heartbeat telemetry alone (last seen, throughput, queue length, and a flip betwe
 ``averaging``) marks a member ``soft``-dirty: the service persists it every few seconds rather than on
 every heartbeat, since a restart resets ``last_seen`` anyway (:meth:`Registry.restore_grace`).
 
-The *view version* increases on every change other nodes must see: a join, leave, expiry, ban or stage
-move, and a state change into or out of serving (``training``/``averaging``). Every member flips
-between those two each step, and nobody routes differently because of it, so that flip is not a view
-change; otherwise the view would change with every heartbeat of a large swarm.
+The *view version* (of :class:`~protolearn.coordinator.view.SwarmView`, which the registry keeps in
+step) increases on every change other nodes must see: a join, leave, expiry, ban or stage move, and a
+state change into or out of serving (``training``/``averaging``). Every member flips between those
+two each step, and nobody routes differently because of it, so that flip is not a view change;
+otherwise the view would change with every heartbeat of a large swarm.
 
 Every request path is O(1) in the number of members: the registry keeps per-stage tallies (replicas,
 throughput, working replicas) and the live count up to date as members change, rather than scanning
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 
 from protolearn.coordinator.assignment import MIN_THROUGHPUT, Choice, Move, StageLoad, choose_stage, propose_move
 from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.view import SwarmView, first_version
+from protolearn.protocol import coordination as cm
 
 LIVE = "live"
 LEFT = "left"
@@ -104,7 +107,8 @@ class Registry:
     shares: Sequence[float]
     settings: CoordinatorSettings
     members: dict[str, Member] = field(default_factory=dict)
-    view_version: int = 0
+    # The first view version (see view.first_version): distinct per coordinator run.
+    first_version: int = 0
     dirty: set[str] = field(default_factory=set)
     removed: set[str] = field(default_factory=set)
     # Members whose only change is heartbeat telemetry (last seen, throughput, queue): persisted lazily.
@@ -120,9 +124,16 @@ class Registry:
     _replicas: list[int] = field(init=False)
     _working: list[int] = field(init=False)
     _throughput: list[int] = field(init=False)
+    # What nodes are told about the live members (see view.py), kept in step by _touch.
+    view: SwarmView = field(init=False)
 
     def __post_init__(self) -> None:
         self._recount()
+        self.view = SwarmView(self.num_stages, self.first_version, [_entry(m) for m in self.live()])
+
+    @property
+    def view_version(self) -> int:
+        return self.view.version
 
     def _recount(self) -> None:
         self._num_live = 0
@@ -194,9 +205,13 @@ class Registry:
         return [StageLoad(t / _UNITS_PER_THROUGHPUT, n) for t, n in zip(self._throughput, self._replicas, strict=True)]
 
     def _touch(self, m: Member, structural: bool) -> None:
+        """``m`` changed and must be persisted; ``structural``: in a way the view shows, too."""
         self.dirty.add(m.peer_id)
         if structural:
-            self.view_version += 1
+            if m.status == LIVE:
+                self.view.put(_entry(m))
+            else:
+                self.view.drop(m.peer_id)
 
     def join(self, peer_id: str, info: JoinInfo, now: float) -> Decision:
         old = self.members.get(peer_id)
@@ -323,7 +338,8 @@ class Registry:
         """
         self.members = {m.peer_id: m for m in members}
         self._recount()
-        self.view_version = 1
+        self.first_version = first_version(now)
+        self.view = SwarmView(self.num_stages, self.first_version, [_entry(m) for m in self.live()])
         self.dirty.clear()
         self.removed.clear()
         self.soft.clear()
@@ -353,3 +369,10 @@ class Registry:
         self.grace_until = now + self.settings.restart_grace_s
         for m in self.live():
             m.last_seen = max(m.last_seen, now)
+
+
+def _entry(m: Member) -> cm.MemberView:
+    """``m`` as other nodes see it: enough to route to it and average with it."""
+    return cm.MemberView(
+        peer_id=m.peer_id, stage=m.stage, addrs=list(m.addrs), state=m.state, throughput=float(m.throughput), queue_len=m.queue_len
+    )

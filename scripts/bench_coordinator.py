@@ -81,11 +81,13 @@ def _median_ms(batches: int, batch: Callable[[int], float]) -> float:
 def measure(num_members: int, num_stages: int, repeat: int) -> dict[str, Any]:
     core = make_core(num_members, num_stages)
     now = 1.0
-    version = core.registry.view_version
     ids = [peer_id(i) for i in range(num_members)]
     sample = ids[: min(num_members, HEARTBEATS_PER_BATCH)]
 
-    held = dict.fromkeys(sample, version)  # the view version each node holds, from its last reply
+    held = {}  # the view version each node holds, from its last reply (first one: untimed)
+    for p in sample:
+        reply = core.handle(p, cm.Heartbeat(state="training", step=9, param_hash="ab" * 32, stage=core.registry.members[p].stage), now)
+        held[p] = reply.view_version
 
     def heartbeats(b: int) -> float:
         # One step of a steady swarm: every member flips between training and averaging and then
