@@ -17,9 +17,9 @@ core's own work (decoding and encoding belong to the transport):
 Each is the median over ``--repeat`` batches of the mean time per call, in milliseconds, keyed
 ``<name>_ms_<size>``. ``heartbeat_growth`` is the largest size's heartbeat time over the smallest's
 (goal <= 2, and a heartbeat at 10,000 members <= 0.3 ms). ``join_reply_bytes_<size>`` and
-``view_reply_bytes_<size>`` are encoded sizes: a join reply, and a heartbeat reply from a node whose
-view is one change behind (the ``view_delta_bytes_<size>`` form, when the core offers it, is the
-same reply for a node that merges deltas).
+``view_reply_bytes_<size>`` are encoded sizes: a join reply, and a heartbeat reply to a node whose
+stage gained a member since its last beat (``view_delta_bytes_<size>``, when the core offers
+deltas, is the same reply to a node that merges them).
 """
 
 from __future__ import annotations
@@ -139,11 +139,11 @@ def measure(num_members: int, num_stages: int, repeat: int) -> dict[str, Any]:
 
     join_ms = _median_ms(repeat, joins)
 
-    # A node one change behind: another member joined since its last beat.
+    # A node one change behind: another member joined its stage since its last beat.
     behind = core.registry.view_version
     newcomer = peer_id(0, salt="behind")
-    core.handle(newcomer, join_msg, now)
-    node = ids[1 % num_members]
+    stage = core.handle(newcomer, join_msg, now).stage
+    node = next(p for p in ids if core.registry.members[p].stage == stage)
     hb = cm.Heartbeat(state="training", step=9, param_hash="ab" * 32, view_version=behind, stage=core.registry.members[node].stage)
     view_bytes = len(encode(core.handle(node, hb, now)))
     out: dict[str, Any] = {}
