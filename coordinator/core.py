@@ -215,11 +215,11 @@ class CoordinatorCore:
         )
 
     def _view_stages(self, m: Member, *, delta: bool) -> tuple[int, ...]:
-        """The stages ``m`` is told about: its neighbourhood, or every stage for a stage-0 node that
-        takes snapshots (node code diffs them to notice a departure on any of its routes)."""
-        if not delta and 0 in (m.stage, m.serving):
-            return tuple(range(self.run.num_stages))
-        return self.registry.view.neighbourhood(m.stage, m.serving)
+        """The stages ``m`` is told about: its neighbourhood when it merges deltas, else every stage
+        (see coordinator/view.py)."""
+        if delta:
+            return self.registry.view.neighbourhood(m.stage, m.serving)
+        return tuple(range(self.run.num_stages))
 
     def _heartbeat(self, peer: str, msg: cm.Heartbeat, now: float) -> cm.HeartbeatReply:
         info = HeartbeatInfo(msg.state, msg.throughput, msg.queue_len, msg.step, msg.param_hash, msg.loss, msg.stage)
@@ -240,6 +240,7 @@ class CoordinatorCore:
             reason=d.reason,
             view_delta=view is not None and view.delta,
             removed=[] if view is None else view.removed,
+            stage_replicas=self.registry.working_counts(),
         )
 
     def _lease(self, member: Member, msg: cm.Lease, now: float) -> cm.LeaseReply:

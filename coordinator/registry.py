@@ -32,13 +32,14 @@ from protolearn.coordinator.assignment import MIN_THROUGHPUT, Choice, Move, Stag
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.view import SwarmView, first_version
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.states import NodeState
 
 LIVE = "live"
 LEFT = "left"
 EXPIRED = "expired"
 BANNED = "banned"
 # The node states in which a member serves its stage (counts as working, and routes and averages).
-SERVING_STATES = ("training", "averaging")
+SERVING_STATES = frozenset(s.value for s in NodeState if s.live)
 # Stage throughput is summed in integer units of this many layer-tokens/s, so that adding and later
 # subtracting a member's share leaves the sum exactly as a fresh sum would be (floats would drift).
 _UNITS_PER_THROUGHPUT = 1_000_000
@@ -122,7 +123,7 @@ class Registry:
     # Per-stage tallies of live members, kept up to date by _count (see the module docstring).
     _num_live: int = field(default=0, init=False)
     _replicas: list[int] = field(init=False)
-    _working: list[int] = field(init=False)
+    _working: list[set[str]] = field(init=False)
     _throughput: list[int] = field(init=False)
     # What nodes are told about the live members (see view.py), kept in step by _touch.
     view: SwarmView = field(init=False)
@@ -138,7 +139,7 @@ class Registry:
     def _recount(self) -> None:
         self._num_live = 0
         self._replicas = [0] * self.num_stages
-        self._working = [0] * self.num_stages
+        self._working = [set() for _ in range(self.num_stages)]
         self._throughput = [0] * self.num_stages
         for m in self.members.values():
             self._count(m, 1)
@@ -155,7 +156,10 @@ class Registry:
         self._replicas[s] += sign
         self._throughput[s] += sign * _units(m.throughput)
         if m.serving in (-1, s) and m.state in SERVING_STATES:
-            self._working[s] += sign
+            if sign > 0:
+                self._working[s].add(m.peer_id)
+            else:
+                self._working[s].discard(m.peer_id)
 
     def connection_changed(self, peer_id: str, connected: bool, now: float) -> None:
         """The host saw ``peer_id``'s first connection open or its last one close."""
@@ -180,18 +184,21 @@ class Registry:
 
     def working(self, stage: int) -> int:
         """Members that serve ``stage`` now and train (a member still moving there does not count)."""
-        return self._working[stage] if 0 <= stage < self.num_stages else 0
+        return len(self._working[stage]) if 0 <= stage < self.num_stages else 0
+
+    def working_counts(self) -> list[int]:
+        """:meth:`working` of every stage, in stage order."""
+        return [len(w) for w in self._working]
 
     @property
     def num_live(self) -> int:
         return self._num_live
 
     def serving(self, stage: int) -> list[str]:
-        """The replicas that serve ``stage`` now and train, and whose connection is not closed."""
-        return [
-            m.peer_id for m in self.live()
-            if m.stage == stage and m.serving in (-1, stage) and m.state in ("training", "averaging") and m.peer_id not in self._gone
-        ]
+        """The replicas that serve ``stage`` now and train, and whose connection is not closed (sorted)."""
+        if not 0 <= stage < self.num_stages:
+            return []
+        return sorted(p for p in self._working[stage] if p not in self._gone)
 
     def live(self) -> Iterator[Member]:
         return (m for m in self.members.values() if m.status == LIVE)

@@ -1,36 +1,34 @@
 """The membership view: what each node is told about the other members, bounded and incremental.
 
-**Neighbourhood.** A node of stage ``s`` sends activations to stage ``s+1``, averages with and syncs
-from ``s``, and sends gradients back to ``s-1``; so it is told about those three stages only (while
-it moves, about those of both its old and its new stage). That is about 3/S of the swarm instead of
-all of it.
-
 **Versions.** Every change other nodes must see (a join, leave, expiry, ban or move, a state change
 into or out of serving) takes the next version number. The view keeps, per stage, the version that
 last changed it, and a log of the last :data:`LOG_LEN` changes. A node sends the version it holds,
 and gets one of:
 
-- nothing, when no stage of its neighbourhood changed since then: an O(1) check, whatever the size
-  of the swarm, and the common case of a heartbeat;
-- a *snapshot* (the default, which node code applies by replacing its list): the neighbourhood,
-  bounded (below);
-- a *delta*, when it asked for one (``Heartbeat.view_delta``): the members of its neighbourhood that
-  changed since its version (``members``, to upsert) and the peers to drop (``removed``, applied
-  first). ``removed`` names every member that stopped being live *anywhere* (a stage-0 node restarts
-  the tickets it routed through a departed member, whatever its stage) and those that moved out of the
-  neighbourhood. Its size follows the churn since the node's last beat, not the swarm's size. When
-  nothing concerns the node but the version moved on, an empty delta moves it to the current version,
-  so that it stays within the log. A version older than the log, from another coordinator run, or held
-  for another neighbourhood (the node moved) gets a snapshot instead.
-
-Compatibility: a stage-0 node in snapshot mode is told about every stage, as before. Its node code
-notices a departure on any of its routes by comparing successive views, which needs them all.
+- nothing, when none of the stages it is told about changed since then: an O(1) check whatever the
+  size of the swarm, and the common case of a heartbeat;
+- a *snapshot*, the default, which node code applies by replacing its list: every stage, bounded
+  (below). Node code reads all of them: stage 0 notices a departure on any of its routes by
+  comparing successive views, and every node shows which stages have no replica;
+- a *delta*, when it asks for one (``Heartbeat.view_delta``), of its *neighbourhood* only: a node of
+  stage ``s`` sends activations to ``s+1``, averages with and syncs from ``s``, and sends gradients
+  back to ``s-1`` (while it moves, the stages around its old and new stage). The reply carries the
+  neighbourhood members that changed since its version (``members``, to upsert) and the peers to
+  drop (``removed``, applied first): every member that stopped being live *anywhere* (stage 0
+  restarts the tickets it routed through a departed member, whatever its stage), and those that moved
+  out of the neighbourhood. Its size follows the churn since the node's last beat, not the swarm's
+  size. When nothing concerns the node but the version moved on, an empty delta moves it to the
+  current version, so that it stays within the log. A version older than the log, from another
+  coordinator run, or held for another neighbourhood (the node moved) gets a snapshot (of the
+  neighbourhood) instead.
 
 **Bounds.** A snapshot holds at most :data:`VIEW_PER_STAGE` members of a stage and :data:`VIEW_MAX`
 in all, so a join reply stays far below the frame cap however large the swarm (``VIEW_MAX`` entries of
-at most ~4.4 KiB each, with the longest peer ID and 16 of the longest addresses). Of a larger stage,
-each node sees a window that starts at a place derived from its own peer ID, so that nodes spread over
-the stage's replicas rather than all routing to the same few. A delta is bounded by ``LOG_LEN``.
+at most ~4.4 KiB each, with the longest peer ID and 16 of the longest addresses). Serving members
+(training or averaging) come first, so a stage with a live replica never looks empty. Of a larger
+stage each node sees a window that starts at a place derived from its own peer ID, so that nodes
+spread over the stage's replicas rather than all routing to the same few. A delta is bounded by
+``LOG_LEN``.
 
 Versions start at a number derived from the coordinator's start time (:func:`first_version`), so a
 node that still holds a version from before a coordinator restart is never mistaken for current.
@@ -44,7 +42,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.states import NodeState
 
+# States in which a member serves its stage (routes and averages): snapshots list those first.
+SERVING = frozenset(s.value for s in NodeState if s.live)
 # Most members of one stage in a snapshot, and in all (at most MAX_STAGES stages get one each).
 VIEW_PER_STAGE = 256
 VIEW_MAX = 1024
@@ -86,9 +87,10 @@ class SwarmView:
         self.version = version
         self._first = version
         self._entries: dict[str, cm.MemberView] = {}
-        # Each stage's live peers, in no particular order (removal swaps the last one in), and where.
-        self._stage_peers: list[list[str]] = [[] for _ in range(num_stages)]
-        self._index: dict[str, int] = {}
+        # Each stage's live peers, serving ones and the others, in no particular order (a removal swaps
+        # the last one in), and where each one is: (stage, serving, index).
+        self._lists: list[tuple[list[str], list[str]]] = [([], []) for _ in range(num_stages)]
+        self._where: dict[str, tuple[int, bool, int]] = {}
         self._stage_version = [version] * num_stages
         self._log: deque[_Change] = deque()
         # A delta from a version at or after this one is complete (older changes left the log).
@@ -99,7 +101,7 @@ class SwarmView:
         self._departed = version
         for e in entries:  # the live members after a restart: no change to tell anyone about
             self._entries[e.peer_id] = e
-            self._list(e.peer_id, e.stage)
+            self._list(e)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -115,10 +117,8 @@ class SwarmView:
         old = self._entries.get(peer)
         was = old.stage if old is not None else -1
         self.version += 1
-        if old is not None and old.stage != entry.stage:
-            self._unlist(peer, old.stage)
-        if old is None or old.stage != entry.stage:
-            self._list(peer, entry.stage)
+        self._unlist(peer)
+        self._list(entry)
         self._entries[peer] = entry
         self._record(_Change(self.version, peer, was, False), was, entry.stage)
 
@@ -128,26 +128,28 @@ class SwarmView:
         if old is None:
             return
         self.version += 1
-        self._unlist(peer_id, old.stage)
+        self._unlist(peer_id)
         self._basis.pop(peer_id, None)
         self._departed = self.version
         self._record(_Change(self.version, peer_id, old.stage, True), old.stage)
 
-    def _list(self, peer: str, stage: int) -> None:
-        if 0 <= stage < self.num_stages:
-            peers = self._stage_peers[stage]
-            self._index[peer] = len(peers)
-            peers.append(peer)
+    def _list(self, entry: cm.MemberView) -> None:
+        if 0 <= entry.stage < self.num_stages:
+            serving = entry.state in SERVING
+            peers = self._lists[entry.stage][serving]
+            self._where[entry.peer_id] = (entry.stage, serving, len(peers))
+            peers.append(entry.peer_id)
 
-    def _unlist(self, peer: str, stage: int) -> None:
-        i = self._index.pop(peer, None)
-        if i is None:
+    def _unlist(self, peer: str) -> None:
+        where = self._where.pop(peer, None)
+        if where is None:
             return
-        peers = self._stage_peers[stage]
+        stage, serving, i = where
+        peers = self._lists[stage][serving]
         last = peers.pop()
         if last != peer:
             peers[i] = last
-            self._index[last] = i
+            self._where[last] = (stage, serving, i)
 
     def _record(self, change: _Change, *stages: int) -> None:
         for s in stages:
@@ -183,11 +185,13 @@ class SwarmView:
         start = zlib.crc32(key.encode())
         out: list[cm.MemberView] = []
         for s in stages:
-            peers = self._stage_peers[s]
-            n = len(peers)
-            take = min(n, per, VIEW_MAX - len(out))
-            first = start % n if take < n else 0
-            out.extend(self._entries[peers[(first + i) % n]] for i in range(take))
+            quota = min(per, VIEW_MAX - len(out))
+            for peers in reversed(self._lists[s]):  # serving ones first
+                n = len(peers)
+                take = min(n, quota)
+                first = start % n if take < n else 0
+                out.extend(self._entries[peers[(first + i) % n]] for i in range(take))
+                quota -= take
         return out
 
     def update_for(self, peer_id: str, stages: tuple[int, ...], version: int, *, delta: bool) -> ViewUpdate | None:

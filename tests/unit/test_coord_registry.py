@@ -171,9 +171,8 @@ def test_per_stage_tallies_always_equal_a_fresh_count_of_the_members(ops) -> Non
         assert [x.replicas for x in r.loads()] == [x.replicas for x in fresh]
         assert [x.throughput for x in r.loads()] == pytest.approx([x.throughput for x in fresh], rel=1e-12, abs=1e-6)
         for s in range(3):
-            assert r.working(s) == sum(
-                1 for m in live if m.stage == s and m.serving in (-1, s) and m.state in ("training", "averaging")
-            )
+            working = sorted(m.peer_id for m in live if m.stage == s and m.serving in (-1, s) and m.state in ("training", "averaging"))
+            assert r.working(s) == len(working) and r.serving(s) == working  # nobody disconnected here
 
 
 def test_a_flip_between_training_and_averaging_is_no_view_change() -> None:

@@ -79,14 +79,15 @@ def truth(core: CoordinatorCore, stages) -> dict[str, int]:
     return {m.peer_id: m.stage for m in core.registry.live() if m.stage in stages}
 
 
-def test_a_node_is_told_about_its_own_and_the_neighbouring_stages_only() -> None:
+def test_a_delta_node_is_told_about_its_own_and_the_neighbouring_stages_only() -> None:
     core = populated(8, 3)
     thin(core, 4)
     node = FakeNode(core, "me", 1.0, delta=True)
-    near = {3, 4, 5}
-    assert node.stage == 4
-    assert {m.stage for m in node.view.values()} == near
-    assert {p: m.stage for p, m in node.view.items()} == truth(core, near)
+    assert node.stage == 4 and {m.stage for m in node.view.values()} == set(range(8))  # the join reply: a snapshot
+    reply = node.beat(core, 1.5)  # its first delta beat: a snapshot of the neighbourhood, then deltas
+    assert reply.view_changed and not reply.view_delta
+    assert {p: m.stage for p, m in node.view.items()} == truth(core, {3, 4, 5})
+    assert reply.stage_replicas == [3] * 8  # serving replicas per stage, "me" included now it trains
 
 
 def test_a_stage0_node_taking_snapshots_sees_every_stage_and_notices_a_far_departure() -> None:
@@ -101,21 +102,20 @@ def test_a_stage0_node_taking_snapshots_sees_every_stage_and_notices_a_far_depar
     assert node.beat(core, 2.5).view_changed and before - set(node.view) == {far}
 
 
-def test_a_current_view_costs_nothing_and_a_change_elsewhere_is_not_sent() -> None:
+@pytest.mark.parametrize("delta", [False, True])
+def test_a_current_view_costs_nothing(delta: bool) -> None:
     core = populated(8, 3)
     thin(core, 4)
-    node = FakeNode(core, "me", 1.0, delta=False)
-    assert node.stage == 4
+    node = FakeNode(core, "me", 1.0, delta=delta)
     assert node.beat(core, 1.4).view_changed  # syncing -> training: its own entry changes
-    reply = node.beat(core, 1.5)
-    assert not reply.view_changed and reply.members == [] and reply.removed == []
-    far = next(m.peer_id for m in core.registry.live() if abs(m.stage - node.stage) > 1)
-    core.handle(far, cm.Leave(), 2.0)
-    assert not node.beat(core, 2.5).view_changed
+    for now in (1.5, 1.6):
+        reply = node.beat(core, now)
+        assert not reply.view_changed and reply.members == [] and reply.removed == []
     near = next(m.peer_id for m in core.registry.live() if m.stage == node.stage and m.peer_id != "me")
     core.handle(near, cm.Leave(), 3.0)
     reply = node.beat(core, 3.5)
-    assert reply.view_changed and not reply.view_delta and near not in node.view
+    assert reply.view_changed and reply.view_delta == delta and near not in node.view
+    assert reply.stage_replicas == [3, 3, 3, 3, 2, 3, 3, 3]
 
 
 def test_a_delta_carries_what_changed_and_every_departure_but_not_far_state_changes() -> None:
@@ -139,7 +139,7 @@ def test_a_delta_carries_what_changed_and_every_departure_but_not_far_state_chan
     assert {p: m.stage for p, m in node.view.items()} == truth(core, {s - 1, s, s + 1})
 
 
-def test_a_departure_anywhere_reaches_every_delta_node_and_no_far_snapshot_node() -> None:
+def test_a_departure_anywhere_reaches_every_node_but_far_state_changes_only_snapshot_nodes() -> None:
     """A stage-0 node restarts the tickets it routed through a departed member, whatever its stage."""
     core = populated(8, 3)
     thin(core, 0)
@@ -154,11 +154,14 @@ def test_a_departure_anywhere_reaches_every_delta_node_and_no_far_snapshot_node(
     core.handle(far, cm.Leave(), 2.0)
     reply = first.beat(core, 2.5)
     assert reply.view_delta and reply.removed == [far] and reply.members == []
-    assert not middle.beat(core, 2.5).view_changed
+    before = set(middle.view)
+    reply = middle.beat(core, 2.5)
+    assert reply.view_changed and not reply.view_delta and before - set(middle.view) == {far}
     core.handle("late", cm.Join(addrs=["/ip4/10.0.0.3/tcp/1"]), 3.0)  # joins stage 7: far from both
     reply = first.beat(core, 3.5)
     assert reply.view_delta and (reply.members, reply.removed) == ([], []) and first.version == core.registry.view_version
     assert not first.beat(core, 3.6).view_changed
+    assert middle.beat(core, 3.6).view_changed and "late" in middle.view
 
 
 def test_a_node_further_behind_than_the_log_or_from_another_run_gets_a_snapshot() -> None:
@@ -188,6 +191,19 @@ def test_snapshots_are_bounded_and_spread_over_a_large_stage() -> None:
         assert by_stage == [VIEW_PER_STAGE, VIEW_PER_STAGE]
         seen |= {m.peer_id for m in reply.members}
     assert len(seen) > 3 * VIEW_PER_STAGE  # different joiners see different replicas
+
+
+def test_a_snapshot_lists_a_large_stages_serving_replicas_first() -> None:
+    """Else a node could see only syncing replicas of the next stage, and route nowhere."""
+    core = make_core(2)
+    members = [member(i, i % 2) for i in range(4 * VIEW_PER_STAGE)]
+    for m in members[:-4]:
+        m.state = "syncing"
+    core.restore(members=members, step=0, tickets=[], closed=[], history=[], bans=[], now=0.0)
+    for k in range(5):
+        reply = core.handle(f"new{k}", cm.Join(addrs=["/ip4/10.0.0.5/tcp/1"]), 1.0)
+        assert {m.peer_id for m in reply.members if m.state.live} == {m.peer_id for m in members[-4:]}
+        assert len(reply.members) == 2 * VIEW_PER_STAGE
 
 
 def test_a_join_reply_stays_under_the_frame_cap_with_the_largest_entries() -> None:
