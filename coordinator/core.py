@@ -27,7 +27,9 @@ from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.ratelimit import RateLimiter
 from protolearn.coordinator.registry import LIVE, HeartbeatInfo, JoinInfo, Member, Registry
-from protolearn.coordinator.tickets import ClosedStep, Ticket, TicketLedger
+from protolearn.coordinator.run import RunInfo
+from protolearn.coordinator.status import build_status
+from protolearn.coordinator.tickets import ClosedStep, LossPoint, Ticket, TicketLedger
 from protolearn.coordinator.verdicts import Ban, VerdictPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import SignatureError
@@ -40,43 +42,6 @@ log = logging.getLogger("protolearn.coordinator")
 KEEP_CLOSED = 1000
 # Compact (step, loss, tickets, closed_at) history kept in memory for status and tokens/s.
 KEEP_HISTORY = 10_000
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What the coordinator needs to know about the run."""
-
-    name: str
-    run_hash: str
-    run_toml: str
-    layers: tuple[int, ...]
-    microbatches_per_step: int
-    tokens_per_step: int
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.layers)
-
-    @classmethod
-    def from_run(cls, run) -> RunInfo:  # run: protolearn.stages.config.RunConfig
-        from protolearn.stages.partition import PartitionPlan
-
-        return cls(
-            name=run.name,
-            run_hash=run.run_hash(),
-            run_toml=run.to_toml(),
-            layers=tuple(PartitionPlan.from_config(run).layers),
-            microbatches_per_step=run.batch.microbatches_per_step,
-            tokens_per_step=run.batch.tokens_per_step,
-        )
-
-
-@dataclass(frozen=True)
-class LossPoint:
-    step: int
-    loss: float
-    tickets: int
-    closed_at: float
 
 
 @dataclass
@@ -128,7 +93,8 @@ class CoordinatorCore:
         self.verify = verify
         self.registry = Registry(run.num_stages, shares_from_layers(run.layers), settings)
         self.ledger = TicketLedger(
-            run.microbatches_per_step, run.num_stages, lease_s=settings.lease_s, block=settings.lease_block
+            run.microbatches_per_step, run.num_stages, lease_s=settings.lease_s, block=settings.lease_block,
+            keep_closed=KEEP_CLOSED,
         )
         self.verdicts = VerdictPolicy(settings)
         self.limiter = RateLimiter(settings.rate_per_s, settings.rate_burst, max_peers=settings.max_members * 2)
@@ -159,27 +125,11 @@ class CoordinatorCore:
         corpus: str | None = None,
     ) -> None:
         """Load persisted state after a restart, giving live members and leases a fresh term."""
-        self.registry.members = {m.peer_id: m for m in members}
-        self.registry.view_version = 1
-        self.registry.restore_grace(now)
-        by_index = {t.index: t for t in tickets}
-        full = [by_index.get(i, Ticket(i)) for i in range(self.run.microbatches_per_step)]
-        self.ledger = TicketLedger(
-            self.run.microbatches_per_step,
-            self.run.num_stages,
-            lease_s=self.settings.lease_s,
-            block=self.settings.lease_block,
-            step=step,
-            tickets=full,
-            closed=closed[-KEEP_CLOSED:],
-            committed_through=committed,
-        )
-        self.ledger.refresh_leases(now)
+        self.registry.restore(members, now)
+        self.ledger.restore(step=step, tickets=tickets, closed=closed, committed_through=committed, now=now)
+        self.verdicts.restore(bans)
         self.corpus = corpus
         self.history.extend(history)
-        self.verdicts.bans = {b.peer_id: b for b in bans}
-        self.registry.dirty.clear()
-        self.verdicts.dirty.clear()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -198,11 +148,10 @@ class CoordinatorCore:
         """Answer one request (everything except the long-poll wait, see :meth:`check_wait`)."""
         self.admit(peer, now)
         if isinstance(msg, cm.StatusRequest):
-            from protolearn.coordinator.status import build_status
-
             return build_status(self, now, msg.loss_history)
         if isinstance(msg, cm.MembersRequest):
-            return cm.Members(run_toml=self.run.run_toml, run_hash=self.run.run_hash, step=self.ledger.step, members=self.view())
+            members = self.registry.view.snapshot(range(self.run.num_stages), peer)
+            return cm.Members(run_toml=self.run.run_toml, run_hash=self.run.run_hash, step=self.ledger.step, members=members)
         if isinstance(msg, cm.Join):
             return self._join(peer, msg, now)
         if isinstance(msg, cm.Report):
@@ -249,6 +198,7 @@ class CoordinatorCore:
             raise self.refuse(d.code, d.reason)
         log.info("join peer=%s stage=%d rejoined=%s reason=%s", peer, d.stage, d.rejoined, d.reason)
         s = self.settings
+        view = self.registry.view.full(peer, self._view_stages(self.registry.members[peer], delta=False))
         return cm.JoinReply(
             stage=d.stage,
             run_toml=self.run.run_toml,
@@ -259,40 +209,38 @@ class CoordinatorCore:
             heartbeat_interval_s=s.heartbeat_interval_s,
             expiry_s=s.expiry_s,
             lease_s=s.lease_s,
-            bans=sorted(self.verdicts.bans),
-            view_version=self.registry.view_version,
-            members=self.view(),
+            bans=self.verdicts.banned(),
+            view_version=view.version,
+            members=view.members,
         )
 
-    def view(self) -> list[cm.MemberView]:
-        return [
-            cm.MemberView(
-                peer_id=m.peer_id,
-                stage=m.stage,
-                addrs=list(m.addrs),
-                state=m.state,
-                throughput=float(m.throughput),
-                queue_len=m.queue_len,
-            )
-            for m in self.registry.live()
-        ]
+    def _view_stages(self, m: Member, *, delta: bool) -> tuple[int, ...]:
+        """The stages ``m`` is told about: its neighbourhood when it merges deltas, else every stage
+        (see coordinator/view.py)."""
+        if delta:
+            return self.registry.view.neighbourhood(m.stage, m.serving)
+        return tuple(range(self.run.num_stages))
 
     def _heartbeat(self, peer: str, msg: cm.Heartbeat, now: float) -> cm.HeartbeatReply:
         info = HeartbeatInfo(msg.state, msg.throughput, msg.queue_len, msg.step, msg.param_hash, msg.loss, msg.stage)
         d = self.registry.heartbeat(peer, info, now)
         if not d.accepted:
             raise self.refuse(d.code, d.reason)
-        version = self.registry.view_version
-        changed = msg.view_version != version
+        member = self.registry.members[peer]
+        stages = self._view_stages(member, delta=msg.view_delta)
+        view = self.registry.view.update_for(peer, stages, msg.view_version, delta=msg.view_delta)
         return cm.HeartbeatReply(
             stage=d.stage,
             step=self.ledger.frontier,
             last_closed=self.ledger.last_closed,
-            bans=sorted(self.verdicts.bans),
-            view_version=version,
-            view_changed=changed,
-            members=self.view() if changed else [],
+            bans=self.verdicts.banned(),
+            view_version=self.registry.view_version if view is None else view.version,
+            view_changed=view is not None,
+            members=[] if view is None else view.members,
             reason=d.reason,
+            view_delta=view is not None and view.delta,
+            removed=[] if view is None else view.removed,
+            stage_replicas=self.registry.working_counts(),
         )
 
     def _lease(self, member: Member, msg: cm.Lease, now: float) -> cm.LeaseReply:
@@ -327,9 +275,6 @@ class CoordinatorCore:
         while self.history and self.history[-1].step >= closed.step:
             self.history.pop()  # a reopened step closes again: replace its point
         self.history.append(LossPoint(closed.step, closed.loss, closed.num_tickets, closed.closed_at))
-        if len(self.ledger.closed) > KEEP_CLOSED:
-            for step in sorted(self.ledger.closed)[: len(self.ledger.closed) - KEEP_CLOSED]:
-                del self.ledger.closed[step]
 
     def _redo(self, member: Member, msg: cm.Redo) -> cm.RedoReply:
         peer = member.peer_id
@@ -477,26 +422,12 @@ class CoordinatorCore:
 
     def drain(self, *, soft: bool = False) -> Changes:
         """Take the changes to persist; ``soft`` includes heartbeat-only telemetry too."""
-        reg, led, ver = self.registry, self.ledger, self.verdicts
-        ch = Changes(step=led.step)
-        dirty = reg.dirty | reg.soft if soft else reg.dirty
-        ch.members = [reg.members[p] for p in sorted(dirty) if p in reg.members]
-        if soft:
-            reg.soft.clear()
-        ch.removed = sorted(reg.removed)
-        if led.reset:
-            ch.tickets, ch.tickets_reset = list(led.tickets), True
-        else:
-            ch.tickets = [led.tickets[i] for i in sorted(led.dirty)]
-        ch.closed = list(self._new_closed)
-        ch.bans = [ver.bans[p] for p in sorted(ver.dirty)]
-        if led.commit_dirty:
-            ch.committed, led.commit_dirty = led.committed_through, False
-        ch.corpus, self._corpus_dirty = self._corpus_dirty, None
-        reg.dirty.clear()
-        reg.removed.clear()
-        led.dirty.clear()
-        led.reset = False
-        ver.dirty.clear()
+        members, removed = self.registry.drain(soft=soft)
+        tickets = self.ledger.drain()
+        ch = Changes(
+            step=self.ledger.step, members=members, removed=removed, tickets=tickets.tickets, tickets_reset=tickets.reset,
+            closed=list(self._new_closed), bans=self.verdicts.drain(), committed=tickets.committed, corpus=self._corpus_dirty,
+        )
         self._new_closed.clear()
+        self._corpus_dirty = None
         return ch

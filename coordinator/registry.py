@@ -7,26 +7,46 @@ old stage back, unless another stage has no replica while its old one has some: 
 reusing, but a halted stage comes first. Departed entries are forgotten after
 ``departed_retention_s``.
 
-Heartbeat telemetry alone (last seen, throughput, queue length) marks a member ``soft``-dirty: the
-service persists it every few seconds rather than on every heartbeat, since a restart resets
-``last_seen`` anyway (:meth:`Registry.restore_grace`).
+Heartbeat telemetry alone (last seen, throughput, queue length, and a flip between ``training`` and
+``averaging``) marks a member ``soft``-dirty: the service persists it every few seconds rather than on
+every heartbeat, since a restart resets ``last_seen`` anyway (:meth:`Registry.restore_grace`).
 
-The *view version* increases on every structural change (join, leave, expiry, stage move, state
-change), so a heartbeat reply carries the membership view only when the node's copy is stale.
+The *view version* (of :class:`~protolearn.coordinator.view.SwarmView`, which the registry keeps in
+step) increases on every change other nodes must see: a join, leave, expiry, ban or stage move, and a
+state change into or out of serving (``training``/``averaging``). Every member flips between those
+two each step, and nobody routes differently because of it, so that flip is not a view change;
+otherwise the view would change with every heartbeat of a large swarm.
+
+Every request path is O(1) in the number of members: the registry keeps per-stage tallies (replicas,
+throughput, working replicas) and the live count up to date as members change, rather than scanning
+them. Only :meth:`Registry.expire`, :meth:`Registry.rebalance` and :meth:`Registry.restore` (timers
+and restarts) visit every member.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from protolearn.coordinator.assignment import Choice, Move, choose_stage, propose_move, stage_loads
+from protolearn.coordinator.assignment import MIN_THROUGHPUT, Choice, Move, StageLoad, choose_stage, propose_move
 from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.view import SwarmView, first_version
+from protolearn.protocol import coordination as cm
+from protolearn.protocol.states import NodeState
 
 LIVE = "live"
 LEFT = "left"
 EXPIRED = "expired"
 BANNED = "banned"
+# The node states in which a member serves its stage (counts as working, and routes and averages).
+SERVING_STATES = frozenset(s.value for s in NodeState if s.live)
+# Stage throughput is summed in integer units of this many layer-tokens/s, so that adding and later
+# subtracting a member's share leaves the sum exactly as a fresh sum would be (floats would drift).
+_UNITS_PER_THROUGHPUT = 1_000_000
+
+
+def _units(throughput: float) -> int:
+    return round(max(throughput, MIN_THROUGHPUT) * _UNITS_PER_THROUGHPUT)
 
 
 @dataclass
@@ -88,7 +108,8 @@ class Registry:
     shares: Sequence[float]
     settings: CoordinatorSettings
     members: dict[str, Member] = field(default_factory=dict)
-    view_version: int = 0
+    # The first view version (see view.first_version): distinct per coordinator run.
+    first_version: int = 0
     dirty: set[str] = field(default_factory=set)
     removed: set[str] = field(default_factory=set)
     # Members whose only change is heartbeat telemetry (last seen, throughput, queue): persisted lazily.
@@ -99,6 +120,46 @@ class Registry:
     _disconnected: dict[str, float] = field(default_factory=dict)
     # Members whose connection stayed closed past the grace: presumed dead until they reconnect.
     _gone: set[str] = field(default_factory=set)
+    # Per-stage tallies of live members, kept up to date by _count (see the module docstring).
+    _num_live: int = field(default=0, init=False)
+    _replicas: list[int] = field(init=False)
+    _working: list[set[str]] = field(init=False)
+    _throughput: list[int] = field(init=False)
+    # What nodes are told about the live members (see view.py), kept in step by _touch.
+    view: SwarmView = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._recount()
+        self.view = SwarmView(self.num_stages, self.first_version, [_entry(m) for m in self.live()])
+
+    @property
+    def view_version(self) -> int:
+        return self.view.version
+
+    def _recount(self) -> None:
+        self._num_live = 0
+        self._replicas = [0] * self.num_stages
+        self._working = [set() for _ in range(self.num_stages)]
+        self._throughput = [0] * self.num_stages
+        for m in self.members.values():
+            self._count(m, 1)
+
+    def _count(self, m: Member, sign: int) -> None:
+        """Add (``sign`` 1) or take out (-1) ``m``'s part of the tallies: call with -1 before changing a
+        member's status, stage, serving stage, state or throughput, and with 1 after."""
+        if m.status != LIVE:
+            return
+        self._num_live += sign
+        s = m.stage
+        if not 0 <= s < self.num_stages:
+            return
+        self._replicas[s] += sign
+        self._throughput[s] += sign * _units(m.throughput)
+        if m.serving in (-1, s) and m.state in SERVING_STATES:
+            if sign > 0:
+                self._working[s].add(m.peer_id)
+            else:
+                self._working[s].discard(m.peer_id)
 
     def connection_changed(self, peer_id: str, connected: bool, now: float) -> None:
         """The host saw ``peer_id``'s first connection open or its last one close."""
@@ -123,16 +184,21 @@ class Registry:
 
     def working(self, stage: int) -> int:
         """Members that serve ``stage`` now and train (a member still moving there does not count)."""
-        return sum(
-            1 for m in self.live() if m.stage == stage and m.serving in (-1, stage) and m.state in ("training", "averaging")
-        )
+        return len(self._working[stage]) if 0 <= stage < self.num_stages else 0
+
+    def working_counts(self) -> list[int]:
+        """:meth:`working` of every stage, in stage order."""
+        return [len(w) for w in self._working]
+
+    @property
+    def num_live(self) -> int:
+        return self._num_live
 
     def serving(self, stage: int) -> list[str]:
-        """The replicas that serve ``stage`` now and train, and whose connection is not closed."""
-        return [
-            m.peer_id for m in self.live()
-            if m.stage == stage and m.serving in (-1, stage) and m.state in ("training", "averaging") and m.peer_id not in self._gone
-        ]
+        """The replicas that serve ``stage`` now and train, and whose connection is not closed (sorted)."""
+        if not 0 <= stage < self.num_stages:
+            return []
+        return sorted(p for p in self._working[stage] if p not in self._gone)
 
     def live(self) -> Iterator[Member]:
         return (m for m in self.members.values() if m.status == LIVE)
@@ -141,13 +207,18 @@ class Registry:
         m = self.members.get(peer_id)
         return m is not None and m.status == LIVE
 
-    def loads(self):
-        return stage_loads(((m.stage, m.throughput) for m in self.live()), self.num_stages)
+    def loads(self) -> list[StageLoad]:
+        """Each stage's summed throughput and replica count, as :func:`~.assignment.stage_loads` would give."""
+        return [StageLoad(t / _UNITS_PER_THROUGHPUT, n) for t, n in zip(self._throughput, self._replicas, strict=True)]
 
     def _touch(self, m: Member, structural: bool) -> None:
+        """``m`` changed and must be persisted; ``structural``: in a way the view shows, too."""
         self.dirty.add(m.peer_id)
         if structural:
-            self.view_version += 1
+            if m.status == LIVE:
+                self.view.put(_entry(m))
+            else:
+                self.view.drop(m.peer_id)
 
     def join(self, peer_id: str, info: JoinInfo, now: float) -> Decision:
         old = self.members.get(peer_id)
@@ -155,7 +226,7 @@ class Registry:
             return Decision(False, "already_joined", f"{peer_id} is already a live member (stage {old.stage}); leave first")
         if old is not None and old.status == BANNED:
             return Decision(False, "banned", f"{peer_id} is banned")
-        if old is None and sum(1 for _ in self.live()) >= self.settings.max_members:
+        if old is None and self._num_live >= self.settings.max_members:
             return Decision(False, "full", f"the swarm is at its limit of {self.settings.max_members} members")
         loads = self.loads()
         choice = choose_stage(loads, self.shares)
@@ -179,6 +250,7 @@ class Registry:
         if old is not None:
             m.step, m.param_hash = old.step, old.param_hash
         self.members[peer_id] = m
+        self._count(m, 1)
         self.removed.discard(peer_id)
         self._touch(m, True)
         return Decision(True, "ok", choice.reason, choice.stage, rejoined)
@@ -189,8 +261,9 @@ class Registry:
             return Decision(False, "not_member", f"{peer_id} has not joined; join first")
         if m.status != LIVE:
             return Decision(False, "not_member", f"{peer_id} is {m.status}; join again")
-        structural = hb.state != m.state
+        structural = hb.state != m.state and not (hb.state in SERVING_STATES and m.state in SERVING_STATES)
         persist = structural or hb.step != m.step or hb.param_hash != m.param_hash
+        self._count(m, -1)
         m.state = hb.state
         m.throughput = hb.throughput if hb.throughput > 0 else m.throughput
         m.queue_len = hb.queue_len
@@ -201,6 +274,7 @@ class Registry:
             m.step, m.param_hash = hb.step, hb.param_hash
         if hb.loss is not None:
             m.loss = hb.loss
+        self._count(m, 1)
         m.last_seen = now
         if persist or m.move_reason:
             self._touch(m, structural)
@@ -213,6 +287,7 @@ class Registry:
         m = self.members.get(peer_id)
         if m is None or m.status != LIVE:
             return Decision(False, "not_member", f"{peer_id} is not a live member")
+        self._count(m, -1)
         m.status, m.left_at = LEFT, now
         self._touch(m, True)
         return Decision(True, "ok", f"{peer_id} left stage {m.stage}", m.stage)
@@ -222,6 +297,7 @@ class Registry:
         out = []
         for m in list(self.members.values()):
             if m.status == LIVE and now - m.last_seen > self.settings.expiry_s and now >= self.grace_until:
+                self._count(m, -1)
                 m.status, m.left_at = EXPIRED, now
                 self._touch(m, True)
                 out.append(m)
@@ -237,6 +313,7 @@ class Registry:
         if m is None:
             return False
         was_live = m.status == LIVE
+        self._count(m, -1)
         m.status, m.left_at = BANNED, now
         self._touch(m, True)
         return was_live
@@ -254,10 +331,42 @@ class Registry:
         )
         if move is not None:
             m = self.members[move.peer_id]
+            self._count(m, -1)
             m.stage, m.moved_at, m.state, m.move_reason = move.dst, now, "syncing", move.reason
             m.step, m.param_hash = -1, ""  # its hashes were of the old stage
+            self._count(m, 1)
             self._touch(m, True)
         return move
+
+    def restore(self, members: Iterable[Member], now: float) -> None:
+        """Load the persisted members after a restart; live ones get a fresh term (:meth:`restore_grace`).
+
+        Nothing counts as changed afterwards: the store already holds exactly this.
+        """
+        self.members = {m.peer_id: m for m in members}
+        self._recount()
+        self.first_version = first_version(now)
+        self.view = SwarmView(self.num_stages, self.first_version, [_entry(m) for m in self.live()])
+        self.dirty.clear()
+        self.removed.clear()
+        self.soft.clear()
+        self._disconnected.clear()
+        self._gone.clear()
+        self.restore_grace(now)
+
+    def drain(self, *, soft: bool = False) -> tuple[list[Member], list[str]]:
+        """Take what to persist: the changed members (``soft``: telemetry-only changes too) and the
+        forgotten peer IDs, each sorted; the registry then counts as persisted."""
+        dirty = self.dirty | self.soft if soft else self.dirty
+        changed = [self.members[p] for p in sorted(dirty) if p in self.members]
+        removed = sorted(self.removed)
+        if soft:
+            self.soft.clear()
+        else:
+            self.soft -= self.dirty  # written in full just now
+        self.dirty.clear()
+        self.removed.clear()
+        return changed, removed
 
     def restore_grace(self, now: float) -> None:
         """After a restart, count live members as just seen: the coordinator, not they, was away.
@@ -267,3 +376,10 @@ class Registry:
         self.grace_until = now + self.settings.restart_grace_s
         for m in self.live():
             m.last_seen = max(m.last_seen, now)
+
+
+def _entry(m: Member) -> cm.MemberView:
+    """``m`` as other nodes see it: enough to route to it and average with it."""
+    return cm.MemberView(
+        peer_id=m.peer_id, stage=m.stage, addrs=list(m.addrs), state=m.state, throughput=float(m.throughput), queue_len=m.queue_len
+    )

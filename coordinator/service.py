@@ -28,7 +28,8 @@ from typing import Any
 
 import trio
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.core import CoordinatorCore, RunInfo
+from protolearn.coordinator.core import CoordinatorCore
+from protolearn.coordinator.run import RunInfo
 from protolearn.coordinator.errors import Refusal, RunMismatch
 from protolearn.coordinator.metrics import metrics_registry, serve_metrics
 from protolearn.coordinator.store import Store

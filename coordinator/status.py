@@ -20,12 +20,15 @@ newest), ``no-throughput`` (it has not measured any yet).
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
+from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.registry import Member, Registry
+from protolearn.coordinator.run import RunInfo
+from protolearn.coordinator.tickets import LossPoint, TicketLedger
+from protolearn.coordinator.verdicts import VerdictPolicy
 from protolearn.protocol import coordination as cm
-
-if TYPE_CHECKING:
-    from protolearn.coordinator.core import CoordinatorCore
 
 SCHEMA_VERSION = 1
 # tokens/s is measured over this many of the most recent closed steps.
@@ -130,7 +133,29 @@ def tokens_per_s(history: list[cm.LossPoint], tokens_per_step: int, now: float) 
     return (len(window) - 1) * tokens_per_step / span
 
 
-def build_status(core: CoordinatorCore, now: float, history_len: int = 200) -> cm.Status:
+class StatusSource(Protocol):
+    """What the status is read from: the coordinator core's parts (it is one)."""
+
+    @property
+    def run(self) -> RunInfo: ...
+    @property
+    def settings(self) -> CoordinatorSettings: ...
+    @property
+    def peer_id(self) -> str: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def registry(self) -> Registry: ...
+    @property
+    def ledger(self) -> TicketLedger: ...
+    @property
+    def verdicts(self) -> VerdictPolicy: ...
+    @property
+    def history(self) -> Iterable[LossPoint]: ...
+
+
+def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.Status:
+    """The status at ``now``; O(members), since it lists every node."""
     run, settings, ledger = core.run, core.settings, core.ledger
     live = sorted(core.registry.live(), key=lambda m: (m.stage, m.peer_id))
     history = [
@@ -139,10 +164,13 @@ def build_status(core: CoordinatorCore, now: float, history_len: int = 200) -> c
         if p.step < ledger.step
     ]
 
+    by_stage: dict[int, list[Member]] = {}
+    for m in live:
+        by_stage.setdefault(m.stage, []).append(m)
     stages: list[cm.StageView] = []
     flags: dict[str, list[str]] = {m.peer_id: [] for m in live}
     for s in range(run.num_stages):
-        members = [m for m in live if m.stage == s]
+        members = by_stage.get(s, [])
         reported = [m for m in members if m.param_hash]
         param_step = max((m.step for m in reported), default=-1)
         current = [m for m in reported if m.step == param_step]
@@ -151,7 +179,8 @@ def build_status(core: CoordinatorCore, now: float, history_len: int = 200) -> c
         for m in members:
             if m.param_hash and m.step < param_step:
                 flags[m.peer_id].append("behind")
-            if majority and m in current and m.param_hash != majority[0][0]:
+        for m in current:
+            if m.param_hash != majority[0][0]:
                 flags[m.peer_id].append("hash-mismatch")
         stages.append(
             cm.StageView(

@@ -18,10 +18,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from protolearn.coordinator.core import KEEP_CLOSED, KEEP_HISTORY, Changes, LossPoint
+from protolearn.coordinator.core import KEEP_CLOSED, KEEP_HISTORY, Changes
 from protolearn.coordinator.errors import StoreError
 from protolearn.coordinator.registry import Member
-from protolearn.coordinator.tickets import ClosedStep, Ticket
+from protolearn.coordinator.tickets import ClosedStep, LossPoint, Ticket
 from protolearn.coordinator.verdicts import Ban
 
 DB_FILE = "coordinator.sqlite"

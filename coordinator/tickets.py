@@ -78,6 +78,26 @@ class ClosedStep:
 
 
 @dataclass(frozen=True)
+class LossPoint:
+    """A closed step in brief: the history behind `swarm status` and tokens/s (routes are in :class:`ClosedStep`)."""
+
+    step: int
+    loss: float
+    tickets: int
+    closed_at: float
+
+
+@dataclass(frozen=True)
+class TicketChanges:
+    """What :meth:`TicketLedger.drain` hands the store: the open step's changed tickets (all of them
+    when ``reset``: the step changed wholesale) and the new last committed step, if it moved."""
+
+    tickets: list[Ticket]
+    reset: bool
+    committed: int | None
+
+
+@dataclass(frozen=True)
 class AveragedDecision:
     accepted: bool
     committed: bool
@@ -126,13 +146,18 @@ class TicketLedger:
         tickets: Sequence[Ticket] | None = None,
         closed: Sequence[ClosedStep] = (),
         committed_through: int | None = None,
+        keep_closed: int = 1000,
     ) -> None:
-        if num_tickets < 1 or num_stages < 1:
-            raise ValueError(f"need at least one ticket and one stage, got B={num_tickets}, S={num_stages}")
+        if num_tickets < 1 or num_stages < 1 or keep_closed < 1:
+            raise ValueError(
+                f"need at least one ticket, stage and kept closed step, got B={num_tickets}, S={num_stages}, keep_closed={keep_closed}"
+            )
         self.num_tickets = num_tickets
         self.num_stages = num_stages
         self.lease_s = lease_s
         self.block = block
+        # Closed steps kept with their full routes; older ones are dropped as new ones close.
+        self.keep_closed = keep_closed
         self.step = step
         self.tickets = list(tickets) if tickets is not None else self._fresh()
         self.closed: dict[int, ClosedStep] = {c.step: c for c in closed}
@@ -149,6 +174,39 @@ class TicketLedger:
         # Per stage, the replicas that reported holding the last closed step's full average at its current
         # revision: participants whose round had every contribution in, and replicas that fetched it.
         self._holders: dict[int, set[str]] = {}
+
+    def restore(
+        self, *, step: int, tickets: Sequence[Ticket], closed: Sequence[ClosedStep], committed_through: int | None, now: float
+    ) -> None:
+        """Load the persisted state after a restart; outstanding leases get a fresh term.
+
+        Tickets missing from ``tickets`` start free; without ``committed_through`` (a store from before
+        the commit barrier) every closed step counts as committed, as in the constructor. Only the
+        refreshed leases (and, as there, a fresh run's "nothing committed") count as changed afterwards.
+        """
+        by_index = {t.index: t for t in tickets}
+        self.step = step
+        self.tickets = [by_index.get(i, Ticket(i)) for i in range(self.num_tickets)]
+        self.closed = {c.step: c for c in closed[-self.keep_closed :]}
+        self.committed_through = step - 1 if committed_through is None else committed_through
+        self.commit_dirty = committed_through is None and step == 0 and not closed
+        self._holders = {}
+        self.dirty.clear()
+        self.reset = False
+        self.refresh_leases(now)
+
+    def drain(self) -> TicketChanges:
+        """Take what changed since the last drain, to persist; the ledger then counts as persisted."""
+        if self.reset:
+            tickets = list(self.tickets)
+        else:
+            tickets = [self.tickets[i] for i in sorted(self.dirty)]
+        committed = self.committed_through if self.commit_dirty else None
+        out = TicketChanges(tickets, self.reset, committed)
+        self.dirty.clear()
+        self.reset = False
+        self.commit_dirty = False
+        return out
 
     def _fresh(self) -> list[Ticket]:
         return [Ticket(i) for i in range(self.num_tickets)]
@@ -303,6 +361,8 @@ class TicketLedger:
             losses=losses,
         )
         self.closed[self.step] = closed
+        while len(self.closed) > self.keep_closed:
+            del self.closed[min(self.closed)]
         self.step += 1
         self.tickets = self._fresh()
         self.reset = True

@@ -18,6 +18,7 @@ refuses banned peers.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from protolearn.coordinator.config import CoordinatorSettings
@@ -47,17 +48,40 @@ class VerdictPolicy:
     reports: dict[str, deque[tuple[float, str, str]]] = field(default_factory=dict)
     dirty: set[str] = field(default_factory=set)
 
+    # The banned peer IDs, sorted, as every heartbeat reply carries them (rebuilt after a ban).
+    _banned: list[str] | None = field(default=None, init=False, repr=False)
+
     def is_banned(self, peer_id: str) -> bool:
         return peer_id in self.bans
+
+    def banned(self) -> list[str]:
+        """The banned peer IDs, sorted. Do not modify the list: it is shared until the next ban."""
+        if self._banned is None:
+            self._banned = sorted(self.bans)
+        return self._banned
 
     def ban(self, peer_id: str, reason: str, now: float) -> Ban:
         ban = self.bans.get(peer_id)
         if ban is None:
             ban = Ban(peer_id, reason, now)
             self.bans[peer_id] = ban
+            self._banned = None
             self.dirty.add(peer_id)
             self.reports.pop(peer_id, None)
         return ban
+
+    def restore(self, bans: Iterable[Ban]) -> None:
+        """Load the persisted bans after a restart (reports are not persisted: they start afresh)."""
+        self.bans = {b.peer_id: b for b in bans}
+        self._banned = None
+        self.reports.clear()
+        self.dirty.clear()
+
+    def drain(self) -> list[Ban]:
+        """Take the bans made since the last drain, to persist, sorted by peer ID."""
+        out = [self.bans[p] for p in sorted(self.dirty)]
+        self.dirty.clear()
+        return out
 
     def report(self, reporter: str, target: str, reason: str, *, evidence_verified: bool, now: float) -> Verdict:
         if target in self.bans:

@@ -9,8 +9,11 @@ Request → reply:
 - :class:`Join` → :class:`JoinReply`: the run config (TOML) and its hash, the assigned stage, the
   membership view and the bans.
 - :class:`Heartbeat` → :class:`HeartbeatReply`: the node's state in, the current step, bans, the
-  (possibly changed) stage assignment and the membership view out. The view is sent only when its
-  version differs from the one the node already holds.
+  (possibly changed) stage assignment, the replicas per stage and the membership view out. The view
+  holds a bounded number of members of each stage and is sent only when it changed since the view
+  version the node holds: as a snapshot that replaces its list, or, when the node asks with
+  ``view_delta``, as the changed members of its own and the neighbouring stages plus the peers to
+  drop (``removed``). See ``coordinator/view.py``.
 - :class:`Lease` → :class:`LeaseReply`, :class:`Release` → :class:`ReleaseReply`: tickets of the
   open step, in small blocks (stage-0 nodes only).
 - :class:`Complete` → :class:`CompleteReply`: a ticket's backward pass reached stage 0.
@@ -109,6 +112,7 @@ class JoinReply(Message):
     lease_s: float
     bans: list[str]
     view_version: int
+    # Every stage's members, bounded: see coordinator/view.py.
     members: list[MemberView]
 
 
@@ -125,6 +129,8 @@ class Heartbeat(Message):
     view_version: int = -1
     # The stage the node serves now: it lags the assigned stage while the node finishes a step before moving.
     stage: Annotated[int, Field(ge=-1, lt=MAX_STAGES)] = -1
+    # The node merges view deltas: send what changed since view_version (members, removed), not a snapshot.
+    view_delta: bool = False
 
 
 class HeartbeatReply(Message):
@@ -136,8 +142,16 @@ class HeartbeatReply(Message):
     bans: list[str]
     view_version: int
     view_changed: bool
+    # With view_changed: a snapshot (every stage, bounded) that replaces the node's list, or, when
+    # view_delta, its neighbourhood's members that changed (to add or replace) after dropping ``removed``.
     members: list[MemberView]
     reason: str
+    view_delta: bool = False
+    # Peers that stopped being live members anywhere, or left the node's neighbourhood (delta only).
+    removed: list[str] = Field(default_factory=list)
+    # Per stage, the replicas serving it now (training or averaging): which stages have none, also
+    # for a node whose (delta) view holds only its neighbourhood.
+    stage_replicas: list[int] = Field(default_factory=list)
 
 
 class Lease(Message):

@@ -21,6 +21,7 @@ SUITES: dict[str, str] = {
     "hivemind": "scripts/bench_hivemind.py",
     "swarm": "scripts/bench_swarm.py",
     "recovery": "scripts/bench_recovery.py",
+    "coordinator": "scripts/bench_coordinator.py",
 }
 
 

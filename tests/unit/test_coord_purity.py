@@ -11,6 +11,8 @@ CORES = [
     "protolearn.coordinator.assignment",
     "protolearn.coordinator.tickets",
     "protolearn.coordinator.registry",
+    "protolearn.coordinator.view",
+    "protolearn.coordinator.run",
     "protolearn.coordinator.verdicts",
     "protolearn.coordinator.ratelimit",
     "protolearn.coordinator.core",

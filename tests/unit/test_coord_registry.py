@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from protolearn.coordinator.assignment import shares_from_layers
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from protolearn.coordinator.assignment import shares_from_layers, stage_loads
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.registry import EXPIRED, LEFT, HeartbeatInfo, JoinInfo, Registry
 
@@ -92,3 +95,93 @@ def test_rebalance_moves_a_training_node_into_an_empty_stage() -> None:
     move = r.rebalance(6.0)
     assert move is not None and move.dst == 2 and r.members[move.peer_id].stage == 2
     assert r.heartbeat(move.peer_id, HeartbeatInfo("syncing"), 6.5).reason == move.reason
+
+
+def test_drain_hands_over_changed_and_forgotten_members_once_and_telemetry_only_when_soft() -> None:
+    r = registry()
+    r.join("a", info(), 0.0)
+    r.join("b", info(), 0.0)
+    changed, removed = r.drain()
+    assert [m.peer_id for m in changed] == ["a", "b"] and removed == []
+    assert r.drain() == ([], [])
+    r.heartbeat("a", HeartbeatInfo("syncing", 150.0), 1.0)  # telemetry only: written lazily
+    assert r.drain() == ([], [])
+    changed, _ = r.drain(soft=True)
+    assert [(m.peer_id, m.throughput) for m in changed] == [("a", 150.0)]
+    assert r.drain(soft=True) == ([], [])
+    r.leave("b", 2.0)
+    r.expire(200.0)  # a expires, the departed b is forgotten
+    changed, removed = r.drain()
+    assert [(m.peer_id, m.status) for m in changed] == [("a", EXPIRED)] and removed == ["b"]
+
+
+def test_restore_loads_members_with_a_fresh_term_and_nothing_to_persist() -> None:
+    r = registry()
+    r.join("a", info(), 0.0)
+    r.join("b", info(), 0.0)
+    r.leave("b", 1.0)
+    members = [r.members["a"], r.members["b"]]
+    again = registry()
+    again.restore(members, 50.0)
+    assert again.is_live("a") and not again.is_live("b") and again.members["b"].status == LEFT
+    assert again.members["a"].last_seen == 50.0 and again.drain(soft=True) == ([], [])
+    assert again.expire(50.0 + 3.5) == []  # the restart grace: nodes are still reconnecting
+    assert again.join("b", info(), 51.0).rejoined
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["join", "beat", "leave", "ban", "expire", "rebalance", "restore"]),
+        st.integers(0, 5),  # which peer
+        st.sampled_from(["syncing", "training", "averaging", "leaving"]),
+        st.sampled_from([0.0, 1e-9, 0.3, 100.0, 1e6]),  # throughput
+        st.integers(-1, 2),  # the stage it says it serves
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(OPS)
+def test_per_stage_tallies_always_equal_a_fresh_count_of_the_members(ops) -> None:
+    """The O(1) counts behind join, lease and stage choice never drift from the members they count."""
+    r = registry(3)
+    now = 0.0
+    for op, k, state, thr, serving in ops:
+        peer, now = f"p{k}", now + 0.7
+        if op == "join":
+            r.join(peer, info(thr), now)
+        elif op == "beat":
+            r.heartbeat(peer, HeartbeatInfo(state, thr, stage=serving), now)
+        elif op == "leave":
+            r.leave(peer, now)
+        elif op == "ban":
+            r.ban(peer, now)
+        elif op == "expire":
+            r.expire(now + 2.5)
+        elif op == "rebalance":
+            r.rebalance(now)
+        else:
+            members = list(r.members.values())
+            r = registry(3)
+            r.restore(members, now)
+        live = list(r.live())
+        assert r.num_live == len(live)
+        fresh = stage_loads(((m.stage, m.throughput) for m in live), 3)
+        assert [x.replicas for x in r.loads()] == [x.replicas for x in fresh]
+        assert [x.throughput for x in r.loads()] == pytest.approx([x.throughput for x in fresh], rel=1e-12, abs=1e-6)
+        for s in range(3):
+            working = sorted(m.peer_id for m in live if m.stage == s and m.serving in (-1, s) and m.state in ("training", "averaging"))
+            assert r.working(s) == len(working) and r.serving(s) == working  # nobody disconnected here
+
+
+def test_a_flip_between_training_and_averaging_is_no_view_change() -> None:
+    r = registry()
+    r.join("a", info(), 0.0)
+    r.heartbeat("a", HeartbeatInfo("training"), 1.0)
+    v = r.view_version
+    r.heartbeat("a", HeartbeatInfo("averaging"), 2.0)
+    r.heartbeat("a", HeartbeatInfo("training"), 3.0)
+    assert r.view_version == v and r.members["a"].state == "training" and r.working(0) == 1
+    r.heartbeat("a", HeartbeatInfo("leaving"), 4.0)
+    assert r.view_version == v + 1 and r.working(0) == 0

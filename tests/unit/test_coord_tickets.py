@@ -247,3 +247,37 @@ def test_a_dead_holders_leases_end_early_and_go_to_the_next_lease_but_count_if_i
     assert led.complete("a", 0, held[0], ["a", "s1"], 1.0, 1.0).accepted
     d = led.lease("b", 1.5, 4)
     assert held[1] in d.reissued and held[0] not in d.indices
+
+
+def test_drain_hands_over_dirty_tickets_then_all_of_them_after_a_close_and_the_commit_once() -> None:
+    led = ledger()
+    d = led.lease("a", 0.0, 2)
+    ch = led.drain()
+    # A fresh run persists "nothing committed" with its first drain (see TicketLedger.__init__).
+    assert [t.index for t in ch.tickets] == d.indices and not ch.reset and ch.committed == -1
+    assert led.drain() == type(ch)([], False, None)
+    finish(led, "a", 20.0, commit=True)  # its first lease expired: re-issued to it
+    ch = led.drain()
+    assert ch.reset and [t.index for t in ch.tickets] == list(range(B)) and ch.committed == 0
+    assert led.drain() == type(ch)([], False, None)
+
+
+def test_restore_fills_missing_tickets_refreshes_leases_and_defaults_committed() -> None:
+    led = ledger()
+    finish(led, "a", 0.0, commit=True)
+    leased = led.lease("a", 1.0, 2).indices
+    held = [led.tickets[i] for i in leased]
+    again = ledger()
+    again.restore(step=1, tickets=held, closed=list(led.closed.values()), committed_through=None, now=50.0)
+    assert again.step == 1 and again.holdings("a") == leased and again.remaining() == B
+    assert all(again.tickets[i].expires_at == 60.0 for i in leased)  # a fresh term from the restart
+    assert again.committed(0) and again.closed[0] == led.closed[0]
+    ch = again.drain()
+    assert [t.index for t in ch.tickets] == leased and not ch.reset and ch.committed is None
+
+
+def test_only_the_newest_closed_steps_are_kept() -> None:
+    led = ledger(keep_closed=2)
+    for step in range(4):
+        finish(led, "a", float(step), commit=True)
+    assert sorted(led.closed) == [2, 3]

@@ -18,6 +18,17 @@ def test_verified_evidence_bans_at_once() -> None:
     assert "signed evidence from r1" in v.bans["bad"].reason
 
 
+def test_bans_drain_once_and_restore_without_anything_to_persist() -> None:
+    v = policy()
+    v.ban("b", "operator", 1.0)
+    v.ban("a", "operator", 2.0)
+    assert [b.peer_id for b in v.drain()] == ["a", "b"] and v.drain() == []
+    again = policy()
+    again.report("r1", "c", "x", evidence_verified=False, now=0.0)
+    again.restore(v.bans.values())
+    assert again.is_banned("a") and again.is_banned("b") and again.drain() == [] and not again.reports
+
+
 def test_evidence_ban_can_be_turned_off() -> None:
     v = policy(ban_on_evidence=False)
     assert not v.report("r1", "bad", "x", evidence_verified=True, now=0.0).ban

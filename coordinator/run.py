@@ -1,0 +1,39 @@
+"""The run as the coordinator sees it: its name, hash and config text, and the shape of its pipeline.
+
+The coordinator needs no model: only the layers per stage (for the stage shares), the microbatches
+per step (the tickets) and the tokens per step (for tokens/s). :meth:`RunInfo.from_run` reads them off
+a :class:`~protolearn.stages.config.RunConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What the coordinator needs to know about the run."""
+
+    name: str
+    run_hash: str
+    run_toml: str
+    layers: tuple[int, ...]
+    microbatches_per_step: int
+    tokens_per_step: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layers)
+
+    @classmethod
+    def from_run(cls, run) -> RunInfo:  # run: protolearn.stages.config.RunConfig
+        from protolearn.stages.partition import PartitionPlan
+
+        return cls(
+            name=run.name,
+            run_hash=run.run_hash(),
+            run_toml=run.to_toml(),
+            layers=tuple(PartitionPlan.from_config(run).layers),
+            microbatches_per_step=run.batch.microbatches_per_step,
+            tokens_per_step=run.batch.tokens_per_step,
+        )
