@@ -78,14 +78,16 @@ def test_coordinator_survives_kill_9_with_members_step_leases_and_bans(tmp_path:
                 await nursery.start(lk.heartbeat_loop, lambda: cm.Heartbeat(state="training", throughput=100.0))
 
             # one full step (stage-0 replicas a and c each lease their share), committed once both
-            # stages reported averaging it; then two leased tickets of step 1 held by a
+            # stages averaged it and every live replica (a, b, c) holds the result; then two leased
+            # tickets of step 1 held by a
             for lk in (a, c):
                 lease = await lk.lease(B)
                 assert lease.step == 0 and len(lease.indices) == B // 2
                 for i in lease.indices:
                     await lk.complete(0, i, [lk.host.peer_id, b.host.peer_id], 3.0)
             assert not (await a.averaged(0, 1)).committed
-            assert (await b.averaged(0, 1)).committed
+            assert not (await b.averaged(0, 1)).committed
+            assert (await c.averaged(0, 1)).committed
             held = (await a.lease(2)).indices
             assert held == [0, 1]
             # three distinct reporters ban d
