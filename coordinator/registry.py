@@ -39,7 +39,7 @@ LEFT = "left"
 EXPIRED = "expired"
 BANNED = "banned"
 # The node states in which a member serves its stage (counts as working, and routes and averages).
-SERVING_STATES = frozenset(s.value for s in NodeState if s.live)
+SERVING_STATES = frozenset(s for s in NodeState if s.live)
 # Stage throughput is summed in integer units of this many layer-tokens/s, so that adding and later
 # subtracting a member's share leaves the sum exactly as a fresh sum would be (floats would drift).
 _UNITS_PER_THROUGHPUT = 1_000_000
@@ -61,7 +61,7 @@ class Member:
     last_seen: float
     name: str = ""
     status: str = LIVE
-    state: str = "syncing"
+    state: NodeState = NodeState.SYNCING
     queue_len: int = 0
     step: int = -1
     param_hash: str = ""
@@ -71,6 +71,9 @@ class Member:
     move_reason: str = ""
     # The stage the node last said it serves (-1: not said). It lags ``stage`` while the node moves.
     serving: int = -1
+
+    def __post_init__(self) -> None:
+        self.state = NodeState(self.state)  # the store keeps it as its string value
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ class JoinInfo:
 
 @dataclass(frozen=True)
 class HeartbeatInfo:
-    state: str
+    state: NodeState
     throughput: float = 0.0
     queue_len: int = 0
     step: int = -1
@@ -264,7 +267,7 @@ class Registry:
         structural = hb.state != m.state and not (hb.state in SERVING_STATES and m.state in SERVING_STATES)
         persist = structural or hb.step != m.step or hb.param_hash != m.param_hash
         self._count(m, -1)
-        m.state = hb.state
+        m.state = NodeState(hb.state)
         m.throughput = hb.throughput if hb.throughput > 0 else m.throughput
         m.queue_len = hb.queue_len
         if hb.stage >= 0:
@@ -323,7 +326,7 @@ class Registry:
         cooldown = self.settings.move_cooldown_s
         move = propose_move(
             (
-                (m.peer_id, m.stage, m.throughput, m.state == "training" and now - m.moved_at >= cooldown)
+                (m.peer_id, m.stage, m.throughput, m.state is NodeState.TRAINING and now - m.moved_at >= cooldown)
                 for m in self.live()
             ),
             self.shares,
@@ -332,7 +335,7 @@ class Registry:
         if move is not None:
             m = self.members[move.peer_id]
             self._count(m, -1)
-            m.stage, m.moved_at, m.state, m.move_reason = move.dst, now, "syncing", move.reason
+            m.stage, m.moved_at, m.state, m.move_reason = move.dst, now, NodeState.SYNCING, move.reason
             m.step, m.param_hash = -1, ""  # its hashes were of the old stage
             self._count(m, 1)
             self._touch(m, True)

@@ -88,6 +88,10 @@ class CoordinatorLink:
         self.members: list[cm.MemberView] = []
         self.view_version = -1
         self.bans: list[str] = []
+        # From the last heartbeat: peers that left (or left this node's neighbourhood), and per stage
+        # the replicas serving it (empty until the coordinator said).
+        self.removed: list[str] = []
+        self.stage_replicas: list[int] = []
         self.step = 0
         self.last_closed = -1
         self.rejoins = 0
@@ -139,13 +143,22 @@ class CoordinatorLink:
         return reply
 
     async def heartbeat(self, hb: cm.Heartbeat) -> cm.HeartbeatReply:
-        if hb.view_version != self.view_version:
-            hb = hb.model_copy(update={"view_version": self.view_version})
+        """One heartbeat. The view comes as deltas of this node's neighbourhood (its own and the adjacent
+        stages: all a replica routes to or averages with), merged here, or as a bounded snapshot."""
+        hb = hb.model_copy(update={"view_version": self.view_version, "view_delta": True})
         reply, _ = await self._request(hb, cm.HeartbeatReply)
         self.stage, self.step, self.last_closed = reply.stage, reply.step, reply.last_closed
         self.bans = list(reply.bans)
+        self.removed = list(reply.removed)
+        if reply.stage_replicas:
+            self.stage_replicas = list(reply.stage_replicas)
         if reply.view_changed:
-            self.members, self.view_version = list(reply.members), reply.view_version
+            if reply.view_delta:
+                gone = set(reply.removed) | {m.peer_id for m in reply.members}
+                self.members = [m for m in self.members if m.peer_id not in gone] + list(reply.members)
+            else:
+                self.members = list(reply.members)
+            self.view_version = reply.view_version
         return reply
 
     async def heartbeat_loop(

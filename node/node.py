@@ -64,8 +64,11 @@ class _View:
     def stage_peers(self, stage: int, *, live: bool = True) -> list[str]:
         return sorted(m.peer_id for m in self.members if m.stage == stage and (not live or m.state.live))
 
-    def empty_stages(self, num_stages: int) -> list[int]:
-        """Stages with no live replica: training halts until one joins."""
+    def empty_stages(self, num_stages: int, replicas: list[int]) -> list[int]:
+        """Stages with no live replica (training halts until one joins): the coordinator's per-stage
+        counts when it sent them (a delta view holds only this node's neighbourhood), else the view's."""
+        if len(replicas) == num_stages:
+            return [s for s, n in enumerate(replicas) if n == 0]
         live = {m.stage for m in self.members if m.state.live}
         return [s for s in range(num_stages) if s not in live]
 
@@ -198,7 +201,7 @@ class Node:
         """Name, on the progress line, what training waits for when a stage has no replica."""
         if self.core is None or not self.state.live:
             return
-        empty = [s for s in self.view.empty_stages(self.run.stages.num_stages) if s != self.stage]
+        empty = [s for s in self.view.empty_stages(self.run.stages.num_stages, self.link.stage_replicas) if s != self.stage]
         if empty:
             which = ", ".join(str(s) for s in empty)
             self._say_waiting(f"stage{'s' if len(empty) > 1 else ''} {which} ha{'ve' if len(empty) > 1 else 's'} no replicas")
@@ -256,9 +259,12 @@ class Node:
             before = {m.peer_id for m in self.view.members if m.state.live}
             self.view = _View(self.link.view_version, list(self.link.members))
             if self.core is not None:
-                if before - {m.peer_id for m in self.view.members if m.state.live}:
+                # A departure anywhere breaks the routes through it; a delta names departures beyond
+                # this node's neighbourhood too (stage 0's tickets pass through every stage).
+                if before - {m.peer_id for m in self.view.members if m.state.live} or (reply.view_delta and reply.removed):
                     self.driver.member_left()
                 self._apply_view()
+        self._update_waiting()
         if reply.stage != self.stage and not self._moved_warned:
             self._moved_warned = True
             log.warning("coordinator reassigned this node to stage %d; it moves after step %d", reply.stage, self.applied)
