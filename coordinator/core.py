@@ -149,6 +149,9 @@ class CoordinatorCore:
         self.admit(peer, now)
         if isinstance(msg, cm.StatusRequest):
             return build_status(self, now, msg.loss_history)
+        if isinstance(msg, cm.StageHashesRequest):
+            hashes = self.registry.stage_hashes(msg.stage, cm.MAX_STAGE_HASHES)
+            return cm.StageHashes(stage=msg.stage, param_hashes=[cm.ParamHash(peer_id=p, step=t, hash=h) for p, t, h in hashes])
         if isinstance(msg, cm.MembersRequest):
             members = self.registry.view.snapshot(range(self.run.num_stages), peer)
             return cm.Members(run_toml=self.run.run_toml, run_hash=self.run.run_hash, step=self.ledger.step, members=members)

@@ -203,6 +203,14 @@ class Registry:
             return []
         return sorted(p for p in self._working[stage] if p not in self._gone)
 
+    def stage_hashes(self, stage: int, limit: int) -> list[tuple[str, int, str]]:
+        """(peer, step, parameter hash) of ``stage``'s serving replicas that reported one, at most ``limit``
+        (O(replicas of the stage), not O(members))."""
+        if not 0 <= stage < self.num_stages:
+            return []
+        out = [(p, m.step, m.param_hash) for p in sorted(self._working[stage]) if (m := self.members[p]).param_hash]
+        return out[:limit]
+
     def live(self) -> Iterator[Member]:
         return (m for m in self.members.values() if m.status == LIVE)
 

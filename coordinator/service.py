@@ -56,6 +56,7 @@ REQUEST_TYPES: tuple[type[Message], ...] = (
     cm.Report,
     cm.Leave,
     cm.StatusRequest,
+    cm.StageHashesRequest,
     cm.MembersRequest,
 )
 

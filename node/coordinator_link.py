@@ -291,6 +291,11 @@ class CoordinatorLink:
             raise
         return reply.released
 
+    async def stage_hashes(self, stage: int) -> list[cm.ParamHash]:
+        """The parameter hashes ``stage``'s serving replicas reported (what a replica checks itself against)."""
+        reply, _ = await self._request(cm.StageHashesRequest(stage=stage), cm.StageHashes)
+        return list(reply.param_hashes)
+
     async def status(self, loss_history: int = 200) -> cm.Status:
         reply, _ = await self._request(cm.StatusRequest(loss_history=loss_history), cm.Status)
         return reply

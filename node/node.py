@@ -281,14 +281,11 @@ class Node:
         if not pending:
             return
         try:
-            status = await self.link.status(loss_history=0)
+            reported = await self.link.stage_hashes(self.stage)
         except ProtocolError as err:
-            log.info("status request failed reason=%s", err.reason)
+            log.info("stage hashes request failed reason=%s", err.reason)
             return
-        stage = next((s for s in status.stages if s.index == self.stage), None)
-        if stage is None:
-            return
-        for ph in stage.param_hashes:
+        for ph in reported:
             mine = self._hash_by_step.get(ph.step)
             if ph.peer_id == self.host.peer_id or mine is None or not ph.hash:
                 continue

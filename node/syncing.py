@@ -120,11 +120,8 @@ class StageSync:
     async def _reported(self) -> dict[str, tuple[int, str]]:
         """peer → (step, parameter hash) as this stage's other replicas reported them (empty if unknown)."""
         try:
-            status = await self.link.status(loss_history=0)
+            reported = await self.link.stage_hashes(self.stage)
         except ProtocolError as err:
-            log.info("status request failed reason=%s", err.reason)
+            log.info("stage hashes request failed reason=%s", err.reason)
             return {}
-        stage = next((s for s in status.stages if s.index == self.stage), None)
-        if stage is None:
-            return {}
-        return {ph.peer_id: (ph.step, ph.hash) for ph in stage.param_hashes if ph.hash and ph.peer_id != self.host.peer_id}
+        return {ph.peer_id: (ph.step, ph.hash) for ph in reported if ph.hash and ph.peer_id != self.host.peer_id}

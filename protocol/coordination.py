@@ -53,6 +53,8 @@ MAX_TICKETS_PER_REQUEST = 1024
 MAX_EVIDENCE_BYTES = 64 * 1024
 MAX_HASH = 128
 MAX_RUN_TOML = 256 * 1024
+# Replicas whose parameter hash a StageHashes reply lists (a majority of a bigger stage is within them).
+MAX_STAGE_HASHES = 256
 # A long poll never holds a stream longer than this.
 MAX_WAIT_S = 30.0
 
@@ -303,6 +305,21 @@ class StatusRequest(Message):
     KIND: ClassVar[str] = "coord.status_request"
     # How many closed steps of loss history to include (newest last).
     loss_history: Annotated[int, Field(ge=0, le=10_000)] = 200
+
+
+class StageHashesRequest(Message):
+    """Ask for the parameter hashes one stage's serving replicas reported: what a syncing or checking
+    replica needs, without the whole swarm's status (which grows with every node)."""
+
+    KIND: ClassVar[str] = "coord.stage_hashes_request"
+    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+
+
+class StageHashes(Message):
+    KIND: ClassVar[str] = "coord.stage_hashes"
+    stage: int
+    # At most MAX_STAGE_HASHES serving replicas, sorted by peer ID.
+    param_hashes: list[ParamHash] = Field(default_factory=list, max_length=MAX_STAGE_HASHES)
 
 
 class MembersRequest(Message):

@@ -402,3 +402,15 @@ def test_a_holders_report_counts_for_its_stage_after_a_coordinator_restart(tmp_p
     again.handle(dead, cm.Leave(reason="died"), 1.1)
     assert not again.handle(s0, cm.Averaged(step=0, revision=1), 1.2).committed
     assert again.handle(alive, cm.Averaged(step=0, revision=1), 1.3).committed
+
+
+def test_a_stage_s_hashes_are_answered_from_its_serving_replicas_only() -> None:
+    core = make_core()
+    (s0, other0), (s1, _) = four_members(core).values()
+    core.handle(s0, cm.Heartbeat(state="training", stage=0, step=3, param_hash="aa"), 1.0)
+    core.handle(other0, cm.Heartbeat(state="syncing", stage=0, step=1, param_hash="bb"), 1.0)
+    core.handle(s1, cm.Heartbeat(state="training", stage=1, step=3, param_hash="cc"), 1.0)
+    reply = core.handle(s1, cm.StageHashesRequest(stage=0), 1.1)
+    assert isinstance(reply, cm.StageHashes)
+    assert [(p.peer_id, p.step, p.hash) for p in reply.param_hashes] == [(s0, 3, "aa")]
+    assert core.handle(s1, cm.StageHashesRequest(stage=1), 1.1).param_hashes[0].hash == "cc"
