@@ -17,11 +17,16 @@ How it works
   for a whole limit past the wait's start, or, answering probes but delivering nothing, after
   ``STUCK_FACTOR`` limits. A failed stream or a refused probe suspects a peer at once; the round does
   that itself.
+* What others say is not evidence (:class:`Suspicion`): a peer that another one claims to be dead is
+  probed, and held to be out only once this replica's own detection finds it so (the probe fails, or
+  a deadline passes), or once more than ``max_liars`` distinct peers claim it. So with at most
+  ``max_liars`` liars, every peer held to be out was found so by some honest replica's own detector,
+  and one liar's gossip never puts an honest live peer out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -110,3 +115,45 @@ class FailureDetector:
     def _dead_at(self, since: float, peer: str, limit: float) -> float:
         # Silent for a whole limit since its last sign of life, or useless for STUCK_FACTOR limits.
         return min(since + STUCK_FACTOR * limit, max(since, self._alive_at.get(peer, since)) + limit)
+
+
+@dataclass
+class Suspicion:
+    """The peers this replica holds to be out of a round (``out``), and who claimed what.
+
+    ``out`` grows two ways: :meth:`observed` (this replica's own evidence: a failed stream, a refused or
+    unanswered probe, a passed deadline) and :meth:`claimed`, which counts each claimant once per
+    suspect and puts a suspect out only once more than ``max_liars`` distinct peers claim it.
+    """
+
+    max_liars: int = 1
+    out: set[str] = field(default_factory=set)
+    _claims: dict[str, set[str]] = field(default_factory=dict, init=False)
+
+    def observed(self, peer: str) -> bool:
+        """This replica found ``peer`` dead itself; True if that is news."""
+        if peer in self.out:
+            return False
+        self.out.add(peer)
+        return True
+
+    def claimed(self, claimant: str, suspects: Sequence[str]) -> tuple[list[str], list[str]]:
+        """``claimant`` says ``suspects`` are dead: returns (now out, to probe). A peer is probed once per
+        new claimant, so a liar repeating itself costs nothing and a second claimant gets a fresh look."""
+        now_out, probe = [], []
+        for x in suspects:
+            if x == claimant or x in self.out:
+                continue
+            who = self._claims.setdefault(x, set())
+            if claimant in who:
+                continue
+            who.add(claimant)
+            if len(who) > self.max_liars:
+                self.out.add(x)
+                now_out.append(x)
+            else:
+                probe.append(x)
+        return now_out, probe
+
+    def claimants(self, peer: str) -> list[str]:
+        return sorted(self._claims.get(peer, ()))

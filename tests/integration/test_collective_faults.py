@@ -84,7 +84,7 @@ async def run_case(
                 for other, a in addrs.items():
                     if other != me:
                         host.add_peer_addrs(other, a)
-                avg = KillableAverager(host, STAGE, numel, timeout_s=30.0, first_round=ROUND, floor_s=floor_s)
+                avg = KillableAverager(host, STAGE, numel, timeout_s=30.0, first_round=ROUND, floor_s=floor_s, sign=ids[rank].sign)
                 avg.register()
                 if rank == victim_rank:
                     avg.kill_point, avg.scope = kill_point, scope

@@ -9,6 +9,8 @@ reduction over exactly the contributors :class:`Done` reports.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import random
 
 import pytest
@@ -24,8 +26,34 @@ from protolearn.protocol.collective import (
     Rejected,
     Send,
 )
+from protolearn.protocol.statements import fin_statement, members_mask, part_hash, part_statement
 
 KILL_POINTS = ["before_start", "mid_scatter", "holding_parts", "mid_gather", "after_commit"]
+
+
+def fake_sign(peer: str):
+    """A keyed hash stands in for Ed25519 here: only code holding ``peer``'s name signs as it, and it is fast."""
+    return lambda data: hashlib.blake2b(data, key=peer.encode()[:64], digest_size=64).digest()
+
+
+def fake_verify(peer: str, data: bytes, signature: bytes) -> bool:
+    return hmac.compare_digest(fake_sign(peer)(data), signature)
+
+
+def make_round(round_id: int, me: str, weights: dict[str, float], numel: int, **kw) -> CollectiveRound:
+    return CollectiveRound(round_id, me, weights, numel, sign=fake_sign(me), verify=fake_verify, **kw)
+
+
+def signed_part(r: CollectiveRound, signer: str, part: int, members, data: torch.Tensor) -> dict:
+    """The keyword arguments of a gather of ``data`` as ``signer`` signs it, for ``r.receive``."""
+    digest = part_hash(data)
+    sig = fake_sign(signer)(part_statement(r._round_digest, part, members_mask(r.peers, members), digest))
+    return {"contributors": sorted(members), "signer": signer, "digest": digest, "signature": sig}
+
+
+def signed_fin(r: CollectiveRound, signer: str, members, digest: bytes) -> dict:
+    sig = fake_sign(signer)(fin_statement(r._round_digest, members_mask(r.peers, members), digest))
+    return {"contributors": sorted(members), "signer": signer, "digest": digest, "signature": sig}
 
 
 class Net:
@@ -36,7 +64,7 @@ class Net:
         self.rng = random.Random(seed)
         numel = next(iter(vectors.values())).numel()
         self.vectors = vectors
-        self.rounds = {p: CollectiveRound(7, p, weights, numel, op=op, floor_s=1.0, bandwidth=Bandwidth(1e9)) for p in weights}
+        self.rounds = {p: make_round(7, p, weights, numel, op=op, floor_s=1.0, bandwidth=Bandwidth(1e9)) for p in weights}
         self.now = 0.0
         self.inflight: list[tuple[str, Send, list[str]]] = []
         self.dead: set[str] = set()
@@ -84,7 +112,8 @@ class Net:
                 self.handle(src, self.rounds[src].peer_failed(msg.peer, "stream reset", self.now))
             return
         data = None if msg.data is None else msg.data.clone()
-        self.handle(msg.peer, dst.receive(src, msg.phase, msg.part, data, contributors=list(msg.contributors), suspects=suspects, now=self.now))
+        self.handle(msg.peer, dst.receive(src, msg.phase, msg.part, data, contributors=list(msg.contributors), suspects=suspects,
+                                          signer=msg.signer, digest=msg.digest, signature=msg.signature, now=self.now))
         self.deliveries += 1
         if src in self.dead:
             return
@@ -198,7 +227,7 @@ def test_backup_resends_the_dead_owners_part_instead_of_reducing_without_it() ->
         net = Net(weights, vectors, op="sum", seed=seed, victim="peer00", kill_point="mid_gather")
         net.run()
         done = check_survivors(net, weights, vectors, "sum")
-        part0 = net.rounds["peer01"]._versions[0]
+        part0 = net.rounds["peer01"]._counted.get(0, {})
         if any("peer00" in members for members in part0):
             assert done.contributors == sorted(weights), "the part peer01 got from peer00 decides: peer00 is in"
 
@@ -235,7 +264,7 @@ def test_result_does_not_depend_on_arrival_order_or_on_who_reduces() -> None:
 
 def test_bad_parts_are_rejected_with_a_reason() -> None:
     weights = {"a": 1.0, "b": 1.0, "c": 0.0}
-    r = CollectiveRound(1, "a", weights, 9)  # a reduces part 0 (elements 0..2)
+    r = make_round(1, "a", weights, 9)  # a reduces part 0 (elements 0..2)
     r.start(torch.zeros(9), now=0.0)
 
     def reason(peer: str, phase: str, part: int, data: torch.Tensor | None, **kw) -> str:
@@ -254,12 +283,12 @@ def test_bad_parts_are_rejected_with_a_reason() -> None:
     assert "not a subset" in reason("b", "gather", 1, torch.zeros(3), contributors=["a", "c"])
     assert "not a participant" in reason("b", "gather", 1, torch.zeros(3), contributors=["a"], suspects=["mallory"])
     actions = r.receive("b", "scatter", 0, torch.ones(3))  # the real one goes through and reduces
-    assert [(s.peer, s.phase, s.part, s.contributors) for s in actions if isinstance(s, Send)] == [("b", "gather", 0, ("a", "b"))]
+    assert [(s.peer, s.phase, s.part, s.contributors, s.signer) for s in actions if isinstance(s, Send)] == [("b", "gather", 0, ("a", "b"), "a")]
     assert "duplicate" in reason("b", "scatter", 0, torch.ones(3))
 
 
 def test_a_silent_peer_is_probed_then_suspected_and_left_out() -> None:
-    r = CollectiveRound(2, "a", {"a": 1.0, "b": 1.0}, 4, floor_s=2.0, bandwidth=Bandwidth(1e9))
+    r = make_round(2, "a", {"a": 1.0, "b": 1.0}, 4, floor_s=2.0, bandwidth=Bandwidth(1e9))
     sends = r.start(torch.ones(4), now=100.0)
     assert [(s.peer, s.phase, s.part) for s in sends if isinstance(s, Send)] == [("b", "scatter", 1)]
     assert r.next_deadline() == pytest.approx(101.0)
@@ -269,13 +298,14 @@ def test_a_silent_peer_is_probed_then_suspected_and_left_out() -> None:
     out = r.poll(102.0)  # b never answered: the floor deadline passes, a reduces both parts alone
     (done,) = [x for x in out if isinstance(x, Done)]
     assert done.contributors == ["a"] and done.excluded == ["b"]
-    assert Send("b", "fin", 0, None, ("a",)) in out, "even a suspected peer is told (if alive, it must fail, not diverge)"
+    fins = [(s.peer, s.contributors, s.digest) for s in out if isinstance(s, Send) and s.phase == "fin"]
+    assert fins == [("b", ("a",), done.digest)], "even a suspected peer is told (if alive, it must fail, not diverge)"
     assert torch.equal(done.result, torch.ones(4))
 
 
 def test_a_broken_stream_suspects_at_once_and_the_deadline_adapts_to_bandwidth() -> None:
-    slow = CollectiveRound(0, "a", {"a": 1.0, "b": 1.0}, 1_000_000, floor_s=2.0, bandwidth=Bandwidth(1e6))
-    fast = CollectiveRound(0, "a", {"a": 1.0, "b": 1.0}, 1_000_000, floor_s=2.0, bandwidth=Bandwidth(1e9))
+    slow = make_round(0, "a", {"a": 1.0, "b": 1.0}, 1_000_000, floor_s=2.0, bandwidth=Bandwidth(1e6))
+    fast = make_round(0, "a", {"a": 1.0, "b": 1.0}, 1_000_000, floor_s=2.0, bandwidth=Bandwidth(1e9))
     assert fast.wait_s() == 2.0 and slow.wait_s() == pytest.approx(4 * 4 * 500_001 / 1e6)
     sends = slow.start(torch.ones(1_000_000), now=0.0)
     (done,) = [x for x in slow.peer_failed("b", "stream reset", now=0.1) if isinstance(x, Done)]
@@ -286,8 +316,8 @@ def test_bandwidth_ema_is_carried_across_rounds() -> None:
     bw = Bandwidth(1e6)
     weights = {"a": 1.0, "b": 1.0}
     for rid in range(3):
-        ra = CollectiveRound(rid, "a", weights, 1000, bandwidth=bw)
-        rb = CollectiveRound(rid, "b", weights, 1000, bandwidth=Bandwidth())
+        ra = make_round(rid, "a", weights, 1000, bandwidth=bw)
+        rb = make_round(rid, "b", weights, 1000, bandwidth=Bandwidth())
         out = {"a": ra.start(torch.ones(1000), now=10.0), "b": rb.start(torch.ones(1000), now=10.0)}
         while any(isinstance(x, Send) for acts in out.values() for x in acts):
             nxt: dict[str, list] = {"a": [], "b": []}
@@ -295,7 +325,8 @@ def test_bandwidth_ema_is_carried_across_rounds() -> None:
                 for s in acts:
                     if isinstance(s, Send):
                         dst = ra if s.peer == "a" else rb
-                        nxt[s.peer] += dst.receive(src, s.phase, s.part, s.data, contributors=list(s.contributors), now=10.5)
+                        nxt[s.peer] += dst.receive(src, s.phase, s.part, s.data, contributors=list(s.contributors),
+                                                   signer=s.signer, digest=s.digest, signature=s.signature, now=10.5)
                         nxt[src] += (ra if src == "a" else rb).delivered(s, now=10.5)
             out = nxt
         assert isinstance(ra.finished, Done)
@@ -304,30 +335,32 @@ def test_bandwidth_ema_is_carried_across_rounds() -> None:
 
 
 def test_a_replica_that_others_believe_dead_fails_instead_of_diverging() -> None:
-    r = CollectiveRound(3, "a", {"a": 1.0, "b": 1.0, "c": 1.0}, 6)
+    r = make_round(3, "a", {"a": 1.0, "b": 1.0, "c": 1.0}, 6)
     r.start(torch.ones(6), now=0.0)
     (failed,) = r.receive("b", "scatter", 0, torch.ones(2), suspects=["a"], now=0.1)
     assert isinstance(failed, Failed) and "believes this replica died" in failed.reason
 
 
 def test_a_fin_with_a_different_contributor_set_fails_the_round() -> None:
-    r = CollectiveRound(4, "a", {"a": 1.0, "b": 1.0}, 2)
+    r = make_round(4, "a", {"a": 1.0, "b": 1.0}, 2)
     r.start(torch.ones(2), now=0.0)
-    r.receive("b", "fin", 0, None, contributors=["b"])
+    r.receive("b", "fin", 0, None, **signed_fin(r, "b", ["b"], bytes(32)))
     r.receive("b", "scatter", 0, torch.ones(1))
-    (failed,) = [x for x in r.receive("b", "gather", 1, torch.full((1,), 2.0), contributors=["a", "b"]) if isinstance(x, Failed)]
+    part = torch.full((1,), 2.0)
+    (failed,) = [x for x in r.receive("b", "gather", 1, part, **signed_part(r, "b", 1, ["a", "b"], part)) if isinstance(x, Failed)]
     assert "different contributor set" in failed.reason
+    assert [e.peer for e in failed.evidence] == ["a", "b"], "both signed fins are kept as evidence"
 
 
 def test_timeout_fails_naming_the_missing_peers() -> None:
-    r = CollectiveRound(2, "a", {"a": 1.0, "b": 1.0}, 4, timeout_s=1.0, floor_s=5.0)
+    r = make_round(2, "a", {"a": 1.0, "b": 1.0}, 4, timeout_s=1.0, floor_s=5.0)
     r.start(torch.ones(4), now=0.0)
     (failed,) = [x for x in r.poll(1.0) if isinstance(x, Failed)]
     assert failed.missing == ["b"] and "timed out" in failed.reason
 
 
 def test_single_replica_finishes_at_start() -> None:
-    r = CollectiveRound(0, "solo", {"solo": 2.0}, 5)
+    r = make_round(0, "solo", {"solo": 2.0}, 5)
     (done,) = r.start(torch.arange(5, dtype=torch.float32), now=0.0)
     assert isinstance(done, Done) and done.contributors == ["solo"]
     assert torch.equal(done.result, torch.arange(5, dtype=torch.float32))
@@ -335,4 +368,4 @@ def test_single_replica_finishes_at_start() -> None:
 
 def test_participant_must_be_in_weights() -> None:
     with pytest.raises(ValueError, match="not a participant"):
-        CollectiveRound(0, "x", {"a": 1.0}, 3)
+        make_round(0, "x", {"a": 1.0}, 3)
