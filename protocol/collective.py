@@ -22,7 +22,8 @@ How it works
   multiply and add, so **the value of part j over S is a pure function of S**: any replica that
   reduces it gets the same bytes. It **signs** (round, ``j``, ``S``, SHA-256 of the part's bytes) and
   sends the part with its signature to every participant. A receiver keeps a part only if its bytes
-  hash to the signed hash and the signature is the named signer's.
+  hash to the signed hash and the signature is the named signer's, and a part over a set that has
+  ``peers[j]`` in only if ``peers[j]`` signed it (nobody else ever holds its slice of its own part).
 * A signed part of ``j`` over ``S`` **counts** here once (a) its signer is no later in ``j``'s chain
   than this replica's owner of ``j`` (every peer before the signer is out here) and (b) every
   contributor that ``S`` leaves out is out here. Until then it is held, not used. Two counting parts of
@@ -37,20 +38,22 @@ How it works
   others only after the successor has it. So if any survivor holds a part from an owner that then died,
   the backup holds it too, and the backup sends that same signed part on (instead of a new one) when it
   takes over.
-* Who is out (:mod:`protolearn.protocol.liveness`): a failed stream or a refused probe puts a peer out
-  at once; a peer waited on is probed, and put out past a deadline scaled to the measured bandwidth.
-  Every message carries its sender's list of peers it holds out, but that is a **claim**: the claimed
-  peer is probed (a dead one refuses, and is out at once), and is out on claims alone only once more
-  than ``max_liars`` distinct peers made them.
+* Who is out (:mod:`protolearn.protocol.liveness`). A peer is **held out** (for ownership and for the
+  contributor set) once this replica finds it dead or stuck, or once more than ``max_liars`` distinct
+  peers claim it dead; it is **dead** only on this replica's own evidence that it is unreachable (a
+  broken stream, a refused or unanswered probe, silence past a deadline scaled to the measured
+  bandwidth) or on its own word (it left the round). Every message carries its sender's list of peers
+  it holds out, but that list is a claim: the receiver probes the peers it names, and a dead one
+  refuses the probe.
 * Termination: after committing, a replica signs a **fin** (``C`` and the result hash: SHA-256 over the
-  parts' hashes) and sends it to every peer, then keeps serving (as owner or backup) until each peer it
-  does not hold out has sent its fin; only then is it finished. A fin from a peer not out whose ``C``
-  or result hash differs from ours, or a second, different fin from one peer, turns the round into
-  :class:`Failed`. (The adapter answers a late probe of a finished round with its fin, or says that it
-  left a failed one, so nobody waits on a replica that is done.)
+  parts' hashes) and sends it to every peer, then keeps serving (as owner or backup) until it holds a
+  fin from every peer that is not dead; only then is it finished. A fin from a peer that is not dead
+  whose ``C`` or result hash differs from ours, or a second, different fin from one peer, turns the
+  round into :class:`Failed`. (The adapter answers a late probe of a finished round with its fin, or
+  with "left" if the round failed there, so nobody waits out a deadline on a replica that is done.)
 
-Why survivors agree (crash-stop peers; a peer is out only once it is dead)
----------------------------------------------------------------------------
+Why survivors agree (crash-stop peers)
+--------------------------------------
 A live contributor's slices reach every part's current owner (it resends on every owner change, and
 owners wait for every contributor they do not hold out), so ``C`` only ever loses dead peers. Values are
 functions of sets, so survivors can only differ by committing different sets. Take one dead peer X.
@@ -61,53 +64,57 @@ is its live primary, and it produced a reduction with X, so it holds X's slice: 
 part, a survivor's reduction with X came from X itself, and successor-first means the backup got it
 before anyone else; taking over, the backup finds that part over its ``C`` and sends it on instead of
 reducing without X: no (a). So no reduction without X ever appears, and every survivor converges on
-the same ``C``; if no survivor can commit with X, all converge on ``C`` without X. Two deaths in one
-round are handled the same way unless a part's owner and its successor both die after the owner sent
-its reduction on; the ``fin`` check then turns any disagreement into :class:`Failed`. A live peer
-wrongly held out (silent for longer than the deadline, or not delivering for ``STUCK_FACTOR``
-deadlines) breaks the assumption; that case is covered by the argument below, which assumes less.
+the same ``C``; if no survivor can commit with X, all converge on ``C`` without X, and finish. Two
+deaths in one round converge the same way unless a part's owner and its successor both die after the
+owner sent its reduction on; a live peer held out because it is slow leaves the others to wait for its
+fin. Either way the argument below, which assumes less, still rules out disagreement: such a round
+fails or finishes, identically.
 
-Why honest survivors never diverge (up to ``max_liars`` Byzantine peers)
-------------------------------------------------------------------------
-Model: of the ``n`` participants, at most ``f = max_liars`` lie. A liar may send anything to anyone
-at any time (forged or equivocating parts and fins, false claims, wrong contributor sets, slices that
-differ per receiver) and may collude with the others, but cannot sign for another peer (Ed25519) nor
-stop honest peers' messages. Honest peers may crash. Assumption **T**, the timing assumption the crash
-argument needs too: an honest replica's own detector never holds a live honest replica out.
+Why honest survivors never diverge (Byzantine peers)
+----------------------------------------------------
+Model: any number of the ``n`` participants may lie. A liar may send anything to anyone at any time
+(forged or equivocating parts and fins, false claims, wrong contributor sets, slices that differ per
+receiver) and may collude with other liars, but cannot sign for another peer (Ed25519) nor stop honest
+peers' messages. Honest peers may crash. Assumption **T**, a timing assumption the crash argument
+makes too: an honest replica never finds a live honest replica *unreachable* (it answers probes
+before their deadline, its streams do not break). T is about reachability only: an honest replica
+that looks stuck, because it waits on a liar, is held out but is never dead.
 
 *Claim: two honest replicas that both finish Done hold the same contributor set and bit-identical
-results.* A replica finishes Done only holding, from every peer it does not hold out, a signed fin with
-its own ``C`` and result hash. Take honest A and B, both Done. If A does not hold B out, A holds B's
-fin; an honest B signs one fin, for what it committed, so B's ``C`` and hash equal A's, and equal
-result hashes mean equal part hashes, hence equal parts in order (SHA-256 is collision resistant): the
-results are equal bit for bit. The same if B does not hold A out. Otherwise each holds the other out.
-A peer is out at an honest replica by its own detection or on claims from more than ``f`` peers, at
-least one of them honest and holding it out itself, by the same rule; so some honest replica's own
-detector held a live honest replica out, which T excludes. So they agree. Nothing in this argument
-trusts a part or a claim: it rests on the all-to-all fin check alone, for any ``n`` and ``f < n``.
+results.* A replica finishes Done only holding, from every peer that is not dead to it, a signed fin
+with its own ``C`` and result hash. Take honest A and B, both Done. An honest B never says it left a
+round it finishes Done, so by T, B is not dead to A, and A holds B's fin; an honest B signs one fin, for
+what it committed, so B's ``C`` and result hash equal A's. Equal result hashes mean equal part hashes,
+hence equal parts in order (SHA-256 is collision resistant): the results are equal bit for bit. This
+rests on the all-to-all fin check alone, not on any part, claim or count of liars: it holds for any
+number of liars among ``n``, under T.
 
-What the checks on parts add, and what a liar can still do:
+What the checks on parts and claims add (liveness and accountability, with at most ``f = max_liars``
+liars), and what a liar can still do:
 
-* A liar can make a round fail (liveness, not safety): an equivocating part or fin, a claim sent to an
-  honest replica that it is dead, a part it never sends (its deadline passes), slices that differ
-  between an owner and its backup. :class:`Failed` is never applied: the node redoes the step, and the
-  commit barrier keeps every replica of the stage from applying it. A liar is held out by the honest
-  replicas' own detectors once it stops delivering, like a crashed peer.
-* It cannot make honest replicas use a part signed by a peer that is not the part's owner in their eyes
-  (a), nor a forged one (hash and signature), nor drop a live honest contributor by tagging a smaller
-  set or claiming it dead (b, and more than ``f`` claimants needed): at worst these parts are held and
-  the round times out or fails.
-* As a part's owner it can sign a wrong value and send that same value to everyone: honest replicas
-  then agree on a wrong part. The backup cannot tell, because it holds none of the part's slices
-  (scatter goes to the owner only; sending the slices to the backup too would cost 50% more bytes per
-  round, for a check that still fails when owner and backup collude). What the backup does check: the
-  owner's hash and signature, that the part's set leaves out only peers the backup itself holds out,
-  and, since it gets the part first and relays exactly that signed part if the owner dies, that nobody
-  commits another version without the fins showing it. The signed wrong part stays attributable to its
-  owner; the value's plausibility is left to the integrity layer (robust aggregation, spot checks).
-* With more than ``f`` liars, or with T broken (a live honest replica hung past its deadlines), two
-  honest replicas can hold each other out and commit different results; the node's parameter-hash
-  check after the step is then the last line, as for crashes.
+* A liar can make a round fail, never make honest replicas diverge: an equivocating part or fin, a
+  fin that differs from the honest one, a claim sent to an honest replica that it is dead, a part or a
+  fin it never sends (the round then waits for its fin until the round's deadline). :class:`Failed`
+  is never applied: the node redoes the step, and the commit barrier keeps every replica of the
+  stage from applying it. A peer that signs two stories leaves the two statements in
+  :attr:`Failed.evidence`, checkable by a third party.
+* It cannot make an honest replica count a part signed by a peer that is not the part's owner in its
+  eyes (a), a part whose bytes or signature do not match, a sum with a part's first owner in that the
+  first owner did not sign, nor drop a live honest contributor by tagging a smaller set (b) or by
+  claiming it dead (more than ``f`` claimants are needed; fewer only make the receiver probe). Such
+  parts are held and never used.
+* As a part's owner (or as the backup of a dead one) it can sign a wrong value and send that same value
+  to everyone, with a fin to match: honest replicas then agree on a wrong part. The backup cannot tell,
+  because it holds none of the part's slices (scatter goes to the owner only; sending the slices to the
+  backup too would cost 50% more bytes per round, for a check that still fails when owner and backup
+  collude). What the backup does check: the owner's hash and signature, that the part's set leaves out
+  only peers the backup itself holds out, and, since it gets the part first and relays exactly that
+  signed part if the owner dies, that nobody commits another version without the fins showing it. The
+  wrong part stays signed, so attributable; its plausibility is the integrity layer's job (statistical
+  monitors, robust aggregation).
+* If T breaks (a live honest replica unreachable past its deadlines), two honest replicas can each find
+  the other dead and commit different results; the node's parameter-hash check after the step is then
+  the last line, as for crashes.
 """
 
 from __future__ import annotations
@@ -317,6 +324,9 @@ class CollectiveRound:
         self._broadcasts: dict[tuple[int, frozenset[str]], Broadcast] = {}
         self._detector = FailureDetector(self.floor_s, self.factor, self.bandwidth)
         self._suspicion = Suspicion(self.max_liars, self.suspects)
+        # Out by this replica's own evidence that they are unreachable (a broken stream, a refused or unanswered
+        # probe, silence past a deadline) or by their own word (they left): the only peers whose fin is not needed.
+        self._dead: set[str] = set()
         self._fins: dict[str, _Fin] = {}
         self._committed: Done | None = None
         self._bytes_in = 0
@@ -447,10 +457,10 @@ class CollectiveRound:
     def peer_failed(self, peer: str, reason: str, now: float) -> list[Action]:
         """A stream to ``peer`` broke, it did not answer a probe, or it said it left: it is out from now on."""
         self._now = max(self._now, now)
-        if peer == self.me or peer not in self.weights or self._finished is not None:
+        if peer == self.me or peer not in self.weights or self._finished is not None or peer in self._dead:
             return []
-        if not self._suspicion.observed(peer):
-            return []
+        self._dead.add(peer)
+        self._suspicion.observed(peer)
         return self._advance()
 
     def peer_alive(self, peer: str, now: float) -> None:
@@ -466,11 +476,12 @@ class CollectiveRound:
         if now - self._started_at >= self.timeout_s:
             missing = self.missing()
             return self._fail(missing, f"round {self.round_id} timed out after {self.timeout_s:g} s waiting for {missing}")
-        probes, dead = self._detector.due(now, self._waits())
-        actions: list[Action] = [Probe(p) for p in probes]
-        if dead:
-            for p in dead:
+        due = self._detector.due(now, self._waits())
+        actions: list[Action] = [Probe(p) for p in due.probes]
+        if due.suspects:
+            for p in due.suspects:
                 self._suspicion.observed(p)
+            self._dead |= due.silent
             actions += self._advance()
         return actions
 
@@ -518,6 +529,10 @@ class CollectiveRound:
             return f"part {part} is signed by {signer[:64]!r}, not a participant"
         if len(digest) != HASH_BYTES or len(signature) != SIGNATURE_BYTES:
             return f"part {part} must carry a {HASH_BYTES}-byte hash and a {SIGNATURE_BYTES}-byte signature"
+        primary = self.peers[part]
+        if signer != primary and primary in members:
+            # A part's first owner never sends its own slice of it (it keeps it), so only it can sign a sum with it in.
+            return f"part {part} over a set with {primary} in is signed by {signer}, not by {primary}"
         if data_digest != digest:
             return f"part {part}'s bytes do not hash to the hash {signer} signed"
         by_set = self._parts.get(part, {})
@@ -609,12 +624,16 @@ class CollectiveRound:
         return self.wait_s() * (1 if key[0] == "own" else 2)
 
     def _waits(self) -> dict[tuple, Wait]:
-        return {key: Wait(self._waited_peers(key), self._limit(key)) for key in self._detector.wait_keys()}
+        # A fin is waited for until it comes or its sender is dead; a stuck sender is out already.
+        return {key: Wait(self._waited_peers(key), self._limit(key), key[0] == "fin" and key[1] in self.suspects)
+                for key in self._detector.wait_keys()}
 
     def _waited_peers(self, key: tuple) -> list[str]:
         if key[0] == "own":
             held = self._slices.get(key[1], {})
             return sorted(c for c in self._C if c not in held and c not in self.suspects)
+        if key[0] == "fin":
+            return [key[1]] if key[1] not in self._dead else []
         return [key[-1]] if key[-1] not in self.suspects else []
 
     def _fail(self, missing: list[str], reason: str, evidence: tuple[Evidence, ...] = ()) -> list[Action]:
@@ -674,15 +693,16 @@ class CollectiveRound:
             actions += [Send(p, "fin", 0, None, fin, me, digest, signature) for p in self.peers if p != me]
         self._track_waits()
         if self._committed is not None:
-            # A dead replica's fin does not matter (it may hold a part nobody else got); a live one's must match.
+            # A dead replica's fin does not matter (it may hold a part nobody else got); any other's must match,
+            # also one that is out here only because it is stuck or others claim so: it may be alive and done.
             mine_fin = (self._C, self._committed.digest)
-            bad = sorted(p for p, f in self._fins.items() if (f.members, f.digest) != mine_fin and p not in self.suspects)
+            bad = sorted(p for p, f in self._fins.items() if (f.members, f.digest) != mine_fin and p not in self._dead)
             if bad:
                 own = _Fin(self._C, self._committed.digest, self._committed.signature)
                 evidence = (self._fin_evidence(me, own), *(self._fin_evidence(p, self._fins[p]) for p in bad))
                 return actions + self._fail(bad, f"round {self.round_id}: replicas {bad} committed a different contributor "
                                                  "set or result", evidence)
-            if all(p in self._fins for p in self.live_peers()):
+            if all(p in self._fins or p in self._dead for p in self.peers if p != me):
                 self._finished = self._committed
                 actions.append(self._committed)
         return actions
@@ -703,5 +723,5 @@ class CollectiveRound:
             o = self.owner(j)
             waits.add(("own", j) if o == self.me else ("gather", j, o))
         if self._committed is not None:
-            waits.update(("fin", p) for p in self.live_peers() if p not in self._fins)
+            waits.update(("fin", p) for p in self.peers if p != self.me and p not in self._dead and p not in self._fins)
         self._detector.track((k for k in waits if self._waited_peers(k) or k[0] != "own"), self._now)
