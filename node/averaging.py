@@ -119,6 +119,8 @@ class Averager:
         self.bandwidth = Bandwidth()
         # The last round's outcome: ``contributors`` are in the result, ``excluded`` died and are out.
         self.last_done: Done | None = None
+        # The last round that failed, with its evidence (two statements one peer signed) when a peer lied.
+        self.last_failed: Failed | None = None
         self._round: CollectiveRound | None = None
         self._outbox: trio.MemorySendChannel[Send | Probe] | None = None
         self._finished = trio.Event()
@@ -307,6 +309,7 @@ class Averager:
         )
         self._outcomes = {k: v for k, v in self._outcomes.items() if k >= round_id - 2 * REVISIONS_PER_STEP}
         if isinstance(result, Failed):
+            self.last_failed = result
             raise AveragingError(f"stage {self.stage} averaging of step {round_id} failed: {result.reason}")
         assert isinstance(result, Done)
         if result.excluded:

@@ -24,7 +24,7 @@ How it works
   sends the part with its signature to every participant. A receiver keeps a part only if its bytes
   hash to the signed hash and the signature is the named signer's, and a part over a set that has
   ``peers[j]`` in only if ``peers[j]`` signed it (nobody else ever holds its slice of its own part).
-* A signed part of ``j`` over ``S`` **counts** here once (a) its signer is no later in ``j``'s chain
+* A signed part of ``j`` over ``S`` **counts** here (:mod:`protolearn.protocol.part_ledger`) once (a) its signer is no later in ``j``'s chain
   than this replica's owner of ``j`` (every peer before the signer is out here) and (b) every
   contributor that ``S`` leaves out is out here. Until then it is held, not used. Two counting parts of
   ``(j, S)`` with different hashes fail the round; if one signer signed both, the two statements are
@@ -135,6 +135,7 @@ from protolearn.protocol.liveness import (
     Wait,
 )
 from protolearn.protocol.ownership import Broadcast, Op, owner, part_bounds, reduce_part, successor
+from protolearn.protocol.part_ledger import MAX_VERSIONS_PER_SIGNER, PartLedger, SignedPart
 from protolearn.protocol.pipeline import MAX_PEER_ID, MAX_STAGES, PeerId, Step
 from protolearn.protocol.statements import (
     HASH_BYTES,
@@ -145,7 +146,6 @@ from protolearn.protocol.statements import (
     fin_statement,
     members_mask,
     part_hash,
-    part_statement,
     result_hash,
     round_digest,
 )
@@ -166,10 +166,6 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 60.0
 # Upper bound on participants of one round; a stage with more replicas is a misconfiguration.
 MAX_PARTICIPANTS = 1024
-# Parts of one part index one signer may have here at once (over different sets). An honest owner signs
-# a new one each time C shrinks under it, so this bounds what a liar can make a replica hold to a few
-# vectors' worth; a round that loses more contributors than this while one owner reduces fails instead.
-MAX_VERSIONS_PER_SIGNER = 4
 
 Phase = Literal["scatter", "gather", "fin"]
 
@@ -254,16 +250,6 @@ Action = Send | Probe | Rejected | Done | Failed
 
 
 @dataclass(frozen=True)
-class _Part:
-    """A signed reduced part as received (or reduced here)."""
-
-    data: torch.Tensor
-    digest: bytes
-    signer: str
-    signature: bytes
-
-
-@dataclass(frozen=True)
 class _Fin:
     members: frozenset[str]
     digest: bytes
@@ -309,7 +295,6 @@ class CollectiveRound:
             raise ValueError(f"max_liars must be at least 0, got {self.max_liars}")
         self.peers = sorted(self.weights)
         self.bounds = part_bounds(self.numel, len(self.peers))
-        self._index = {p: k for k, p in enumerate(self.peers)}
         self._round_digest = round_digest(self.round_id, self.weights, self.numel, self.op)
         self._all = frozenset(p for p in self.peers if self.weights[p] > 0)
         self._C = self._all  # the intersection of every counting part's set seen so far
@@ -319,8 +304,7 @@ class CollectiveRound:
         self._owner_seen: dict[int, str] = {}
         self._sent_to: dict[int, str] = {}  # part -> owner that has my slice of it
         self._slices: dict[int, dict[str, torch.Tensor]] = {}  # parts I (may) reduce: sender -> slice
-        self._parts: dict[int, dict[frozenset[str], dict[str, _Part]]] = {}  # part -> set -> signer -> part
-        self._counted: dict[int, dict[frozenset[str], _Part]] = {}  # part -> set -> the part that counts
+        self._ledger = PartLedger(self.round_id, self.peers, self._all, self._round_digest, self.verify)
         self._broadcasts: dict[tuple[int, frozenset[str]], Broadcast] = {}
         self._detector = FailureDetector(self.floor_s, self.factor, self.bandwidth)
         self._suspicion = Suspicion(self.max_liars, self.suspects)
@@ -410,7 +394,7 @@ class CollectiveRound:
             assert data is not None
             if data_digest is None:
                 data_digest = part_hash(data)
-            reason = self._check_signed_part(part, frozenset(contributors), data_digest, signer, digest, signature)
+            reason = self._ledger.check(part, frozenset(contributors), data_digest, signer, digest, signature)
             if reason:
                 return [Rejected(peer, reason)]
         elif phase == "fin":
@@ -433,13 +417,9 @@ class CollectiveRound:
         elif phase == "gather":
             assert data is not None
             self._bytes_in += 4 * data.numel()
-            by_signer = self._parts.setdefault(part, {}).setdefault(frozenset(contributors), {})
-            new = _Part(data, digest, signer, signature)
-            old_part = by_signer.setdefault(signer, new)
-            if old_part.digest != new.digest:
-                return actions + self._fail(
-                    [signer], f"{signer} signed two different parts {part} over the same contributors in round {self.round_id}",
-                    (self._part_evidence(part, contributors, old_part), self._part_evidence(part, contributors, new)))
+            conflict = self._ledger.add(part, frozenset(contributors), SignedPart(data, digest, signer, signature))
+            if conflict is not None:
+                return actions + self._fail(*conflict)
         # phase == "probe": its claims are news (a part this replica must now take over, say)
         return actions + self._advance()
 
@@ -524,27 +504,6 @@ class CollectiveRound:
             return f"part {part} contains NaN or Inf"
         return ""
 
-    def _check_signed_part(self, part: int, members: frozenset[str], data_digest: bytes, signer: str, digest: bytes, signature: bytes) -> str:
-        if signer not in self.weights:
-            return f"part {part} is signed by {signer[:64]!r}, not a participant"
-        if len(digest) != HASH_BYTES or len(signature) != SIGNATURE_BYTES:
-            return f"part {part} must carry a {HASH_BYTES}-byte hash and a {SIGNATURE_BYTES}-byte signature"
-        primary = self.peers[part]
-        if signer != primary and primary in members:
-            # A part's first owner never sends its own slice of it (it keeps it), so only it can sign a sum with it in.
-            return f"part {part} over a set with {primary} in is signed by {signer}, not by {primary}"
-        if data_digest != digest:
-            return f"part {part}'s bytes do not hash to the hash {signer} signed"
-        by_set = self._parts.get(part, {})
-        old = by_set.get(members, {}).get(signer)
-        if old is not None and old.digest == digest and old.signature == signature:
-            return ""  # the same part again (relayed, say): nothing new to check
-        if old is None and sum(signer in s for s in by_set.values()) >= MAX_VERSIONS_PER_SIGNER:
-            return f"{signer} signed more than {MAX_VERSIONS_PER_SIGNER} versions of part {part}"
-        if not self.verify(signer, part_statement(self._round_digest, part, self._mask(members), digest), signature):
-            return f"part {part}'s signature does not verify as {signer}'s"
-        return ""
-
     def _check_fin(self, peer: str, members: frozenset[str], digest: bytes, signature: bytes) -> str:
         if len(digest) != HASH_BYTES or len(signature) != SIGNATURE_BYTES:
             return f"fin must carry a {HASH_BYTES}-byte result hash and a {SIGNATURE_BYTES}-byte signature"
@@ -555,10 +514,6 @@ class CollectiveRound:
     def _mask(self, members: frozenset[str] | set[str] | tuple[str, ...] | list[str]) -> bytes:
         return members_mask(self.peers, members)
 
-    def _part_evidence(self, part: int, members, p: _Part) -> Evidence:
-        stmt = part_statement(self._round_digest, part, self._mask(frozenset(members)), p.digest)
-        return Evidence(p.signer, stmt, p.signature, f"part {part} of round {self.round_id}")
-
     def _fin_evidence(self, peer: str, fin: _Fin) -> Evidence:
         return Evidence(peer, fin_statement(self._round_digest, self._mask(fin.members), fin.digest), fin.signature,
                         f"fin of round {self.round_id}")
@@ -567,44 +522,21 @@ class CollectiveRound:
         # The sender's claims count here (it only decides where a slice may be kept), never against me.
         return owner(self.peers, part, self.suspects | (extra - {self.me}), self.me)
 
-    # -- which parts count -----------------------------------------------------------------------
-    def _eligible(self, part: int, signer: str) -> bool:
-        """(a): ``signer`` is no later in ``part``'s chain than this replica's owner of it."""
-        n = len(self.peers)
-        return (self._index[signer] - part) % n <= (self._index[self.owner(part)] - part) % n
-
-    def _justified(self, members: frozenset[str]) -> bool:
-        """(b): every contributor ``members`` leaves out is out here (never this replica itself)."""
-        return all(p in self.suspects for p in self._all - members)
-
     def _settle(self) -> list[Action]:
-        """Let the parts that now count count: shrink C, notice conflicts, drop parts that cannot matter."""
-        for j, by_set in self._parts.items():
-            for members, by_signer in by_set.items():
-                if not self._justified(members):
-                    continue
-                for signer, p in by_signer.items():
-                    if not self._eligible(j, signer):
-                        continue
-                    counted = self._counted.setdefault(j, {}).setdefault(members, p)
-                    if counted.digest != p.digest:
-                        return self._fail(sorted({counted.signer, p.signer}),
-                                          f"round {self.round_id}: {counted.signer} and {p.signer} signed different parts {j} "
-                                          "over the same contributors (one of the contributors or reducers lied)")
-                    if self._committed is None:
-                        self._C &= members
-        # A part over a set with a member out of C can never be committed (C only shrinks): free it.
-        for j, by_set in self._parts.items():
-            for members in [m for m in by_set if not m <= self._C]:
-                del by_set[members]
-                self._counted.get(j, {}).pop(members, None)
+        """Let the parts that now count count (:mod:`.part_ledger`): shrink C, fail on a conflict, free the rest."""
+        meet, conflict = self._ledger.settle(self.suspects, self.owner)
+        if conflict is not None:
+            return self._fail(*conflict)
+        if self._committed is None:
+            self._C &= meet
+        self._ledger.prune(self._C)
         return []
 
     def _reduce_mine(self, mine: list[int]) -> bool:
         """Reduce each of my parts that has no counting part over C yet; True if any was reduced."""
         reduced = False
         for j in mine:
-            if self._C in self._counted.get(j, {}):
+            if self._ledger.counted(j, self._C) is not None:
                 continue
             held = self._slices.get(j, {})
             if any(c not in held and c not in self.suspects for c in self._C):
@@ -613,8 +545,7 @@ class CollectiveRound:
             a, b = self.bounds[j]
             data = reduce_part(held, members, self.weights, self.op, b - a)
             digest = part_hash(data)
-            signature = self.sign(part_statement(self._round_digest, j, self._mask(members), digest))
-            self._parts.setdefault(j, {}).setdefault(members, {})[self.me] = _Part(data, digest, self.me, signature)
+            self._ledger.add(j, members, SignedPart(data, digest, self.me, self.sign(self._ledger.statement(j, members, digest))))
             reduced = True
         return reduced
 
@@ -674,12 +605,13 @@ class CollectiveRound:
         # Only the part over the current C goes out: a stale one would be replaced anyway. (An owner stays
         # the owner: suspicions only grow and a replica never suspects itself.)
         for j in mine:
-            if self._C in self._counted.get(j, {}):
+            if self._ledger.counted(j, self._C) is not None:
                 actions += self._broadcast(j, self._C)
-        if self._committed is None and all(self._C in self._counted.get(j, {}) for j in range(n)):
+        counted = [self._ledger.counted(j, self._C) for j in range(n)]
+        parts = [p for p in counted if p is not None]
+        if self._committed is None and len(parts) == n:
             if self.op == "weighted_mean" and not self._C:
                 return actions + self._fail(sorted(self._all), f"round {self.round_id}: no contribution survived")
-            parts = [self._counted[j][self._C] for j in range(n)]
             digest = result_hash([p.digest for p in parts])
             signature = self.sign(fin_statement(self._round_digest, self._mask(self._C), digest))
             self._committed = Done(torch.cat([p.data for p in parts]), sorted(self._C), sorted(self._all - self._C),
@@ -709,7 +641,8 @@ class CollectiveRound:
 
     def _broadcast(self, part: int, members: frozenset[str]) -> list[Action]:
         b = self._broadcasts.setdefault((part, members), Broadcast())
-        p = self._counted[part][members]
+        p = self._ledger.counted(part, members)
+        assert p is not None
         tag = tuple(sorted(members))
         succ = successor(self.peers, part, self.me, self.suspects)
         return [Send(q, "gather", part, p.data, tag, p.signer, p.digest, p.signature) for q in b.next_peers(succ, self.live_peers())]
@@ -718,7 +651,7 @@ class CollectiveRound:
         """Tell the detector what this replica waits on now (a deadline counts from a wait's start)."""
         waits = set()
         for j in range(len(self.peers)):
-            if self._C in self._counted.get(j, {}):
+            if self._ledger.counted(j, self._C) is not None:
                 continue
             o = self.owner(j)
             waits.add(("own", j) if o == self.me else ("gather", j, o))

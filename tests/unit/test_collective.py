@@ -26,6 +26,7 @@ from protolearn.protocol.collective import (
     Rejected,
     Send,
 )
+from protolearn.protocol.part_ledger import SignedPart
 from protolearn.protocol.statements import fin_statement, members_mask, part_hash, part_statement
 
 KILL_POINTS = ["before_start", "mid_scatter", "holding_parts", "mid_gather", "after_commit"]
@@ -234,7 +235,7 @@ def test_backup_resends_the_dead_owners_part_instead_of_reducing_without_it() ->
         net = Net(weights, vectors, op="sum", seed=seed, victim="peer00", kill_point="mid_gather")
         net.run()
         done = check_survivors(net, weights, vectors, "sum")
-        part0 = net.rounds["peer01"]._counted.get(0, {})
+        part0 = net.rounds["peer01"]._ledger.counted_sets(0)
         if any("peer00" in members for members in part0):
             assert done.contributors == sorted(weights), "the part peer01 got from peer00 decides: peer00 is in"
 
@@ -401,17 +402,18 @@ HARMLESS = {"false_suspect", "forge_other", "bad_signature"}
 class ForgingRound(CollectiveRound):
     """A liar that reduces its own parts wrongly but consistently: it signs, sends and commits one wrong value."""
 
-    def _reduce_mine(self, mine: list[int]) -> bool:
-        reduced = super()._reduce_mine(mine)
-        for j in mine:
-            for members, by_signer in self._parts.get(j, {}).items():
-                p = by_signer.get(self.me)
-                if p is not None and members not in self._counted.get(j, {}):  # just reduced: forge it
-                    data = p.data + 1.0
-                    digest = part_hash(data)
-                    sig = self.sign(part_statement(self._round_digest, j, members_mask(self.peers, members), digest))
-                    by_signer[self.me] = type(p)(data, digest, self.me, sig)
-        return reduced
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        add = self._ledger.add
+
+        def forged_add(part: int, members: frozenset[str], p: SignedPart):
+            if p.signer == self.me:
+                data = p.data + 1.0
+                digest = part_hash(data)
+                p = SignedPart(data, digest, self.me, self.sign(self._ledger.statement(part, members, digest)))
+            return add(part, members, p)
+
+        self._ledger.add = forged_add  # type: ignore[method-assign]
 
 
 class ByzNet(Net):
@@ -596,7 +598,7 @@ def test_a_consistent_forging_owner_is_agreed_on_not_detected() -> None:
     a, b = net.rounds["peer00"].bounds[2]
     exact = expected(weights, vectors, sorted(weights), "sum").float()
     assert torch.allclose(results[0][:a], exact[:a], atol=1e-5) and not torch.allclose(results[0][a:b], exact[a:b], atol=1e-5)
-    assert net.rounds["peer00"]._counted[2][frozenset(weights)].signer == "peer02"
+    assert net.rounds["peer00"]._ledger.counted(2, frozenset(weights)).signer == "peer02"
 
 
 def test_a_gather_counts_only_with_its_reducers_signature_over_its_bytes() -> None:
@@ -618,7 +620,7 @@ def test_a_gather_counts_only_with_its_reducers_signature_over_its_bytes() -> No
     assert "signed by c, not by a" in reason(**signed_part(r, "c", 0, weights, part)), "only a sums a's own slice of part 0"
     other = make_round(2, "b", weights, 6)  # another round: the same statement bytes differ
     assert "signature does not verify" in reason(**signed_part(other, "a", 0, weights, part))
-    assert reason(**good) == "" and r._counted[0][frozenset(weights)].signer == "a", "relayed by c, signed by a: it counts"
+    assert reason(**good) == "" and r._ledger.counted(0, frozenset(weights)).signer == "a", "relayed by c, signed by a: it counts"
 
 
 def test_one_liars_claim_makes_a_probe_and_only_more_than_max_liars_claims_put_a_peer_out() -> None:
@@ -640,13 +642,13 @@ def test_a_part_from_a_later_chain_member_or_leaving_a_live_peer_out_is_held_unt
     part = torch.ones(2)
     # b claims ownership of a's part 0 (a is alive as far as c knows): held, C untouched.
     r.receive("b", "gather", 0, part, suspects=["a"], now=0.0, **signed_part(r, "b", 0, ["b", "c"], part))
-    assert 0 not in r._counted and r.contributors() == ["a", "b", "c"]
+    assert r._ledger.counted_sets(0) == [] and r.contributors() == ["a", "b", "c"]
     # b's own part 1, over a set without a (a live peer here): held as well.
     r.receive("b", "gather", 1, part, now=0.0, **signed_part(r, "b", 1, ["b", "c"], part))
-    assert 1 not in r._counted and r.contributors() == ["a", "b", "c"]
+    assert r._ledger.counted_sets(1) == [] and r.contributors() == ["a", "b", "c"]
     # Once c finds a dead itself, both count, and C loses a.
     r.peer_failed("a", "probe refused", now=0.1)
-    assert set(r._counted) >= {0, 1} and r.contributors() == ["b", "c"]
+    assert r._ledger.counted_sets(0) and r._ledger.counted_sets(1) and r.contributors() == ["b", "c"]
 
 
 def test_a_signer_of_two_parts_for_the_same_set_fails_the_round_with_checkable_evidence() -> None:
