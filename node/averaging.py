@@ -18,7 +18,8 @@ are held, but only for the current and the next round and at most two per partic
 stays bounded. A replica that the step's accounting leaves out (it processed no ticket, so no peer
 expects it) asks a participant for the finished round's vector with :class:`ResultRequest`, and so
 applies exactly the same update. The round's hard deadline comes from the node config; a round survives
-dead peers, and :attr:`Averager.last_done` says whose contributions are in (``excluded``: tickets to redo).
+dead peers, and :attr:`Averager.last_done` says whose contributions are in (``excluded``: tickets to redo);
+:attr:`Averager.last_failed` keeps a failed round's reason and, if a peer signed two stories, the evidence.
 """
 
 from __future__ import annotations
