@@ -7,12 +7,19 @@ suspected-dead peers, and for a reduced part the contributors it sums), the part
 machine as a failed peer; a send that is acknowledged is reported as delivered (the successor-first rule
 needs that). The wait between events is the machine's :meth:`next_deadline`, so the adaptive deadlines
 (scaled by the bandwidth EMA this adapter keeps across rounds) are what time a round out.
+Reduced parts and fins are signed with this node's Ed25519 key (the round gets ``sign`` and ``verify``;
+see :mod:`protolearn.protocol.statements`), and a received part is hashed in a worker thread before the
+round checks it, so hashing 16 MiB parts never stalls the event loop. A finished round's outcome is kept
+for a while: a peer that still probes it gets this replica's signed fin back (it may have missed it), or,
+if the round failed here, a ``Refuse`` with code ``left``, so that nobody waits out a deadline on a
+replica that is done.
 Parts of a round this replica has not started yet (a faster replica got the step's accounting first)
 are held, but only for the current and the next round and at most two per participant, so memory
 stays bounded. A replica that the step's accounting leaves out (it processed no ticket, so no peer
 expects it) asks a participant for the finished round's vector with :class:`ResultRequest`, and so
 applies exactly the same update. The round's hard deadline comes from the node config; a round survives
-dead peers, and :attr:`Averager.last_done` says whose contributions are in (``excluded``: tickets to redo).
+dead peers, and :attr:`Averager.last_done` says whose contributions are in (``excluded``: tickets to redo);
+:attr:`Averager.last_failed` keeps a failed round's reason and, if a peer signed two stories, the evidence.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from protolearn.protocol.collective import (
 )
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse, ResultRequest
+from protolearn.protocol.statements import Sign, Verify, part_hash, verify_ed25519
 from protolearn.protocol.tensors import TensorFrame, TensorLimits, from_frame
 from protolearn.protocol.transport import FramedStream, Host
 
@@ -68,11 +76,20 @@ class ResultGone(AveragingError):
 @dataclass
 class _Pending:
     peer: str
-    phase: str
-    part: int
+    msg: PartHeader
     data: torch.Tensor | None
-    contributors: list[str]
-    suspects: list[str]
+    data_digest: bytes | None
+
+
+def _host_signer(host: Host) -> Sign:
+    """Sign with the key the host was opened with (the node's Identity: open_host builds its libp2p key
+    pair from it; libp2p's Ed25519 signatures are the plain RFC 8032 ones :func:`verify_ed25519` checks).
+
+    Host does not expose its key, so this reaches through ``host._lp`` to libp2p's public
+    ``IHost.get_private_key()``. It is the fallback for callers that do not pass ``sign`` (node.py
+    builds the Averager without the Identity today); passing ``sign=identity.sign`` is the way.
+    """
+    return host._lp.get_private_key().sign
 
 
 class Averager:
@@ -81,22 +98,30 @@ class Averager:
     def __init__(
         self, host: Host, stage: int, numel: int, *, timeout_s: float, floor_s: float = DEFAULT_FLOOR_S,
         window: Callable[[], int] | None = None, first_round: int = 0, clock: Callable[[], float] = trio.current_time,
+        sign: Sign | None = None, verify: Verify = verify_ed25519, max_liars: int = 1,
     ) -> None:
         """``window``: the round this replica takes part in next, from its owner (the node core, which
         knows whether a step may still reopen). Without one, the averager counts its own rounds from
-        ``first_round`` (a stand-alone averager in a test or benchmark)."""
+        ``first_round`` (a stand-alone averager in a test or benchmark). ``sign``: this node's signature
+        (``Identity.sign``; by default the host's key); ``verify``: a peer's; ``max_liars``: see
+        :class:`~protolearn.protocol.collective.CollectiveRound`."""
         self.host = host
         self.stage = stage
         self.numel = numel
         self.timeout_s = timeout_s
         self.floor_s = floor_s
         self.clock = clock
+        self.sign = sign if sign is not None else _host_signer(host)
+        self.verify = verify
+        self.max_liars = max_liars
         self._window = window
         self._own_next = first_round
         # Receive-rate EMA across rounds: the per-wait deadlines scale with it.
         self.bandwidth = Bandwidth()
         # The last round's outcome: ``contributors`` are in the result, ``excluded`` died and are out.
         self.last_done: Done | None = None
+        # The last round that failed, with its evidence (two statements one peer signed) when a peer lied.
+        self.last_failed: Failed | None = None
         self._round: CollectiveRound | None = None
         self._outbox: trio.MemorySendChannel[Send | Probe] | None = None
         self._finished = trio.Event()
@@ -105,6 +130,8 @@ class Averager:
         # Finished rounds' results, kept for replicas that fetch them (the last two rounds only).
         self._results: dict[int, torch.Tensor] = {}
         self._result_ready: dict[int, trio.Event] = {}
+        # Finished rounds' outcomes, for late probes: the signed fin sent, or None if the round failed here.
+        self._outcomes: dict[int, PartHeader | None] = {}
         # Sends of the current round queued or in flight, per peer (the end of a round waits for live peers').
         self._pending: dict[str, int] = {}
         self._drained = trio.Event()
@@ -129,11 +156,17 @@ class Averager:
         if r is not None:
             r.peer_alive(peer, self.clock())  # a part may take a while to arrive; its sender is alive
         if msg.phase == "probe":
-            if r is not None:  # a probe's suspects may hand this replica a dead peer's part
+            if r is not None:  # a probe's claims may hand this replica a dead peer's part
                 self._dispatch(r.receive(peer, "probe", 0, None, suspects=msg.suspects, now=self.clock()))
+            elif msg.round in self._outcomes:
+                # Done with that round here: the prober waits for our fin (it may have missed it), or, if the
+                # round failed here, should stop waiting for us.
+                fin = self._outcomes[msg.round]
+                await s.send(fin if fin is not None else Refuse(code="left", reason=f"round {msg.round} failed here"))
+                return
             await s.send(Ack())
             return
-        data = None
+        data, data_digest = None, None
         if msg.phase != "fin":
             shape = None
             if r is not None and 0 <= msg.part < len(r.bounds):
@@ -143,10 +176,12 @@ class Averager:
             data = from_frame(frame, peer=peer, dtype=torch.float32, limits=self._limits, require_finite=True)
             if data.dim() != 1:
                 raise ProtocolError(peer, f"collective part must be a flat vector, got shape {list(data.shape)}")
+            if msg.phase == "gather":  # the round checks it against the signed hash
+                data_digest = await trio.to_thread.run_sync(part_hash, data)
         # The round may have started while the tensor was read; its held parts are already taken.
         r = self._round if self._round is not None and self._round.round_id == msg.round else None
         if r is not None:
-            actions = r.receive(peer, msg.phase, msg.part, data, contributors=msg.contributors, suspects=msg.suspects, now=self.clock())
+            actions = self._receive(r, _Pending(peer, msg, data, data_digest))
             refused = [a for a in actions if isinstance(a, Rejected)]
             self._dispatch(actions)
             if refused:
@@ -157,11 +192,16 @@ class Averager:
             if len(held) >= MAX_EARLY_PARTS:
                 await s.send(Refuse(code="busy", reason=f"too many early parts held for round {msg.round}"))
                 return
-            held.append(_Pending(peer, msg.phase, msg.part, data, msg.contributors, msg.suspects))
+            held.append(_Pending(peer, msg, data, data_digest))
         else:
             await s.send(Refuse(code="stale", reason=f"round {msg.round} is not current (next round {self.next_round})"))
             return
         await s.send(Ack())
+
+    def _receive(self, r: CollectiveRound, p: _Pending) -> list:
+        m = p.msg
+        return r.receive(p.peer, m.phase, m.part, p.data, contributors=m.contributors, suspects=m.suspects, signer=m.signer,
+                         digest=m.digest, signature=m.signature, data_digest=p.data_digest, now=self.clock())
 
     async def _serve_result(self, peer: str, s: FramedStream, round_id: int) -> None:
         # A finished round stays servable while kept (a step's rounds are numbered sparsely, see round_id).
@@ -232,7 +272,7 @@ class Averager:
         """Like :meth:`run_round`, returning the :class:`Done` with ``contributors`` and ``excluded``."""
         r = CollectiveRound(
             round_id, self.host.peer_id, weights, self.numel, op="sum", timeout_s=self.timeout_s,
-            bandwidth=self.bandwidth, floor_s=self.floor_s,
+            bandwidth=self.bandwidth, floor_s=self.floor_s, max_liars=self.max_liars, sign=self.sign, verify=self.verify,
         )
         # Unbounded in principle, bounded in fact: the machine emits at most a few sends per peer and part.
         send, recv = trio.open_memory_channel[Send | Probe](16 * len(weights) ** 2 + 64)
@@ -244,7 +284,7 @@ class Averager:
                 nursery.start_soon(self._sender, recv, round_id, nursery)
                 self._dispatch(r.start(vector, self.clock()))
                 for p in self._early.pop(round_id, []):
-                    self._dispatch(r.receive(p.peer, p.phase, p.part, p.data, contributors=p.contributors, suspects=p.suspects, now=self.clock()))
+                    self._dispatch(self._receive(r, p))
                 while r.finished is None:
                     wake = r.next_deadline()
                     with trio.move_on_at(self.clock() + 1.0 if wake is None else wake):
@@ -264,7 +304,13 @@ class Averager:
             self._round, self._outbox = None, None
             self._own_next = round_id + 1
         result = r.finished
+        self._outcomes[round_id] = None if not isinstance(result, Done) else PartHeader(
+            round=round_id, stage=self.stage, phase="fin", part=0, contributors=result.contributors,
+            suspects=sorted(r.suspects), signer=self.host.peer_id, digest=result.digest, signature=result.signature,
+        )
+        self._outcomes = {k: v for k, v in self._outcomes.items() if k >= round_id - 2 * REVISIONS_PER_STEP}
         if isinstance(result, Failed):
+            self.last_failed = result
             raise AveragingError(f"stage {self.stage} averaging of step {round_id} failed: {result.reason}")
         assert isinstance(result, Done)
         if result.excluded:
@@ -297,8 +343,10 @@ class Averager:
             return
         phase = "probe" if isinstance(a, Probe) else a.phase
         msg = PartHeader(
-            round=round_id, stage=self.stage, phase=phase, part=0 if isinstance(a, Probe) else a.part,
-            contributors=[] if isinstance(a, Probe) else list(a.contributors), suspects=sorted(r.suspects),
+            round=round_id, stage=self.stage, phase=phase, part=0, suspects=sorted(r.suspects),
+        ) if isinstance(a, Probe) else PartHeader(
+            round=round_id, stage=self.stage, phase=phase, part=a.part, contributors=list(a.contributors),
+            suspects=sorted(r.suspects), signer=a.signer, digest=a.digest, signature=a.signature,
         )
         # A part is bounded by the transport's per-chunk deadline (a dead or hung peer stops taking chunks),
         # not by a total: a slow but live transfer must not count as a death. A busy live peer answers a
@@ -310,7 +358,7 @@ class Averager:
                     await s.send(msg)
                     if isinstance(a, Send) and a.data is not None:
                         await s.send_tensor(_borrowed_frame(a.data))
-                    reply = await s.receive((Ack, Refuse))
+                    reply = await s.receive((Ack, Refuse, PartHeader))
         except ProtocolError as err:
             log.info("collective peer failed peer=%s round=%d phase=%s reason=%s", a.peer, round_id, phase, err.reason)
             self._dispatch(r.peer_failed(a.peer, err.reason, self.clock()))
@@ -318,6 +366,18 @@ class Averager:
         except trio.TooSlowError:
             log.info("collective peer failed peer=%s round=%d phase=%s reason=no answer within %g s", a.peer, round_id, phase, limit)
             self._dispatch(r.peer_failed(a.peer, f"no answer within {limit:g} s", self.clock()))
+            return
+        if isinstance(reply, PartHeader):
+            # A probed peer that finished the round answers with its fin (only a probe gets this answer).
+            if isinstance(a, Probe) and reply.phase == "fin" and reply.round == round_id and reply.stage == self.stage:
+                self._dispatch(self._receive(r, _Pending(a.peer, reply, None, None)))
+            else:
+                self.host.log_refusal(a.peer, COLLECTIVE, "rejected", f"stage {self.stage}: {phase} answered with a {reply.phase} header")
+            return
+        if isinstance(reply, Refuse) and reply.code == "left" and isinstance(a, Probe):
+            # Its own word that it is out of the round (it failed there): stop waiting for it.
+            log.info("collective peer left peer=%s round=%d reason=%s", a.peer, round_id, reply.reason)
+            self._dispatch(r.peer_failed(a.peer, reply.reason, self.clock()))
             return
         if isinstance(reply, Refuse):
             # Alive but not taking this (e.g. it already finished): not a death, so nothing to suspect.

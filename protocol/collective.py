@@ -2,42 +2,60 @@
 
 One :class:`CollectiveRound` sums (``op="sum"``) or weight-averages (``op="weighted_mean"``) one flat
 float32 vector per replica with a reduce-scatter and an all-gather, and finishes even when replicas
-die at any point of it. The machine never does IO: events (:meth:`~CollectiveRound.start`,
+die at any point of it; a replica that lies can make it fail, never make two honest replicas finish
+with different results. The machine never does IO: events (:meth:`~CollectiveRound.start`,
 :meth:`~CollectiveRound.receive`, :meth:`~CollectiveRound.delivered`, :meth:`~CollectiveRound.peer_failed`,
 :meth:`~CollectiveRound.poll`) take ``now`` and return actions (:class:`Send`, :class:`Probe`,
-:class:`Rejected`, and finally one :class:`Done` or :class:`Failed`) for the adapter to carry out.
+:class:`Rejected`, and finally one :class:`Done` or :class:`Failed`) for the adapter to carry out. It
+signs and checks signatures through the ``sign`` and ``verify`` it is given (:mod:`.statements`).
 
 How it works
 ------------
 * Part ownership (:mod:`protolearn.protocol.ownership`): the vector is cut into ``N`` contiguous parts
   (``N`` participants, sorted by peer id). Part ``j`` has a **chain** of reducers ``peers[j], peers[j+1],
-  ...`` (cyclic); its **owner** is the first one this replica does not suspect dead, so the next peer in
-  sorted order is the backup, then the one after.
+  ...`` (cyclic); its **owner** is the first one this replica does not hold to be out, so the next peer
+  in sorted order is the backup, then the one after.
 * Scatter: every *contributor* (weight > 0) sends its slice of part ``j`` to the owner of ``j``; when it
-  comes to suspect that owner, it resends the slice to the new owner (it still holds its vector).
+  comes to hold that owner out, it resends the slice to the new owner (it still holds its vector).
 * An owner reduces part ``j`` over a contributor set ``S`` once it holds the slice of every contributor
-  it does not suspect. It adds ``w_p * x_p`` in sorted peer order with separate, correctly rounded
+  it does not hold out. It adds ``w_p * x_p`` in sorted peer order with separate, correctly rounded
   multiply and add, so **the value of part j over S is a pure function of S**: any replica that
-  reduces it gets the same bytes. It sends the reduced part, tagged with ``S``, to every participant.
-* Each replica keeps ``C`` = the intersection of the sets of every reduced part it has seen (initially
-  all contributors). An owner whose part was reduced over more than ``C`` reduces it again over ``C``
-  (it keeps the raw slices; if a member of ``C`` is missing and dead, over less, shrinking ``C``). A
-  replica commits once it holds every part reduced over exactly ``C``; :class:`Done` reports ``C`` as
-  ``contributors`` and the rest as ``excluded`` (the node redoes their tickets, so I1 holds).
+  reduces it gets the same bytes. It **signs** (round, ``j``, ``S``, SHA-256 of the part's bytes) and
+  sends the part with its signature to every participant. A receiver keeps a part only if its bytes
+  hash to the signed hash and the signature is the named signer's, and a part over a set that has
+  ``peers[j]`` in only if ``peers[j]`` signed it (nobody else ever holds its slice of its own part).
+* A signed part of ``j`` over ``S`` **counts** here (:mod:`protolearn.protocol.part_ledger`) once (a) its signer is no later in ``j``'s chain
+  than this replica's owner of ``j`` (every peer before the signer is out here) and (b) every
+  contributor that ``S`` leaves out is out here. Until then it is held, not used. Two counting parts of
+  ``(j, S)`` with different hashes fail the round; if one signer signed both, the two statements are
+  the :class:`~.statements.Evidence` in :class:`Failed`.
+* Each replica keeps ``C`` = the intersection of the sets of every part that counts (initially all
+  contributors). An owner whose part was reduced over more than ``C`` reduces it again over ``C`` (it
+  keeps the raw slices; if a member of ``C`` is missing and out, over less, shrinking ``C``). A replica
+  commits once it holds a counting part over exactly ``C`` for every ``j``; :class:`Done` reports ``C``
+  as ``contributors`` and the rest as ``excluded`` (the node redoes their tickets, so I1 holds).
 * **Successor first.** An owner sends a reduced part to its successor in the chain first and to the
   others only after the successor has it. So if any survivor holds a part from an owner that then died,
-  the backup holds it too, and the backup sends that same part on (instead of a new one) when it takes over.
-* Failure detection (:mod:`protolearn.protocol.liveness`): a failed stream or a refused probe marks a
-  peer suspected at once; a peer waited on is probed, and suspected past a deadline scaled to the
-  measured bandwidth. Suspicions ride on every message, so one replica's detection reaches the others.
-* Termination: after committing, a replica sends ``fin`` (with its ``C``) to every peer and keeps
-  serving (as owner or backup) until each peer it does not suspect has sent its ``fin``; only then is
-  it finished. A live peer's ``fin`` whose ``C`` differs from ours turns the round into :class:`Failed`.
+  the backup holds it too, and the backup sends that same signed part on (instead of a new one) when it
+  takes over.
+* Who is out (:mod:`protolearn.protocol.liveness`). A peer is **held out** (for ownership and for the
+  contributor set) once this replica finds it dead or stuck, or once more than ``max_liars`` distinct
+  peers claim it dead; it is **dead** only on this replica's own evidence that it is unreachable (a
+  broken stream, a refused or unanswered probe, silence past a deadline scaled to the measured
+  bandwidth) or on its own word (it left the round). Every message carries its sender's list of peers
+  it holds out, but that list is a claim: the receiver probes the peers it names, and a dead one
+  refuses the probe.
+* Termination: after committing, a replica signs a **fin** (``C`` and the result hash: SHA-256 over the
+  parts' hashes) and sends it to every peer, then keeps serving (as owner or backup) until it holds a
+  fin from every peer that is not dead; only then is it finished. A fin from a peer that is not dead
+  whose ``C`` or result hash differs from ours, or a second, different fin from one peer, turns the
+  round into :class:`Failed`. (The adapter answers a late probe of a finished round with its fin, or
+  with "left" if the round failed there, so nobody waits out a deadline on a replica that is done.)
 
-Why survivors agree (crash-stop peers; a peer is suspected only once it is dead)
-----------------------------------------------------------------------------------
+Why survivors agree (crash-stop peers)
+--------------------------------------
 A live contributor's slices reach every part's current owner (it resends on every owner change, and
-owners wait for every contributor they do not suspect), so ``C`` only ever loses dead peers. Values are
+owners wait for every contributor they do not hold out), so ``C`` only ever loses dead peers. Values are
 functions of sets, so survivors can only differ by committing different sets. Take one dead peer X.
 Suppose a survivor commits ``C`` containing X; then for every part it holds a reduction that includes X.
 A reduction without X can only come (a) from an owner that lacks X's slice, or (b) from re-reducing
@@ -46,13 +64,57 @@ is its live primary, and it produced a reduction with X, so it holds X's slice: 
 part, a survivor's reduction with X came from X itself, and successor-first means the backup got it
 before anyone else; taking over, the backup finds that part over its ``C`` and sends it on instead of
 reducing without X: no (a). So no reduction without X ever appears, and every survivor converges on
-the same ``C``; if no survivor can commit with X, all converge on ``C`` without X. Two deaths in one
-round are handled the same way unless a part's owner and its successor both die after the owner sent
-its reduction on; the ``fin`` check then turns most disagreements into :class:`Failed`, and the node's
-parameter-hash comparison after the step is the last line. A live peer wrongly suspected (silent for
-longer than the deadline, or not delivering for ``STUCK_FACTOR`` deadlines) breaks the assumption;
-probing before suspecting and bandwidth-scaled deadlines make that unlikely, and a wrongly suspected
-peer that hears of it (every message and every ``fin`` carries the sender's suspects) fails its round.
+the same ``C``; if no survivor can commit with X, all converge on ``C`` without X, and finish. Two
+deaths in one round converge the same way unless a part's owner and its successor both die after the
+owner sent its reduction on; a live peer held out because it is slow leaves the others to wait for its
+fin. Either way the argument below, which assumes less, still rules out disagreement: such a round
+fails or finishes, identically.
+
+Why honest survivors never diverge (Byzantine peers)
+----------------------------------------------------
+Model: any number of the ``n`` participants may lie. A liar may send anything to anyone at any time
+(forged or equivocating parts and fins, false claims, wrong contributor sets, slices that differ per
+receiver) and may collude with other liars, but cannot sign for another peer (Ed25519) nor stop honest
+peers' messages. Honest peers may crash. Assumption **T**, a timing assumption the crash argument
+makes too: an honest replica never finds a live honest replica *unreachable* (it answers probes
+before their deadline, its streams do not break). T is about reachability only: an honest replica
+that looks stuck, because it waits on a liar, is held out but is never dead.
+
+*Claim: two honest replicas that both finish Done hold the same contributor set and bit-identical
+results.* A replica finishes Done only holding, from every peer that is not dead to it, a signed fin
+with its own ``C`` and result hash. Take honest A and B, both Done. An honest B never says it left a
+round it finishes Done, so by T, B is not dead to A, and A holds B's fin; an honest B signs one fin, for
+what it committed, so B's ``C`` and result hash equal A's. Equal result hashes mean equal part hashes,
+hence equal parts in order (SHA-256 is collision resistant): the results are equal bit for bit. This
+rests on the all-to-all fin check alone, not on any part, claim or count of liars: it holds for any
+number of liars among ``n``, under T.
+
+What the checks on parts and claims add (liveness and accountability, with at most ``f = max_liars``
+liars), and what a liar can still do:
+
+* A liar can make a round fail, never make honest replicas diverge: an equivocating part or fin, a
+  fin that differs from the honest one, a claim sent to an honest replica that it is dead, a part or a
+  fin it never sends (the round then waits for its fin until the round's deadline). :class:`Failed`
+  is never applied: the node redoes the step, and the commit barrier keeps every replica of the
+  stage from applying it. A peer that signs two stories leaves the two statements in
+  :attr:`Failed.evidence`, checkable by a third party.
+* It cannot make an honest replica count a part signed by a peer that is not the part's owner in its
+  eyes (a), a part whose bytes or signature do not match, a sum with a part's first owner in that the
+  first owner did not sign, nor drop a live honest contributor by tagging a smaller set (b) or by
+  claiming it dead (more than ``f`` claimants are needed; fewer only make the receiver probe). Such
+  parts are held and never used.
+* As a part's owner (or as the backup of a dead one) it can sign a wrong value and send that same value
+  to everyone, with a fin to match: honest replicas then agree on a wrong part. The backup cannot tell,
+  because it holds none of the part's slices (scatter goes to the owner only; sending the slices to the
+  backup too would cost 50% more bytes per round, for a check that still fails when owner and backup
+  collude). What the backup does check: the owner's hash and signature, that the part's set leaves out
+  only peers the backup itself holds out, and, since it gets the part first and relays exactly that
+  signed part if the owner dies, that nobody commits another version without the fins showing it. The
+  wrong part stays signed, so attributable; its plausibility is the integrity layer's job (statistical
+  monitors, robust aggregation).
+* If T breaks (a live honest replica unreachable past its deadlines), two honest replicas can each find
+  the other dead and commit different results; the node's parameter-hash check after the step is then
+  the last line, as for crashes.
 """
 
 from __future__ import annotations
@@ -69,18 +131,32 @@ from protolearn.protocol.liveness import (
     STUCK_FACTOR,
     Bandwidth,
     FailureDetector,
+    Suspicion,
     Wait,
 )
 from protolearn.protocol.ownership import Broadcast, Op, owner, part_bounds, reduce_part, successor
-from protolearn.protocol.pipeline import MAX_STAGES, PeerId, Step
+from protolearn.protocol.part_ledger import MAX_VERSIONS_PER_SIGNER, PartLedger, SignedPart
+from protolearn.protocol.pipeline import MAX_PEER_ID, MAX_STAGES, PeerId, Step
+from protolearn.protocol.statements import (
+    HASH_BYTES,
+    SIGNATURE_BYTES,
+    Evidence,
+    Sign,
+    Verify,
+    fin_statement,
+    members_mask,
+    part_hash,
+    result_hash,
+    round_digest,
+)
 from protolearn.protocol.wire import Message
 from pydantic import Field
 
 # The liveness names stay importable from here: the adapter and the tests know the collective only.
 __all__ = [
     "DEFAULT_FACTOR", "DEFAULT_FLOOR_S", "DEFAULT_TIMEOUT_S", "EMA_ALPHA", "INITIAL_BYTES_PER_S", "MAX_PARTICIPANTS",
-    "STUCK_FACTOR", "Action", "Bandwidth", "CollectiveRound", "Done", "Failed", "PartHeader", "Probe",
-    "Rejected", "Send",
+    "MAX_VERSIONS_PER_SIGNER", "STUCK_FACTOR", "Action", "Bandwidth", "CollectiveRound", "Done", "Evidence", "Failed",
+    "PartHeader", "Probe", "Rejected", "Send",
 ]
 
 # A round's parts travel on the protocol named protocol/pipeline.py's COLLECTIVE, next to the rest of that
@@ -98,7 +174,10 @@ class PartHeader(Message):
     """Precedes a part (scatter/gather: a raw float32 tensor follows) or is alone (fin, probe).
 
     ``contributors``: for gather, whose vectors the part sums; for fin, the sender's committed set.
-    ``suspects``: peers the sender believes dead (gossip, so one replica's detection reaches all).
+    ``suspects``: peers the sender holds to be out (a claim: it makes the receiver probe them).
+    ``signer``, ``digest``, ``signature``: for gather, the reducer, the part's SHA-256 and the reducer's
+    signature of it (:func:`~.statements.part_statement`; the sender may relay another's part); for fin,
+    the sender, its result hash and its signature (:func:`~.statements.fin_statement`).
     """
 
     KIND: ClassVar[str] = "collective.part"
@@ -108,18 +187,25 @@ class PartHeader(Message):
     part: Annotated[int, Field(ge=0, lt=MAX_PARTICIPANTS)]
     contributors: list[PeerId] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)
     suspects: list[PeerId] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)
+    signer: Annotated[str, Field(max_length=MAX_PEER_ID)] = ""
+    digest: Annotated[bytes, Field(max_length=HASH_BYTES)] = b""
+    signature: Annotated[bytes, Field(max_length=SIGNATURE_BYTES)] = b""
 
 
 @dataclass(frozen=True)
 class Send:
     """Deliver ``data`` (part ``part`` of ``phase``; None for fin) to ``peer``; report back with
-    :meth:`CollectiveRound.delivered` or :meth:`CollectiveRound.peer_failed`."""
+    :meth:`CollectiveRound.delivered` or :meth:`CollectiveRound.peer_failed`. A gather or fin carries
+    its ``signer``, ``digest`` and ``signature`` (see :class:`PartHeader`)."""
 
     peer: str
     phase: Phase
     part: int
     data: torch.Tensor | None
     contributors: tuple[str, ...] = ()
+    signer: str = ""
+    digest: bytes = b""
+    signature: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -139,23 +225,35 @@ class Rejected:
 
 @dataclass(frozen=True)
 class Done:
-    """The round finished: ``result`` is bit-identical on every survivor and sums exactly ``contributors``."""
+    """The round finished: ``result`` is bit-identical on every honest survivor and sums exactly
+    ``contributors``. ``digest`` is its result hash and ``signature`` this replica's signed fin of it."""
 
     result: torch.Tensor
     contributors: list[str] = field(default_factory=list)
     excluded: list[str] = field(default_factory=list)
     reason: str = "all parts gathered"
+    digest: bytes = b""
+    signature: bytes = b""
 
 
 @dataclass(frozen=True)
 class Failed:
-    """The round cannot finish: ``missing`` peers did not deliver, or the replicas disagreed."""
+    """The round cannot finish: ``missing`` peers did not deliver, or the replicas disagreed. When a peer
+    signed two different stories, ``evidence`` holds both statements (checkable by a third party)."""
 
     missing: list[str]
     reason: str
+    evidence: tuple[Evidence, ...] = ()
 
 
 Action = Send | Probe | Rejected | Done | Failed
+
+
+@dataclass(frozen=True)
+class _Fin:
+    members: frozenset[str]
+    digest: bytes
+    signature: bytes
 
 
 @dataclass
@@ -164,6 +262,8 @@ class CollectiveRound:
 
     ``weights`` maps every participant's peer id to its weight (its ticket count; 0 = contributes nothing
     but still reduces). All participants must use the same ``round_id``, ``weights``, ``numel`` and ``op``.
+    ``sign(data)`` is this replica's signature of ``data``; ``verify(peer, data, signature)`` checks a
+    peer's. ``max_liars``: how many lying participants a claim must outnumber to count (see the docstring).
     """
 
     round_id: int
@@ -175,6 +275,9 @@ class CollectiveRound:
     bandwidth: Bandwidth = field(default_factory=Bandwidth)
     floor_s: float = DEFAULT_FLOOR_S
     factor: float = DEFAULT_FACTOR
+    max_liars: int = 1
+    sign: Sign = field(kw_only=True, repr=False)
+    verify: Verify = field(kw_only=True, repr=False)
     peers: list[str] = field(init=False)
     bounds: list[tuple[int, int]] = field(init=False)
     suspects: set[str] = field(init=False, default_factory=set)
@@ -188,22 +291,28 @@ class CollectiveRound:
             raise ValueError(f"weights must be non-negative, got {self.weights}")
         if self.op == "weighted_mean" and sum(self.weights.values()) <= 0:
             raise ValueError("a weighted mean needs at least one participant with a positive weight")
+        if self.max_liars < 0:
+            raise ValueError(f"max_liars must be at least 0, got {self.max_liars}")
         self.peers = sorted(self.weights)
         self.bounds = part_bounds(self.numel, len(self.peers))
+        self._round_digest = round_digest(self.round_id, self.weights, self.numel, self.op)
         self._all = frozenset(p for p in self.peers if self.weights[p] > 0)
-        self._C = self._all  # the intersection of every reduced part's set seen so far
+        self._C = self._all  # the intersection of every counting part's set seen so far
         self._now = 0.0
         self._started_at: float | None = None
         self._local: torch.Tensor | None = None
         self._owner_seen: dict[int, str] = {}
         self._sent_to: dict[int, str] = {}  # part -> owner that has my slice of it
         self._slices: dict[int, dict[str, torch.Tensor]] = {}  # parts I (may) reduce: sender -> slice
-        self._versions: dict[int, dict[frozenset[str], torch.Tensor]] = {}
+        self._ledger = PartLedger(self.round_id, self.peers, self._all, self._round_digest, self.verify)
         self._broadcasts: dict[tuple[int, frozenset[str]], Broadcast] = {}
         self._detector = FailureDetector(self.floor_s, self.factor, self.bandwidth)
-        self._fins: dict[str, frozenset[str]] = {}
+        self._suspicion = Suspicion(self.max_liars, self.suspects)
+        # Out by this replica's own evidence that they are unreachable (a broken stream, a refused or unanswered
+        # probe, silence past a deadline) or by their own word (they left): the only peers whose fin is not needed.
+        self._dead: set[str] = set()
+        self._fins: dict[str, _Fin] = {}
         self._committed: Done | None = None
-        self._committed_at = 0.0
         self._bytes_in = 0
         self._finished: Done | Failed | None = None
 
@@ -222,7 +331,7 @@ class CollectiveRound:
         return sorted(self._C)
 
     def owner(self, part: int) -> str:
-        """The first peer of ``part``'s chain this replica does not suspect (never None: not itself)."""
+        """The first peer of ``part``'s chain this replica does not hold out (never None: not itself)."""
         return owner(self.peers, part, self.suspects, self.me)
 
     def live_peers(self) -> list[str]:
@@ -261,9 +370,17 @@ class CollectiveRound:
         *,
         contributors: list[str] | tuple[str, ...] = (),
         suspects: list[str] | tuple[str, ...] = (),
+        signer: str = "",
+        digest: bytes = b"",
+        signature: bytes = b"",
+        data_digest: bytes | None = None,
         now: float | None = None,
     ) -> list[Action]:
-        """Take one message from ``peer``; parts that arrive before :meth:`start` are kept."""
+        """Take one message from ``peer``; parts that arrive before :meth:`start` are kept.
+
+        ``data_digest``: the SHA-256 of ``data`` if the caller already computed it (the adapter does, in a
+        worker thread); otherwise the round computes it.
+        """
         if now is not None:
             self._now = max(self._now, now)
         if self._finished is not None:
@@ -273,23 +390,38 @@ class CollectiveRound:
             return [Rejected(peer, reason)]
         if self.me in suspects:
             return self._fail([peer], f"{peer} believes this replica died in round {self.round_id}; resync from a replica")
-        self.suspects.update(suspects)
+        if phase == "gather":
+            assert data is not None
+            if data_digest is None:
+                data_digest = part_hash(data)
+            reason = self._ledger.check(part, frozenset(contributors), data_digest, signer, digest, signature)
+            if reason:
+                return [Rejected(peer, reason)]
+        elif phase == "fin":
+            reason = self._check_fin(peer, frozenset(contributors), digest, signature)
+            if reason:
+                return [Rejected(peer, reason)]
+        now_out, to_probe = self._suspicion.claimed(peer, suspects)
+        actions: list[Action] = [Probe(p) for p in to_probe]
         self._detector.alive(peer, self._now)
         if phase == "fin":
-            self._fins[peer] = frozenset(contributors)
-        elif phase == "probe":
-            pass  # its suspects are news: a part this replica must now take over, say
+            fin = _Fin(frozenset(contributors), digest, signature)
+            old = self._fins.setdefault(peer, fin)
+            if old != fin:
+                return actions + self._fail([peer], f"{peer} sent two different fins in round {self.round_id}",
+                                            (self._fin_evidence(peer, old), self._fin_evidence(peer, fin)))
         elif phase == "scatter":
             assert data is not None
             self._slices.setdefault(part, {})[peer] = data
             self._bytes_in += 4 * data.numel()
-        else:
+        elif phase == "gather":
             assert data is not None
-            members = frozenset(contributors)
-            self._versions.setdefault(part, {}).setdefault(members, data)
             self._bytes_in += 4 * data.numel()
-            self._C &= members
-        return self._advance()
+            conflict = self._ledger.add(part, frozenset(contributors), SignedPart(data, digest, signer, signature))
+            if conflict is not None:
+                return actions + self._fail(*conflict)
+        # phase == "probe": its claims are news (a part this replica must now take over, say)
+        return actions + self._advance()
 
     def delivered(self, send: Send, now: float) -> list[Action]:
         """``send`` reached its peer (acknowledged); an owner's successor-first broadcast goes on."""
@@ -303,30 +435,33 @@ class CollectiveRound:
         return self._advance()
 
     def peer_failed(self, peer: str, reason: str, now: float) -> list[Action]:
-        """A stream to ``peer`` broke, or it did not answer a probe: suspect it from now on."""
+        """A stream to ``peer`` broke, it did not answer a probe, or it said it left: it is out from now on."""
         self._now = max(self._now, now)
-        if peer == self.me or peer not in self.weights or peer in self.suspects or self._finished is not None:
+        if peer == self.me or peer not in self.weights or self._finished is not None or peer in self._dead:
             return []
-        self.suspects.add(peer)
+        self._dead.add(peer)
+        self._suspicion.observed(peer)
         return self._advance()
 
     def peer_alive(self, peer: str, now: float) -> None:
-        """``peer`` answered a probe: a slow peer that answers is not suspected until ``STUCK_FACTOR`` deadlines."""
+        """``peer`` answered a probe: a slow peer that answers is not held out until ``STUCK_FACTOR`` deadlines."""
         self._now = max(self._now, now)
         self._detector.alive(peer, now)
 
     def poll(self, now: float) -> list[Action]:
-        """Probe peers we wait on, suspect those past their deadline, and give up after ``timeout_s``."""
+        """Probe peers we wait on, hold out those past their deadline, and give up after ``timeout_s``."""
         self._now = max(self._now, now)
         if self._finished is not None or self._started_at is None:
             return []
         if now - self._started_at >= self.timeout_s:
             missing = self.missing()
             return self._fail(missing, f"round {self.round_id} timed out after {self.timeout_s:g} s waiting for {missing}")
-        probes, dead = self._detector.due(now, self._waits())
-        actions: list[Action] = [Probe(p) for p in probes]
-        if dead:
-            self.suspects.update(dead)
+        due = self._detector.due(now, self._waits())
+        actions: list[Action] = [Probe(p) for p in due.probes]
+        if due.suspects:
+            for p in due.suspects:
+                self._suspicion.observed(p)
+            self._dead |= due.silent
             actions += self._advance()
         return actions
 
@@ -334,7 +469,7 @@ class CollectiveRound:
         """Peers this replica is waiting on right now."""
         return sorted({p for key in self._detector.wait_keys() for p in self._waited_peers(key)})
 
-    # -- internals -------------------------------------------------------------------------------
+    # -- checks ----------------------------------------------------------------------------------
     def _check(self, peer: str, phase: str, part: int, data: torch.Tensor | None, contributors, suspects) -> str:
         if peer not in self.weights:
             return f"peer is not a participant of round {self.round_id}"
@@ -344,8 +479,11 @@ class CollectiveRound:
             return "suspects name a peer that is not a participant"
         if phase == "probe":
             return ""
+        members = set(contributors)
+        if len(members) != len(contributors) or not members <= self._all:
+            return f"{phase} names a contributor set that is not a subset of the round's contributors"
         if phase == "fin":
-            return "" if set(contributors) <= self._all else "fin names a contributor that is not one"
+            return ""
         if phase not in ("scatter", "gather"):
             return f"unknown phase {phase[:32]!r}"
         if not 0 <= part < len(self.peers):
@@ -357,12 +495,6 @@ class CollectiveRound:
                 return f"scatter of part {part} sent to a replica that does not reduce it"
             if peer in self._slices.get(part, {}):
                 return f"duplicate scatter of part {part}"
-        else:
-            members = set(contributors)
-            if len(members) != len(contributors) or not members <= self._all:
-                return "gather names a contributor set that is not a subset of the round's contributors"
-            if len(self._versions.get(part, {})) > len(self.peers):
-                return f"too many versions of part {part}"
         a, b = self.bounds[part]
         if data is None or data.dtype != torch.float32 or data.dim() != 1 or data.numel() != b - a:
             got = "nothing" if data is None else f"{data.dtype} {list(data.shape)}"
@@ -372,25 +504,71 @@ class CollectiveRound:
             return f"part {part} contains NaN or Inf"
         return ""
 
+    def _check_fin(self, peer: str, members: frozenset[str], digest: bytes, signature: bytes) -> str:
+        if len(digest) != HASH_BYTES or len(signature) != SIGNATURE_BYTES:
+            return f"fin must carry a {HASH_BYTES}-byte result hash and a {SIGNATURE_BYTES}-byte signature"
+        if not self.verify(peer, fin_statement(self._round_digest, self._mask(members), digest), signature):
+            return "fin's signature does not verify as the sender's"
+        return ""
+
+    def _mask(self, members: frozenset[str] | set[str] | tuple[str, ...] | list[str]) -> bytes:
+        return members_mask(self.peers, members)
+
+    def _fin_evidence(self, peer: str, fin: _Fin) -> Evidence:
+        return Evidence(peer, fin_statement(self._round_digest, self._mask(fin.members), fin.digest), fin.signature,
+                        f"fin of round {self.round_id}")
+
     def _owner_with(self, part: int, extra: set[str]) -> str:
-        # The sender's suspects count too, but never against this replica itself.
+        # The sender's claims count here (it only decides where a slice may be kept), never against me.
         return owner(self.peers, part, self.suspects | (extra - {self.me}), self.me)
 
+    def _settle(self) -> list[Action]:
+        """Let the parts that now count count (:mod:`.part_ledger`): shrink C, fail on a conflict, free the rest."""
+        meet, conflict = self._ledger.settle(self.suspects, self.owner)
+        if conflict is not None:
+            return self._fail(*conflict)
+        if self._committed is None:
+            self._C &= meet
+        self._ledger.prune(self._C)
+        return []
+
+    def _reduce_mine(self, mine: list[int]) -> bool:
+        """Reduce each of my parts that has no counting part over C yet; True if any was reduced."""
+        reduced = False
+        for j in mine:
+            if self._ledger.counted(j, self._C) is not None:
+                continue
+            held = self._slices.get(j, {})
+            if any(c not in held and c not in self.suspects for c in self._C):
+                continue
+            members = frozenset(c for c in self._C if c in held)
+            a, b = self.bounds[j]
+            data = reduce_part(held, members, self.weights, self.op, b - a)
+            digest = part_hash(data)
+            self._ledger.add(j, members, SignedPart(data, digest, self.me, self.sign(self._ledger.statement(j, members, digest))))
+            reduced = True
+        return reduced
+
+    # -- internals -------------------------------------------------------------------------------
     def _limit(self, key: tuple) -> float:
         # An owner waits one phase for slices; a participant waits for an owner that may itself be waiting.
         return self.wait_s() * (1 if key[0] == "own" else 2)
 
     def _waits(self) -> dict[tuple, Wait]:
-        return {key: Wait(self._waited_peers(key), self._limit(key)) for key in self._detector.wait_keys()}
+        # A fin is waited for until it comes or its sender is dead; a stuck sender is out already.
+        return {key: Wait(self._waited_peers(key), self._limit(key), key[0] == "fin" and key[1] in self.suspects)
+                for key in self._detector.wait_keys()}
 
     def _waited_peers(self, key: tuple) -> list[str]:
         if key[0] == "own":
             held = self._slices.get(key[1], {})
             return sorted(c for c in self._C if c not in held and c not in self.suspects)
+        if key[0] == "fin":
+            return [key[1]] if key[1] not in self._dead else []
         return [key[-1]] if key[-1] not in self.suspects else []
 
-    def _fail(self, missing: list[str], reason: str) -> list[Action]:
-        self._finished = Failed(missing, reason)
+    def _fail(self, missing: list[str], reason: str, evidence: tuple[Evidence, ...] = ()) -> list[Action]:
+        self._finished = Failed(missing, reason, evidence)
         return [self._finished]
 
     def _advance(self) -> list[Action]:
@@ -409,8 +587,8 @@ class CollectiveRound:
                         self._slices.setdefault(j, {})[me] = local[a:b]
                     else:
                         actions.append(Send(o, "scatter", j, local[a:b]))
-        # A part whose owner died: tell the backup at once (a probe carries our suspects), since it may
-        # have finished and no longer wait for anything. Contributors' resent slices tell it too.
+        # A part whose owner died: tell the backup at once (a probe carries our claims, and it probes the
+        # owner in turn), since it may have finished and no longer wait for anything.
         for j in range(n):
             o = self.owner(j)
             if self._owner_seen.get(j, o) != o and o != me:
@@ -418,63 +596,65 @@ class CollectiveRound:
             self._owner_seen[j] = o
         # Owner: reduce my parts over C (shrinking C when a dead contributor's slice never came).
         mine = [j for j in range(n) if self.owner(j) == me]
-        changed = True
-        while changed:
-            changed = False
-            for j in mine:
-                if self._C in self._versions.get(j, {}):
-                    continue
-                held = self._slices.get(j, {})
-                if any(c not in held and c not in self.suspects for c in self._C):
-                    continue
-                members = frozenset(c for c in self._C if c in held)
-                a, b = self.bounds[j]
-                self._versions.setdefault(j, {})[members] = reduce_part(held, members, self.weights, self.op, b - a)
-                if members != self._C:
-                    self._C, changed = members, True
+        while True:
+            failed = self._settle()
+            if failed:
+                return actions + failed
+            if self._committed is not None or not self._reduce_mine(mine):
+                break
         # Only the part over the current C goes out: a stale one would be replaced anyway. (An owner stays
         # the owner: suspicions only grow and a replica never suspects itself.)
         for j in mine:
-            if self._C in self._versions.get(j, {}):
+            if self._ledger.counted(j, self._C) is not None:
                 actions += self._broadcast(j, self._C)
-        if self._committed is None and all(self._C in self._versions.get(j, {}) for j in range(n)):
-            result = torch.cat([self._versions[j][self._C] for j in range(n)])
+        counted = [self._ledger.counted(j, self._C) for j in range(n)]
+        parts = [p for p in counted if p is not None]
+        if self._committed is None and len(parts) == n:
             if self.op == "weighted_mean" and not self._C:
                 return actions + self._fail(sorted(self._all), f"round {self.round_id}: no contribution survived")
-            self._committed = Done(result, sorted(self._C), sorted(self._all - self._C),
-                                   "all parts gathered" if self._C == self._all else "dead peers' contributions left out")
-            self._committed_at = self._now
+            digest = result_hash([p.digest for p in parts])
+            signature = self.sign(fin_statement(self._round_digest, self._mask(self._C), digest))
+            self._committed = Done(torch.cat([p.data for p in parts]), sorted(self._C), sorted(self._all - self._C),
+                                   "all parts gathered" if self._C == self._all else "dead peers' contributions left out",
+                                   digest, signature)
             if not self.suspects:
                 self.bandwidth.observe(self._bytes_in, self._now - self._started_at)
-            # Suspected peers get a fin too: one wrongly suspected sees itself in our suspects and fails
+            # Suspected peers get a fin too: one wrongly held out sees itself in our suspects and fails
             # its round rather than committing a different set (a dead one just fails the send).
-            actions += [Send(p, "fin", 0, None, tuple(sorted(self._C))) for p in self.peers if p != me]
+            fin = tuple(sorted(self._C))
+            actions += [Send(p, "fin", 0, None, fin, me, digest, signature) for p in self.peers if p != me]
         self._track_waits()
         if self._committed is not None:
-            # A dead replica's committed set does not matter (it may hold a part nobody else got).
-            bad = sorted(p for p, c in self._fins.items() if c != self._C and p not in self.suspects)
+            # A dead replica's fin does not matter (it may hold a part nobody else got); any other's must match,
+            # also one that is out here only because it is stuck or others claim so: it may be alive and done.
+            mine_fin = (self._C, self._committed.digest)
+            bad = sorted(p for p, f in self._fins.items() if (f.members, f.digest) != mine_fin and p not in self._dead)
             if bad:
-                return actions + self._fail(bad, f"round {self.round_id}: replicas {bad} committed a different contributor set")
-            if all(p in self._fins for p in self.live_peers()):
+                own = _Fin(self._C, self._committed.digest, self._committed.signature)
+                evidence = (self._fin_evidence(me, own), *(self._fin_evidence(p, self._fins[p]) for p in bad))
+                return actions + self._fail(bad, f"round {self.round_id}: replicas {bad} committed a different contributor "
+                                                 "set or result", evidence)
+            if all(p in self._fins or p in self._dead for p in self.peers if p != me):
                 self._finished = self._committed
                 actions.append(self._committed)
         return actions
 
     def _broadcast(self, part: int, members: frozenset[str]) -> list[Action]:
         b = self._broadcasts.setdefault((part, members), Broadcast())
-        data = self._versions[part][members]
+        p = self._ledger.counted(part, members)
+        assert p is not None
         tag = tuple(sorted(members))
         succ = successor(self.peers, part, self.me, self.suspects)
-        return [Send(p, "gather", part, data, tag) for p in b.next_peers(succ, self.live_peers())]
+        return [Send(q, "gather", part, p.data, tag, p.signer, p.digest, p.signature) for q in b.next_peers(succ, self.live_peers())]
 
     def _track_waits(self) -> None:
         """Tell the detector what this replica waits on now (a deadline counts from a wait's start)."""
         waits = set()
         for j in range(len(self.peers)):
-            if self._C in self._versions.get(j, {}):
+            if self._ledger.counted(j, self._C) is not None:
                 continue
             o = self.owner(j)
             waits.add(("own", j) if o == self.me else ("gather", j, o))
         if self._committed is not None:
-            waits.update(("fin", p) for p in self.live_peers() if p not in self._fins)
+            waits.update(("fin", p) for p in self.peers if p != self.me and p not in self._dead and p not in self._fins)
         self._detector.track((k for k in waits if self._waited_peers(k) or k[0] != "own"), self._now)

@@ -14,14 +14,21 @@ How it works
   receive rate of past rounds that the adapter carries across rounds, never below ``floor_s``; see
   :meth:`FailureDetector.deadline_s`). A peer waited on is probed every ``floor_s / 2``.
 * A peer is suspected once it shows no sign of life (a message, an acknowledged send, an answered probe)
-  for a whole limit past the wait's start, or, answering probes but delivering nothing, after
-  ``STUCK_FACTOR`` limits. A failed stream or a refused probe suspects a peer at once; the round does
-  that itself.
+  for a whole limit past the wait's start (it is **silent**: as good as dead), or, answering probes but
+  delivering nothing, after ``STUCK_FACTOR`` limits (it is **stuck**: alive, but the round goes on
+  without it). A failed stream or a refused probe suspects a peer at once; the round does that itself.
+  The round treats the two apart: it stops waiting for a peer's fin only once that peer is silent or
+  gone, never because it is stuck (a live peer, honest but waiting on a liar, can look stuck).
+* What others say is not evidence (:class:`Suspicion`): a peer that another one claims to be dead is
+  probed, and held to be out only once this replica's own detection finds it so (the probe fails, or
+  a deadline passes), or once more than ``max_liars`` distinct peers claim it. So with at most
+  ``max_liars`` liars, every peer held to be out was found so by some honest replica's own detector,
+  and one liar's gossip never puts an honest live peer out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -53,10 +60,20 @@ class Bandwidth:
 
 
 class Wait(NamedTuple):
-    """What one wait is on right now: the peers that still owe something, and its limit in seconds."""
+    """What one wait is on right now: the peers that still owe something, and its limit in seconds.
+    ``silence_only``: only silence ends this wait (its peers are stuck already; only death is news)."""
 
     peers: list[str]
     limit_s: float
+    silence_only: bool = False
+
+
+class Due(NamedTuple):
+    """What :meth:`FailureDetector.due` found: peers to probe, peers to suspect, and which of those are silent."""
+
+    probes: list[str]
+    suspects: set[str]
+    silent: set[str]
 
 
 @dataclass
@@ -91,22 +108,68 @@ class FailureDetector:
         for key, since in self._since.items():
             w = waits[key]
             for peer in w.peers:
-                times.append(self._dead_at(since, peer, w.limit_s))
+                times.append(self._silent_at(since, peer, w.limit_s))
+                if not w.silence_only:
+                    times.append(since + STUCK_FACTOR * w.limit_s)
                 times.append(max(since, self._probed.get(peer, since)) + self.floor_s / 2)
         return min(times, default=None)
 
-    def due(self, now: float, waits: Mapping[Hashable, Wait]) -> tuple[list[str], set[str]]:
+    def due(self, now: float, waits: Mapping[Hashable, Wait]) -> Due:
         """The peers to probe now, and the peers to suspect (past their deadline; never probed as well)."""
-        pending = [(since, peer, waits[key].limit_s) for key, since in self._since.items() for peer in waits[key].peers]
-        dead = {peer for since, peer, limit in pending if now >= self._dead_at(since, peer, limit)}
+        pending = [(since, peer, waits[key]) for key, since in self._since.items() for peer in waits[key].peers]
+        silent = {peer for since, peer, w in pending if now >= self._silent_at(since, peer, w.limit_s)}
+        stuck = {peer for since, peer, w in pending if not w.silence_only and now >= since + STUCK_FACTOR * w.limit_s}
+        dead = silent | stuck
         probes = []
         for since, peer, _ in pending:
             last = max(since, self._probed.get(peer, since))
             if peer not in dead and self._probed.get(peer) != now and now - last >= self.floor_s / 2:
                 self._probed[peer] = now
                 probes.append(peer)
-        return probes, dead
+        return Due(probes, dead, silent)
 
-    def _dead_at(self, since: float, peer: str, limit: float) -> float:
-        # Silent for a whole limit since its last sign of life, or useless for STUCK_FACTOR limits.
-        return min(since + STUCK_FACTOR * limit, max(since, self._alive_at.get(peer, since)) + limit)
+    def _silent_at(self, since: float, peer: str, limit: float) -> float:
+        # No sign of life for a whole limit (since the wait began, or since its last one).
+        return max(since, self._alive_at.get(peer, since)) + limit
+
+
+@dataclass
+class Suspicion:
+    """The peers this replica holds to be out of a round (``out``), and who claimed what.
+
+    ``out`` grows two ways: :meth:`observed` (this replica's own evidence: a failed stream, a refused or
+    unanswered probe, a passed deadline) and :meth:`claimed`, which counts each claimant once per
+    suspect and puts a suspect out only once more than ``max_liars`` distinct peers claim it.
+    """
+
+    max_liars: int = 1
+    out: set[str] = field(default_factory=set)
+    _claims: dict[str, set[str]] = field(default_factory=dict, init=False)
+
+    def observed(self, peer: str) -> bool:
+        """This replica found ``peer`` dead itself; True if that is news."""
+        if peer in self.out:
+            return False
+        self.out.add(peer)
+        return True
+
+    def claimed(self, claimant: str, suspects: Sequence[str]) -> tuple[list[str], list[str]]:
+        """``claimant`` says ``suspects`` are dead: returns (now out, to probe). A peer is probed once per
+        new claimant, so a liar repeating itself costs nothing and a second claimant gets a fresh look."""
+        now_out, probe = [], []
+        for x in suspects:
+            if x == claimant or x in self.out:
+                continue
+            who = self._claims.setdefault(x, set())
+            if claimant in who:
+                continue
+            who.add(claimant)
+            if len(who) > self.max_liars:
+                self.out.add(x)
+                now_out.append(x)
+            else:
+                probe.append(x)
+        return now_out, probe
+
+    def claimants(self, peer: str) -> list[str]:
+        return sorted(self._claims.get(peer, ()))

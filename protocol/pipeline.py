@@ -81,7 +81,8 @@ class Ack(Message):
 
 
 class Refuse(Message):
-    """Not accepted: ``code`` is one of busy, stale, ahead, unknown, duplicate, invalid, stage, state."""
+    """Not accepted: ``code`` is one of busy, stale, ahead, unknown, duplicate, invalid, stage, state, left
+    (a collective round this replica failed, answering a late probe of it)."""
 
     KIND: ClassVar[str] = "pipe.refuse"
     code: Annotated[str, Field(max_length=32)]

@@ -5,19 +5,28 @@ Four replicas, each with its own host in its own cancel scope, run one round of 
 and connections mid-whatever-it-was-doing. The survivors must end with bit-identical results, equal to
 the sum of exactly the vectors :attr:`Averager.last_done` reports as in, and a survivor's own vector is
 never left out.
+
+Two more check what only real hosts show: a replica that signs a fin with a made-up result hash (with
+its real key) makes the honest replicas fail, with its signed fin as evidence that checks out against its
+peer ID; and a replica that finished a round answers a late probe of it with its signed fin (signed with
+the host's key), or with ``left`` when the round failed there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Iterator
+from contextlib import AsyncExitStack
 
 import pytest
 import torch
 import trio
-from protolearn.node.averaging import Averager
-from protolearn.protocol.collective import Done, Send
+from protolearn.node.averaging import Averager, AveragingError
+from protolearn.protocol.collective import Done, PartHeader, Send
 from protolearn.protocol.identity import Identity
+from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse
+from protolearn.protocol.statements import fin_statement, members_mask, round_digest, verify_ed25519
 from protolearn.protocol.transport import TransportConfig, open_host
 
 # Killing a host while a survivor is dialling it can leave that survivor's half-made py-libp2p socket to
@@ -84,7 +93,7 @@ async def run_case(
                 for other, a in addrs.items():
                     if other != me:
                         host.add_peer_addrs(other, a)
-                avg = KillableAverager(host, STAGE, numel, timeout_s=30.0, first_round=ROUND, floor_s=floor_s)
+                avg = KillableAverager(host, STAGE, numel, timeout_s=30.0, first_round=ROUND, floor_s=floor_s, sign=ids[rank].sign)
                 avg.register()
                 if rank == victim_rank:
                     avg.kill_point, avg.scope = kill_point, scope
@@ -156,3 +165,85 @@ def test_a_large_vector_survives_a_sender_dying_mid_scatter(run_trio) -> None:
         check(weights, out)
 
     run_trio(main, timeout=60)
+
+
+class LyingAverager(Averager):
+    """Runs the round honestly but signs and sends a fin with a made-up result hash to every other replica."""
+
+    async def _send_part(self, a, round_id: int) -> None:
+        if isinstance(a, Send) and a.phase == "fin":
+            r = self._round
+            assert r is not None
+            digest = bytes(32)
+            sig = self.sign(fin_statement(r._round_digest, members_mask(r.peers, a.contributors), digest))
+            a = dataclasses.replace(a, digest=digest, signature=sig)
+        await super()._send_part(a, round_id)
+
+
+def test_a_lying_fin_fails_the_honest_replicas_round_with_evidence(run_trio) -> None:
+    async def main() -> None:
+        ids = sorted((Identity.generate() for _ in range(3)), key=lambda i: i.peer_id)
+        weights = {i.peer_id: 1.0 for i in ids}
+        outcome: dict[str, object] = {}
+        async with AsyncExitStack() as stack:
+            hosts = [await stack.enter_async_context(open_host(i, config=CONFIG)) for i in ids]
+            for h in hosts:
+                for other in hosts:
+                    if other is not h:
+                        h.add_peer_addrs(other.peer_id, other.addrs())
+            kinds = [Averager, LyingAverager, Averager]
+            avgs = [kind(h, STAGE, 513, timeout_s=20.0, first_round=ROUND, sign=i.sign) for kind, h, i in zip(kinds, hosts, ids)]
+            for a in avgs:
+                a.register()
+
+            async def one(k: int) -> None:
+                try:
+                    outcome[ids[k].peer_id] = await avgs[k].run_round(ROUND, weights, torch.full((513,), float(k)))
+                except AveragingError as err:
+                    outcome[ids[k].peer_id] = err
+
+            async with trio.open_nursery() as n:
+                for k in range(3):
+                    n.start_soon(one, k)
+            liar = ids[1].peer_id
+            for k in (0, 2):
+                assert isinstance(outcome[ids[k].peer_id], AveragingError), "an honest replica must fail, never apply"
+                failed = avgs[k].last_failed
+                assert failed is not None and liar in failed.missing and "different contributor set or result" in failed.reason
+                # The liar's signed fin is in the evidence, and checks out for anyone holding its peer ID.
+                assert any(e.peer == liar and verify_ed25519(e.peer, e.statement, e.signature) for e in failed.evidence)
+
+    run_trio(main, timeout=40)
+
+
+def test_a_late_probe_of_a_finished_round_gets_the_signed_fin_or_left(run_trio, open_hosts) -> None:
+    async def main() -> None:
+        async with open_hosts(3) as hosts:
+            a, b, prober = hosts
+            avgs = [Averager(h, STAGE, 64, timeout_s=20.0, first_round=ROUND) for h in (a, b)]
+            for x in avgs:
+                x.register()
+            weights = {a.peer_id: 1.0, b.peer_id: 1.0}
+            async with trio.open_nursery() as n:
+                for k, x in enumerate(avgs):
+                    n.start_soon(x.run_round, ROUND, weights, torch.full((64,), float(k)))
+            done = avgs[0].last_done
+            assert done is not None
+
+            async def probe(round_id: int):
+                async with prober.open_stream(a.peer_id, COLLECTIVE) as s:
+                    await s.send(PartHeader(round=round_id, stage=STAGE, phase="probe", part=0))
+                    return await s.receive((Ack, Refuse, PartHeader))
+
+            fin = await probe(ROUND)
+            assert isinstance(fin, PartHeader) and fin.phase == "fin" and fin.signer == a.peer_id and fin.digest == done.digest
+            statement = fin_statement(round_digest(ROUND, weights, 64, "sum"), members_mask(sorted(weights), fin.contributors), fin.digest)
+            assert verify_ed25519(a.peer_id, statement, fin.signature), "the host's key signs: a peer checks it from the peer ID"
+            # A round that failed here (b is gone: a times out alone) is answered with 'left'.
+            avgs[0].timeout_s = 1.0
+            with pytest.raises(AveragingError):
+                await avgs[0].run_round(ROUND + 1, weights, torch.zeros(64))
+            left = await probe(ROUND + 1)
+            assert isinstance(left, Refuse) and left.code == "left"
+
+    run_trio(main, timeout=40)

@@ -12,11 +12,11 @@ def test_a_silent_peer_is_probed_then_suspected_after_one_limit() -> None:
     d.track([("gather", 0, "b")], now=10.0)
     waits = {("gather", 0, "b"): Wait(["b"], 5.0)}
     assert d.next_deadline(waits) == pytest.approx(11.0)  # the first probe
-    assert d.due(10.5, waits) == ([], set())
-    assert d.due(11.0, waits) == (["b"], set())
-    assert d.due(11.0, waits) == ([], set()), "one probe per peer per instant"
+    assert d.due(10.5, waits) == ([], set(), set())
+    assert d.due(11.0, waits) == (["b"], set(), set())
+    assert d.due(11.0, waits) == ([], set(), set()), "one probe per peer per instant"
     assert d.next_deadline(waits) == pytest.approx(12.0)
-    assert d.due(15.0, waits) == ([], {"b"}), "silent for the whole limit: suspected, not probed again"
+    assert d.due(15.0, waits) == ([], {"b"}, {"b"}), "silent for the whole limit: suspected, not probed again"
 
 
 def test_a_peer_that_answers_but_never_delivers_is_suspected_after_stuck_factor_limits() -> None:
@@ -27,10 +27,23 @@ def test_a_peer_that_answers_but_never_delivers_is_suspected_after_stuck_factor_
     for tick in range(1, 40):
         now = tick * 0.5
         d.alive("b", now)  # it answers every probe
-        if d.due(now, waits)[1]:
+        due = d.due(now, waits)
+        if due.suspects:
             suspected_at = now
             break
     assert suspected_at == pytest.approx(STUCK_FACTOR * 5.0)
+    assert due.silent == set(), "stuck, not silent: it answered every probe"
+
+
+def test_a_stuck_peer_on_a_silence_only_wait_is_only_suspected_once_silent() -> None:
+    d = FailureDetector(floor_s=2.0)
+    waits = {"fin": Wait(["b"], 5.0, silence_only=True)}
+    d.track(["fin"], now=0.0)
+    for tick in range(1, 60):
+        d.alive("b", tick * 0.5)
+        assert d.due(tick * 0.5, waits).suspects == set()
+        assert d.next_deadline(waits) is not None and d.next_deadline(waits) > tick * 0.5, "no deadline left in the past"
+    assert d.due(29.5 + 5.0, waits) == ([], {"b"}, {"b"})
 
 
 def test_a_deadline_counts_from_the_start_of_the_wait_and_restarts_with_a_new_wait() -> None:
