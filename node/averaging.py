@@ -81,17 +81,6 @@ class _Pending:
     data_digest: bytes | None
 
 
-def _host_signer(host: Host) -> Sign:
-    """Sign with the key the host was opened with (the node's Identity: open_host builds its libp2p key
-    pair from it; libp2p's Ed25519 signatures are the plain RFC 8032 ones :func:`verify_ed25519` checks).
-
-    Host does not expose its key, so this reaches through ``host._lp`` to libp2p's public
-    ``IHost.get_private_key()``. It is the fallback for callers that do not pass ``sign`` (node.py
-    builds the Averager without the Identity today); passing ``sign=identity.sign`` is the way.
-    """
-    return host._lp.get_private_key().sign
-
-
 class Averager:
     """All-reduce of one stage's gradients among its replicas, one round per step."""
 
@@ -103,7 +92,7 @@ class Averager:
         """``window``: the round this replica takes part in next, from its owner (the node core, which
         knows whether a step may still reopen). Without one, the averager counts its own rounds from
         ``first_round`` (a stand-alone averager in a test or benchmark). ``sign``: this node's signature
-        (``Identity.sign``; by default the host's key); ``verify``: a peer's; ``max_liars``: see
+        (by default the host's identity key); ``verify``: a peer's; ``max_liars``: see
         :class:`~protolearn.protocol.collective.CollectiveRound`."""
         self.host = host
         self.stage = stage
@@ -111,7 +100,7 @@ class Averager:
         self.timeout_s = timeout_s
         self.floor_s = floor_s
         self.clock = clock
-        self.sign = sign if sign is not None else _host_signer(host)
+        self.sign = sign if sign is not None else host.sign
         self.verify = verify
         self.max_liars = max_liars
         self._window = window

@@ -235,6 +235,10 @@ class Host:
     def unban(self, peer_id: str) -> None:
         self.gate.unban(peer_id)
 
+    def sign(self, data: bytes) -> bytes:
+        """Sign ``data`` with this host's identity key (Ed25519, RFC 8032): what peers verify against its peer ID."""
+        return self._lp.get_private_key().sign(data)
+
     def is_banned(self, peer_id: str) -> bool:
         return self.gate.is_banned(peer_id)
 
