@@ -29,7 +29,9 @@ class CoordinatorSettings(BaseModel):
     rate_per_s: float = Field(200.0, gt=0)
     rate_burst: float = Field(400.0, ge=1)
     # Ban policy: verified signed evidence bans at once; otherwise this many distinct reporters in the window.
-    ban_on_evidence: bool = True
+    # Off until the integrity checks' verdict policy lands (issue 11): a proof of equivocation is then
+    # one input among several, and a single report never bans on its own word.
+    ban_on_evidence: bool = False
     reports_to_ban: int = Field(3, ge=1)
     report_window_s: float = Field(300.0, gt=0)
     # Rebalancing: move a node only if the swarm's bottleneck rate rises so that old < quality * new.

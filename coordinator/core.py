@@ -34,6 +34,7 @@ from protolearn.coordinator.verdicts import Ban, VerdictPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import SignatureError
 from protolearn.protocol.identity import verify_peer
+from protolearn.protocol.statements import contradiction
 from protolearn.protocol.wire import Message
 
 log = logging.getLogger("protolearn.coordinator")
@@ -335,9 +336,17 @@ class CoordinatorCore:
         if msg.target not in self.registry.members:
             raise self.refuse("unknown_peer", f"{msg.target} is not a member of this swarm")
         verified = False
-        if msg.evidence is not None:
-            if not self.verify(peer, msg.evidence.data, msg.evidence.signature):
-                raise self.refuse("bad_evidence", "the evidence signature does not verify against the reporter's key")
+        if msg.evidence is not None or msg.conflicting is not None:
+            # Proof is two statements the *accused* signed that contradict each other. The reporter's own
+            # signature proves nothing (it can sign anything): that once let one member ban every other.
+            a, b = msg.evidence, msg.conflicting
+            if a is None or b is None:
+                raise self.refuse("bad_evidence", "evidence is two conflicting statements the target signed; one was sent")
+            if not (self.verify(msg.target, a.data, a.signature) and self.verify(msg.target, b.data, b.signature)):
+                raise self.refuse("bad_evidence", "the evidence is not signed by the reported peer")
+            why = contradiction(a.data, b.data)
+            if not why:
+                raise self.refuse("bad_evidence", "the two signed statements do not contradict each other")
             verified = True
         v = self.verdicts.report(peer, msg.target, msg.reason, evidence_verified=verified, now=now)
         log.info("report reporter=%s target=%s verified=%s ban=%s reason=%s", peer, msg.target, verified, v.ban, v.reason)

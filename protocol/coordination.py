@@ -272,7 +272,9 @@ class CorpusCheckReply(Message):
 
 
 class Evidence(_Part):
-    """Bytes the reporter signed with its node key, so a false accusation is provable against it."""
+    """A statement the *accused* signed with its node key. Two of them that contradict each other
+    (:func:`protolearn.protocol.statements.contradiction`) prove that it lied; nothing the reporter
+    signs can, since a reporter can sign anything."""
 
     data: Annotated[bytes, Field(max_length=MAX_EVIDENCE_BYTES)]
     signature: Annotated[bytes, Field(max_length=1024)]
@@ -282,7 +284,9 @@ class Report(Message):
     KIND: ClassVar[str] = "coord.report"
     target: PeerId
     reason: Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
+    # With ``conflicting``: two statements the target signed that cannot both be honest.
     evidence: Evidence | None = None
+    conflicting: Evidence | None = None
 
 
 class ReportReply(Message):

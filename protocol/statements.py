@@ -33,13 +33,16 @@ import struct
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-import torch
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import SIGNATURE_BYTES, public_key_from_peer_id
+
+if TYPE_CHECKING:  # a part is a tensor; the coordinator checks statements without loading torch
+    import torch
 
 HASH_BYTES = 32
 # Domain separation: a signature made for one of these can never pass for the other, or for anything
@@ -53,7 +56,7 @@ Sign = Callable[[bytes], bytes]
 Verify = Callable[[str, bytes, bytes], bool]
 
 __all__ = [
-    "HASH_BYTES", "SIGNATURE_BYTES", "Evidence", "Sign", "Verify", "fin_statement", "members_mask",
+    "HASH_BYTES", "SIGNATURE_BYTES", "Evidence", "Sign", "Verify", "contradiction", "fin_statement", "members_mask",
     "part_hash", "part_statement", "result_hash", "round_digest", "verify_ed25519",
 ]
 
@@ -80,7 +83,7 @@ def members_mask(peers: Sequence[str], members: Collection[str]) -> bytes:
 def part_hash(part: torch.Tensor) -> bytes:
     """SHA-256 of a float32 part's bytes, read in place (hashlib releases the GIL: fine in a worker thread)."""
     flat = part.detach().contiguous().reshape(-1)  # (L,)
-    return hashlib.sha256(flat.view(torch.uint8).numpy() if flat.numel() else b"").digest()
+    return hashlib.sha256(flat.numpy().view("uint8") if flat.numel() else b"").digest()
 
 
 def result_hash(part_hashes: Sequence[bytes]) -> bytes:
@@ -96,6 +99,24 @@ def part_statement(round_dig: bytes, part: int, mask: bytes, digest: bytes) -> b
 def fin_statement(round_dig: bytes, mask: bytes, digest: bytes) -> bytes:
     """The bytes a replica signs when it commits over the set ``mask`` with result hash ``digest``."""
     return _FIN + round_dig + struct.pack(">H", len(mask)) + mask + digest
+
+
+def contradiction(a: bytes, b: bytes) -> str:
+    """Why two statements one peer signed cannot both be honest ("" if they can).
+
+    Two part statements for the same round, part and contributor set with different hashes, or two
+    different fins of one round, are a lie told to someone: that, with both signatures checking out
+    against the peer's key, is proof a third party can act on. Any other pair proves nothing.
+    """
+    if a == b:
+        return ""
+    digest = HASH_BYTES
+    if a.startswith(_PART) and b.startswith(_PART) and len(a) == len(b) and a[:-digest] == b[:-digest]:
+        return "signed two different values of one reduced part"
+    round_end = len(_FIN) + HASH_BYTES  # a round digest is a SHA-256
+    if a.startswith(_FIN) and b.startswith(_FIN) and len(a) > round_end and a[:round_end] == b[:round_end]:
+        return "signed two different results of one round"
+    return ""
 
 
 @dataclass(frozen=True)

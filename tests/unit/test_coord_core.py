@@ -12,6 +12,7 @@ from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.status import STATUS_JSON_SCHEMA
 from protolearn.coordinator.store import Store
 from protolearn.protocol import coordination as cm
+from protolearn.protocol import statements
 from protolearn.protocol.identity import Identity
 from protolearn.stages.config import default_run
 
@@ -106,26 +107,52 @@ def test_expiry_in_housekeeping_and_heartbeat_refused_after() -> None:
     assert join(core, "b", 4.0).rejoined
 
 
-def test_reports_evidence_and_bans() -> None:
-    core = make_core()
-    ids = [Identity.generate() for _ in range(4)]
+def _equivocation(ident: Identity) -> tuple[cm.Evidence, cm.Evidence]:
+    """Two fins of one collective round that ``ident`` signed with different result hashes."""
+    round_dig = statements.round_digest(7, {ident.peer_id: 1.0, "x": 1.0}, 10, "sum")
+    mask = statements.members_mask(sorted([ident.peer_id, "x"]), [ident.peer_id, "x"])
+    a, b = (statements.fin_statement(round_dig, mask, bytes([k]) * 32) for k in (1, 2))
+    return cm.Evidence(data=a, signature=ident.sign(a)), cm.Evidence(data=b, signature=ident.sign(b))
+
+
+def test_one_member_cannot_ban_others_with_evidence_it_signed_itself() -> None:
+    # The attack: evidence was checked against the *reporter's* key, so four requests banned four peers.
+    core = make_core(SETTINGS.model_copy(update={"ban_on_evidence": True}))
+    ids = [Identity.generate() for _ in range(5)]
     for ident in ids:
         join(core, ident.peer_id)
-    bad = ids[3].peer_id
+    attacker = ids[0]
     with pytest.raises(Refusal, match="unknown_peer"):
-        core.handle(ids[0].peer_id, cm.Report(target="nobody", reason="x"), 0.0)
-    forged = cm.Evidence(data=b"output digest", signature=ids[1].sign(b"output digest"))
-    with pytest.raises(Refusal, match="bad_evidence"):
-        core.handle(ids[0].peer_id, cm.Report(target=bad, reason="x", evidence=forged), 0.0)
-    assert not core.verdicts.is_banned(bad)
-    good = cm.Evidence(data=b"output digest", signature=ids[0].sign(b"output digest"))
-    reply = core.handle(ids[0].peer_id, cm.Report(target=bad, reason="spot check", evidence=good), 1.0)
+        core.handle(attacker.peer_id, cm.Report(target="nobody", reason="x"), 0.0)
+    for victim in ids[1:]:
+        own = cm.Evidence(data=b"output digest", signature=attacker.sign(b"output digest"))
+        for ev, other in ((own, None), (own, own)):
+            with pytest.raises(Refusal, match="bad_evidence"):
+                core.handle(attacker.peer_id, cm.Report(target=victim.peer_id, reason="x", evidence=ev, conflicting=other), 0.0)
+        # Even two statements the victim really signed are no proof unless they contradict each other.
+        honest = _equivocation(victim)[0]
+        with pytest.raises(Refusal, match="do not contradict"):
+            core.handle(attacker.peer_id, cm.Report(target=victim.peer_id, reason="x", evidence=honest, conflicting=honest), 0.0)
+    assert not any(core.verdicts.is_banned(i.peer_id) for i in ids)
+
+
+def test_a_proof_of_equivocation_bans_when_the_policy_allows_it() -> None:
+    ids = [Identity.generate() for _ in range(4)]
+    off = make_core()  # the default: a proof is recorded as a report, never a ban on its own
+    on = make_core(SETTINGS.model_copy(update={"ban_on_evidence": True}))
+    for core in (off, on):
+        for ident in ids:
+            join(core, ident.peer_id)
+    bad = ids[3]
+    a, b = _equivocation(bad)
+    assert not off.handle(ids[0].peer_id, cm.Report(target=bad.peer_id, reason="two fins", evidence=a, conflicting=b), 1.0).banned
+    reply = on.handle(ids[0].peer_id, cm.Report(target=bad.peer_id, reason="two fins", evidence=a, conflicting=b), 1.0)
     assert reply.banned
-    hb = core.handle(ids[0].peer_id, cm.Heartbeat(state="training"), 1.5)
-    assert hb.bans == [bad] and bad not in [m.peer_id for m in hb.members]
+    hb = on.handle(ids[0].peer_id, cm.Heartbeat(state="training"), 1.5)
+    assert hb.bans == [bad.peer_id] and bad.peer_id not in [m.peer_id for m in hb.members]
     for msg in (cm.Heartbeat(state="training"), cm.Join(addrs=[])):
         with pytest.raises(Refusal, match="banned"):
-            core.handle(bad, msg, 2.0)
+            on.handle(bad.peer_id, msg, 2.0)
 
 
 def test_rate_limit_refuses_a_flood_but_not_others() -> None:

@@ -11,8 +11,9 @@ def policy(**kw) -> VerdictPolicy:
     return VerdictPolicy(CoordinatorSettings(reports_to_ban=3, report_window_s=60.0, **kw))
 
 
-def test_verified_evidence_bans_at_once() -> None:
-    v = policy()
+def test_verified_evidence_bans_at_once_only_where_the_policy_says_so() -> None:
+    assert not policy().report("r1", "bad", "proof", evidence_verified=True, now=0.0).ban  # off by default
+    v = policy(ban_on_evidence=True)
     verdict = v.report("r1", "bad", "spot check mismatch", evidence_verified=True, now=0.0)
     assert verdict.ban and v.is_banned("bad")
     assert "signed evidence from r1" in v.bans["bad"].reason
