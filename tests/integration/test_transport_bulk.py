@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -113,7 +114,9 @@ def test_a_lane_address_that_reaches_some_other_service_falls_back(run_trio):
                 await conn.recv(16)
                 if answer:
                     await conn.send(answer)
-                await trio.sleep(2)  # keeps the connection open and says nothing more
+                # Keeps the connection open and says nothing more, until the test is done with it:
+                # only the sender's own dial deadline can end its wait for a confirmation.
+                await trio.sleep_forever()
 
     async def main():
         async with AsyncExitStack() as stack:
@@ -127,7 +130,9 @@ def test_a_lane_address_that_reaches_some_other_service_falls_back(run_trio):
                         nursery.start_soon(impostor, listener, answer)
                         t0 = trio.current_time()
                         assert torch.equal(await _send(sender, receiver, sink, sent), sent)
-                        assert trio.current_time() - t0 < 0.5 + 3.0
+                        # The dial deadline (0.5 s, guarded by 1 s more) ends the wait, not the impostor;
+                        # the margin is for a loaded 2-core machine, the failure it catches is a hang.
+                        assert trio.current_time() - t0 < 0.5 + 1.0 + 5.0
                         nursery.cancel_scope.cancel()
                 assert sender.bulk.stats.num_fallbacks == k + 1 and sender.bulk.stats.num_sent == 0
                 sender.bulk._unreachable.clear()  # as if UNREACHABLE_S had passed, so the lane is tried again
@@ -187,9 +192,11 @@ def test_hostile_connections_to_the_lane_are_closed_and_good_transfers_go_on(run
                 nursery.start_soon(one, "wrong token", b"\x00" * 16)
                 nursery.start_soon(one, "garbage", bytes(range(256)) * 40)
                 nursery.start_soon(one, "short", b"abc")
-            assert waits["wrong token"] < 1.0 and waits["garbage"] < 1.0  # refused at once
-            assert HELLO_TIMEOUT_S - 0.5 < waits["silent"] < HELLO_TIMEOUT_S + 3  # closed at the hello deadline
-            assert HELLO_TIMEOUT_S - 0.5 < waits["short"] < HELLO_TIMEOUT_S + 3
+            # Refused at once, i.e. well before the hello deadline (the margin is for a loaded machine) ...
+            assert waits["wrong token"] < HELLO_TIMEOUT_S - 0.5 and waits["garbage"] < HELLO_TIMEOUT_S - 0.5, waits
+            # ... while a silent or short client is closed at the hello deadline, and not before it.
+            assert HELLO_TIMEOUT_S - 0.5 < waits["silent"] < HELLO_TIMEOUT_S + 5, waits
+            assert HELLO_TIMEOUT_S - 0.5 < waits["short"] < HELLO_TIMEOUT_S + 5, waits
             assert lane.stats.num_refused == 4
             assert any("not a pending offer" in r for r in lane.stats.refused_reasons)
             assert torch.equal(await _send(sender, receiver, sink, sent), sent)
@@ -211,6 +218,22 @@ def _swap_chunks(wire: bytes) -> list[bytes]:
 
 def _truncate(wire: bytes) -> list[bytes]:
     return [wire[: len(wire) // 2]]  # then the sender closes the connection
+
+
+def _end_writes(sock: socket.socket) -> None:
+    """Half-close our side (a cut payload then reads as EOF), unless the receiver already hung up.
+
+    A receiver that found a bad chunk closes the connection with our later chunks still unread, so
+    its kernel answers with a reset: our socket is then no longer connected and ``shutdown`` raises
+    ENOTCONN (or a ConnectionError). That is the receiver doing its job, not a failure of the test.
+    """
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except ConnectionError:
+        pass
+    except OSError as err:
+        if err.errno != errno.ENOTCONN:
+            raise
 
 
 @pytest.mark.parametrize(
@@ -236,9 +259,9 @@ def test_tampered_or_truncated_lane_bytes_are_a_protocol_error_naming_the_peer(r
                     try:
                         for piece in mangle(wire):
                             await trio.to_thread.run_sync(sock.sendall, piece)
-                        sock.shutdown(socket.SHUT_WR)
                     except ConnectionError:
                         pass  # the receiver may hang up at the first bad chunk while we still write
+                    _end_writes(sock)
                     await sink.wait()
             assert len(sink.errors) == 1 and not sink.tensors
             err = sink.errors[0]
@@ -313,7 +336,9 @@ def test_a_sender_that_stalls_on_the_lane_is_timed_out_per_chunk(run_trio):
                     waited = trio.current_time() - t0
             err = sink.errors[0]
             assert err.peer == sender.peer_id and "not complete within 1.5 s" in err.reason
-            assert 1.0 < waited < 1.5 + 2.0
+            # One chunk deadline (1.5 s, which started when chunk 0 was in, a little before t0), not a
+            # hang; the upper margin is for a loaded 2-core machine.
+            assert 0.5 < waited < 1.5 + 5.0, waited
             assert torch.equal(await _send(sender, receiver, sink, t), t)
 
     run_trio(main, timeout=60)
@@ -343,7 +368,7 @@ def test_a_cancelled_receive_closes_its_lane_connection_at_once(run_trio):
                     await trio.to_thread.run_sync(sock.sendall, wire[:1000])
                     with trio.fail_after(5):
                         await gave_up.wait()
-                    sock.settimeout(2.0)
+                    sock.settimeout(10.0)  # the failure this catches is a connection left open for good
                     assert await trio.to_thread.run_sync(sock.recv, 16) == b""  # closed by the receiver, not left open
             assert len(receiver.bulk.offers) == 0
             assert torch.equal(await _send(sender, receiver, sink, t), t)
