@@ -321,12 +321,14 @@ class BulkLane:
 # -- worker threads that own their socket -----------------------------------------------------------
 # The thread alone closes its socket, after its last use: were the trio side to close it while the
 # thread sits in recv/send, the descriptor could be reused by a new connection and read by the old
-# thread. A cancelled transfer only shuts the socket down, which ends the blocked call at once.
+# thread. A cancelled transfer only shuts the socket down, which ends the blocked call at once. The
+# shutdown and the thread's close take the same lock, so a shutdown never reaches a descriptor
+# number that the thread closed and a new connection got again.
 
 
 async def _in_thread(limiter: trio.CapacityLimiter, sock: socket.socket, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
     lock = threading.Lock()
-    state = ["new"]  # new -> running, or new/running -> abandoned
+    state = ["new"]  # new -> running -> closed, or new/running -> abandoned (running -> closed after it)
 
     def job() -> None:
         with lock:
@@ -336,18 +338,23 @@ async def _in_thread(limiter: trio.CapacityLimiter, sock: socket.socket, fn: Cal
         try:
             fn(sock, *args, **kwargs)
         finally:
-            sock.close()
+            with lock:
+                state[0] = "closed"
+                sock.close()
 
     try:
         await trio.to_thread.run_sync(job, abandon_on_cancel=True, limiter=limiter)
     except trio.Cancelled:
         with lock:
-            running, state[0] = state[0] == "running", "abandoned"
-        if not running:
-            sock.close()
-        else:
-            with contextlib.suppress(OSError):  # the thread may have closed it already
-                sock.shutdown(socket.SHUT_RDWR)
+            was, state[0] = state[0], "abandoned"
+            if was == "new":
+                sock.close()
+            elif was == "running":
+                # The peer may have hung up first (a reset): then the socket is no longer connected
+                # and shutdown raises ENOTCONN. The blocked call has ended (or will end) on its own.
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            # "closed": the thread is done and closed the socket itself.
         raise
 
 
