@@ -15,7 +15,8 @@ from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import Identity
 from protolearn.protocol.tensors import from_frame, to_frame
 from protolearn.protocol.transport import FramedStream, Host, TensorHeader, TensorTrailer, TransportConfig, open_host
-from protolearn.protocol.transport.bulk import HELLO_TIMEOUT_S, BulkChoice, BulkOffer, Offer, OfferTable
+from protolearn.protocol.transport.bulk import HELLO_TIMEOUT_S, UNREACHABLE_S, BulkChoice, BulkOffer, Offer, OfferTable
+from protolearn.protocol.transport.clock import MONOTONIC
 from protolearn.protocol.transport.seal import CHUNK_BYTES, TAG_BYTES, dial, seal_chunks
 
 MiB = 1024 * 1024
@@ -47,8 +48,24 @@ class Sink:
         self.arrived = trio.Event()
 
 
-async def _pair(stack: AsyncExitStack, sender_cfg: TransportConfig = CONFIG, receiver_cfg: TransportConfig = CONFIG) -> tuple[Host, Host, Sink]:
-    sender = await stack.enter_async_context(open_host(Identity.generate(), config=sender_cfg))
+class FakeClock:
+    """A transport clock (protocol/transport/clock.py) that moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+async def _pair(
+    stack: AsyncExitStack, sender_cfg: TransportConfig = CONFIG, receiver_cfg: TransportConfig = CONFIG, *, sender_clock: FakeClock | None = None
+) -> tuple[Host, Host, Sink]:
+    clock = MONOTONIC if sender_clock is None else sender_clock
+    sender = await stack.enter_async_context(open_host(Identity.generate(), config=sender_cfg, clock=clock))
     receiver = await stack.enter_async_context(open_host(Identity.generate(), config=receiver_cfg))
     sender.add_peer_addrs(receiver.peer_id, receiver.addrs())
     sink = Sink()
@@ -87,16 +104,23 @@ def test_64_mib_tensor_goes_over_the_lane_bit_identical(run_trio):
 
 def test_unreachable_lane_falls_back_to_the_stream_and_is_skipped_afterwards(run_trio):
     sent = torch.randn(2 * MiB, generator=torch.Generator().manual_seed(6))  # 8 MiB
+    clock = FakeClock()
 
     async def main():
         async with AsyncExitStack() as stack:
-            sender, receiver, sink = await _pair(stack)
+            sender, receiver, sink = await _pair(stack, sender_clock=clock)
+            assert sender.clock is clock and sender.bulk.clock is clock
             receiver.bulk.port = _free_port()  # what its offers advertise: nothing listens there (as behind NAT)
             assert torch.equal(await _send(sender, receiver, sink, sent), sent)
             assert sender.bulk.stats.num_fallbacks == 1 and receiver.bulk.stats.num_received == 0
-            # The failed dial is remembered: the next tensor does not ask for the lane at all.
+            # The failed dial is remembered: the next tensor does not ask for the lane at all ...
+            clock.advance(UNREACHABLE_S - 1)
             assert torch.equal(await _send(sender, receiver, sink, sent), sent)
             assert sender.bulk.stats.num_fallbacks == 1 and sender.bulk.stats.num_sent == 0
+            # ... until UNREACHABLE_S have passed on the transport's clock: then the lane is tried again.
+            clock.advance(1)
+            assert torch.equal(await _send(sender, receiver, sink, sent), sent)
+            assert sender.bulk.stats.num_fallbacks == 2 and sender.bulk.stats.num_sent == 0
             assert len(receiver.bulk.offers) == 0
 
     run_trio(main, timeout=60)
@@ -106,6 +130,7 @@ def test_a_lane_address_that_reaches_some_other_service_falls_back(run_trio):
     """Behind NAT the offered port may be another machine's: no valid confirmation, so no lane."""
     sent = torch.randn(MiB, generator=torch.Generator().manual_seed(13))
     impatient = CONFIG.model_copy(update={"bulk_connect_timeout_s": 0.5})
+    clock = FakeClock()
 
     async def impostor(listener: trio.socket.SocketType, answer: bytes) -> None:
         while True:
@@ -120,7 +145,7 @@ def test_a_lane_address_that_reaches_some_other_service_falls_back(run_trio):
 
     async def main():
         async with AsyncExitStack() as stack:
-            sender, receiver, sink = await _pair(stack, sender_cfg=impatient)
+            sender, receiver, sink = await _pair(stack, sender_cfg=impatient, sender_clock=clock)
             for k, answer in enumerate([b"HTTP/1.1 400 Bad", b""]):  # a wrong confirmation, then silence
                 with trio.socket.socket() as listener:
                     await listener.bind(("127.0.0.1", 0))
@@ -135,7 +160,7 @@ def test_a_lane_address_that_reaches_some_other_service_falls_back(run_trio):
                         assert trio.current_time() - t0 < 0.5 + 1.0 + 5.0
                         nursery.cancel_scope.cancel()
                 assert sender.bulk.stats.num_fallbacks == k + 1 and sender.bulk.stats.num_sent == 0
-                sender.bulk._unreachable.clear()  # as if UNREACHABLE_S had passed, so the lane is tried again
+                clock.advance(UNREACHABLE_S)  # the failed lane's mark expires, so the lane is tried again
 
     run_trio(main, timeout=60)
 
