@@ -208,7 +208,9 @@ def test_a_barrage_costs_a_bounded_number_of_log_lines_that_count_every_rejectio
         async with open_hosts(2, config) as (server, bad):
             serve_all(server)
             start = trio.current_time()
-            while trio.current_time() - start < 3.0:
+            # At least 3 s and at least 150 requests: a barrage, or the bound below says little. A loaded
+            # machine may need longer for the 150; the bound scales with the time taken.
+            while trio.current_time() - start < 3.0 or sent < 150:
                 _, name, data = kinds[sent % len(kinds)]
                 await send_raw(bad, server, name, data)
                 sent += 1
@@ -222,7 +224,6 @@ def test_a_barrage_costs_a_bounded_number_of_log_lines_that_count_every_rejectio
 
     counts, elapsed, bad_peer = run_trio(main, timeout=60)
     logged = lines()
-    assert sent > 100, f"only {sent} bad requests in 3 s"  # a barrage, or the bound below says little
     assert _num_rejections(logged) == sent == sum(counts.values())
     assert len(logged) <= 2 * (math.ceil(elapsed / interval) + 2), logged
     assert all(m.startswith(f"rejected peer={bad_peer}") and " reason=" in m for m in logged)
