@@ -22,6 +22,7 @@ SUITES: dict[str, str] = {
     "swarm": "scripts/bench_swarm.py",
     "recovery": "scripts/bench_recovery.py",
     "coordinator": "scripts/bench_coordinator.py",
+    "restart": "scripts/bench_restart.py",
 }
 
 

@@ -13,7 +13,7 @@ Public API (other packages code against these names)::
         async with host.open_stream(peer, name, timeout=None) as s: ...   # a FramedStream
         host.ban(peer_id, reason); host.unban(peer_id); host.is_banned(peer_id) -> bool
         host.gate.rejected: Counter[str]; host.gate.recent: deque[Rejection]  # see protocol/gate.py
-        host.clock -> the monotonic clock rejection-log intervals use (open_host(..., clock=) to fake it)
+        host.clock -> Clock  # the transport's one clock (rejection log, bulk lane); open_host(..., clock=) fakes it
         host.requests_served -> int; host.active_streams(name) -> int
         host.bulk -> BulkLane | None        # None when config.bulk is off; .stats (BulkStats), .ip, .port
 
@@ -69,9 +69,10 @@ be dialled, so callers do not change.
 """
 
 from protolearn.protocol.transport.bulk import BulkLane, BulkStats
+from protolearn.protocol.transport.clock import Clock
 from protolearn.protocol.transport.host import Host, TransportConfig, open_host, protocol_id
 from protolearn.protocol.transport.streams import FramedStream, TensorHeader, TensorTrailer
 
 __all__ = [
-    "BulkLane", "BulkStats", "FramedStream", "Host", "TensorHeader", "TensorTrailer", "TransportConfig", "open_host", "protocol_id",
+    "BulkLane", "BulkStats", "Clock", "FramedStream", "Host", "TensorHeader", "TensorTrailer", "TransportConfig", "open_host", "protocol_id",
 ]

@@ -48,6 +48,7 @@ from typing import Any, ClassVar
 import trio
 
 from protolearn.protocol.errors import PeerTimeout, ProtocolError
+from protolearn.protocol.transport.clock import MONOTONIC, Clock
 from protolearn.protocol.transport.seal import CHUNK_BYTES, KEY_BYTES, TOKEN_BYTES, confirmation, dial, receive_chunks, send_chunks
 from protolearn.protocol.wire import Message
 
@@ -169,9 +170,17 @@ class _Waiter:
 
 
 class BulkLane:
-    """One host's lane: a TCP listener for claimed transfers, and the sending side's dial cache."""
+    """One host's lane: a TCP listener for claimed transfers, and the sending side's dial cache.
 
-    def __init__(self, *, min_bytes: int, connect_timeout_s: float, max_pending: int, max_pending_bytes: int, offer_ttl_s: float) -> None:
+    Its offer expiry, unreachable marks and chunk deadlines read the time from ``clock``, the host's
+    one transport clock (:mod:`protolearn.protocol.transport.clock`).
+    """
+
+    def __init__(
+        self, *, min_bytes: int, connect_timeout_s: float, max_pending: int, max_pending_bytes: int, offer_ttl_s: float,
+        clock: Clock = MONOTONIC,
+    ) -> None:
+        self.clock = clock
         self.min_bytes = min_bytes
         self.connect_timeout_s = connect_timeout_s
         self.offers = OfferTable(max_pending=max_pending, max_bytes=max_pending_bytes, ttl_s=offer_ttl_s)
@@ -228,7 +237,7 @@ class BulkLane:
             if len(token) < TOKEN_BYTES:
                 self._refuse(conn, f"no token within {HELLO_TIMEOUT_S:g} s ({len(token)} of {TOKEN_BYTES} bytes)")
                 return
-            offer, reason = self.offers.claim(token, trio.current_time())
+            offer, reason = self.offers.claim(token, self.clock())
             waiter = self._waiters.get(token) if offer is not None else None
             if waiter is None:
                 self._refuse(conn, reason or "the offer was given up")
@@ -257,7 +266,7 @@ class BulkLane:
         """Make an offer for a validated payload of ``num_bytes``, or say why not."""
         if not self.port:
             return "bulk lane is not listening"
-        made = self.offers.create(peer, num_bytes, trio.current_time())
+        made = self.offers.create(peer, num_bytes, self.clock())
         if isinstance(made, Offer):
             self._waiters[made.token] = _Waiter(made)
         return made
@@ -280,7 +289,9 @@ class BulkLane:
                 raise PeerTimeout(peer, f"bulk lane: no connection with the offered token within {chunk_timeout:g} s")
             out = bytearray(offer.num_bytes)  # the validated size, nothing more
             sock, waiter.sock = waiter.sock, None
-            await _in_thread(self._receive_threads, sock, receive_chunks, offer.key, out, peer=peer, chunk_timeout=chunk_timeout)
+            await _in_thread(
+                self._receive_threads, sock, receive_chunks, offer.key, out, peer=peer, chunk_timeout=chunk_timeout, clock=self.clock
+            )
         finally:
             self.withdraw(offer)
         self.stats.num_received += 1
@@ -293,7 +304,7 @@ class BulkLane:
         if num_bytes < self.min_bytes:
             return False
         until = self._unreachable.get(peer)
-        if until is not None and until <= trio.current_time():
+        if until is not None and until <= self.clock():
             del self._unreachable[peer]
             until = None
         return until is None
@@ -306,7 +317,7 @@ class BulkLane:
             with trio.fail_after(self.connect_timeout_s + 1):
                 return await _dial_in_thread(self._send_threads, ip, offer.port, offer.token, offer.key, self.connect_timeout_s)
         except (OSError, trio.TooSlowError) as err:
-            self._unreachable[peer] = trio.current_time() + UNREACHABLE_S
+            self._unreachable[peer] = self.clock() + UNREACHABLE_S
             if len(self._unreachable) > 4096:  # bounded: forget the oldest marks
                 for old in sorted(self._unreachable, key=self._unreachable.__getitem__)[:1024]:
                     del self._unreachable[old]
@@ -321,12 +332,14 @@ class BulkLane:
 # -- worker threads that own their socket -----------------------------------------------------------
 # The thread alone closes its socket, after its last use: were the trio side to close it while the
 # thread sits in recv/send, the descriptor could be reused by a new connection and read by the old
-# thread. A cancelled transfer only shuts the socket down, which ends the blocked call at once.
+# thread. A cancelled transfer only shuts the socket down, which ends the blocked call at once. The
+# shutdown and the thread's close take the same lock, so a shutdown never reaches a descriptor
+# number that the thread closed and a new connection got again.
 
 
 async def _in_thread(limiter: trio.CapacityLimiter, sock: socket.socket, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
     lock = threading.Lock()
-    state = ["new"]  # new -> running, or new/running -> abandoned
+    state = ["new"]  # new -> running -> closed, or new/running -> abandoned (running -> closed after it)
 
     def job() -> None:
         with lock:
@@ -336,18 +349,23 @@ async def _in_thread(limiter: trio.CapacityLimiter, sock: socket.socket, fn: Cal
         try:
             fn(sock, *args, **kwargs)
         finally:
-            sock.close()
+            with lock:
+                state[0] = "closed"
+                sock.close()
 
     try:
         await trio.to_thread.run_sync(job, abandon_on_cancel=True, limiter=limiter)
     except trio.Cancelled:
         with lock:
-            running, state[0] = state[0] == "running", "abandoned"
-        if not running:
-            sock.close()
-        else:
-            with contextlib.suppress(OSError):  # the thread may have closed it already
-                sock.shutdown(socket.SHUT_RDWR)
+            was, state[0] = state[0], "abandoned"
+            if was == "new":
+                sock.close()
+            elif was == "running":
+                # The peer may have hung up first (a reset): then the socket is no longer connected
+                # and shutdown raises ENOTCONN. The blocked call has ended (or will end) on its own.
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            # "closed": the thread is done and closed the socket itself.
         raise
 
 

@@ -35,6 +35,7 @@ from protolearn.protocol.frames import DEFAULT_LIMITS, TensorLimits
 from protolearn.protocol.gate import Gate
 from protolearn.protocol.log_digest import DEFAULT_INTERVAL_S, DEFAULT_MAX_PEERS, LogDigest, Summary
 from protolearn.protocol.transport.bulk import BulkLane, lane_ip
+from protolearn.protocol.transport.clock import MONOTONIC, Clock
 from protolearn.protocol.transport.streams import FramedStream
 from protolearn.protocol.wire import ErrorReply, Message
 
@@ -122,10 +123,11 @@ class _BanNotifee(INotifee):
 class Host:
     """A running libp2p host. Build it with :func:`open_host`; see the module docstring for the API."""
 
-    def __init__(self, lp: IHost, config: TransportConfig, *, clock: Callable[[], float] = trio.current_time) -> None:
+    def __init__(self, lp: IHost, config: TransportConfig, *, clock: Clock = MONOTONIC) -> None:
         self._lp = lp
         self.config = config
-        # The time rejections are logged against (seconds, monotonic); a test may pass a fake.
+        # The transport's one clock (protocol/transport/clock.py): the rejection log's intervals and
+        # the bulk lane's offers, marks and chunk deadlines are measured in it; a test may pass a fake.
         self.clock = clock
         self.peer_id = str(lp.get_id())
         self.gate = Gate(log_interval_s=config.rejection_log_interval_s, log_max_peers=config.rejection_log_max_peers)
@@ -141,7 +143,7 @@ class Host:
             self.bulk = BulkLane(
                 min_bytes=config.bulk_min_bytes, connect_timeout_s=config.bulk_connect_timeout_s,
                 max_pending=config.max_inbound_streams, max_pending_bytes=config.bulk_max_pending_bytes,
-                offer_ttl_s=config.chunk_timeout_s + config.bulk_connect_timeout_s,
+                offer_ttl_s=config.chunk_timeout_s + config.bulk_connect_timeout_s, clock=clock,
             )
         self._active: dict[str, int] = {}
         # Where we were told a peer listens (a full address dialled, or add_peer_addrs). A peer's
@@ -468,13 +470,14 @@ async def open_host(
     listen: Sequence[str] = DEFAULT_LISTEN,
     config: TransportConfig | None = None,
     *,
-    clock: Callable[[], float] = trio.current_time,
+    clock: Clock = MONOTONIC,
 ) -> AsyncIterator[Host]:
     """Build, start and yield a :class:`Host` listening on ``listen``; close everything on exit.
 
     An error raised in the body comes out as itself, not wrapped in the nurseries' ExceptionGroup.
-    A listen address that cannot be used raises :class:`ConfigError`. ``clock`` is the monotonic
-    time the rejection log's intervals are measured in (the trio clock unless a test fakes it).
+    A listen address that cannot be used raises :class:`ConfigError`. ``clock`` is the transport's
+    one clock (:mod:`protolearn.protocol.transport.clock`): the rejection log's intervals and the
+    bulk lane's times are measured in it (``time.monotonic`` unless a test fakes it).
     """
     cfg = TransportConfig() if config is None else config
     key_pair = create_new_key_pair(bytes(identity.private_bytes))

@@ -17,13 +17,13 @@ import hashlib
 import hmac
 import socket
 import struct
-import time
 from collections.abc import Iterator
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError
+from protolearn.protocol.transport.clock import MONOTONIC, Clock
 
 CHUNK_BYTES = 1024 * 1024
 TAG_BYTES = 16
@@ -68,8 +68,14 @@ def send_chunks(sock: socket.socket, key: bytes, data: memoryview, *, peer: str,
             raise PeerUnavailable(peer, f"bulk lane broke ({type(err).__name__}) in chunk {i} of {n}") from None
 
 
-def receive_chunks(sock: socket.socket, key: bytes, out: bytearray, *, peer: str, chunk_timeout: float) -> None:
-    """Fill ``out`` (exactly the validated size) with the opened chunks; each chunk within ``chunk_timeout``."""
+def receive_chunks(
+    sock: socket.socket, key: bytes, out: bytearray, *, peer: str, chunk_timeout: float, clock: Clock = MONOTONIC
+) -> None:
+    """Fill ``out`` (exactly the validated size) with the opened chunks; each chunk within ``chunk_timeout``.
+
+    ``clock`` measures the chunk deadline; it runs in this (worker) thread, see
+    :mod:`protolearn.protocol.transport.clock`.
+    """
     aead = AESGCM(key)
     total = len(out)
     n = _chunks(total)
@@ -81,9 +87,9 @@ def receive_chunks(sock: socket.socket, key: bytes, out: bytearray, *, peer: str
         want = b - a + TAG_BYTES
         got = 0
         # A per-chunk deadline, not per recv: a peer trickling bytes must still deliver a chunk in time.
-        deadline = time.monotonic() + chunk_timeout
+        deadline = clock() + chunk_timeout
         while got < want:
-            left = deadline - time.monotonic()
+            left = deadline - clock()
             if left <= 0:
                 raise PeerTimeout(peer, f"bulk chunk {i} of {n} not complete within {chunk_timeout:g} s")
             sock.settimeout(left)

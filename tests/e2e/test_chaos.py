@@ -72,7 +72,7 @@ def _kill_while_its_stage_averages(s: Swarm, name: str, other: str, attempts: in
     return False
 
 
-def test_kills_and_a_coordinator_restart_lose_no_ticket(tmp_path: Path) -> None:
+def test_kills_and_a_coordinator_restart_lose_no_ticket(tmp_path: Path, rng: random.Random) -> None:
     config = tmp_path / "run.toml"
     config.write_text(TINY.format(steps=STEPS, codec="none", layers=3, stages=3))
     s = Swarm(tmp_path, config)
@@ -93,7 +93,7 @@ def test_kills_and_a_coordinator_restart_lose_no_ticket(tmp_path: Path) -> None:
         # keeps that stage from applying until the dead replica's tickets are redone).
         _wait_for(lambda: _steps_logged(s, by_stage[0][0]) >= 2, 90, "two steps")
         victim1, victim2 = by_stage[1][0], by_stage[2][0]
-        time.sleep(random.uniform(0.0, 1.5))
+        time.sleep(rng.uniform(0.0, 1.5))  # the suite's seed picks the moment (printed; PROTOLEARN_TEST_SEED)
         _kill(s, victim1)
         in_window = _kill_while_its_stage_averages(s, victim2, by_stage[0][0])
         at_kill = _steps_logged(s, by_stage[0][0])

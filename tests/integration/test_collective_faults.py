@@ -82,6 +82,8 @@ async def run_case(
     addrs: dict[str, list[str]] = {}
     all_up = trio.Event()
     results: dict[str, Done] = {}
+    survivors = {ident.peer_id for rank, ident in enumerate(ids) if rank != victim_rank}
+    all_done = trio.Event()  # every survivor has its result
 
     async def replica(rank: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
         me = ids[rank].peer_id
@@ -100,8 +102,11 @@ async def run_case(
                     if kill_point == "before_start":
                         return
                 results[me] = await avg.run_round_detailed(ROUND, weights, vectors[me])
-                # Stay reachable a moment (as a node would): a slower survivor may still probe us.
-                await trio.sleep(0.2)
+                if survivors <= set(results):
+                    all_done.set()
+                # Stay reachable (as a node would) until every survivor is done: a slower one may still
+                # probe us or fetch from us. run_trio's deadline bounds the wait.
+                await all_done.wait()
 
     async with trio.open_nursery() as nursery:
         for rank in range(len(ids)):

@@ -81,8 +81,8 @@ def bad_requests(rng: random.Random) -> list[tuple[str, str, bytes]]:
     inf = torch.ones(4, 4)
     inf[0, 0] = float("inf")
     return [
-        ("random bytes", "ping", os.urandom(rng.randint(1, 600))),
-        ("random body", "ping", wire.LENGTH_PREFIX.pack(64) + os.urandom(64)),
+        ("random bytes", "ping", rng.randbytes(rng.randint(1, 600))),
+        ("random body", "ping", wire.LENGTH_PREFIX.pack(64) + rng.randbytes(64)),
         ("truncated prefix", "ping", good[: rng.randint(1, 7)]),
         ("truncated body", "ping", good[: rng.randint(8, len(good) - 1)]),
         ("gigabyte prefix", "ping", wire.LENGTH_PREFIX.pack(3 << 30) + b"\x00" * 32),
@@ -120,9 +120,8 @@ def serve_all(server: Host) -> None:
     server.serve("activation", activation, request_type=Activation)
 
 
-def test_barrage_of_bad_requests_is_rejected_and_server_keeps_serving(open_hosts, run_trio, caplog):
+def test_barrage_of_bad_requests_is_rejected_and_server_keeps_serving(open_hosts, run_trio, caplog, test_seed):
     caplog.set_level(logging.WARNING, logger="protolearn.protocol")
-    rng = random.Random(7)
     num_bad = 1000
     answers: dict[str, set[str]] = {}
     bad_peer: list[str] = []
@@ -136,7 +135,7 @@ def test_barrage_of_bad_requests_is_rejected_and_server_keeps_serving(open_hosts
         async with open_hosts(3, SERVER_CONFIG) as (server, bad, good):
             serve_all(server)
             bad_peer.append(bad.peer_id)
-            kinds = bad_requests(rng)
+            kinds = bad_requests(random.Random(test_seed))
             rss_before = rss_bytes()
             started = trio.current_time()
 
@@ -144,7 +143,10 @@ def test_barrage_of_bad_requests_is_rejected_and_server_keeps_serving(open_hosts
                 for i in range(offset, num_bad, 4):
                     label, name, data = kinds[i % len(kinds)] if i >= len(kinds) else kinds[i]
                     if label.startswith(("random", "truncated")):  # fresh random cuts every time
-                        label, name, data = bad_requests(rng)[[k[0] for k in kinds].index(label)]
+                        # One generator per request: the four workers interleave as trio schedules
+                        # them, so a shared one would hand out its draws in a different order each run.
+                        fresh = bad_requests(random.Random(f"{test_seed}:{i}"))
+                        label, name, data = fresh[[k[0] for k in kinds].index(label)]
                     answers.setdefault(label, set()).add(await send_raw(bad, server, name, data))
 
             async with trio.open_nursery() as nursery:
@@ -190,13 +192,12 @@ def _num_rejections(lines: list[str]) -> int:
     return total
 
 
-def test_a_barrage_costs_a_bounded_number_of_log_lines_that_count_every_rejection(open_hosts, run_trio, caplog):
+def test_a_barrage_costs_a_bounded_number_of_log_lines_that_count_every_rejection(open_hosts, run_trio, caplog, test_seed):
     """Garbage sent as fast as one peer can for a few seconds: two lines per interval, summaries on time."""
     caplog.set_level(logging.WARNING, logger="protolearn.protocol")
     interval = 0.5
     config = SERVER_CONFIG.model_copy(update={"rejection_log_interval_s": interval})
-    rng = random.Random(11)
-    kinds = [k for k in bad_requests(rng) if k[0] in ("random body", "not a map", "unknown kind", "nan", "gigabyte prefix")]
+    kinds = [k for k in bad_requests(random.Random(test_seed)) if k[0] in ("random body", "not a map", "unknown kind", "nan", "gigabyte prefix")]
     sent = 0
 
     def lines() -> list[str]:
@@ -207,7 +208,9 @@ def test_a_barrage_costs_a_bounded_number_of_log_lines_that_count_every_rejectio
         async with open_hosts(2, config) as (server, bad):
             serve_all(server)
             start = trio.current_time()
-            while trio.current_time() - start < 3.0:
+            # At least 3 s and at least 150 requests: a barrage, or the bound below says little. A loaded
+            # machine may need longer for the 150; the bound scales with the time taken.
+            while trio.current_time() - start < 3.0 or sent < 150:
                 _, name, data = kinds[sent % len(kinds)]
                 await send_raw(bad, server, name, data)
                 sent += 1
@@ -221,7 +224,6 @@ def test_a_barrage_costs_a_bounded_number_of_log_lines_that_count_every_rejectio
 
     counts, elapsed, bad_peer = run_trio(main, timeout=60)
     logged = lines()
-    assert sent > 100, f"only {sent} bad requests in 3 s"  # a barrage, or the bound below says little
     assert _num_rejections(logged) == sent == sum(counts.values())
     assert len(logged) <= 2 * (math.ceil(elapsed / interval) + 2), logged
     assert all(m.startswith(f"rejected peer={bad_peer}") and " reason=" in m for m in logged)
@@ -266,7 +268,9 @@ def test_hung_peer_is_freed_by_the_deadline(open_hosts, run_trio):
                 good = wire.frame(Ping(text="x", n=1))
                 for partial in (b"", good[:4], good[:12]):
                     nursery.start_soon(hang, partial)
-                with trio.fail_after(8):
+                # Polls the server's counters under a deadline; generous for a loaded machine, since
+                # what it catches is streams held past their 2 s deadline for good.
+                with trio.fail_after(SERVER_CONFIG.request_timeout_s + 15):
                     while server.gate.rejected["PeerTimeout"] < 3 or server.active_streams("ping"):
                         await trio.sleep(0.02)
                 nursery.cancel_scope.cancel()
