@@ -73,8 +73,12 @@ class KillableAverager(Averager):
 
 
 async def run_case(
-    numel: int, weights_by_rank: list[float], victim_rank: int | None, kill_point: str | None, *, floor_s: float = 1.0
+    numel: int, weights_by_rank: list[float], victim_rank: int | None, kill_point: str | None, *, floor_s: float = 3.0
 ) -> tuple[dict, dict]:
+    """``floor_s``: the least a replica waits on a silent peer before suspecting it. Four hosts share one
+    event loop here, and on two busy cores a live one can stay silent past a 1 s floor: then it is
+    suspected, hears of it and fails its round, which this crash-fault test would count as a failure.
+    A dead victim is found by its broken streams and refused probes, not by this wait."""
     ids = sorted((Identity.generate() for _ in weights_by_rank), key=lambda i: i.peer_id)
     weights = {ident.peer_id: w for ident, w in zip(ids, weights_by_rank)}
     gen = torch.Generator().manual_seed(numel)
@@ -165,8 +169,7 @@ def test_no_fault_round_includes_everyone(run_trio) -> None:
 
 def test_a_large_vector_survives_a_sender_dying_mid_scatter(run_trio) -> None:
     async def main() -> None:
-        # Four hosts share one event loop here, so deadlines get the floor a busy machine needs.
-        weights, out = await run_case(2_000_003, [1.0, 1.0, 1.0, 1.0], 2, "mid_scatter", floor_s=3.0)
+        weights, out = await run_case(2_000_003, [1.0, 1.0, 1.0, 1.0], 2, "mid_scatter")
         check(weights, out)
 
     run_trio(main, timeout=60)
