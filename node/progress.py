@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -26,7 +27,11 @@ PROMPT_FIELDS = frozenset({"stage", "state", "waiting"})
 class Progress:
     """Status line plus JSON-lines events. Use as a context manager."""
 
-    def __init__(self, log_path: Path, *, name: str, live: bool | None = None, plain_every_s: float = 5.0) -> None:
+    def __init__(
+        self, log_path: Path, *, name: str, live: bool | None = None, plain_every_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``clock`` paces the plain display (it is built before trio runs, so not trio's clock)."""
         self.log_path = log_path
         self.name = name
         self.fields: dict[str, Any] = {"stage": "-", "step": 0, "state": "joining", "loss": None, "tokens_per_s": 0.0, "peers": 0, "in_flight": 0, "waiting": ""}
@@ -35,6 +40,7 @@ class Progress:
         self._live: Live | None = None
         self._file: IO[str] | None = None
         self._plain_every_s = plain_every_s
+        self._clock = clock
         self._last_plain = 0.0
 
     def __enter__(self) -> Progress:
@@ -72,7 +78,7 @@ class Progress:
         if self._live is not None:
             self._live.update(self._render())
             return
-        now = time.monotonic()
+        now = self._clock()
         if changed or now - self._last_plain >= self._plain_every_s:
             self._last_plain = now
             self._console.print(self._render(), highlight=False, soft_wrap=True)
