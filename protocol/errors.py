@@ -40,3 +40,11 @@ class Refused(ProtocolError):
 
 class SignatureError(ProtocolError):
     """A signature does not verify against the claimed key."""
+
+
+class OverLimit(ProtocolError):
+    """A peer went over one of its per-peer limits (streams, buffered bytes, bulk-lane transfers).
+
+    Its own limit only: other peers are not affected. Repeated, it leads to a temporary ban (see
+    :mod:`protolearn.protocol.gate`).
+    """

@@ -27,7 +27,12 @@ How one tensor travels (see ``FramedStream.send_tensor`` / ``receive_tensor``):
 5. The trailer follows on the stream, as for an in-stream tensor.
 
 A connection to the lane's port that does not present a pending token within ``HELLO_TIMEOUT_S``
-is closed, and at most ``MAX_HELLOS`` such connections are read at once. The chunk loops run in
+is closed, and at most ``MAX_HELLOS`` such connections are read at once, at most
+``max_hellos_per_ip`` from one IP (before its token a connection has no peer id), so one machine
+cannot take every slot. Per peer, at most ``max_pending_per_peer`` offers (so as many worker
+threads) and ``max_pending_bytes_per_peer`` reserved bytes: past them the peer is declined and sends
+in-stream, and the host's gate records it. A whole transfer must finish within
+max(``message_deadline_s``, bytes / ``min_rate``), on both sides, so a trickle frees its thread. The chunk loops run in
 worker threads on blocking sockets, each chunk under the per-chunk deadline, so crypto and copies
 stay off the event loop and the GIL is released in recv/send. (In one process, threads moved
 2.8-4.0 GB/s against trio sockets' 1.7-2.1 GB/s; in the 4-peer recovery bench the two were level.)
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import secrets
 import socket
 import threading
@@ -106,16 +112,33 @@ class OfferTable:
     past the cap, senders are declined and use the stream, which only holds what arrived.
     """
 
-    def __init__(self, *, max_pending: int, max_bytes: int, ttl_s: float) -> None:
+    def __init__(
+        self, *, max_pending: int, max_bytes: int, ttl_s: float, max_pending_per_peer: int | None = None,
+        max_bytes_per_peer: int | None = None,
+    ) -> None:
         self.max_pending = max_pending
         self.max_bytes = max_bytes
+        self.max_pending_per_peer = max_pending if max_pending_per_peer is None else max_pending_per_peer
+        self.max_bytes_per_peer = max_bytes if max_bytes_per_peer is None else max_bytes_per_peer
         self.ttl_s = ttl_s
         self.reserved_bytes = 0
+        self._peer_pending: dict[str, int] = {}  # only peers with offers, so bounded by max_pending
+        self._peer_bytes: dict[str, int] = {}
         self._offers: dict[bytes, Offer] = {}  # made, not yet claimed
         self._claimed: dict[bytes, Offer] = {}  # claimed, transfer not yet over
 
     def __len__(self) -> int:
         return len(self._offers) + len(self._claimed)
+
+    def over_peer_limit(self, peer: str, num_bytes: int, now: float) -> str | None:
+        """Why ``peer`` may not have one more offer of ``num_bytes`` (its own limits), or None."""
+        self.expire(now)
+        pending, reserved = self._peer_pending.get(peer, 0), self._peer_bytes.get(peer, 0)
+        if pending >= self.max_pending_per_peer:
+            return f"peer has {pending} bulk transfers pending, its limit is {self.max_pending_per_peer}"
+        if reserved + num_bytes > self.max_bytes_per_peer:
+            return f"peer has {reserved} bulk bytes reserved, {num_bytes} more exceed its limit of {self.max_bytes_per_peer}"
+        return None
 
     def create(self, peer: str, num_bytes: int, now: float) -> Offer | str:
         self.expire(now)
@@ -123,9 +146,14 @@ class OfferTable:
             return f"{len(self)} bulk transfers pending, the limit is {self.max_pending}"
         if self.reserved_bytes + num_bytes > self.max_bytes:
             return f"bulk buffers of {self.reserved_bytes} bytes reserved, {num_bytes} more exceed the limit of {self.max_bytes}"
+        over = self.over_peer_limit(peer, num_bytes, now)
+        if over is not None:
+            return over
         offer = Offer(secrets.token_bytes(TOKEN_BYTES), secrets.token_bytes(KEY_BYTES), peer, num_bytes, now + self.ttl_s)
         self._offers[offer.token] = offer
         self.reserved_bytes += num_bytes
+        self._peer_pending[peer] = self._peer_pending.get(peer, 0) + 1
+        self._peer_bytes[peer] = self._peer_bytes.get(peer, 0) + num_bytes
         return offer
 
     def claim(self, token: bytes, now: float) -> tuple[Offer | None, str]:
@@ -140,6 +168,12 @@ class OfferTable:
         offer = self._offers.pop(token, None) or self._claimed.pop(token, None)
         if offer is not None:
             self.reserved_bytes -= offer.num_bytes
+            left = self._peer_pending[offer.peer] - 1
+            if left:
+                self._peer_pending[offer.peer] = left
+                self._peer_bytes[offer.peer] -= offer.num_bytes
+            else:
+                del self._peer_pending[offer.peer], self._peer_bytes[offer.peer]
 
     def expire(self, now: float) -> list[Offer]:
         gone = [o for o in self._offers.values() if o.expires_at <= now]
@@ -178,12 +212,23 @@ class BulkLane:
 
     def __init__(
         self, *, min_bytes: int, connect_timeout_s: float, max_pending: int, max_pending_bytes: int, offer_ttl_s: float,
-        clock: Clock = MONOTONIC,
+        clock: Clock = MONOTONIC, max_pending_per_peer: int | None = None, max_pending_bytes_per_peer: int | None = None,
+        max_hellos_per_ip: int = MAX_HELLOS, message_deadline_s: float = math.inf, min_rate: float = math.inf,
+        on_over_limit: Callable[[str, str], None] | None = None,
     ) -> None:
         self.clock = clock
         self.min_bytes = min_bytes
         self.connect_timeout_s = connect_timeout_s
-        self.offers = OfferTable(max_pending=max_pending, max_bytes=max_pending_bytes, ttl_s=offer_ttl_s)
+        self.offers = OfferTable(
+            max_pending=max_pending, max_bytes=max_pending_bytes, ttl_s=offer_ttl_s,
+            max_pending_per_peer=max_pending_per_peer, max_bytes_per_peer=max_pending_bytes_per_peer,
+        )
+        self.max_hellos_per_ip = max_hellos_per_ip
+        self.message_deadline_s = message_deadline_s
+        self.min_rate = min_rate
+        # Told (peer, reason) when a peer is declined for its own limits: the host records it at its gate.
+        self.on_over_limit = on_over_limit
+        self._hellos_by_ip: dict[str, int] = {}
         self.stats = BulkStats()
         self.ip = ""
         self.port = 0  # what offers advertise; 0 until the listener runs
@@ -208,18 +253,27 @@ class BulkLane:
                 task_status.started()
                 while True:
                     try:
-                        conn, _ = await listener.accept()
+                        conn, _ = await listener.accept()  # _: the remote (ip, port)
                     except OSError as err:  # e.g. out of file descriptors: the lane waits, the host goes on
                         log.warning("bulk lane accept failed reason=%s: %s", type(err).__name__, err)
                         await trio.sleep(0.1)
                         continue
+                    ip = str(_[0])
                     if self._num_hellos >= MAX_HELLOS:
                         self._refuse(conn, f"more than {MAX_HELLOS} connections waiting to present a token")
                         continue
+                    if self._hellos_by_ip.get(ip, 0) >= self.max_hellos_per_ip:
+                        self._refuse(conn, f"more than {self.max_hellos_per_ip} connections from {ip} waiting to present a token")
+                        continue
                     self._num_hellos += 1
-                    nursery.start_soon(self._hello, conn)
+                    self._hellos_by_ip[ip] = self._hellos_by_ip.get(ip, 0) + 1
+                    nursery.start_soon(self._hello, conn, ip)
 
-    async def _hello(self, conn: trio.socket.SocketType) -> None:
+    def total_timeout(self, num_bytes: int) -> float:
+        """The whole-transfer deadline of a payload of ``num_bytes``: max(base, bytes / min rate)."""
+        return max(self.message_deadline_s, num_bytes / self.min_rate)
+
+    async def _hello(self, conn: trio.socket.SocketType, ip: str) -> None:
         with conn:  # closed on every way out but one: handed over (detached) to the waiting receiver
             try:
                 token = b""
@@ -234,6 +288,11 @@ class BulkLane:
                 return
             finally:
                 self._num_hellos -= 1
+                left = self._hellos_by_ip[ip] - 1
+                if left:
+                    self._hellos_by_ip[ip] = left
+                else:
+                    del self._hellos_by_ip[ip]
             if len(token) < TOKEN_BYTES:
                 self._refuse(conn, f"no token within {HELLO_TIMEOUT_S:g} s ({len(token)} of {TOKEN_BYTES} bytes)")
                 return
@@ -266,6 +325,11 @@ class BulkLane:
         """Make an offer for a validated payload of ``num_bytes``, or say why not."""
         if not self.port:
             return "bulk lane is not listening"
+        over = self.offers.over_peer_limit(peer, num_bytes, self.clock())
+        if over is not None:
+            if self.on_over_limit is not None:
+                self.on_over_limit(peer, over)
+            return over
         made = self.offers.create(peer, num_bytes, self.clock())
         if isinstance(made, Offer):
             self._waiters[made.token] = _Waiter(made)
@@ -290,7 +354,8 @@ class BulkLane:
             out = bytearray(offer.num_bytes)  # the validated size, nothing more
             sock, waiter.sock = waiter.sock, None
             await _in_thread(
-                self._receive_threads, sock, receive_chunks, offer.key, out, peer=peer, chunk_timeout=chunk_timeout, clock=self.clock
+                self._receive_threads, sock, receive_chunks, offer.key, out, peer=peer, chunk_timeout=chunk_timeout, clock=self.clock,
+                total_timeout=self.total_timeout(offer.num_bytes),
             )
         finally:
             self.withdraw(offer)
@@ -325,7 +390,10 @@ class BulkLane:
 
     async def send(self, sock: socket.socket, key: bytes, data: memoryview, *, peer: str, chunk_timeout: float) -> None:
         """Send ``data`` sealed with ``key`` on a socket from :meth:`connect` (which this closes)."""
-        await _in_thread(self._send_threads, sock, send_chunks, key, data, peer=peer, chunk_timeout=chunk_timeout)
+        await _in_thread(
+            self._send_threads, sock, send_chunks, key, data, peer=peer, chunk_timeout=chunk_timeout,
+            total_timeout=self.total_timeout(len(data)), clock=self.clock,
+        )
         self.stats.num_sent += 1
 
 

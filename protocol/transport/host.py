@@ -32,7 +32,15 @@ from protolearn.protocol import wire
 from protolearn.protocol.addresses import advertised, check_port_free, parse_multiaddr, strip_p2p
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused, WrongPeer
 from protolearn.protocol.frames import DEFAULT_LIMITS, TensorLimits
-from protolearn.protocol.gate import Gate
+from protolearn.protocol.gate import (
+    DEFAULT_ABUSE_THRESHOLD,
+    DEFAULT_ABUSE_WINDOW_S,
+    DEFAULT_MAX_TRACKED,
+    DEFAULT_TEMP_BAN_S,
+    BULK_LIMIT,
+    Abuse,
+    Gate,
+)
 from protolearn.protocol.log_digest import DEFAULT_INTERVAL_S, DEFAULT_MAX_PEERS, LogDigest, Summary
 from protolearn.protocol.transport.bulk import BulkLane, lane_ip
 from protolearn.protocol.transport.clock import MONOTONIC, Clock
@@ -68,6 +76,20 @@ class TransportConfig(BaseModel):
     max_message_bytes: int = Field(default=16 * 1024 * 1024, gt=wire.LENGTH_PREFIX.size)
     chunk_bytes: int = Field(default=1024 * 1024, gt=0)
     max_inbound_streams: int = Field(default=64, gt=0)
+    # Per-peer limits (issue 12, protocol/gate.py): one peer's concurrent inbound streams per protocol
+    # (a protocol's own max_inbound is the cap when lower). A peer over a limit is refused, others are not.
+    max_inbound_streams_per_peer: int = Field(default=16, gt=0)
+    # Whole-message deadlines: an inbound message or tensor payload of N bytes must arrive in full within
+    # max(message_deadline_s, N / min_rate_bytes_per_s) of its start, whatever the per-read deadlines;
+    # a served request must start arriving within message_deadline_s of its stream opening.
+    message_deadline_s: float = Field(default=10.0, gt=0)
+    min_rate_bytes_per_s: float = Field(default=256 * 1024, gt=0)
+    # Repeated abuse (stream limit, per-peer buffer limit, idle or too slow): abuse_threshold such
+    # rejections within abuse_window_s ban the peer for temp_ban_s, after which the ban expires.
+    abuse_window_s: float = Field(default=DEFAULT_ABUSE_WINDOW_S, gt=0)
+    abuse_threshold: int = Field(default=DEFAULT_ABUSE_THRESHOLD, gt=0)
+    temp_ban_s: float = Field(default=DEFAULT_TEMP_BAN_S, gt=0)
+    abuse_max_peers: int = Field(default=DEFAULT_MAX_TRACKED, gt=0)
     tensor_limits: TensorLimits = DEFAULT_LIMITS
     # The bulk lane (protocol/transport/bulk.py): payloads of at least bulk_min_bytes go over a direct
     # AEAD-sealed TCP connection when both hosts have it on; a lane that cannot be dialled falls back.
@@ -75,6 +97,11 @@ class TransportConfig(BaseModel):
     bulk_min_bytes: int = Field(default=1024 * 1024, gt=0)
     bulk_connect_timeout_s: float = Field(default=2.0, gt=0)
     bulk_max_pending_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)  # receive buffers reserved at once
+    # ... and per peer: its pending lane transfers (each takes a worker thread while it runs) and bytes.
+    bulk_max_pending_per_peer: int = Field(default=4, gt=0)
+    bulk_max_pending_bytes_per_peer: int = Field(default=256 * 1024 * 1024, gt=0)
+    # Lane connections from one IP that have not yet presented a token (the lane knows no peer id then).
+    bulk_max_hellos_per_ip: int = Field(default=16, gt=0)
     # Rejection log lines (protocol/gate.py): a peer's first rejection per interval in full, the rest
     # summarised with counts at the interval's end; at most this many peers are counted apart.
     rejection_log_interval_s: float = Field(default=DEFAULT_INTERVAL_S, gt=0)
@@ -94,7 +121,7 @@ class _BanNotifee(INotifee):
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
         peer = str(conn.muxed_conn.peer_id)
-        rejection = self._host.gate.check_connection(peer)
+        rejection = self._host.gate.check_connection(peer, self._host.clock())
         if rejection is not None:
             self._host.gate.record(rejection, self._host.clock())
             self._host._schedule_disconnect(peer)
@@ -130,7 +157,11 @@ class Host:
         # the bulk lane's offers, marks and chunk deadlines are measured in it; a test may pass a fake.
         self.clock = clock
         self.peer_id = str(lp.get_id())
-        self.gate = Gate(log_interval_s=config.rejection_log_interval_s, log_max_peers=config.rejection_log_max_peers)
+        abuse = Abuse(window_s=config.abuse_window_s, threshold=config.abuse_threshold, ban_s=config.temp_ban_s, max_peers=config.abuse_max_peers)
+        self.gate = Gate(
+            log_interval_s=config.rejection_log_interval_s, log_max_peers=config.rejection_log_max_peers,
+            abuse=abuse, on_ban=self._schedule_disconnect,
+        )
         # (protocol, reason) of requests a handler refused on purpose: logged per peer and interval too,
         # since a peer can ask for refusals as fast as for rejections.
         self._refusal_log: LogDigest[tuple[str, str]] = LogDigest(
@@ -144,8 +175,12 @@ class Host:
                 min_bytes=config.bulk_min_bytes, connect_timeout_s=config.bulk_connect_timeout_s,
                 max_pending=config.max_inbound_streams, max_pending_bytes=config.bulk_max_pending_bytes,
                 offer_ttl_s=config.chunk_timeout_s + config.bulk_connect_timeout_s, clock=clock,
+                max_pending_per_peer=config.bulk_max_pending_per_peer,
+                max_pending_bytes_per_peer=config.bulk_max_pending_bytes_per_peer,
+                max_hellos_per_ip=config.bulk_max_hellos_per_ip,
+                message_deadline_s=config.message_deadline_s, min_rate=config.min_rate_bytes_per_s,
+                on_over_limit=lambda peer, reason: self.gate.reject(peer, "bulk", BULK_LIMIT, reason, self.clock()),
             )
-        self._active: dict[str, int] = {}
         # Where we were told a peer listens (a full address dialled, or add_peer_addrs). A peer's
         # identify replaces our peerstore entry with what it advertises, which for a 0.0.0.0 listener
         # is /ip4/0.0.0.0/..., useless from another machine; a redial goes back to these.
@@ -182,7 +217,7 @@ class Host:
             raise PeerUnavailable("unknown", f"address {addr!r} has no /p2p/<peer id> part ({err}); copy the full address the peer prints") from None
         peer = str(info.peer_id)
         if self.is_banned(peer):
-            raise Refused(peer, f"not connecting: peer is banned ({self.gate.bans[peer]})")
+            raise Refused(peer, f"not connecting: peer is banned ({self.gate.ban_reason(peer, self.clock())})")
         limit = self.config.connect_timeout_s if timeout is None else timeout
         self._dial_addrs[peer] = [strip_p2p(maddr)]
         try:
@@ -224,7 +259,7 @@ class Host:
             peer = await self.connect(peer)
         pid = _parse_peer_id(peer)
         if self.is_banned(peer):
-            raise Refused(peer, f"peer is banned ({self.gate.bans[peer]})")
+            raise Refused(peer, f"peer is banned ({self.gate.ban_reason(peer, self.clock())})")
         return pid
 
     # -- the gate -----------------------------------------------------------------------------
@@ -242,11 +277,12 @@ class Host:
         return self._lp.get_private_key().sign(data)
 
     def is_banned(self, peer_id: str) -> bool:
-        return self.gate.is_banned(peer_id)
+        """Banned for good (:meth:`ban`) or for a while (repeated abuse, see protocol/gate.py)."""
+        return self.gate.is_banned(peer_id, self.clock())
 
-    def active_streams(self, name: str) -> int:
-        """How many inbound streams of protocol ``name`` are being handled right now."""
-        return self._active.get(name, 0)
+    def active_streams(self, name: str, peer: str | None = None) -> int:
+        """How many inbound streams of protocol ``name`` (from ``peer``, if given) are being handled right now."""
+        return self.gate.active_streams(name, peer)
 
     def _schedule_disconnect(self, peer_id: str) -> None:
         try:
@@ -298,18 +334,21 @@ class Host:
         request_type: type[Message] | tuple[type[Message], ...],
         max_inbound: int | None = None,
         max_bytes: int | None = None,
+        max_inbound_per_peer: int | None = None,
     ) -> None:
         """Answer ``/protolearn/<name>/1.0.0``: one request and one reply per inbound stream.
 
         A request may be at most ``max_bytes`` (default ``config.max_message_bytes``); at most
-        ``max_inbound`` requests are read at once, so this protocol buffers at most their product.
+        ``max_inbound`` requests are read at once (at most ``max_inbound_per_peer``, default
+        ``config.max_inbound_streams_per_peer``, from one peer), so this protocol buffers at most their product.
         """
         request_limit = self.config.max_message_bytes if max_bytes is None else max_bytes
 
         async def on_stream(peer: str, s: FramedStream) -> None:
             s.max_message_bytes = request_limit
             try:
-                request = await s.receive(request_type, timeout=self.config.request_timeout_s)
+                # An honest caller writes its request at once: an idle stream is let go after the base deadline.
+                request = await s.receive(request_type, timeout=min(self.config.request_timeout_s, self.config.message_deadline_s))
             except ProtocolError as err:
                 self.gate.reject(peer, name, type(err).__name__, err.reason, self.clock())
                 await self._refuse(s, err)
@@ -326,7 +365,7 @@ class Host:
             if not isinstance(reply, ErrorReply):
                 self.requests_served += 1
 
-        self._register(name, on_stream, max_inbound)
+        self._register(name, on_stream, max_inbound, max_inbound_per_peer)
 
     async def _refuse(self, s: FramedStream, err: ProtocolError) -> None:
         # Tell an honest but mismatched peer why (e.g. an old version), then drop the stream. The
@@ -340,35 +379,35 @@ class Host:
                 pass  # the peer is gone or not reading; the rejection is already logged
         await s.reset()
 
-    def serve_stream(self, name: str, handler: StreamHandler, *, max_inbound: int | None = None) -> None:
+    def serve_stream(
+        self, name: str, handler: StreamHandler, *, max_inbound: int | None = None, max_inbound_per_peer: int | None = None,
+    ) -> None:
         """Hand each inbound stream of ``/protolearn/<name>/1.0.0`` to ``handler(peer_id, stream)``.
 
         A handler's :class:`ProtocolError` is logged as a rejection, others are logged; either way the
         stream is reset. A normal return half-closes the stream.
         """
-        self._register(name, handler, max_inbound)
+        self._register(name, handler, max_inbound, max_inbound_per_peer)
 
-    def _register(self, name: str, handler: StreamHandler, max_inbound: int | None) -> None:
+    def _register(self, name: str, handler: StreamHandler, max_inbound: int | None, max_inbound_per_peer: int | None = None) -> None:
         limit = self.config.max_inbound_streams if max_inbound is None else max_inbound
-        if limit <= 0:
-            raise ValueError(f"max_inbound must be positive, got {limit}")
-        self._active.setdefault(name, 0)
+        peer_limit = min(limit, self.config.max_inbound_streams_per_peer if max_inbound_per_peer is None else max_inbound_per_peer)
+        if limit <= 0 or peer_limit <= 0:
+            raise ValueError(f"max_inbound ({limit}) and max_inbound_per_peer ({peer_limit}) must be positive")
 
         async def on_raw_stream(raw: INetStream) -> None:
             peer = str(raw.muxed_conn.peer_id)
             s = self._wrap(raw, peer, name)
-            rejection = self.gate.check_stream(peer, name, num_active=self._active[name], limit=limit)
+            rejection = self.gate.admit_stream(peer, name, limit=limit, peer_limit=peer_limit, now=self.clock())
             if rejection is not None:
-                self.gate.record(rejection, self.clock())
                 await s.reset()
                 if self.is_banned(peer):
                     self._schedule_disconnect(peer)
                 return
-            self._active[name] += 1
             try:
                 await self._run_handler(handler, peer, name, s)
             finally:
-                self._active[name] -= 1
+                self.gate.release_stream(peer, name)
 
         self._lp.set_stream_handler(protocol_id(name), on_raw_stream)  # type: ignore[arg-type]
 
@@ -398,6 +437,8 @@ class Host:
             max_message_bytes=c.max_message_bytes,
             chunk_bytes=c.chunk_bytes,
             limits=c.tensor_limits,
+            message_deadline_s=c.message_deadline_s,
+            min_rate=c.min_rate_bytes_per_s,
             bulk=self.bulk if self.bulk is not None and self.bulk.port else None,
         )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import socket
 import struct
 from collections.abc import Iterator
@@ -55,23 +56,33 @@ def seal_chunks(key: bytes, data: memoryview) -> Iterator[memoryview]:
         yield sealed
 
 
-def send_chunks(sock: socket.socket, key: bytes, data: memoryview, *, peer: str, chunk_timeout: float) -> None:
-    """Seal and send ``data`` chunk by chunk; each chunk must be taken within ``chunk_timeout``."""
+def send_chunks(
+    sock: socket.socket, key: bytes, data: memoryview, *, peer: str, chunk_timeout: float, total_timeout: float = math.inf,
+    clock: Clock = MONOTONIC,
+) -> None:
+    """Seal and send ``data`` chunk by chunk; each chunk must be taken within ``chunk_timeout``, and all
+    of them within ``total_timeout`` (a receiver that reads a trickle must not hold this thread for ever)."""
     n = _chunks(len(data))
+    end = clock() + total_timeout
     for i, sealed in enumerate(seal_chunks(key, data)):
-        sock.settimeout(chunk_timeout)  # sendall's timeout bounds the whole chunk
+        left = min(chunk_timeout, end - clock())
+        if left <= 0:
+            raise PeerTimeout(peer, f"bulk transfer of {len(data)} bytes not taken within {total_timeout:g} s (chunk {i} of {n})")
+        sock.settimeout(left)  # sendall's timeout bounds the whole chunk
         try:
             sock.sendall(sealed)
         except TimeoutError:
-            raise PeerTimeout(peer, f"bulk chunk {i} of {n} not taken within {chunk_timeout:g} s") from None
+            raise PeerTimeout(peer, f"bulk chunk {i} of {n} not taken within {left:g} s") from None
         except OSError as err:
             raise PeerUnavailable(peer, f"bulk lane broke ({type(err).__name__}) in chunk {i} of {n}") from None
 
 
 def receive_chunks(
-    sock: socket.socket, key: bytes, out: bytearray, *, peer: str, chunk_timeout: float, clock: Clock = MONOTONIC
+    sock: socket.socket, key: bytes, out: bytearray, *, peer: str, chunk_timeout: float, clock: Clock = MONOTONIC,
+    total_timeout: float = math.inf,
 ) -> None:
-    """Fill ``out`` (exactly the validated size) with the opened chunks; each chunk within ``chunk_timeout``.
+    """Fill ``out`` (exactly the validated size) with the opened chunks; each chunk within ``chunk_timeout``
+    and the whole transfer within ``total_timeout`` (so a trickle cannot hold the thread for ever).
 
     ``clock`` measures the chunk deadline; it runs in this (worker) thread, see
     :mod:`protolearn.protocol.transport.clock`.
@@ -81,15 +92,18 @@ def receive_chunks(
     n = _chunks(total)
     scratch = bytearray(min(CHUNK_BYTES, total) + TAG_BYTES)
     sv, ov = memoryview(scratch), memoryview(out)
+    end = clock() + total_timeout
     for i in range(n):
         a = i * CHUNK_BYTES
         b = min(total, a + CHUNK_BYTES)
         want = b - a + TAG_BYTES
         got = 0
         # A per-chunk deadline, not per recv: a peer trickling bytes must still deliver a chunk in time.
-        deadline = clock() + chunk_timeout
+        deadline = min(clock() + chunk_timeout, end)
         while got < want:
             left = deadline - clock()
+            if left <= 0 and deadline == end:
+                raise PeerTimeout(peer, f"bulk transfer of {total} bytes not complete within {total_timeout:g} s ({a + got} bytes came)")
             if left <= 0:
                 raise PeerTimeout(peer, f"bulk chunk {i} of {n} not complete within {chunk_timeout:g} s")
             sock.settimeout(left)

@@ -14,7 +14,12 @@ a direct, AEAD-sealed TCP connection instead (negotiated on this stream right af
 
 The receiver checks the header against its :class:`~protolearn.protocol.frames.TensorLimits` and its
 expected dtype/shape *before* reading the payload, reads exactly the declared count (never more), and
-only then builds the :class:`~protolearn.protocol.frames.TensorFrame`. libp2p reports a crashed peer
+only then builds the :class:`~protolearn.protocol.frames.TensorFrame`.
+
+Whole-message deadlines (issue 12). Per-read deadlines alone let a peer hold a stream for ever by
+sending a byte now and then. So once a message's length prefix (or a tensor's header) has arrived,
+its N bytes must arrive in full within max(``message_deadline_s``, N / ``min_rate``), on top of the
+per-read and per-chunk deadlines; a stream past that raises :class:`PeerTimeout` naming the peer. libp2p reports a crashed peer
 as a plain EOF, so an EOF before the declared count is reported as ``PeerUnavailable("stream ended
 mid-...")``; a peer that stops sending is caught by the deadline (``PeerTimeout``).
 
@@ -24,6 +29,7 @@ trio or libp2p.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import trio
@@ -83,6 +89,8 @@ class FramedStream:
         chunk_bytes: int,
         limits: TensorLimits = DEFAULT_LIMITS,
         bulk: BulkLane | None = None,
+        message_deadline_s: float = math.inf,
+        min_rate: float = math.inf,
     ) -> None:
         self.raw = stream
         self.bulk = bulk
@@ -93,6 +101,8 @@ class FramedStream:
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = chunk_bytes
         self.limits = limits
+        self.message_deadline_s = message_deadline_s
+        self.min_rate = min_rate
         self.bytes_received = 0
         self.bytes_sent = 0
         self.finished = False  # closed or reset: a later close() does nothing
@@ -150,8 +160,16 @@ class FramedStream:
         except trio.TooSlowError:
             raise PeerTimeout(self.peer_id, f"could not send {msg.KIND} within {limit:g} s on {self.protocol}") from None
 
+    def whole_deadline(self, num_bytes: int, base: float | None = None) -> float:
+        """Seconds the ``num_bytes`` of one message or payload may take in all: max(base, bytes / min rate),
+        where the base is ``message_deadline_s`` or the caller's shorter one."""
+        base = self.message_deadline_s if base is None else min(base, self.message_deadline_s)
+        return max(base, num_bytes / self.min_rate)
+
     async def receive(self, expect: type[M] | tuple[type[Message], ...], *, timeout: float | None = None) -> M:
-        """Receive one message of an expected kind within the deadline.
+        """Receive one message of an expected kind: it must start (its length) within ``timeout`` and
+        its body must follow within :meth:`whole_deadline` (``timeout`` at most as its base, so a
+        small message keeps the caller's deadline), so a trickle cannot stretch it.
 
         A remote ``ErrorReply`` raises :class:`Refused` with the remote's code and reason.
         """
@@ -159,10 +177,15 @@ class FramedStream:
         try:
             with trio.fail_after(limit):
                 prefix = await self._read_exact(wire.LENGTH_PREFIX.size, what="message length")
-                n = wire.parse_length(prefix, peer=self.peer_id, max_bytes=self.max_message_bytes)
-                body = await self._read_exact(n, what="message")
         except trio.TooSlowError:
             raise PeerTimeout(self.peer_id, f"no complete message within {limit:g} s on {self.protocol}") from None
+        n = wire.parse_length(prefix, peer=self.peer_id, max_bytes=self.max_message_bytes)
+        whole = self.whole_deadline(n, limit)
+        try:
+            with trio.fail_after(whole):
+                body = await self._read_exact(n, what="message")
+        except trio.TooSlowError:
+            raise PeerTimeout(self.peer_id, f"no complete message within {whole:g} s on {self.protocol} (its {n} bytes came too slowly)") from None
         msg = wire.decode(body, peer=self.peer_id, expect=expect)
         if isinstance(msg, ErrorReply) and not _expects_error(expect):
             raise Refused(self.peer_id, f"{msg.code}: {msg.reason[:200]}")
@@ -238,8 +261,17 @@ class FramedStream:
         header = await self.receive(TensorHeader, timeout=limit)
         self._check_header(header, lim, codec=codec, dtype=dtype, shape=shape)
         data: bytes | bytearray | None = await self._receive_bulk(header, limit) if header.bulk else None
-        if data is None:
-            data = await self._read_exact(header.data_bytes, what="tensor", chunk_timeout=limit) if header.data_bytes else b""
+        if data is None and header.data_bytes:
+            whole = self.whole_deadline(header.data_bytes)
+            try:
+                with trio.fail_after(whole):
+                    data = await self._read_exact(header.data_bytes, what="tensor", chunk_timeout=limit)
+            except trio.TooSlowError:
+                raise PeerTimeout(
+                    self.peer_id, f"tensor of {header.data_bytes} bytes not complete within {whole:g} s on {self.protocol} (too slow)",
+                ) from None
+        elif data is None:
+            data = b""
         trailer = await self.receive(TensorTrailer, timeout=limit)
         if trailer.data_bytes != header.data_bytes:
             raise ProtocolError(self.peer_id, f"tensor trailer says {trailer.data_bytes} bytes, header said {header.data_bytes}")
