@@ -14,8 +14,9 @@ for a while: a peer that still probes it gets this replica's signed fin back (it
 if the round failed here, a ``Refuse`` with code ``left``, so that nobody waits out a deadline on a
 replica that is done.
 Parts of a round this replica has not started yet (a faster replica got the step's accounting first)
-are held, but only for the current and the next round and at most two per participant, so memory
-stays bounded. A replica that the step's accounting leaves out (it processed no ticket, so no peer
+are held, but only for the current and the next round, and within per-peer and total bounds on parts
+and bytes checked against the header before the payload is read (:mod:`protolearn.node.early_parts`),
+so memory stays bounded whoever sends them. A replica that the step's accounting leaves out (it processed no ticket, so no peer
 expects it) asks a participant for the finished round's vector with :class:`ResultRequest`, and so
 applies exactly the same update. The round's hard deadline comes from the node config; a round survives
 dead peers, and :attr:`Averager.last_done` says whose contributions are in (``excluded``: tickets to redo);
@@ -25,12 +26,13 @@ dead peers, and :attr:`Averager.last_done` says whose contributions are in (``ex
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 import trio
 from protolearn.node.core import REVISIONS_PER_STEP
+from protolearn.node.early_parts import EarlyParts
 from protolearn.node.errors import NodeError
 from protolearn.protocol.collective import (
     DEFAULT_FLOOR_S,
@@ -43,15 +45,13 @@ from protolearn.protocol.collective import (
     Rejected,
     Send,
 )
-from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.errors import OverLimit, ProtocolError
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse, ResultRequest
 from protolearn.protocol.statements import Sign, Verify, part_hash, verify_ed25519
 from protolearn.protocol.tensors import TensorFrame, TensorLimits, from_frame
-from protolearn.protocol.transport import FramedStream, Host
+from protolearn.protocol.transport import FramedStream, Host, TensorHeader
 
 log = logging.getLogger("protolearn.node")
-# Early parts held per round: scatter + gather from each of up to this many participants.
-MAX_EARLY_PARTS = 2 * 1024
 SEND_RETRY_S = 0.2
 
 
@@ -88,12 +88,15 @@ class Averager:
         self, host: Host, stage: int, numel: int, *, timeout_s: float, floor_s: float = DEFAULT_FLOOR_S,
         window: Callable[[], int] | None = None, first_round: int = 0, clock: Callable[[], float] = trio.current_time,
         sign: Sign | None = None, verify: Verify = verify_ed25519, max_liars: int = 1,
+        members: Callable[[], Collection[str]] | None = None,
     ) -> None:
         """``window``: the round this replica takes part in next, from its owner (the node core, which
         knows whether a step may still reopen). Without one, the averager counts its own rounds from
         ``first_round`` (a stand-alone averager in a test or benchmark). ``sign``: this node's signature
         (by default the host's identity key); ``verify``: a peer's; ``max_liars``: see
-        :class:`~protolearn.protocol.collective.CollectiveRound`."""
+        :class:`~protolearn.protocol.collective.CollectiveRound`. ``members``: this stage's members in the
+        node's view, so that parts from non-members held before a round starts share a small budget
+        (None: every sender is treated as a possible member; the per-peer bounds hold either way)."""
         self.host = host
         self.stage = stage
         self.numel = numel
@@ -114,7 +117,9 @@ class Averager:
         self._round: CollectiveRound | None = None
         self._outbox: trio.MemorySendChannel[Send | Probe] | None = None
         self._finished = trio.Event()
-        self._early: dict[int, list[_Pending]] = {}
+        # Parts of rounds not started here yet, bounded per peer and in all (node/early_parts.py).
+        self._early: EarlyParts[_Pending] = EarlyParts(vector_bytes=4 * numel)
+        self._members = members
         self._limits = TensorLimits(max_elements=max(1, numel), max_bytes=max(4, 4 * numel))
         # Finished rounds' results, kept for replicas that fetch them (the last two rounds only).
         self._results: dict[int, torch.Tensor] = {}
@@ -155,20 +160,41 @@ class Averager:
                 return
             await s.send(Ack())
             return
-        data, data_digest = None, None
-        if msg.phase != "fin":
-            shape = None
-            if r is not None and 0 <= msg.part < len(r.bounds):
-                a, b = r.bounds[msg.part]
-                shape = [b - a]
-            frame = await s.receive_tensor(codec="none", dtype=torch.float32, shape=shape, limits=self._limits)
-            data = from_frame(frame, peer=peer, dtype=torch.float32, limits=self._limits, require_finite=True)
-            if data.dim() != 1:
-                raise ProtocolError(peer, f"collective part must be a flat vector, got shape {list(data.shape)}")
-            if msg.phase == "gather":  # the round checks it against the signed hash
-                data_digest = await trio.to_thread.run_sync(part_hash, data)
-        # The round may have started while the tensor was read; its held parts are already taken.
-        r = self._round if self._round is not None and self._round.round_id == msg.round else None
+        # A part of a round not started here may be held: its bytes are admitted against the sender's
+        # bounds (node/early_parts.py) once its header is checked, before its payload is read.
+        early = r is None and self.next_round <= msg.round <= self.next_round + 1
+        reserved: list[int] = []
+
+        def admit(header: TensorHeader) -> None:
+            if early:
+                self._reserve_early(peer, msg.round, header.data_bytes)
+                reserved.append(header.data_bytes)
+
+        try:
+            data, data_digest = None, None
+            if msg.phase != "fin":
+                shape = None
+                if r is not None and 0 <= msg.part < len(r.bounds):
+                    a, b = r.bounds[msg.part]
+                    shape = [b - a]
+                frame = await s.receive_tensor(codec="none", dtype=torch.float32, shape=shape, limits=self._limits, admit=admit)
+                data = from_frame(frame, peer=peer, dtype=torch.float32, limits=self._limits, require_finite=True)
+                if data.dim() != 1:
+                    raise ProtocolError(peer, f"collective part must be a flat vector, got shape {list(data.shape)}")
+                if msg.phase == "gather":  # the round checks it against the signed hash
+                    data_digest = await trio.to_thread.run_sync(part_hash, data)
+            elif early:
+                self._reserve_early(peer, msg.round, 0)
+                reserved.append(0)
+            # The round may have started while the tensor was read; its held parts are already taken.
+            r = self._round if self._round is not None and self._round.round_id == msg.round else None
+            if r is None and reserved and self.next_round <= msg.round <= self.next_round + 1:
+                self._early.hold(msg.round, peer, reserved.pop(), _Pending(peer, msg, data, data_digest))
+                await s.send(Ack())
+                return
+        finally:
+            if reserved:  # not held: refused, broken, or its round started meanwhile
+                self._early.unreserve(peer, reserved.pop())
         if r is not None:
             actions = self._receive(r, _Pending(peer, msg, data, data_digest))
             refused = [a for a in actions if isinstance(a, Rejected)]
@@ -177,15 +203,23 @@ class Averager:
                 await s.send(Refuse(code="invalid", reason=refused[0].reason[:500]))
                 return
         elif self.next_round <= msg.round <= self.next_round + 1:
-            held = self._early.setdefault(msg.round, [])
-            if len(held) >= MAX_EARLY_PARTS:
-                await s.send(Refuse(code="busy", reason=f"too many early parts held for round {msg.round}"))
+            # Read for a round that was running then (and ended since): held like any early part, if it fits.
+            num_bytes = 0 if data is None else 4 * data.numel()
+            why = self._early.reserve(peer, num_bytes, member=self._members is None or peer in self._members())
+            if why is not None:
+                await s.send(Refuse(code="busy", reason=f"early part for round {msg.round}: {why}"[:500]))
                 return
-            held.append(_Pending(peer, msg, data, data_digest))
+            self._early.hold(msg.round, peer, num_bytes, _Pending(peer, msg, data, data_digest))
         else:
             await s.send(Refuse(code="stale", reason=f"round {msg.round} is not current (next round {self.next_round})"))
             return
         await s.send(Ack())
+
+    def _reserve_early(self, peer: str, round_id: int, num_bytes: int) -> None:
+        member = self._members is None or peer in self._members()
+        why = self._early.reserve(peer, num_bytes, member=member)
+        if why is not None:
+            raise OverLimit(peer, f"stage {self.stage} early part for round {round_id} of {num_bytes} bytes: {why}")
 
     def _receive(self, r: CollectiveRound, p: _Pending) -> list:
         m = p.msg
@@ -267,12 +301,12 @@ class Averager:
         send, recv = trio.open_memory_channel[Send | Probe](16 * len(weights) ** 2 + 64)
         self._round, self._outbox, self._finished = r, send, trio.Event()
         self._pending = {}
-        self._early = {k: v for k, v in self._early.items() if k >= round_id}
+        self._early.drop_before(round_id)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._sender, recv, round_id, nursery)
                 self._dispatch(r.start(vector, self.clock()))
-                for p in self._early.pop(round_id, []):
+                for p in self._early.take(round_id):
                     self._dispatch(self._receive(r, p))
                 while r.finished is None:
                     wake = r.next_deadline()

@@ -152,7 +152,8 @@ class Node:
         self.host.on_connection = self._on_connection
         self.driver.bind(self.worker, self.router, core.accounting)
         self.averager = Averager(self.host, stage, self.worker.numel, timeout_s=self.config.averaging_timeout_s,
-                                 window=lambda: core.next_round, clock=self.clock)
+                                 window=lambda: core.next_round, clock=self.clock,
+                                 members=lambda: set(self.view.stage_peers(stage, live=False)))
         self.averager.register()
         self.syncer = StageSync(
             self.config, self.host, self.link, self.worker, self.persistence, self.compute, self.progress,

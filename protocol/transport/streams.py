@@ -30,6 +30,7 @@ trio or libp2p.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import trio
@@ -249,10 +250,14 @@ class FramedStream:
         shape: list[int] | tuple[int, ...] | None = None,
         limits: TensorLimits | None = None,
         chunk_timeout: float | None = None,
+        admit: Callable[[TensorHeader], None] | None = None,
     ) -> TensorFrame:
         """Receive one tensor frame; its header is validated before any payload byte is read.
 
         ``codec``/``dtype``/``shape`` are what the protocol expects (None: anything within limits).
+        ``admit``, if given, sees the validated header before the payload is read and may raise (a
+        :class:`ProtocolError`, e.g. a per-peer buffer limit) to refuse it; it runs without a
+        checkpoint in between, so a reservation it makes cannot race another stream's.
         For the ``none`` codec the payload must be exactly numel × element size. Finiteness is the
         caller's check (``tensors.from_frame(require_finite=True)`` or the codec's decode).
         """
@@ -260,6 +265,8 @@ class FramedStream:
         limit = self.chunk_timeout_s if chunk_timeout is None else chunk_timeout
         header = await self.receive(TensorHeader, timeout=limit)
         self._check_header(header, lim, codec=codec, dtype=dtype, shape=shape)
+        if admit is not None:
+            admit(header)
         data: bytes | bytearray | None = await self._receive_bulk(header, limit) if header.bulk else None
         if data is None and header.data_bytes:
             whole = self.whole_deadline(header.data_bytes)
