@@ -102,15 +102,13 @@ def receive_chunks(
         deadline = min(clock() + chunk_timeout, end)
         while got < want:
             left = deadline - clock()
-            if left <= 0 and deadline == end:
-                raise PeerTimeout(peer, f"bulk transfer of {total} bytes not complete within {total_timeout:g} s ({a + got} bytes came)")
             if left <= 0:
-                raise PeerTimeout(peer, f"bulk chunk {i} of {n} not complete within {chunk_timeout:g} s")
+                raise PeerTimeout(peer, _late(i, n, a + got, total, chunk_timeout, total_timeout, whole=deadline == end))
             sock.settimeout(left)
             try:
                 k = sock.recv_into(sv[got:want])
             except TimeoutError:
-                raise PeerTimeout(peer, f"bulk chunk {i} of {n} not complete within {chunk_timeout:g} s") from None
+                raise PeerTimeout(peer, _late(i, n, a + got, total, chunk_timeout, total_timeout, whole=deadline == end)) from None
             except OSError as err:
                 raise PeerUnavailable(peer, f"bulk lane broke ({type(err).__name__}) after {a + got} of {total} bytes") from None
             if not k:
@@ -120,6 +118,12 @@ def receive_chunks(
             aead.decrypt_into(_nonce(i), sv[:want], _AAD.pack(total, i, i == n - 1), ov[a:b])
         except InvalidTag:
             raise ProtocolError(peer, f"bulk chunk {i} of {n} failed authentication (tampered or misordered)") from None
+
+
+def _late(i: int, n: int, done: int, total: int, chunk_timeout: float, total_timeout: float, *, whole: bool) -> str:
+    if whole:
+        return f"bulk transfer of {total} bytes not complete within {total_timeout:g} s ({done} bytes came; too slow)"
+    return f"bulk chunk {i} of {n} not complete within {chunk_timeout:g} s"
 
 
 def confirmation(key: bytes, token: bytes) -> bytes:
