@@ -53,6 +53,8 @@ from protolearn.protocol.transport import FramedStream, Host, TensorHeader
 
 log = logging.getLogger("protolearn.node")
 SEND_RETRY_S = 0.2
+MAX_INBOUND = 64  # collective streams handled at once
+MAX_INBOUND_PER_PEER = 8
 
 
 def _borrowed_frame(t: torch.Tensor) -> TensorFrame:
@@ -135,7 +137,13 @@ class Averager:
         return self._window() if self._window is not None else self._own_next
 
     def register(self) -> None:
-        self.host.serve_stream(COLLECTIVE, self._handle, max_inbound=64)
+        # A replica has a few streams to another at once (a scatter and a gather part, a probe, a fin, a
+        # result request), so 8 per peer; peers outside this stage's view share a quarter of the slots.
+        known = None if self._members is None else (lambda peer: peer in self._members())
+        self.host.serve_stream(
+            COLLECTIVE, self._handle, max_inbound=MAX_INBOUND, max_inbound_per_peer=MAX_INBOUND_PER_PEER,
+            known=known, max_inbound_unknown=MAX_INBOUND // 4,
+        )
 
     # -- inbound ---------------------------------------------------------------------------------
     async def _handle(self, peer: str, s: FramedStream) -> None:

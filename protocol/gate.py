@@ -55,6 +55,7 @@ DEFAULT_ABUSE_WINDOW_S = 60.0
 DEFAULT_ABUSE_THRESHOLD = 50
 DEFAULT_TEMP_BAN_S = 300.0
 DEFAULT_MAX_TRACKED = 4096
+OUTSIDERS = "(outsiders)"  # the key under which outsiders' streams are counted together (never a peer id)
 
 log = logging.getLogger("protolearn.protocol")
 
@@ -155,6 +156,7 @@ class Gate:
         self._log: LogDigest[Rejection] = LogDigest(interval_s=log_interval_s, max_peers=log_max_peers)
         self._active: Counter[str] = Counter()  # protocol -> inbound streams being handled
         self._active_peer: Counter[tuple[str, str]] = Counter()  # (protocol, peer) -> the same, per peer
+        self._outsider_streams: Counter[tuple[str, str]] = Counter()  # (protocol, peer) -> its streams admitted as an outsider
 
     def ban(self, peer: str, reason: str) -> None:
         self.bans[peer] = reason
@@ -194,23 +196,40 @@ class Gate:
             return Rejection(peer, protocol, STREAM_LIMIT, f"over the limit of {limit} concurrent inbound streams")
         return None
 
-    def admit_stream(self, peer: str, protocol: str, *, limit: int, peer_limit: int, now: float) -> Rejection | None:
+    def admit_stream(
+        self, peer: str, protocol: str, *, limit: int, peer_limit: int, now: float, outsider: bool = False,
+        outsider_limit: int | None = None,
+    ) -> Rejection | None:
         """Count a new inbound stream in, or return (and record) why it is refused.
 
+        ``outsider``: the protocol's owner does not know ``peer`` (e.g. not a member of its stage);
+        outsiders together get at most ``outsider_limit`` of the slots, so that many Sybil identities,
+        each within its own limit, still cannot take the slots the known peers need.
         An admitted stream must be let go with :meth:`release_stream` when its handler is done.
         """
         rejection = self.check_stream(
             peer, protocol, num_active=self._active[protocol], limit=limit,
             num_active_peer=self._active_peer[(protocol, peer)], peer_limit=peer_limit, now=now,
         )
+        key = (protocol, OUTSIDERS)
+        if rejection is None and outsider and outsider_limit is not None and self._active_peer[key] >= outsider_limit:
+            rejection = Rejection(peer, protocol, STREAM_LIMIT, f"unknown peers hold their limit of {outsider_limit} concurrent inbound streams")
         if rejection is not None:
             self.record(rejection, now)
             return rejection
         self._active[protocol] += 1
         self._active_peer[(protocol, peer)] += 1
+        if outsider:
+            self._active_peer[key] += 1
+            self._outsider_streams[(protocol, peer)] += 1
         return None
 
     def release_stream(self, peer: str, protocol: str) -> None:
+        if self._outsider_streams.get((protocol, peer), 0) > 0:
+            self._outsider_streams[(protocol, peer)] -= 1
+            if not self._outsider_streams[(protocol, peer)]:
+                del self._outsider_streams[(protocol, peer)]
+            self._active_peer[(protocol, OUTSIDERS)] -= 1
         self._active[protocol] -= 1
         key = (protocol, peer)
         self._active_peer[key] -= 1

@@ -23,6 +23,7 @@ SUITES: dict[str, str] = {
     "recovery": "scripts/bench_recovery.py",
     "coordinator": "scripts/bench_coordinator.py",
     "restart": "scripts/bench_restart.py",
+    "abuse": "scripts/bench_abuse.py",
 }
 
 

@@ -381,15 +381,22 @@ class Host:
 
     def serve_stream(
         self, name: str, handler: StreamHandler, *, max_inbound: int | None = None, max_inbound_per_peer: int | None = None,
+        known: Callable[[str], bool] | None = None, max_inbound_unknown: int | None = None,
     ) -> None:
         """Hand each inbound stream of ``/protolearn/<name>/1.0.0`` to ``handler(peer_id, stream)``.
+
+        With ``known`` (e.g. "a member of my stage"), peers it says no to share at most
+        ``max_inbound_unknown`` of the ``max_inbound`` streams, so Sybils cannot crowd known peers out.
 
         A handler's :class:`ProtocolError` is logged as a rejection, others are logged; either way the
         stream is reset. A normal return half-closes the stream.
         """
-        self._register(name, handler, max_inbound, max_inbound_per_peer)
+        self._register(name, handler, max_inbound, max_inbound_per_peer, known, max_inbound_unknown)
 
-    def _register(self, name: str, handler: StreamHandler, max_inbound: int | None, max_inbound_per_peer: int | None = None) -> None:
+    def _register(
+        self, name: str, handler: StreamHandler, max_inbound: int | None, max_inbound_per_peer: int | None = None,
+        known: Callable[[str], bool] | None = None, max_inbound_unknown: int | None = None,
+    ) -> None:
         limit = self.config.max_inbound_streams if max_inbound is None else max_inbound
         peer_limit = min(limit, self.config.max_inbound_streams_per_peer if max_inbound_per_peer is None else max_inbound_per_peer)
         if limit <= 0 or peer_limit <= 0:
@@ -398,7 +405,10 @@ class Host:
         async def on_raw_stream(raw: INetStream) -> None:
             peer = str(raw.muxed_conn.peer_id)
             s = self._wrap(raw, peer, name)
-            rejection = self.gate.admit_stream(peer, name, limit=limit, peer_limit=peer_limit, now=self.clock())
+            outsider = known is not None and not known(peer)
+            rejection = self.gate.admit_stream(
+                peer, name, limit=limit, peer_limit=peer_limit, now=self.clock(), outsider=outsider, outsider_limit=max_inbound_unknown,
+            )
             if rejection is not None:
                 await s.reset()
                 if self.is_banned(peer):

@@ -103,3 +103,20 @@ def test_the_abuse_tables_are_bounded() -> None:
 def test_bad_numbers_are_refused() -> None:
     with pytest.raises(ValueError, match="threshold 0"):
         Abuse(threshold=0)
+
+
+def test_unknown_peers_share_a_part_of_the_slots_so_sybils_cannot_crowd_known_peers_out() -> None:
+    gate = Gate(abuse=Abuse(threshold=1000))
+    for i in range(4):  # four Sybils, each within its own limit of 2
+        for _ in range(2):
+            gate.admit_stream(f"sybil{i}", "collective", limit=8, peer_limit=2, now=0.0, outsider=True, outsider_limit=4)
+    assert gate.active_streams("collective") == 4
+    refused = [r for r in gate.recent if r.kind == STREAM_LIMIT]
+    assert len(refused) == 4 and "unknown peers hold their limit of 4" in refused[0].reason
+    for peer in ("member1", "member2"):
+        for _ in range(2):
+            assert gate.admit_stream(peer, "collective", limit=8, peer_limit=2, now=0.0) is None
+    # A Sybil's stream ending frees one outsider slot, and only that.
+    gate.release_stream("sybil0", "collective")
+    assert gate.admit_stream("sybil3", "collective", limit=8, peer_limit=2, now=0.0, outsider=True, outsider_limit=4) is None
+    assert gate.admit_stream("sybil2", "collective", limit=8, peer_limit=2, now=0.0, outsider=True, outsider_limit=4) is not None
