@@ -119,8 +119,11 @@ class Router:
         """Own the nursery that runs compute for received work; serve until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            self.host.serve_stream(ACTIVATION, self._on_activation, max_inbound=4 * self.accounting.max_in_flight + 4)
-            self.host.serve_stream(GRADIENT, self._on_gradient, max_inbound=4 * self.accounting.max_in_flight + 4)
+            # One neighbour may have up to twice this node's microbatches in flight at once (the accounting
+            # refuses more anyway); the transport's default per-peer cap would be too low for a large max_in_flight.
+            limit, per_peer = 4 * self.accounting.max_in_flight + 4, 2 * self.accounting.max_in_flight + 2
+            self.host.serve_stream(ACTIVATION, self._on_activation, max_inbound=limit, max_inbound_per_peer=per_peer)
+            self.host.serve_stream(GRADIENT, self._on_gradient, max_inbound=limit, max_inbound_per_peer=per_peer)
             task_status.started()
             await trio.sleep_forever()
 

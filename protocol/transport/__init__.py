@@ -11,7 +11,8 @@ Public API (other packages code against these names)::
         host.serve_stream(name, handler, max_inbound=None)                 # handler(peer_id, FramedStream)
         await host.request(peer, name, msg, ReplyType, timeout=None) -> reply
         async with host.open_stream(peer, name, timeout=None) as s: ...   # a FramedStream
-        host.ban(peer_id, reason); host.unban(peer_id); host.is_banned(peer_id) -> bool
+        host.ban(peer_id, reason); host.unban(peer_id); host.is_banned(peer_id) -> bool  # for good
+        host.ban_reason(peer_id) -> str | None   # why it is refused now: banned for good or for a while
         host.gate.rejected: Counter[str]; host.gate.recent: deque[Rejection]  # see protocol/gate.py
         host.clock -> Clock  # the transport's one clock (rejection log, bulk lane); open_host(..., clock=) fakes it
         host.requests_served -> int; host.active_streams(name) -> int
@@ -28,7 +29,9 @@ stream per request keeps a slow reply from blocking others and needs no request 
 
 Every inbound stream passes the sans-IO :class:`~protolearn.protocol.gate.Gate` before a byte is read:
 a banned peer's stream is reset, and so is a stream over the protocol's limit of concurrent inbound
-streams (never queued). A banned peer's connection is also closed as soon as it is established. Every
+streams, in total or from that peer (never queued). A peer that keeps hitting its limits, or holds
+streams idle or trickling past the whole-message deadline, is banned for a while
+(``TransportConfig.abuse_*``, ``temp_ban_s``; see :mod:`protolearn.protocol.gate`). A banned peer's connection is also closed as soon as it is established. Every
 rejection is counted in ``host.gate`` and logged on the ``protolearn.protocol`` logger as ``rejected
 peer=<id> protocol=<name> reason=<reason>``: a peer's first rejection in an interval
 (``TransportConfig.rejection_log_interval_s``) in full, the rest in one summary line with their count

@@ -216,8 +216,8 @@ class Host:
         except (BaseLibp2pError, ValueError) as err:
             raise PeerUnavailable("unknown", f"address {addr!r} has no /p2p/<peer id> part ({err}); copy the full address the peer prints") from None
         peer = str(info.peer_id)
-        if self.is_banned(peer):
-            raise Refused(peer, f"not connecting: peer is banned ({self.gate.ban_reason(peer, self.clock())})")
+        if (why := self.ban_reason(peer)) is not None:
+            raise Refused(peer, f"not connecting: peer is banned ({why})")
         limit = self.config.connect_timeout_s if timeout is None else timeout
         self._dial_addrs[peer] = [strip_p2p(maddr)]
         try:
@@ -258,8 +258,8 @@ class Host:
         if peer.startswith("/"):
             peer = await self.connect(peer)
         pid = _parse_peer_id(peer)
-        if self.is_banned(peer):
-            raise Refused(peer, f"peer is banned ({self.gate.ban_reason(peer, self.clock())})")
+        if (why := self.ban_reason(peer)) is not None:
+            raise Refused(peer, f"peer is banned ({why})")
         return pid
 
     # -- the gate -----------------------------------------------------------------------------
@@ -277,8 +277,12 @@ class Host:
         return self._lp.get_private_key().sign(data)
 
     def is_banned(self, peer_id: str) -> bool:
-        """Banned for good (:meth:`ban`) or for a while (repeated abuse, see protocol/gate.py)."""
-        return self.gate.is_banned(peer_id, self.clock())
+        """Banned for good (:meth:`ban`). A temporary ban for repeated abuse is :meth:`ban_reason`'s."""
+        return self.gate.is_banned(peer_id)
+
+    def ban_reason(self, peer_id: str) -> str | None:
+        """Why ``peer_id`` is refused now: banned for good, or for a while (protocol/gate.py); None if not."""
+        return self.gate.ban_reason(peer_id, self.clock())
 
     def active_streams(self, name: str, peer: str | None = None) -> int:
         """How many inbound streams of protocol ``name`` (from ``peer``, if given) are being handled right now."""
@@ -411,7 +415,7 @@ class Host:
             )
             if rejection is not None:
                 await s.reset()
-                if self.is_banned(peer):
+                if self.ban_reason(peer) is not None:
                     self._schedule_disconnect(peer)
                 return
             try:
