@@ -7,15 +7,16 @@ Public API (other packages code against these names)::
         host.peer_id -> str; host.addrs() -> list[str]            # full multiaddrs ending in /p2p/<id>
         await host.connect("/ip4/.../tcp/.../p2p/<id>", timeout=None) -> str   # the peer id
         host.add_peer_addrs(peer_id, ["/ip4/.../tcp/..."])
-        host.serve(name, handler, request_type=Req, max_inbound=None, max_bytes=None)  # handler(peer_id, req) -> reply
-        host.serve_stream(name, handler, max_inbound=None)                 # handler(peer_id, FramedStream)
+        host.serve(name, handler, request_type=Req, max_inbound=None, max_bytes=None, max_inbound_per_peer=None)  # -> reply
+        host.serve_stream(name, handler, max_inbound=None, max_inbound_per_peer=None,   # handler(peer_id, FramedStream)
+                          known=None, max_inbound_unknown=None)   # peers known(p) is False for share max_inbound_unknown
         await host.request(peer, name, msg, ReplyType, timeout=None) -> reply
         async with host.open_stream(peer, name, timeout=None) as s: ...   # a FramedStream
         host.ban(peer_id, reason); host.unban(peer_id); host.is_banned(peer_id) -> bool  # for good
         host.ban_reason(peer_id) -> str | None   # why it is refused now: banned for good or for a while
         host.gate.rejected: Counter[str]; host.gate.recent: deque[Rejection]  # see protocol/gate.py
         host.clock -> Clock  # the transport's one clock (rejection log, bulk lane); open_host(..., clock=) fakes it
-        host.requests_served -> int; host.active_streams(name) -> int
+        host.requests_served -> int; host.active_streams(name, peer=None) -> int
         host.bulk -> BulkLane | None        # None when config.bulk is off; .stats (BulkStats), .ip, .port
 
 ``identity`` is anything with ``private_bytes`` (the 32-byte Ed25519 seed), e.g.

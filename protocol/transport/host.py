@@ -25,13 +25,10 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.exceptions import PeerIDMismatchesPubkey
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
-from pydantic import BaseModel, ConfigDict, Field
 
 from protolearn.errors import ConfigError, ProtolearnError
-from protolearn.protocol import wire
 from protolearn.protocol.addresses import advertised, check_port_free, parse_multiaddr, strip_p2p
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused, WrongPeer
-from protolearn.protocol.frames import DEFAULT_LIMITS, TensorLimits
 from protolearn.protocol.gate import (
     DEFAULT_ABUSE_THRESHOLD,
     DEFAULT_ABUSE_WINDOW_S,
@@ -41,9 +38,10 @@ from protolearn.protocol.gate import (
     Abuse,
     Gate,
 )
-from protolearn.protocol.log_digest import DEFAULT_INTERVAL_S, DEFAULT_MAX_PEERS, LogDigest, Summary
+from protolearn.protocol.log_digest import LogDigest, Summary
 from protolearn.protocol.transport.bulk import BulkLane, lane_ip
 from protolearn.protocol.transport.clock import MONOTONIC, Clock
+from protolearn.protocol.transport.config import TransportConfig
 from protolearn.protocol.transport.streams import FramedStream
 from protolearn.protocol.wire import ErrorReply, Message
 
@@ -63,49 +61,6 @@ StreamHandler = Callable[[str, FramedStream], Awaitable[None]]
 def protocol_id(name: str) -> str:
     """The versioned libp2p protocol ID of a protolearn protocol name."""
     return f"{PROTOCOL_PREFIX}{name}/{PROTOCOL_VERSION}"
-
-
-class TransportConfig(BaseModel):
-    """Deadlines and limits of the transport. Frozen; every value must be positive."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    request_timeout_s: float = Field(default=30.0, gt=0)
-    chunk_timeout_s: float = Field(default=10.0, gt=0)
-    connect_timeout_s: float = Field(default=10.0, gt=0)
-    max_message_bytes: int = Field(default=16 * 1024 * 1024, gt=wire.LENGTH_PREFIX.size)
-    chunk_bytes: int = Field(default=1024 * 1024, gt=0)
-    max_inbound_streams: int = Field(default=64, gt=0)
-    # Per-peer limits (issue 12, protocol/gate.py): one peer's concurrent inbound streams per protocol
-    # (a protocol's own max_inbound is the cap when lower). A peer over a limit is refused, others are not.
-    max_inbound_streams_per_peer: int = Field(default=16, gt=0)
-    # Whole-message deadlines: an inbound message or tensor payload of N bytes must arrive in full within
-    # max(message_deadline_s, N / min_rate_bytes_per_s) of its start, whatever the per-read deadlines;
-    # a served request must start arriving within message_deadline_s of its stream opening.
-    message_deadline_s: float = Field(default=10.0, gt=0)
-    min_rate_bytes_per_s: float = Field(default=256 * 1024, gt=0)
-    # Repeated abuse (stream limit, per-peer buffer limit, idle or too slow): abuse_threshold such
-    # rejections within abuse_window_s ban the peer for temp_ban_s, after which the ban expires.
-    abuse_window_s: float = Field(default=DEFAULT_ABUSE_WINDOW_S, gt=0)
-    abuse_threshold: int = Field(default=DEFAULT_ABUSE_THRESHOLD, gt=0)
-    temp_ban_s: float = Field(default=DEFAULT_TEMP_BAN_S, gt=0)
-    abuse_max_peers: int = Field(default=DEFAULT_MAX_TRACKED, gt=0)
-    tensor_limits: TensorLimits = DEFAULT_LIMITS
-    # The bulk lane (protocol/transport/bulk.py): payloads of at least bulk_min_bytes go over a direct
-    # AEAD-sealed TCP connection when both hosts have it on; a lane that cannot be dialled falls back.
-    bulk: bool = True
-    bulk_min_bytes: int = Field(default=1024 * 1024, gt=0)
-    bulk_connect_timeout_s: float = Field(default=2.0, gt=0)
-    bulk_max_pending_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)  # receive buffers reserved at once
-    # ... and per peer: its pending lane transfers (each takes a worker thread while it runs) and bytes.
-    bulk_max_pending_per_peer: int = Field(default=4, gt=0)
-    bulk_max_pending_bytes_per_peer: int = Field(default=256 * 1024 * 1024, gt=0)
-    # Lane connections from one IP that have not yet presented a token (the lane knows no peer id then).
-    bulk_max_hellos_per_ip: int = Field(default=16, gt=0)
-    # Rejection log lines (protocol/gate.py): a peer's first rejection per interval in full, the rest
-    # summarised with counts at the interval's end; at most this many peers are counted apart.
-    rejection_log_interval_s: float = Field(default=DEFAULT_INTERVAL_S, gt=0)
-    rejection_log_max_peers: int = Field(default=DEFAULT_MAX_PEERS, gt=0)
 
 
 class HasSeed(Protocol):
