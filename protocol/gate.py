@@ -8,7 +8,9 @@ log line ``rejected peer=<id> protocol=<name> reason=<reason>`` is written in on
 
 Per-peer limits (issue 12). A protocol's inbound streams are capped in total *and* per peer
 (:meth:`Gate.admit_stream`, :meth:`Gate.release_stream` keep the counts), so a few identities
-holding idle streams can no longer take every slot from honest peers. Rejections of the kinds in
+holding idle streams can no longer take every slot from honest peers. A protocol may also say which
+peers it knows (a stage's members): the others, however many identities they use, share a part of the
+slots (``outsider_limit``). Rejections of the kinds in
 :data:`ABUSE_KINDS` (over a stream limit, over a per-peer buffer limit, too slow or idle past a
 deadline) are abuse: :class:`Abuse` counts them per peer in a sliding window, and a peer with
 ``threshold`` of them within ``window_s`` is banned for ``ban_s`` seconds. A temporary ban expires

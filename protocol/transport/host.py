@@ -294,12 +294,15 @@ class Host:
         max_inbound: int | None = None,
         max_bytes: int | None = None,
         max_inbound_per_peer: int | None = None,
+        known: Callable[[str], bool] | None = None,
+        max_inbound_unknown: int | None = None,
     ) -> None:
         """Answer ``/protolearn/<name>/1.0.0``: one request and one reply per inbound stream.
 
         A request may be at most ``max_bytes`` (default ``config.max_message_bytes``); at most
         ``max_inbound`` requests are read at once (at most ``max_inbound_per_peer``, default
         ``config.max_inbound_streams_per_peer``, from one peer), so this protocol buffers at most their product.
+        ``known``/``max_inbound_unknown``: as for :meth:`serve_stream`.
         """
         request_limit = self.config.max_message_bytes if max_bytes is None else max_bytes
 
@@ -324,7 +327,7 @@ class Host:
             if not isinstance(reply, ErrorReply):
                 self.requests_served += 1
 
-        self._register(name, on_stream, max_inbound, max_inbound_per_peer)
+        self._register(name, on_stream, max_inbound, max_inbound_per_peer, known, max_inbound_unknown)
 
     async def _refuse(self, s: FramedStream, err: ProtocolError) -> None:
         # Tell an honest but mismatched peer why (e.g. an old version), then drop the stream. The
