@@ -237,6 +237,41 @@ def test_a_non_member_flooding_early_parts_is_held_to_its_bound_and_the_round_st
     run_trio(main, timeout=90)
 
 
+def test_sybils_outside_the_stage_share_a_quarter_of_the_collective_slots_and_a_member_gets_in(open_hosts, run_trio):
+    cfg = TransportConfig(request_timeout_s=20.0, chunk_timeout_s=5.0, connect_timeout_s=5.0, message_deadline_s=20.0,
+                          abuse_threshold=1000)
+
+    async def main():
+        async with open_hosts(6, cfg) as (node, member, *sybils):
+            members = {node.peer_id, member.peer_id}
+            Averager(node, 1, NUMEL, timeout_s=20.0, members=lambda: members).register()
+
+            async def hold(h: Host) -> None:
+                try:
+                    async with h.open_stream(node.peer_id, COLLECTIVE) as s:
+                        await trio.sleep_forever()
+                        del s
+                except ProtocolError:
+                    pass
+
+            async with trio.open_nursery() as nursery:
+                for h in sybils:  # 4 identities x 8 streams: each within its per-peer limit of 8
+                    for _ in range(8):
+                        nursery.start_soon(hold, h)
+                await wait_for(lambda: node.active_streams(COLLECTIVE) == 16 and node.gate.rejected["stream_limit"] >= 16,
+                               "the outsiders' 16 slots full and the rest refused")
+                refused = [r for r in node.gate.recent if r.kind == "stream_limit"]
+                assert all("unknown peers hold their limit of 16" in r.reason for r in refused)
+                # A member of the stage still gets its streams (48 slots are left for members).
+                for _ in range(3):
+                    async with member.open_stream(node.peer_id, COLLECTIVE) as s:
+                        await s.send(PartHeader(round=10**6, stage=1, phase="probe", part=0))
+                        assert isinstance(await s.receive((Ack, Refuse, PartHeader), timeout=10), Ack)
+                nursery.cancel_scope.cancel()
+
+    run_trio(main, timeout=60)
+
+
 BULK_CFG = TransportConfig(request_timeout_s=5.0, chunk_timeout_s=5.0, connect_timeout_s=5.0,
                            bulk_max_pending_per_peer=2, bulk_max_hellos_per_ip=4)
 
