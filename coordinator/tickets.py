@@ -17,11 +17,17 @@ step); the step then closes again with ``revision + 1``.
 
 **The commit barrier.** A closed step is not yet final: each stage's replicas average it, and a
 participant of each stage reports :meth:`TicketLedger.averaged` once its round finished with every
-contribution in; a replica the accounting left out reports once it fetched the result. When every
-stage has reported for the step's current revision, and every live replica holds the result, the step *commits*:
-replicas apply it only then, the next step's tickets are leased only then, and it never reopens. So a
-replica that dies while its stage averages is never lost: its stage's survivors redo its tickets and
-the step reopens, because no stage can have applied it yet (I1).
+contribution in; a replica the accounting left out reports once it fetched the result. Each report names
+the result's hash. When a strict majority of every stage's live replicas hold one hash and every live
+replica reported, the step *commits* (the rule and why a liar can neither commit nor block it are in
+``coordinator/commit.py``): replicas apply it only then, the next step's tickets are leased only then,
+and it never reopens. So a replica that dies while its stage averages is never lost: its stage's
+survivors redo its tickets and the step reopens, because no stage can have applied it yet (I1).
+
+**Bounds under attack.** A step reopens at most ``max_revisions`` times: a redo past that is refused
+(``revision_cap``) and the last revision stands. Its replicas then take the node core's refused-redo
+fallback (apply what the round had and log the lost tickets, or resync), so the step still finishes and
+no node's round id overflows. A completion's loss must be finite and within ``[0, max_loss]``.
 
 Who may ask for a redo: a peer on the ticket's route (it lost the ticket's graph or gradients), or a
 *participant of the same stage*: a peer that the step's frozen accounting lists at stage s and that is
@@ -41,6 +47,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+from protolearn.coordinator.commit import CommitBarrier
 
 
 @dataclass
@@ -121,6 +129,8 @@ class CompleteDecision:
     reason: str
     closed: ClosedStep | None = None
     remaining: int = 0
+    # How long the sender held the ticket's lease before completing it (for the late-lease strikes).
+    held_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,9 @@ class RedoDecision:
     indices: list[int] = field(default_factory=list)
     reopened: bool = False
     code: str = "redo_refused"
+    # The redo undid work that was not the sender's own lease (a reopening, or another holder's ticket):
+    # what a per-peer redo budget counts.
+    foreign: bool = False
 
 
 class TicketLedger:
@@ -147,6 +160,8 @@ class TicketLedger:
         closed: Sequence[ClosedStep] = (),
         committed_through: int | None = None,
         keep_closed: int = 1000,
+        max_revisions: int = 2**31 - 1,
+        max_loss: float = math.inf,
     ) -> None:
         if num_tickets < 1 or num_stages < 1 or keep_closed < 1:
             raise ValueError(
@@ -156,6 +171,8 @@ class TicketLedger:
         self.num_stages = num_stages
         self.lease_s = lease_s
         self.block = block
+        self.max_revisions = max_revisions
+        self.max_loss = max_loss
         # Closed steps kept with their full routes; older ones are dropped as new ones close.
         self.keep_closed = keep_closed
         self.step = step
@@ -172,8 +189,10 @@ class TicketLedger:
         # otherwise restore step 0 as committed, and a replica would apply it without a dead peer's tickets.
         self.commit_dirty = committed_through is None and step == 0 and not closed
         # Per stage, the replicas that reported holding the last closed step's full average at its current
-        # revision: participants whose round had every contribution in, and replicas that fetched it.
-        self._holders: dict[int, set[str]] = {}
+        # revision (participants whose round had every contribution in, and replicas that fetched it),
+        # with the result hash each named; and the hashes the last committed step committed with.
+        self._barrier = CommitBarrier(num_stages)
+        self.committed_hashes: dict[int, str] = {}
 
     def restore(
         self, *, step: int, tickets: Sequence[Ticket], closed: Sequence[ClosedStep], committed_through: int | None, now: float
@@ -190,7 +209,8 @@ class TicketLedger:
         self.closed = {c.step: c for c in closed[-self.keep_closed :]}
         self.committed_through = step - 1 if committed_through is None else committed_through
         self.commit_dirty = committed_through is None and step == 0 and not closed
-        self._holders = {}
+        self._barrier.clear()
+        self.committed_hashes = {}
         self.dirty.clear()
         self.reset = False
         self.refresh_leases(now)
@@ -219,21 +239,29 @@ class TicketLedger:
         return step <= self.committed_through
 
     def averaged(
-        self, peer: str, stage: int, step: int, revision: int, *, needed: Callable[[int], Iterable[str]] = lambda s: (),
+        self, peer: str, stage: int, step: int, revision: int, *, result_hash: str = "",
+        needed: Callable[[int], Iterable[str]] = lambda s: (),
     ) -> AveragedDecision:
-        """``peer`` (of ``stage``) holds the full average of ``step`` at ``revision``: it took part in a round
-        that had every contribution in, or, left out of the accounting, it fetched such a round's result
-        (participants serve only complete results).
+        """``peer`` (of ``stage``) holds the full average of ``step`` at ``revision``, hashing to
+        ``result_hash``: it took part in a round that had every contribution in, or, left out of the
+        accounting, it fetched such a round's result (participants serve only complete results).
 
-        The step commits once every stage has a holder *and* every replica in ``needed(stage)`` (the
-        stage's live replicas) holds the result. Waiting for the left-out replicas too means that the
-        result survives the death of every participant right after the commit: otherwise a stage whose
-        participants all died before a left-out replica fetched the result would have lost its state
-        (I6), with the step committed and no way to redo it. And because a holder's report counts for
-        its stage, a participant that reported and died while the coordinator restarted (reports are
-        not persisted; holders report again on every poll) does not hold the step forever.
+        The step commits by the rule of ``coordinator/commit.py``: a strict majority of every stage's
+        live replicas (``needed(stage)``) hold one hash and all of them reported. Waiting for the
+        left-out replicas too means that the result survives the death of every participant right after
+        the commit (I6). A report whose hash is not the majority's (or the committed one's) is refused
+        with ``result_mismatch`` but still recorded, so that a liar counts as having reported and
+        cannot hold the step. Reports are not persisted: holders report again on every poll.
         """
+        if not 0 <= stage < self.num_stages:
+            return AveragedDecision(False, False, f"stage {stage} is outside 0..{self.num_stages - 1}", "bad_stage")
         if self.committed(step):
+            won = self.committed_hashes.get(stage) if step == self.committed_through else None
+            if won is not None and result_hash != won:
+                return AveragedDecision(
+                    False, True, f"step {step} committed stage {stage}'s result {won[:12]}, not {result_hash[:12]}; resync",
+                    "result_mismatch",
+                )
             return AveragedDecision(True, True, f"step {step} is committed")
         closed = self.closed.get(step)
         if step != self.last_closed or closed is None:
@@ -242,7 +270,14 @@ class TicketLedger:
             return AveragedDecision(
                 False, False, f"step {step} is at revision {closed.revision}, not {revision}; average that one", "stale_revision"
             )
-        self._holders.setdefault(stage, set()).add(peer)
+        self._barrier.report(stage, peer, result_hash)
+        won = self._barrier.winner(stage, set(needed(stage)))
+        if won is not None and result_hash != won:
+            self.try_commit(needed)  # the dissenter has reported: the others may commit without it
+            return AveragedDecision(
+                False, self.committed(step),
+                f"stage {stage}'s majority holds result {won[:12]}, not {result_hash[:12]}; resync", "result_mismatch",
+            )
         return self.try_commit(needed)
 
     def try_commit(self, needed: Callable[[int], Iterable[str]]) -> AveragedDecision:
@@ -251,13 +286,10 @@ class TicketLedger:
         step = self.last_closed
         if step < 0 or self.committed(step) or step not in self.closed:
             return AveragedDecision(False, False, f"step {step} has nothing left to commit")
-        missing = sorted(s for s in range(self.num_stages) if not self._holders.get(s))
-        if missing:
-            return AveragedDecision(True, False, f"step {step} waits for stages {missing} to average")
-        for s in range(self.num_stages):
-            waiting = sorted(set(needed(s)) - self._holders.get(s, set()))
-            if waiting:
-                return AveragedDecision(True, False, f"step {step} waits for replicas {waiting} of stage {s} to hold its result")
+        check = self._barrier.check(needed)
+        if not check.commit:
+            return AveragedDecision(True, False, f"step {step} {check.reason}")
+        self.committed_hashes = check.hashes
         self.committed_through = step
         self.commit_dirty = True
         return AveragedDecision(True, True, f"step {step} committed at revision {self.closed[step].revision}")
@@ -338,15 +370,18 @@ class TicketLedger:
             return CompleteDecision(False, "bad_route", f"route has {len(route)} hops but the run has {self.num_stages} stages")
         if route[0] != peer:
             return CompleteDecision(False, "bad_route", "route must start at the completing stage-0 peer")
-        if not math.isfinite(loss):
-            return CompleteDecision(False, "bad_loss", f"loss {loss} is not finite")
+        if not (math.isfinite(loss) and 0.0 <= loss <= self.max_loss):
+            return CompleteDecision(False, "bad_loss", f"loss {loss} is not a plausible loss (finite, within 0..{self.max_loss:.4g})")
+        held_s = now - (t.expires_at - self.lease_s)
         t.done, t.route, t.loss = True, list(route), float(loss)
         self.dirty.add(index)
         remaining = self.remaining()
         if remaining:
-            return CompleteDecision(True, "ok", f"ticket ({step},{index}) done, {remaining} left", remaining=remaining)
+            return CompleteDecision(True, "ok", f"ticket ({step},{index}) done, {remaining} left", remaining=remaining, held_s=held_s)
         closed = self._close(now)
-        return CompleteDecision(True, "ok", f"ticket ({step},{index}) done; step {step} closed, loss {closed.loss:.4f}", closed, 0)
+        return CompleteDecision(
+            True, "ok", f"ticket ({step},{index}) done; step {step} closed, loss {closed.loss:.4f}", closed, 0, held_s=held_s
+        )
 
     def _close(self, now: float) -> ClosedStep:
         prev = self.closed.get(self.step)
@@ -366,7 +401,7 @@ class TicketLedger:
         self.step += 1
         self.tickets = self._fresh()
         self.reset = True
-        self._holders = {}
+        self._barrier.clear()
         return closed
 
     def redo(
@@ -406,13 +441,18 @@ class TicketLedger:
             )
         if any(t.done for t in self.tickets):
             return RedoDecision(False, f"step {step} cannot reopen: step {self.step} already has completed tickets")
+        if closed.revision >= self.max_revisions:
+            return RedoDecision(
+                False, f"step {step} closed {closed.revision} times, the most allowed ({self.max_revisions}); revision {closed.revision} stands",
+                code="revision_cap",
+            )
         member = by is None or orphaned or _participant(closed, by, by_stage)
         if by is not None and not member and any(by not in closed.routes[i] for i in wanted):
             return RedoDecision(
                 False, f"the sender is neither in the route of every ticket {wanted} of step {step} nor a participant of its stage"
             )
         self.step = step
-        self._holders = {}
+        self._barrier.clear()
         self.tickets = [
             Ticket(i, holder=route[0], done=True, route=list(route), loss=loss)
             if i not in wanted
@@ -420,7 +460,7 @@ class TicketLedger:
             for i, (route, loss) in enumerate(zip(closed.routes, closed.losses, strict=True))
         ]
         self.reset = True
-        return RedoDecision(True, f"step {step} reopened to redo tickets {wanted}", wanted, reopened=True)
+        return RedoDecision(True, f"step {step} reopened to redo tickets {wanted}", wanted, reopened=True, foreign=True)
 
     def _redo_open(self, step: int, wanted: list[int], by: str | None, by_stage: int | None, orphaned: bool) -> RedoDecision:
         # Set when this step was reopened: the accounting it closed with the last time.
@@ -441,10 +481,11 @@ class TicketLedger:
                 continue  # already pending (e.g. another replica's redo freed it): nothing to undo
             else:
                 return RedoDecision(False, f"ticket ({step},{i}) was not leased to or routed through the sender")
+        foreign = any(by is not None and self.tickets[i].holder != by for i in reset)
         for i in reset:
             self.tickets[i] = Ticket(i, issued=self.tickets[i].issued)
             self.dirty.add(i)
-        return RedoDecision(True, f"tickets {reset} of open step {step} will be redone", reset)
+        return RedoDecision(True, f"tickets {reset} of open step {step} will be redone", reset, foreign=foreign)
 
     def revoke_peer(self, peer: str) -> list[int]:
         """Free the open step's tickets leased by ``peer`` or routed through it (it was banned)."""

@@ -21,7 +21,8 @@ stage, which peer accounts for which tickets):
    at r+1) or fails outright (the whole step is redone). No replica applies a sum that misses a ticket
    unless the coordinator refused the redo, which is logged as ``tickets_lost``.
 4. **The commit barrier.** Every replica waits until every stage has averaged t at r. If the step
-   reopened meanwhile, it waits for it to close again; otherwise it applies the identical update.
+   reopened meanwhile, it waits for it to close again; otherwise it applies the identical update. If the
+   coordinator refused its result (its stage's majority holds another hash), it resyncs instead.
 5. A refused redo is followed by the question "did the step reopen anyway?" (another replica may have
    asked first). A coordinator error is not an answer: the question is asked again, for a bounded
    time, and only then does the replica fall back to the safe choice (a resync, which never applies
@@ -352,6 +353,8 @@ class NodeCore:
 
     def _commit_answer(self, event: CommitAnswer) -> list[Action]:
         self._expect(Phase.COMMITTING, event)
+        if event.refused:
+            return self._resync(f"step {self._step}: the coordinator refused this replica's result: {event.refused}")
         if not event.committed:
             return [Emit("reopened", {"step": self._step, "revision": self._revision}), *self._reopened()]
         self.phase = Phase.APPLYING
