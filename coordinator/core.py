@@ -288,6 +288,9 @@ class CoordinatorCore:
                 raise self.refuse(
                     "bad_route", f"route hop {stage} is {hop}, which is not a live member of stage {stage}; redo the ticket"
                 )
+        early = self.ledger.check_complete(member.peer_id, msg.step, msg.index, msg.route, msg.loss)
+        if early is not None:  # refused before any signature is checked
+            raise self.refuse(early.code, early.reason)
         if len(msg.route) > 1:
             # Only the last stage knows that the ticket went the whole way and what its loss was.
             if msg.ack is None:

@@ -352,6 +352,23 @@ class TicketLedger:
         return [t.index for t in self.tickets if t.holder == peer and not t.done]
 
     def complete(self, peer: str, step: int, index: int, route: Sequence[str], loss: float, now: float) -> CompleteDecision:
+        refused = self.check_complete(peer, step, index, route, loss)
+        if refused is not None:
+            return refused
+        t = self.tickets[index]
+        held_s = now - (t.expires_at - self.lease_s)
+        t.done, t.route, t.loss = True, list(route), float(loss)
+        self.dirty.add(index)
+        remaining = self.remaining()
+        if remaining:
+            return CompleteDecision(True, "ok", f"ticket ({step},{index}) done, {remaining} left", remaining=remaining, held_s=held_s)
+        closed = self._close(now)
+        return CompleteDecision(
+            True, "ok", f"ticket ({step},{index}) done; step {step} closed, loss {closed.loss:.4f}", closed, 0, held_s=held_s
+        )
+
+    def check_complete(self, peer: str, step: int, index: int, route: Sequence[str], loss: float) -> CompleteDecision | None:
+        """The refusal :meth:`complete` would give, or None (cheap: the caller checks this before a signature)."""
         if step < self.step:
             return CompleteDecision(False, "step_closed", f"step {step} is already closed; completion of ticket ({step},{index}) ignored")
         if step > self.step:
@@ -372,16 +389,7 @@ class TicketLedger:
             return CompleteDecision(False, "bad_route", "route must start at the completing stage-0 peer")
         if not (math.isfinite(loss) and 0.0 <= loss <= self.max_loss):
             return CompleteDecision(False, "bad_loss", f"loss {loss} is not a plausible loss (finite, within 0..{self.max_loss:.4g})")
-        held_s = now - (t.expires_at - self.lease_s)
-        t.done, t.route, t.loss = True, list(route), float(loss)
-        self.dirty.add(index)
-        remaining = self.remaining()
-        if remaining:
-            return CompleteDecision(True, "ok", f"ticket ({step},{index}) done, {remaining} left", remaining=remaining, held_s=held_s)
-        closed = self._close(now)
-        return CompleteDecision(
-            True, "ok", f"ticket ({step},{index}) done; step {step} closed, loss {closed.loss:.4f}", closed, 0, held_s=held_s
-        )
+        return None
 
     def _close(self, now: float) -> ClosedStep:
         prev = self.closed.get(self.step)
