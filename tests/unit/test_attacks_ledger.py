@@ -324,3 +324,20 @@ def test_a_lease_sitter_loses_share_and_the_step_still_closes_within_one_lease_t
     i = core.ledger.holdings(sitter)[0]
     swarm.complete(sitter, 2, i, [sitter, s1], 3.0, t + 0.5)
     assert len(core.handle(sitter, cm.Lease(max_tickets=B), t + 0.5).indices) == B // 4
+
+
+@pytest.mark.parametrize(("num_peers", "numel"), [(1, 5), (2, 7), (3, 50), (5, 3), (4, 1)])
+def test_a_replica_that_fetched_the_result_reports_the_participants_result_hash(num_peers: int, numel: int) -> None:
+    """The commit compares hashes: a left-out replica hashes its fetched vector exactly as the round did."""
+    from protolearn.node.finishing import result_digest
+    from tests.unit.test_collective import Net, make
+
+    weights, vectors = make(num_peers, numel, seed=num_peers * 100 + numel)
+    net = Net(weights, vectors, op="sum", seed=1)
+    net.run()
+    assert not net.failed and len(net.done) == num_peers
+    for done in net.done.values():
+        assert result_digest(done.result.clone(), len(weights)) == done.digest
+    flipped = next(iter(net.done.values())).result.clone()
+    flipped[0] += 1.0
+    assert result_digest(flipped, len(weights)) != next(iter(net.done.values())).digest
