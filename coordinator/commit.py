@@ -32,14 +32,25 @@ liveness checks, not the barrier, bound. What the barrier cannot do is tell a li
 replica when neither side has a majority: a stage of two replicas that disagree does not commit (it
 halts, visibly, with both flagged) rather than apply an update one unknown side vouches for.
 
-The barrier is cleared whenever the last closed step changes (it closes, reopens or closes again); its
-memory is bounded by the live members (one entry per reporting replica).
+The barrier is the one owner of the last committed step (``committed_through``; the ticket ledger
+reads it from here) and of the hashes it committed with, so a late report of the committed step with
+another hash is refused too. Its reports are cleared whenever the last closed step changes (it closes,
+reopens or closes again); their memory is bounded by the live members (one entry per reporting replica).
+Reports are not persisted: holders report again on every poll.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AveragedDecision:
+    accepted: bool
+    committed: bool
+    reason: str
+    code: str = "ok"
 
 
 @dataclass(frozen=True)
@@ -57,10 +68,71 @@ class CommitBarrier:
     def __init__(self, num_stages: int) -> None:
         self.num_stages = num_stages
         self._reports: list[dict[str, str]] = [{} for _ in range(num_stages)]
+        # The last step that committed, whether that changed since the store last took it, and the
+        # result hash each stage committed it with.
+        self.committed_through = -1
+        self.dirty = False
+        self.hashes: dict[int, str] = {}
+
+    def restore(self, committed_through: int, *, dirty: bool) -> None:
+        self.committed_through, self.dirty, self.hashes = committed_through, dirty, {}
+        self.clear()
 
     def clear(self) -> None:
         for r in self._reports:
             r.clear()
+
+    def committed(self, step: int) -> bool:
+        return step <= self.committed_through
+
+    def averaged(
+        self, peer: str, stage: int, step: int, revision: int, result_hash: str, revision_now: int | None,
+        needed: Callable[[int], Iterable[str]],
+    ) -> AveragedDecision:
+        """``peer`` (of ``stage``) holds the full average of ``step`` at ``revision``, hashing to
+        ``result_hash``: it took part in a round that had every contribution in, or, left out of the
+        accounting, it fetched such a round's result (participants serve only complete results).
+        ``revision_now``: the last closed step's current revision when ``step`` is that step, else None.
+
+        The step commits by the rule in the module docstring. A report whose hash is not the majority's
+        (or the committed one's) is refused with ``result_mismatch`` but still recorded, so that a liar
+        counts as having reported and cannot hold the step.
+        """
+        if not 0 <= stage < self.num_stages:
+            return AveragedDecision(False, False, f"stage {stage} is outside 0..{self.num_stages - 1}", "bad_stage")
+        if self.committed(step):
+            won = self.hashes.get(stage) if step == self.committed_through else None
+            if won is not None and result_hash != won:
+                return AveragedDecision(
+                    False, True, f"step {step} committed stage {stage}'s result {won[:12]}, not {result_hash[:12]}; resync",
+                    "result_mismatch",
+                )
+            return AveragedDecision(True, True, f"step {step} is committed")
+        if revision_now is None:
+            return AveragedDecision(False, False, f"step {step} is not the last closed step", "step_not_closed")
+        if revision != revision_now:
+            return AveragedDecision(
+                False, False, f"step {step} is at revision {revision_now}, not {revision}; average that one", "stale_revision"
+            )
+        self.report(stage, peer, result_hash)
+        won = self.winner(stage, set(needed(stage)))
+        if won is not None and result_hash != won:
+            self.try_commit(step, revision_now, needed)  # the dissenter has reported: the others may commit without it
+            return AveragedDecision(
+                False, self.committed(step),
+                f"stage {stage}'s majority holds result {won[:12]}, not {result_hash[:12]}; resync", "result_mismatch",
+            )
+        return self.try_commit(step, revision_now, needed)
+
+    def try_commit(self, step: int, revision: int | None, needed: Callable[[int], Iterable[str]]) -> AveragedDecision:
+        """Commit ``step`` (the last closed one, at ``revision``; None: not kept) if its stages agree."""
+        if step < 0 or self.committed(step) or revision is None:
+            return AveragedDecision(False, False, f"step {step} has nothing left to commit")
+        check = self.check(needed)
+        if not check.commit:
+            return AveragedDecision(True, False, f"step {step} {check.reason}")
+        self.hashes, self.committed_through, self.dirty = check.hashes, step, True
+        return AveragedDecision(True, True, f"step {step} committed at revision {revision}")
 
     def report(self, stage: int, peer: str, result_hash: str) -> None:
         """``peer`` of ``stage`` holds a result hashing to ``result_hash`` (its later report replaces it)."""

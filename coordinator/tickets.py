@@ -48,7 +48,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from protolearn.coordinator.commit import CommitBarrier
+from protolearn.coordinator.commit import AveragedDecision, CommitBarrier
 
 
 @dataclass
@@ -103,14 +103,6 @@ class TicketChanges:
     tickets: list[Ticket]
     reset: bool
     committed: int | None
-
-
-@dataclass(frozen=True)
-class AveragedDecision:
-    accepted: bool
-    committed: bool
-    reason: str
-    code: str = "ok"
 
 
 @dataclass(frozen=True)
@@ -181,18 +173,17 @@ class TicketLedger:
         # Tickets whose persisted form changed since the last drain (indices of the open step).
         self.dirty: set[int] = set()
         self.reset = False
-        # The last step that committed (every closed step before it did too). A restored ledger without
-        # the field counts its closed steps as committed, which is what the old rule-free swarm did.
-        self.committed_through = step - 1 if committed_through is None else committed_through
-        # A fresh run persists "nothing committed" with its first drain: a store without the field reads
-        # as "every closed step committed", so a crash between step 0's close and its commit would
-        # otherwise restore step 0 as committed, and a replica would apply it without a dead peer's tickets.
-        self.commit_dirty = committed_through is None and step == 0 and not closed
-        # Per stage, the replicas that reported holding the last closed step's full average at its current
-        # revision (participants whose round had every contribution in, and replicas that fetched it),
-        # with the result hash each named; and the hashes the last committed step committed with.
-        self._barrier = CommitBarrier(num_stages)
-        self.committed_hashes: dict[int, str] = {}
+        # The commit barrier: the one owner of the last committed step (see coordinator/commit.py). A
+        # restored ledger without that field counts its closed steps as committed, which is what the old
+        # rule-free swarm did. A fresh run persists "nothing committed" with its first drain: a store
+        # without the field reads as "every closed step committed", so a crash between step 0's close and
+        # its commit would otherwise restore step 0 as committed, and a replica would apply it without a
+        # dead peer's tickets.
+        self.barrier = CommitBarrier(num_stages)
+        self.barrier.restore(
+            step - 1 if committed_through is None else committed_through,
+            dirty=committed_through is None and step == 0 and not closed,
+        )
 
     def restore(
         self, *, step: int, tickets: Sequence[Ticket], closed: Sequence[ClosedStep], committed_through: int | None, now: float
@@ -207,10 +198,10 @@ class TicketLedger:
         self.step = step
         self.tickets = [by_index.get(i, Ticket(i)) for i in range(self.num_tickets)]
         self.closed = {c.step: c for c in closed[-self.keep_closed :]}
-        self.committed_through = step - 1 if committed_through is None else committed_through
-        self.commit_dirty = committed_through is None and step == 0 and not closed
-        self._barrier.clear()
-        self.committed_hashes = {}
+        self.barrier.restore(
+            step - 1 if committed_through is None else committed_through,
+            dirty=committed_through is None and step == 0 and not closed,
+        )
         self.dirty.clear()
         self.reset = False
         self.refresh_leases(now)
@@ -225,7 +216,7 @@ class TicketLedger:
         out = TicketChanges(tickets, self.reset, committed)
         self.dirty.clear()
         self.reset = False
-        self.commit_dirty = False
+        self.barrier.dirty = False
         return out
 
     def _fresh(self) -> list[Ticket]:
@@ -236,63 +227,37 @@ class TicketLedger:
         return self.step - 1
 
     def committed(self, step: int) -> bool:
-        return step <= self.committed_through
+        return self.barrier.committed(step)
 
     def averaged(
         self, peer: str, stage: int, step: int, revision: int, *, result_hash: str = "",
         needed: Callable[[int], Iterable[str]] = lambda s: (),
     ) -> AveragedDecision:
         """``peer`` (of ``stage``) holds the full average of ``step`` at ``revision``, hashing to
-        ``result_hash``: it took part in a round that had every contribution in, or, left out of the
-        accounting, it fetched such a round's result (participants serve only complete results).
-
-        The step commits by the rule of ``coordinator/commit.py``: a strict majority of every stage's
-        live replicas (``needed(stage)``) hold one hash and all of them reported. Waiting for the
-        left-out replicas too means that the result survives the death of every participant right after
-        the commit (I6). A report whose hash is not the majority's (or the committed one's) is refused
-        with ``result_mismatch`` but still recorded, so that a liar counts as having reported and
-        cannot hold the step. Reports are not persisted: holders report again on every poll.
-        """
-        if not 0 <= stage < self.num_stages:
-            return AveragedDecision(False, False, f"stage {stage} is outside 0..{self.num_stages - 1}", "bad_stage")
-        if self.committed(step):
-            won = self.committed_hashes.get(stage) if step == self.committed_through else None
-            if won is not None and result_hash != won:
-                return AveragedDecision(
-                    False, True, f"step {step} committed stage {stage}'s result {won[:12]}, not {result_hash[:12]}; resync",
-                    "result_mismatch",
-                )
-            return AveragedDecision(True, True, f"step {step} is committed")
+        ``result_hash``; see :meth:`CommitBarrier.averaged` (``needed(stage)``: the stage's live replicas)."""
         closed = self.closed.get(step)
-        if step != self.last_closed or closed is None:
-            return AveragedDecision(False, False, f"step {step} is not the last closed step ({self.last_closed})", "step_not_closed")
-        if revision != closed.revision:
-            return AveragedDecision(
-                False, False, f"step {step} is at revision {closed.revision}, not {revision}; average that one", "stale_revision"
-            )
-        self._barrier.report(stage, peer, result_hash)
-        won = self._barrier.winner(stage, set(needed(stage)))
-        if won is not None and result_hash != won:
-            self.try_commit(needed)  # the dissenter has reported: the others may commit without it
-            return AveragedDecision(
-                False, self.committed(step),
-                f"stage {stage}'s majority holds result {won[:12]}, not {result_hash[:12]}; resync", "result_mismatch",
-            )
-        return self.try_commit(needed)
+        revision_now = closed.revision if closed is not None and step == self.last_closed else None
+        return self.barrier.averaged(peer, stage, step, revision, result_hash, revision_now, needed)
 
     def try_commit(self, needed: Callable[[int], Iterable[str]]) -> AveragedDecision:
-        """Commit the last closed step if every stage averaged it and every needed replica holds it
-        (called on each report, and again when a needed replica leaves or expires)."""
-        step = self.last_closed
-        if step < 0 or self.committed(step) or step not in self.closed:
-            return AveragedDecision(False, False, f"step {step} has nothing left to commit")
-        check = self._barrier.check(needed)
-        if not check.commit:
-            return AveragedDecision(True, False, f"step {step} {check.reason}")
-        self.committed_hashes = check.hashes
-        self.committed_through = step
-        self.commit_dirty = True
-        return AveragedDecision(True, True, f"step {step} committed at revision {self.closed[step].revision}")
+        """Commit the last closed step if its stages agree (called on each report, and again when a
+        needed replica leaves or expires)."""
+        closed = self.closed.get(self.last_closed)
+        return self.barrier.try_commit(self.last_closed, None if closed is None else closed.revision, needed)
+
+    @property
+    def committed_through(self) -> int:
+        """The last step that committed (every closed step before it did too)."""
+        return self.barrier.committed_through
+
+    @property
+    def commit_dirty(self) -> bool:
+        """The commit moved since the last drain (or a fresh run must persist "nothing committed")."""
+        return self.barrier.dirty
+
+    @property
+    def committed_hashes(self) -> dict[int, str]:
+        return self.barrier.hashes
 
     def remaining(self) -> int:
         return sum(1 for t in self.tickets if not t.done)
@@ -409,7 +374,7 @@ class TicketLedger:
         self.step += 1
         self.tickets = self._fresh()
         self.reset = True
-        self._barrier.clear()
+        self.barrier.clear()
         return closed
 
     def redo(
@@ -460,7 +425,7 @@ class TicketLedger:
                 False, f"the sender is neither in the route of every ticket {wanted} of step {step} nor a participant of its stage"
             )
         self.step = step
-        self._barrier.clear()
+        self.barrier.clear()
         self.tickets = [
             Ticket(i, holder=route[0], done=True, route=list(route), loss=loss)
             if i not in wanted
