@@ -25,9 +25,16 @@ and it never reopens. So a replica that dies while its stage averages is never l
 survivors redo its tickets and the step reopens, because no stage can have applied it yet (I1).
 
 **Bounds under attack.** A step reopens at most ``max_revisions`` times: a redo past that is refused
-(``revision_cap``) and the last revision stands. Its replicas then take the node core's refused-redo
-fallback (apply what the round had and log the lost tickets, or resync), so the step still finishes and
-no node's round id overflows. A completion's loss must be finite and within ``[0, max_loss]``.
+(``revision_cap``) and the last revision stands, so no node's round id overflows. Its replicas take the
+node core's refused-redo fallback: a stage whose round left a dead replica out applies what it has (and
+logs the lost tickets; I1 gives way to liveness there), and a replica that lost its own gradients
+resyncs. At the last revision the commit waits only for the live *participants* of each stage (a
+left-out replica could not fetch a round that left someone out, since only full rounds are served; it
+resyncs from a replica that applied the step). What the cap cannot save is a stage whose round failed
+outright at the last revision with no replica holding the step: like a stage that lost every replica, it
+halts, visibly, until an operator acts. Honest churn stays far below the cap (the node-core simulator's
+schedules never pass revision 3), and one peer alone gets at most ``max_redos_per_peer`` reopenings (see
+``core.py``). A completion's loss must be finite and within ``[0, max_loss]``.
 
 Who may ask for a redo: a peer on the ticket's route (it lost the ticket's graph or gradients), or a
 *participant of the same stage*: a peer that the step's frozen accounting lists at stage s and that is
@@ -237,13 +244,28 @@ class TicketLedger:
         ``result_hash``; see :meth:`CommitBarrier.averaged` (``needed(stage)``: the stage's live replicas)."""
         closed = self.closed.get(step)
         revision_now = closed.revision if closed is not None and step == self.last_closed else None
-        return self.barrier.averaged(peer, stage, step, revision, result_hash, revision_now, needed)
+        return self.barrier.averaged(peer, stage, step, revision, result_hash, revision_now, self._needed(needed))
 
     def try_commit(self, needed: Callable[[int], Iterable[str]]) -> AveragedDecision:
         """Commit the last closed step if its stages agree (called on each report, and again when a
         needed replica leaves or expires)."""
         closed = self.closed.get(self.last_closed)
-        return self.barrier.try_commit(self.last_closed, None if closed is None else closed.revision, needed)
+        return self.barrier.try_commit(self.last_closed, None if closed is None else closed.revision, self._needed(needed))
+
+    def _needed(self, needed: Callable[[int], Iterable[str]]) -> Callable[[int], Iterable[str]]:
+        """The replicas the commit waits for: every live one, or, once the last closed step is at its
+        last allowed revision, only its live participants.
+
+        At the cap a dead participant's tickets can no longer be redone, so its stage's survivors apply
+        the round they have (the node core's ``tickets_lost`` fallback) and serve no result to fetch (only
+        full rounds are served). A left-out replica could then never report, and the step would never
+        commit; instead it resyncs from a replica that applied the step once it commits.
+        """
+        closed = self.closed.get(self.last_closed)
+        if closed is None or closed.revision < self.max_revisions:
+            return needed
+        account = closed.accounting()
+        return lambda s: [p for p in needed(s) if p in account.get(s, {})]
 
     @property
     def committed_through(self) -> int:

@@ -61,8 +61,9 @@ class Swarm:
         assert isinstance(reply, cm.CompleteReply)
         return reply
 
-    def close_step(self, now: float, *, s0: str | None = None) -> int:
-        """Lease and complete every open ticket through one replica per stage; returns the closed step."""
+    def close_step(self, now: float, *, s0: str | None = None, width: int | None = None) -> int:
+        """Lease and complete every open ticket through one replica per stage (the first ``width`` of each
+        later stage take part, all by default); returns the closed step."""
         s0 = s0 or self.stages[0][0]
         step = self.core.ledger.step
         while self.core.ledger.step == step:
@@ -70,7 +71,7 @@ class Swarm:
             assert isinstance(lease, cm.LeaseReply) and lease.indices, lease.reason
             for i in lease.indices:
                 # Spread the later hops over each stage's replicas, so every replica takes part in the step.
-                route = [s0] + [self.stages[s][i % len(self.stages[s])] for s in range(1, self.core.run.num_stages)]
+                route = [s0] + [self.stages[s][i % (width or len(self.stages[s]))] for s in range(1, self.core.run.num_stages)]
                 self.complete(s0, step, i, route, 3.0, now)
         return step
 
@@ -146,6 +147,29 @@ def test_revisions_per_step_are_capped_however_many_peers_collude() -> None:
         for p in swarm.stages[s]:
             info = swarm.averaged(p, step, "h", 30.0)
     assert info.committed and info.revision == settings.max_revisions
+
+
+def test_at_the_revision_cap_the_commit_waits_only_for_the_live_participants() -> None:
+    """At the cap a dead participant's tickets cannot be redone: the survivors apply what their round has
+    and serve no result, so a left-out replica could never report; the step commits without it."""
+    settings = SETTINGS.model_copy(update={"max_revisions": 2})
+    core = make_core(settings)
+    swarm = Swarm(core, per_stage=3)
+    a, b, left_out = swarm.stages[1]
+    step = swarm.close_step(0.0, width=2)
+
+    def report_participants(now: float) -> cm.StepInfo:
+        for p in swarm.stages[0]:
+            swarm.averaged(p, step, "h0", now)
+        swarm.averaged(a, step, "h1", now)
+        return swarm.averaged(b, step, "h1", now)
+
+    assert not report_participants(1.0).committed  # below the cap every live replica must hold the result
+    core.handle(a, cm.Redo(step=step, indices=[0], revision=1), 2.0)
+    swarm.close_step(3.0, width=2)
+    assert core.ledger.closed[step].revision == settings.max_revisions
+    refused("revision_cap", core.handle, a, cm.Redo(step=step, indices=[1], revision=2), 3.5)
+    assert report_participants(4.0).committed
 
 
 @pytest.mark.parametrize("code", ["revision_cap", "redo_limit"])
