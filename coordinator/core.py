@@ -360,8 +360,10 @@ class CoordinatorCore:
         return bool(peers) and not any(self.registry.present(p) for p in peers)
 
     def _averaged(self, member: Member, msg: cm.Averaged, now: float) -> cm.StepInfo:
+        # A replica moving to another stage still finishes (and reports) the step of the stage it serves.
+        stage = member.serving if member.serving >= 0 else member.stage
         d = self.ledger.averaged(
-            member.peer_id, member.stage, msg.step, msg.revision, result_hash=msg.result_hash, needed=self.registry.serving
+            member.peer_id, stage, msg.step, msg.revision, result_hash=msg.result_hash, needed=self.registry.serving
         )
         if d.code == "result_mismatch":
             self.verdicts.flag(member.peer_id, "result_mismatch", d.reason, now)
@@ -514,8 +516,8 @@ class CoordinatorCore:
         self._late_seen = late
         events = []
         for peer, tickets in sorted(struck.items()):
-            if not self.registry.is_live(peer):
-                continue  # it left or expired: its leases are freed anyway
+            if not self.registry.present(peer):
+                continue  # it left, expired or lost its connection: its leases are freed or ended anyway
             strikes = self._lease_strikes[peer] = self._lease_strikes.get(peer, 0) + 1
             why = f"held tickets {tickets} of step {self.ledger.step} past {late_s:g} s without completing any"
             self.verdicts.flag(peer, "late_leases", why, now)
