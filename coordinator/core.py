@@ -510,8 +510,12 @@ class CoordinatorCore:
             if t.done or t.holder is None or now - (t.expires_at - self.settings.lease_s) < late_s:
                 continue
             key = (self.ledger.step, t.index, t.expires_at)
-            late.add(key)
-            if key not in self._late_seen and now - self._last_completed.get(t.holder, -math.inf) >= late_s:
+            if key in self._late_seen:
+                late.add(key)  # struck once for this lease term already
+            elif now - self._last_completed.get(t.holder, -math.inf) >= late_s:
+                # (A late lease of a holder that completed something lately is looked at again on the next
+                # pass: completing one ticket of a block does not buy the right to sit on the rest.)
+                late.add(key)
                 struck.setdefault(t.holder, []).append(t.index)
         self._late_seen = late
         events = []

@@ -365,3 +365,18 @@ def test_a_replica_that_fetched_the_result_reports_the_participants_result_hash(
     flipped = next(iter(net.done.values())).result.clone()
     flipped[0] += 1.0
     assert result_digest(flipped, len(weights)) != next(iter(net.done.values())).digest
+
+
+def test_completing_one_ticket_of_a_block_does_not_buy_the_right_to_sit_on_the_rest() -> None:
+    core = make_core()
+    swarm = Swarm(core, per_stage=1)
+    sitter, s1 = swarm.stages[0][0], swarm.stages[1][0]
+    lease = core.handle(sitter, cm.Lease(max_tickets=4), 0.0).indices
+    swarm.complete(sitter, 0, lease[0], [sitter, s1], 3.0, 0.1)  # one quick completion, then nothing
+    late_s = SETTINGS.lease_late_fraction * SETTINGS.lease_s
+    core.housekeeping(late_s + 0.05)
+    assert core.verdicts.flags_of(sitter) == []  # it made progress lately
+    core.housekeeping(late_s + 0.2)
+    assert core.verdicts.flags_of(sitter) == ["late_leases:1"]
+    core.housekeeping(late_s + 1.0)
+    assert core.verdicts.flags_of(sitter) == ["late_leases:1"]  # one strike per lease term
