@@ -120,6 +120,8 @@ class Sim:
         self.rounds: dict[tuple[int, int, int], Round] = {}
         self.on_average: Callable[[SimNode, ev.Average], None] | None = None
         self.log: list[str] = []
+        # Replicas that report a made-up result hash for every step they finish (issue 12's attack 5).
+        self.liars: set[str] = set()
         for k in range(stages * replicas):
             self.add_node(f"n{k}")
         self.at(HOUSEKEEPING_S, self._housekeeping)
@@ -381,6 +383,8 @@ class Sim:
             info: cm.StepInfo | None = None
             if report:
                 held = "" if node.result is None else _hash([node.result])
+                if node.peer in self.liars:
+                    held = f"forged-by-{node.peer}"
                 averaged = cm.Averaged(step=step, revision=revision, result_hash=held)
                 try:
                     info = self.coord.handle(node.peer, averaged, self.now)  # type: ignore[assignment]

@@ -380,3 +380,26 @@ def test_completing_one_ticket_of_a_block_does_not_buy_the_right_to_sit_on_the_r
     assert core.verdicts.flags_of(sitter) == ["late_leases:1"]
     core.housekeeping(late_s + 1.0)
     assert core.verdicts.flags_of(sitter) == ["late_leases:1"]  # one strike per lease term
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_lying_replica_in_the_simulated_swarm_is_refused_and_resyncs_while_the_honest_ones_train(seed: int, tmp_path) -> None:
+    """The node-core simulator's whole swarm (2 stages x 3 replicas, real coordinator and node cores) with
+    one replica that reports a forged result hash for every step: every step still commits, the honest
+    replicas apply every ticket of every step (I1) and agree (I2), and the liar only ever resyncs."""
+    from tests.unit.node_sim import Sim
+
+    sim = Sim(seed, tmp_path / "sim", stages=2, replicas=3, steps=4)
+    liar = sim.rng.choice(sorted(sim.nodes))
+    sim.liars.add(liar)
+    sim.run_until_done()
+    honest = [n for n in sim.nodes.values() if n.peer != liar]
+    assert all(n.core.applied >= sim.steps for n in honest), [(n.peer, n.core.applied) for n in sim.nodes.values()]
+    for n in honest:
+        assert all(tickets == tuple(range(sim.B)) for tickets in n.params), f"I1: {n.peer}"
+    for s in range(sim.S):
+        replicas = [n for n in honest if n.stage == s]
+        assert all(n.params[: sim.steps] == replicas[0].params[: sim.steps] for n in replicas), f"I2: stage {s}"
+    decisions = set(sim.nodes[liar].decisions.values())
+    assert "apply" not in decisions and "resync" in decisions
+    assert any(f.startswith("result_mismatch:") for f in sim.coord.verdicts.flags_of(liar))
