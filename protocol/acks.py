@@ -10,6 +10,13 @@ hop needs that hop's signature over exactly this loss, and naming itself (or a c
 is caught by the coordinator's route check (every hop must be a live member of its stage), leaving only
 a lie by a colluding last stage, which the integrity checks (spot checks, monitors) are for.
 
+What an ack does not bind is the *attempt*: a ticket redone after its step reopened, along the same
+route and with the same loss, has the same statement, so stage 0 could hand in the earlier attempt's
+ack without running the new one. The route must still be live, and a replica on it that lacks the
+ticket's gradients asks to redo it again, so this costs redos (bounded by the coordinator's redo caps)
+and, at worst, tickets logged as lost at the last revision; binding acks to a per-lease nonce carried in
+the activation would close it.
+
 The statement is fixed, length-prefixed bytes with a domain tag, never a serialised object (see
 ``statements.py``): a signature made for a collective part or fin can never pass for an ack, nor one
 from another run (the run hash is in it), step, ticket, route or loss (its float64 bits are in it).
