@@ -145,6 +145,7 @@ class Finisher:
             self._result, self._result_hash = done.result, done.digest.hex()
             return RoundDone(a.step, a.revision, list(done.excluded))
         if isinstance(a, Fetch):
+            self._result = None
             with trio.move_on_after(a.try_s):
                 try:
                     self._result = await self.averager.fetch_result(a.round, a.participants)
@@ -153,10 +154,12 @@ class Finisher:
                 except AveragingError as err:
                     log.warning("%s", err)
                     return Fetched(a.step, a.revision, ok=False, reason=str(err))
-                digest = await trio.to_thread.run_sync(result_digest, self._result, len(a.participants), limiter=self.compute)
-                self._result_hash = digest.hex()
-                return Fetched(a.step, a.revision, ok=True)
-            return Fetched(a.step, a.revision, ok=False, reason=f"no result within {a.try_s:g} s")
+            if self._result is None:
+                return Fetched(a.step, a.revision, ok=False, reason=f"no result within {a.try_s:g} s")
+            # Hashed outside the fetch's time limit: a result in hand is not lost to a slow hash.
+            digest = await trio.to_thread.run_sync(result_digest, self._result, len(a.participants), limiter=self.compute)
+            self._result_hash = digest.hex()
+            return Fetched(a.step, a.revision, ok=True)
         if isinstance(a, Redo):
             if a.delay_s:
                 await trio.sleep(a.delay_s)
