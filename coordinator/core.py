@@ -317,8 +317,6 @@ class CoordinatorCore:
 
     def _on_completed(self, peer: str, held_s: float, now: float) -> None:
         """A completion is progress; one within the late fraction of its lease takes a strike off."""
-        if len(self._last_completed) > 2 * self.registry.working(0) + 64:
-            self._last_completed = {p: t for p, t in self._last_completed.items() if self.registry.is_live(p)}
         self._last_completed[peer] = now
         strikes = self._lease_strikes.get(peer, 0)
         if strikes and held_s <= self.settings.lease_late_fraction * self.settings.lease_s:
@@ -518,6 +516,8 @@ class CoordinatorCore:
                 late.add(key)
                 struck.setdefault(t.holder, []).append(t.index)
         self._late_seen = late
+        # Only a completion within late_s counts as progress: older ones go (O(recently active stage-0 peers)).
+        self._last_completed = {p: at for p, at in self._last_completed.items() if now - at < late_s}
         events = []
         for peer, tickets in sorted(struck.items()):
             if not self.registry.present(peer):
