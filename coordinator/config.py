@@ -41,6 +41,18 @@ class CoordinatorSettings(BaseModel):
     # Departed (left or expired) members are remembered this long so a rejoin gets its old stage.
     departed_retention_s: float = Field(24 * 3600.0, ge=0)
     max_members: int = Field(100_000, ge=1)
+    # Step accounting under attack (issue 12). A closed step reopens at most this many times; a redo past
+    # it is refused (``revision_cap``) and the last revision stands. Well below the node's 4096 round ids.
+    max_revisions: int = Field(32, ge=1, le=4096)
+    # Redos of other peers' work one peer may have granted per step; past it the peer is flagged
+    # (``redo_storm``) and its further redos of that step are refused (``redo_limit``).
+    max_redos_per_peer: int = Field(8, ge=1)
+    # A completion's loss must lie in [0, max_loss_factor * ln(vocab_size)]: ln(V) is an untrained
+    # model's loss, and no honest microbatch is that many times worse.
+    max_loss_factor: float = Field(10.0, gt=0)
+    # A lease held past this fraction of lease_s while its holder completed nothing for as long is late:
+    # each late pass strikes the holder, and every strike halves its share of the step (down to 1).
+    lease_late_fraction: float = Field(0.5, gt=0, le=1)
     max_concurrent_waits: int = Field(1024, ge=1)
 
     @model_validator(mode="after")

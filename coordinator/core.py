@@ -13,11 +13,22 @@ gone (or untrusted), and they are redone by others (I1). A member whose connecti
 closed (it died) and stays closed for ``disconnect_grace_s`` has its leases ended at once rather than
 at their expiry, so another stage-0 replica picks its tickets up within about a second; the service
 passes those connection events in with ``now``.
+
+Requests that could stall or corrupt a step are bounded (issue 12): a peer may have at most
+``max_redos_per_peer`` redos of other peers' work granted per step (past that it is flagged
+``redo_storm`` and refused ``redo_limit``), and a step reopens at most ``max_revisions`` times. A
+completion needs the last stage's signed acknowledgement of its route and loss (``bad_ack``,
+``protocol/acks.py``) and a plausible loss (``bad_loss``). A stage-0 member that sits on its leases
+(held past ``lease_late_fraction`` of ``lease_s`` while it completed nothing) gets a strike
+(``late_leases``); each strike halves its share of the step down to one ticket, and each ticket it then
+completes on time takes one strike off. Its tickets are re-issued when their lease runs out, so a step
+it sits on closes at most about one ``lease_s`` later, and each later sitting costs it more share.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +43,7 @@ from protolearn.coordinator.status import build_status
 from protolearn.coordinator.tickets import ClosedStep, LossPoint, Ticket, TicketLedger
 from protolearn.coordinator.verdicts import Ban, VerdictPolicy
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.errors import SignatureError
 from protolearn.protocol.identity import verify_peer
 from protolearn.protocol.statements import contradiction
@@ -93,9 +105,11 @@ class CoordinatorCore:
         self.started_at = started_at
         self.verify = verify
         self.registry = Registry(run.num_stages, shares_from_layers(run.layers), settings)
+        # An untrained model's loss is about ln(V); no honest microbatch is max_loss_factor times worse.
+        max_loss = settings.max_loss_factor * math.log(run.vocab_size) if run.vocab_size >= 2 else math.inf
         self.ledger = TicketLedger(
             run.microbatches_per_step, run.num_stages, lease_s=settings.lease_s, block=settings.lease_block,
-            keep_closed=KEEP_CLOSED,
+            keep_closed=KEEP_CLOSED, max_revisions=settings.max_revisions, max_loss=max_loss,
         )
         self.verdicts = VerdictPolicy(settings)
         self.limiter = RateLimiter(settings.rate_per_s, settings.rate_burst, max_peers=settings.max_members * 2)
@@ -109,6 +123,12 @@ class CoordinatorCore:
         # The training data's fingerprint, set by the first node that reads it; persisted when it changes.
         self.corpus: str | None = None
         self._corpus_dirty: str | None = None
+        # (step, peer) → redos of other peers' work granted (only the open and the last closed step are kept).
+        self._redos: dict[tuple[int, str], int] = {}
+        # Stage-0 peers' late-lease strikes, when each last completed a ticket, and the late leases seen.
+        self._lease_strikes: dict[str, int] = {}
+        self._last_completed: dict[str, float] = {}
+        self._late_seen: set[tuple[int, int, float]] = set()
 
     # -- restore ------------------------------------------------------------------------------
 
@@ -170,9 +190,9 @@ class CoordinatorCore:
         if isinstance(msg, cm.Complete):
             return self._complete(member, msg, now)
         if isinstance(msg, cm.Redo):
-            return self._redo(member, msg)
+            return self._redo(member, msg, now)
         if isinstance(msg, cm.Averaged):
-            return self._averaged(member, msg)
+            return self._averaged(member, msg, now)
         if isinstance(msg, cm.CorpusCheck):
             return self._corpus_check(member, msg)
         if isinstance(msg, cm.Leave):
@@ -253,6 +273,8 @@ class CoordinatorCore:
         # Each working stage-0 replica may hold at most its share of the step at once, so a replica
         # that asks a moment later (e.g. one that just synced) is not starved by a faster one.
         share = -(-self.run.microbatches_per_step // max(1, self.registry.working(0)))
+        # A replica that sat on its leases gets half the share per strike (down to one ticket).
+        share = max(1, share >> min(self._lease_strikes.get(member.peer_id, 0), 62))
         d = self.ledger.lease(member.peer_id, now, msg.max_tickets, share=share)
         if d.reissued:
             self.reissued += len(d.reissued)
@@ -266,9 +288,22 @@ class CoordinatorCore:
                 raise self.refuse(
                     "bad_route", f"route hop {stage} is {hop}, which is not a live member of stage {stage}; redo the ticket"
                 )
+        early = self.ledger.check_complete(member.peer_id, msg.step, msg.index, msg.route, msg.loss)
+        if early is not None:  # refused before any signature is checked
+            raise self.refuse(early.code, early.reason)
+        if len(msg.route) > 1:
+            # Only the last stage knows that the ticket went the whole way and what its loss was.
+            if msg.ack is None:
+                raise self.refuse("bad_ack", f"no acknowledgement from the last stage {msg.route[-1]}; redo the ticket")
+            statement = ack_statement(self.run.run_hash, msg.step, msg.index, msg.route, msg.loss)
+            if not self.verify(msg.route[-1], statement, msg.ack):
+                raise self.refuse(
+                    "bad_ack", f"the acknowledgement is not the last stage {msg.route[-1]}'s signature of this route and loss"
+                )
         d = self.ledger.complete(member.peer_id, msg.step, msg.index, msg.route, msg.loss, now)
         if not d.accepted:
             raise self.refuse(d.code, d.reason)
+        self._on_completed(member.peer_id, d.held_s, now)
         if d.closed is not None:
             self._on_closed(d.closed)
             log.info("step closed step=%d loss=%.4f revision=%d", d.closed.step, d.closed.loss, d.closed.revision)
@@ -280,13 +315,36 @@ class CoordinatorCore:
             self.history.pop()  # a reopened step closes again: replace its point
         self.history.append(LossPoint(closed.step, closed.loss, closed.num_tickets, closed.closed_at))
 
-    def _redo(self, member: Member, msg: cm.Redo) -> cm.RedoReply:
+    def _on_completed(self, peer: str, held_s: float, now: float) -> None:
+        """A completion is progress; one within the late fraction of its lease takes a strike off."""
+        self._last_completed[peer] = now
+        strikes = self._lease_strikes.get(peer, 0)
+        if strikes and held_s <= self.settings.lease_late_fraction * self.settings.lease_s:
+            if strikes > 1:
+                self._lease_strikes[peer] = strikes - 1
+            else:
+                del self._lease_strikes[peer]
+
+    def _redo(self, member: Member, msg: cm.Redo, now: float) -> cm.RedoReply:
         peer = member.peer_id
+        key = (msg.step, peer)
+        limit = self.settings.max_redos_per_peer
+        if self._redos.get(key, 0) >= limit:
+            if self._redos[key] == limit:  # flag once per step, however long the storm goes on
+                self._redos[key] += 1
+                self.verdicts.flag(peer, "redo_storm", f"asked for more than {limit} redos of others' work in step {msg.step}", now)
+                log.warning("redo storm peer=%s step=%d: flagged, its further redos of the step are refused", peer, msg.step)
+            raise self.refuse("redo_limit", f"already had {limit} redos of other peers' work granted in step {msg.step}; no more")
         d = self.ledger.redo(
             msg.step, msg.indices, by=peer, by_stage=member.stage, orphaned=self._orphaned(msg.step, member.stage), revision=msg.revision,
         )
         if not d.accepted:
             raise self.refuse(d.code, d.reason)
+        if d.foreign:
+            if len(self._redos) > 2 * self.registry.num_live + 64:
+                oldest = self.ledger.last_closed
+                self._redos = {k: n for k, n in self._redos.items() if k[0] >= oldest}
+            self._redos[key] = self._redos.get(key, 0) + 1
         log.info("redo peer=%s step=%d tickets=%s reopened=%s reason=%s", peer, msg.step, d.indices, d.reopened, msg.reason)
         return cm.RedoReply(step=msg.step, indices=d.indices, reopened=d.reopened, open_step=self.ledger.step)
 
@@ -299,12 +357,19 @@ class CoordinatorCore:
         peers = {route[stage] for route in closed.routes if len(route) > stage}
         return bool(peers) and not any(self.registry.present(p) for p in peers)
 
-    def _averaged(self, member: Member, msg: cm.Averaged) -> cm.StepInfo:
-        d = self.ledger.averaged(member.peer_id, member.stage, msg.step, msg.revision, needed=self.registry.serving)
-        if not d.accepted:
-            raise self.refuse(d.code, d.reason)
+    def _averaged(self, member: Member, msg: cm.Averaged, now: float) -> cm.StepInfo:
+        # A replica moving to another stage still finishes (and reports) the step of the stage it serves.
+        stage = member.serving if member.serving >= 0 else member.stage
+        d = self.ledger.averaged(
+            member.peer_id, stage, msg.step, msg.revision, result_hash=msg.result_hash, needed=self.registry.serving
+        )
+        if d.code == "result_mismatch":
+            self.verdicts.flag(member.peer_id, "result_mismatch", d.reason, now)
+            log.warning("averaged result mismatch peer=%s step=%d: %s", member.peer_id, msg.step, d.reason)
         if d.committed and self.ledger.commit_dirty:
             log.info("step committed step=%d revision=%d (every stage averaged it)", msg.step, msg.revision)
+        if not d.accepted:
+            raise self.refuse(d.code, d.reason)
         return self.step_info(msg.step, msg.revision)
 
     def _corpus_check(self, member: Member, msg: cm.CorpusCheck) -> cm.CorpusCheckReply:
@@ -420,6 +485,7 @@ class CoordinatorCore:
         self._reported_expired = expired
         if fresh:
             events.append(f"leases expired step={self.ledger.step} tickets={fresh} (re-issued on the next lease)")
+        events += self._strike_late_leases(now)
         self.verdicts.prune(now)
         # A replica the commit waited for may have died: the step can commit without it now.
         if self.ledger.try_commit(self.registry.serving).committed:
@@ -430,6 +496,38 @@ class CoordinatorCore:
             if move is not None:
                 freed = self.ledger.revoke_peer(move.peer_id)
                 events.append(f"rebalance {move.reason} freed={freed}")
+        return events
+
+    def _strike_late_leases(self, now: float) -> list[str]:
+        """Strike each stage-0 peer holding a lease past the late fraction of ``lease_s`` that completed
+        nothing for as long (once per lease term; O(B), the open step's tickets)."""
+        late_s = self.settings.lease_late_fraction * self.settings.lease_s
+        late: set[tuple[int, int, float]] = set()
+        struck: dict[str, list[int]] = {}
+        for t in self.ledger.tickets:
+            if t.done or t.holder is None or now - (t.expires_at - self.settings.lease_s) < late_s:
+                continue
+            key = (self.ledger.step, t.index, t.expires_at)
+            if key in self._late_seen:
+                late.add(key)  # struck once for this lease term already
+            elif now - self._last_completed.get(t.holder, -math.inf) >= late_s:
+                # (A late lease of a holder that completed something lately is looked at again on the next
+                # pass: completing one ticket of a block does not buy the right to sit on the rest.)
+                late.add(key)
+                struck.setdefault(t.holder, []).append(t.index)
+        self._late_seen = late
+        # Only a completion within late_s counts as progress: older ones go (O(recently active stage-0 peers)).
+        self._last_completed = {p: at for p, at in self._last_completed.items() if now - at < late_s}
+        events = []
+        for peer, tickets in sorted(struck.items()):
+            if not self.registry.present(peer):
+                continue  # it left, expired or lost its connection: its leases are freed or ended anyway
+            strikes = self._lease_strikes[peer] = self._lease_strikes.get(peer, 0) + 1
+            why = f"held tickets {tickets} of step {self.ledger.step} past {late_s:g} s without completing any"
+            self.verdicts.flag(peer, "late_leases", why, now)
+            events.append(f"late leases peer={peer} strikes={strikes} {why}")
+        if len(self._lease_strikes) > 2 * self.registry.working(0) + 64:
+            self._lease_strikes = {p: n for p, n in self._lease_strikes.items() if self.registry.is_live(p)}
         return events
 
     def drain(self, *, soft: bool = False) -> Changes:

@@ -1,7 +1,7 @@
 """The run as the coordinator sees it: its name, hash and config text, and the shape of its pipeline.
 
 The coordinator needs no model: only the layers per stage (for the stage shares), the microbatches
-per step (the tickets) and the tokens per step (for tokens/s). :meth:`RunInfo.from_run` reads them off
+per step (the tickets), the tokens per step (for tokens/s) and the vocabulary size (a plausible loss). :meth:`RunInfo.from_run` reads them off
 a :class:`~protolearn.stages.config.RunConfig`.
 """
 
@@ -20,6 +20,8 @@ class RunInfo:
     layers: tuple[int, ...]
     microbatches_per_step: int
     tokens_per_step: int
+    # The model's vocabulary (bounds a plausible loss); 0: unknown, no upper bound beyond finiteness.
+    vocab_size: int = 0
 
     @property
     def num_stages(self) -> int:
@@ -36,4 +38,5 @@ class RunInfo:
             layers=tuple(PartitionPlan.from_config(run).layers),
             microbatches_per_step=run.batch.microbatches_per_step,
             tokens_per_step=run.batch.tokens_per_step,
+            vocab_size=run.model.vocab_size,
         )

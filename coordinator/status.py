@@ -14,7 +14,8 @@ The verdict, in order of precedence:
 
 Node flags: ``stale`` (missed two heartbeats), ``hash-mismatch`` (its parameter hash differs from
 its stage's majority at the same step), ``behind`` (it reports an older step than its stage's
-newest), ``no-throughput`` (it has not measured any yet).
+newest), ``no-throughput`` (it has not measured any yet), and the verdict policy's conduct flags as
+``kind:strikes`` (``redo_storm``, ``result_mismatch``, ``late_leases``; see ``verdicts.py``).
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.S
             f.insert(0, "stale")
         if m.throughput <= 0:
             f.append("no-throughput")
+        f.extend(core.verdicts.flags_of(m.peer_id))
         nodes.append(
             cm.NodeView(
                 peer_id=m.peer_id, stage=m.stage, state=m.state, last_seen_s=float(since),

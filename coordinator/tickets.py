@@ -17,11 +17,24 @@ step); the step then closes again with ``revision + 1``.
 
 **The commit barrier.** A closed step is not yet final: each stage's replicas average it, and a
 participant of each stage reports :meth:`TicketLedger.averaged` once its round finished with every
-contribution in; a replica the accounting left out reports once it fetched the result. When every
-stage has reported for the step's current revision, and every live replica holds the result, the step *commits*:
-replicas apply it only then, the next step's tickets are leased only then, and it never reopens. So a
-replica that dies while its stage averages is never lost: its stage's survivors redo its tickets and
-the step reopens, because no stage can have applied it yet (I1).
+contribution in; a replica the accounting left out reports once it fetched the result. Each report names
+the result's hash. When a strict majority of every stage's live replicas hold one hash and every live
+replica reported, the step *commits* (the rule and why a liar can neither commit nor block it are in
+``coordinator/commit.py``): replicas apply it only then, the next step's tickets are leased only then,
+and it never reopens. So a replica that dies while its stage averages is never lost: its stage's
+survivors redo its tickets and the step reopens, because no stage can have applied it yet (I1).
+
+**Bounds under attack.** A step reopens at most ``max_revisions`` times: a redo past that is refused
+(``revision_cap``) and the last revision stands, so no node's round id overflows. Its replicas take the
+node core's refused-redo fallback: a stage whose round left a dead replica out applies what it has (and
+logs the lost tickets; I1 gives way to liveness there), and a replica that lost its own gradients
+resyncs. At the last revision the commit waits only for the live *participants* of each stage (a
+left-out replica could not fetch a round that left someone out, since only full rounds are served; it
+resyncs from a replica that applied the step). What the cap cannot save is a stage whose round failed
+outright at the last revision with no replica holding the step: like a stage that lost every replica, it
+halts, visibly, until an operator acts. Honest churn stays far below the cap (the node-core simulator's
+schedules never pass revision 3), and one peer alone gets at most ``max_redos_per_peer`` reopenings (see
+``core.py``). A completion's loss must be finite and within ``[0, max_loss]``.
 
 Who may ask for a redo: a peer on the ticket's route (it lost the ticket's graph or gradients), or a
 *participant of the same stage*: a peer that the step's frozen accounting lists at stage s and that is
@@ -41,6 +54,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+from protolearn.coordinator.commit import AveragedDecision, CommitBarrier
 
 
 @dataclass
@@ -98,14 +113,6 @@ class TicketChanges:
 
 
 @dataclass(frozen=True)
-class AveragedDecision:
-    accepted: bool
-    committed: bool
-    reason: str
-    code: str = "ok"
-
-
-@dataclass(frozen=True)
 class LeaseDecision:
     step: int
     indices: list[int]
@@ -121,6 +128,8 @@ class CompleteDecision:
     reason: str
     closed: ClosedStep | None = None
     remaining: int = 0
+    # How long the sender held the ticket's lease before completing it (for the late-lease strikes).
+    held_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +139,9 @@ class RedoDecision:
     indices: list[int] = field(default_factory=list)
     reopened: bool = False
     code: str = "redo_refused"
+    # The redo undid work that was not the sender's own lease (a reopening, or another holder's ticket):
+    # what a per-peer redo budget counts.
+    foreign: bool = False
 
 
 class TicketLedger:
@@ -147,6 +159,8 @@ class TicketLedger:
         closed: Sequence[ClosedStep] = (),
         committed_through: int | None = None,
         keep_closed: int = 1000,
+        max_revisions: int = 2**31 - 1,
+        max_loss: float = math.inf,
     ) -> None:
         if num_tickets < 1 or num_stages < 1 or keep_closed < 1:
             raise ValueError(
@@ -156,6 +170,8 @@ class TicketLedger:
         self.num_stages = num_stages
         self.lease_s = lease_s
         self.block = block
+        self.max_revisions = max_revisions
+        self.max_loss = max_loss
         # Closed steps kept with their full routes; older ones are dropped as new ones close.
         self.keep_closed = keep_closed
         self.step = step
@@ -164,16 +180,17 @@ class TicketLedger:
         # Tickets whose persisted form changed since the last drain (indices of the open step).
         self.dirty: set[int] = set()
         self.reset = False
-        # The last step that committed (every closed step before it did too). A restored ledger without
-        # the field counts its closed steps as committed, which is what the old rule-free swarm did.
-        self.committed_through = step - 1 if committed_through is None else committed_through
-        # A fresh run persists "nothing committed" with its first drain: a store without the field reads
-        # as "every closed step committed", so a crash between step 0's close and its commit would
-        # otherwise restore step 0 as committed, and a replica would apply it without a dead peer's tickets.
-        self.commit_dirty = committed_through is None and step == 0 and not closed
-        # Per stage, the replicas that reported holding the last closed step's full average at its current
-        # revision: participants whose round had every contribution in, and replicas that fetched it.
-        self._holders: dict[int, set[str]] = {}
+        # The commit barrier: the one owner of the last committed step (see coordinator/commit.py). A
+        # restored ledger without that field counts its closed steps as committed, which is what the old
+        # rule-free swarm did. A fresh run persists "nothing committed" with its first drain: a store
+        # without the field reads as "every closed step committed", so a crash between step 0's close and
+        # its commit would otherwise restore step 0 as committed, and a replica would apply it without a
+        # dead peer's tickets.
+        self.barrier = CommitBarrier(num_stages)
+        self.barrier.restore(
+            step - 1 if committed_through is None else committed_through,
+            dirty=committed_through is None and step == 0 and not closed,
+        )
 
     def restore(
         self, *, step: int, tickets: Sequence[Ticket], closed: Sequence[ClosedStep], committed_through: int | None, now: float
@@ -188,9 +205,10 @@ class TicketLedger:
         self.step = step
         self.tickets = [by_index.get(i, Ticket(i)) for i in range(self.num_tickets)]
         self.closed = {c.step: c for c in closed[-self.keep_closed :]}
-        self.committed_through = step - 1 if committed_through is None else committed_through
-        self.commit_dirty = committed_through is None and step == 0 and not closed
-        self._holders = {}
+        self.barrier.restore(
+            step - 1 if committed_through is None else committed_through,
+            dirty=committed_through is None and step == 0 and not closed,
+        )
         self.dirty.clear()
         self.reset = False
         self.refresh_leases(now)
@@ -205,7 +223,7 @@ class TicketLedger:
         out = TicketChanges(tickets, self.reset, committed)
         self.dirty.clear()
         self.reset = False
-        self.commit_dirty = False
+        self.barrier.dirty = False
         return out
 
     def _fresh(self) -> list[Ticket]:
@@ -216,51 +234,52 @@ class TicketLedger:
         return self.step - 1
 
     def committed(self, step: int) -> bool:
-        return step <= self.committed_through
+        return self.barrier.committed(step)
 
     def averaged(
-        self, peer: str, stage: int, step: int, revision: int, *, needed: Callable[[int], Iterable[str]] = lambda s: (),
+        self, peer: str, stage: int, step: int, revision: int, *, result_hash: str = "",
+        needed: Callable[[int], Iterable[str]] = lambda s: (),
     ) -> AveragedDecision:
-        """``peer`` (of ``stage``) holds the full average of ``step`` at ``revision``: it took part in a round
-        that had every contribution in, or, left out of the accounting, it fetched such a round's result
-        (participants serve only complete results).
-
-        The step commits once every stage has a holder *and* every replica in ``needed(stage)`` (the
-        stage's live replicas) holds the result. Waiting for the left-out replicas too means that the
-        result survives the death of every participant right after the commit: otherwise a stage whose
-        participants all died before a left-out replica fetched the result would have lost its state
-        (I6), with the step committed and no way to redo it. And because a holder's report counts for
-        its stage, a participant that reported and died while the coordinator restarted (reports are
-        not persisted; holders report again on every poll) does not hold the step forever.
-        """
-        if self.committed(step):
-            return AveragedDecision(True, True, f"step {step} is committed")
+        """``peer`` (of ``stage``) holds the full average of ``step`` at ``revision``, hashing to
+        ``result_hash``; see :meth:`CommitBarrier.averaged` (``needed(stage)``: the stage's live replicas)."""
         closed = self.closed.get(step)
-        if step != self.last_closed or closed is None:
-            return AveragedDecision(False, False, f"step {step} is not the last closed step ({self.last_closed})", "step_not_closed")
-        if revision != closed.revision:
-            return AveragedDecision(
-                False, False, f"step {step} is at revision {closed.revision}, not {revision}; average that one", "stale_revision"
-            )
-        self._holders.setdefault(stage, set()).add(peer)
-        return self.try_commit(needed)
+        revision_now = closed.revision if closed is not None and step == self.last_closed else None
+        return self.barrier.averaged(peer, stage, step, revision, result_hash, revision_now, self._needed(needed))
 
     def try_commit(self, needed: Callable[[int], Iterable[str]]) -> AveragedDecision:
-        """Commit the last closed step if every stage averaged it and every needed replica holds it
-        (called on each report, and again when a needed replica leaves or expires)."""
-        step = self.last_closed
-        if step < 0 or self.committed(step) or step not in self.closed:
-            return AveragedDecision(False, False, f"step {step} has nothing left to commit")
-        missing = sorted(s for s in range(self.num_stages) if not self._holders.get(s))
-        if missing:
-            return AveragedDecision(True, False, f"step {step} waits for stages {missing} to average")
-        for s in range(self.num_stages):
-            waiting = sorted(set(needed(s)) - self._holders.get(s, set()))
-            if waiting:
-                return AveragedDecision(True, False, f"step {step} waits for replicas {waiting} of stage {s} to hold its result")
-        self.committed_through = step
-        self.commit_dirty = True
-        return AveragedDecision(True, True, f"step {step} committed at revision {self.closed[step].revision}")
+        """Commit the last closed step if its stages agree (called on each report, and again when a
+        needed replica leaves or expires)."""
+        closed = self.closed.get(self.last_closed)
+        return self.barrier.try_commit(self.last_closed, None if closed is None else closed.revision, self._needed(needed))
+
+    def _needed(self, needed: Callable[[int], Iterable[str]]) -> Callable[[int], Iterable[str]]:
+        """The replicas the commit waits for: every live one, or, once the last closed step is at its
+        last allowed revision, only its live participants.
+
+        At the cap a dead participant's tickets can no longer be redone, so its stage's survivors apply
+        the round they have (the node core's ``tickets_lost`` fallback) and serve no result to fetch (only
+        full rounds are served). A left-out replica could then never report, and the step would never
+        commit; instead it resyncs from a replica that applied the step once it commits.
+        """
+        closed = self.closed.get(self.last_closed)
+        if closed is None or closed.revision < self.max_revisions:
+            return needed
+        account = closed.accounting()
+        return lambda s: [p for p in needed(s) if p in account.get(s, {})]
+
+    @property
+    def committed_through(self) -> int:
+        """The last step that committed (every closed step before it did too)."""
+        return self.barrier.committed_through
+
+    @property
+    def commit_dirty(self) -> bool:
+        """The commit moved since the last drain (or a fresh run must persist "nothing committed")."""
+        return self.barrier.dirty
+
+    @property
+    def committed_hashes(self) -> dict[int, str]:
+        return self.barrier.hashes
 
     def remaining(self) -> int:
         return sum(1 for t in self.tickets if not t.done)
@@ -320,6 +339,23 @@ class TicketLedger:
         return [t.index for t in self.tickets if t.holder == peer and not t.done]
 
     def complete(self, peer: str, step: int, index: int, route: Sequence[str], loss: float, now: float) -> CompleteDecision:
+        refused = self.check_complete(peer, step, index, route, loss)
+        if refused is not None:
+            return refused
+        t = self.tickets[index]
+        held_s = now - (t.expires_at - self.lease_s)
+        t.done, t.route, t.loss = True, list(route), float(loss)
+        self.dirty.add(index)
+        remaining = self.remaining()
+        if remaining:
+            return CompleteDecision(True, "ok", f"ticket ({step},{index}) done, {remaining} left", remaining=remaining, held_s=held_s)
+        closed = self._close(now)
+        return CompleteDecision(
+            True, "ok", f"ticket ({step},{index}) done; step {step} closed, loss {closed.loss:.4f}", closed, 0, held_s=held_s
+        )
+
+    def check_complete(self, peer: str, step: int, index: int, route: Sequence[str], loss: float) -> CompleteDecision | None:
+        """The refusal :meth:`complete` would give, or None (cheap: the caller checks this before a signature)."""
         if step < self.step:
             return CompleteDecision(False, "step_closed", f"step {step} is already closed; completion of ticket ({step},{index}) ignored")
         if step > self.step:
@@ -338,15 +374,9 @@ class TicketLedger:
             return CompleteDecision(False, "bad_route", f"route has {len(route)} hops but the run has {self.num_stages} stages")
         if route[0] != peer:
             return CompleteDecision(False, "bad_route", "route must start at the completing stage-0 peer")
-        if not math.isfinite(loss):
-            return CompleteDecision(False, "bad_loss", f"loss {loss} is not finite")
-        t.done, t.route, t.loss = True, list(route), float(loss)
-        self.dirty.add(index)
-        remaining = self.remaining()
-        if remaining:
-            return CompleteDecision(True, "ok", f"ticket ({step},{index}) done, {remaining} left", remaining=remaining)
-        closed = self._close(now)
-        return CompleteDecision(True, "ok", f"ticket ({step},{index}) done; step {step} closed, loss {closed.loss:.4f}", closed, 0)
+        if not (math.isfinite(loss) and 0.0 <= loss <= self.max_loss):
+            return CompleteDecision(False, "bad_loss", f"loss {loss} is not a plausible loss (finite, within 0..{self.max_loss:.4g})")
+        return None
 
     def _close(self, now: float) -> ClosedStep:
         prev = self.closed.get(self.step)
@@ -366,7 +396,7 @@ class TicketLedger:
         self.step += 1
         self.tickets = self._fresh()
         self.reset = True
-        self._holders = {}
+        self.barrier.clear()
         return closed
 
     def redo(
@@ -406,13 +436,18 @@ class TicketLedger:
             )
         if any(t.done for t in self.tickets):
             return RedoDecision(False, f"step {step} cannot reopen: step {self.step} already has completed tickets")
+        if closed.revision >= self.max_revisions:
+            return RedoDecision(
+                False, f"step {step} closed {closed.revision} times, the most allowed ({self.max_revisions}); revision {closed.revision} stands",
+                code="revision_cap",
+            )
         member = by is None or orphaned or _participant(closed, by, by_stage)
         if by is not None and not member and any(by not in closed.routes[i] for i in wanted):
             return RedoDecision(
                 False, f"the sender is neither in the route of every ticket {wanted} of step {step} nor a participant of its stage"
             )
         self.step = step
-        self._holders = {}
+        self.barrier.clear()
         self.tickets = [
             Ticket(i, holder=route[0], done=True, route=list(route), loss=loss)
             if i not in wanted
@@ -420,7 +455,7 @@ class TicketLedger:
             for i, (route, loss) in enumerate(zip(closed.routes, closed.losses, strict=True))
         ]
         self.reset = True
-        return RedoDecision(True, f"step {step} reopened to redo tickets {wanted}", wanted, reopened=True)
+        return RedoDecision(True, f"step {step} reopened to redo tickets {wanted}", wanted, reopened=True, foreign=True)
 
     def _redo_open(self, step: int, wanted: list[int], by: str | None, by_stage: int | None, orphaned: bool) -> RedoDecision:
         # Set when this step was reopened: the accounting it closed with the last time.
@@ -441,10 +476,11 @@ class TicketLedger:
                 continue  # already pending (e.g. another replica's redo freed it): nothing to undo
             else:
                 return RedoDecision(False, f"ticket ({step},{i}) was not leased to or routed through the sender")
+        foreign = any(by is not None and self.tickets[i].holder != by for i in reset)
         for i in reset:
             self.tickets[i] = Ticket(i, issued=self.tickets[i].issued)
             self.dirty.add(i)
-        return RedoDecision(True, f"tickets {reset} of open step {step} will be redone", reset)
+        return RedoDecision(True, f"tickets {reset} of open step {step} will be redone", reset, foreign=foreign)
 
     def revoke_peer(self, peer: str) -> list[int]:
         """Free the open step's tickets leased by ``peer`` or routed through it (it was banned)."""

@@ -13,6 +13,14 @@ Policy:
 
 Bans are permanent for the run and go out in every heartbeat reply; the coordinator's own host gate
 refuses banned peers.
+
+**Flags** are the coordinator's own observations of a member's conduct, not accusations by others:
+``redo_storm`` (it asked to redo more of other peers' work in one step than any honest replica needs),
+``result_mismatch`` (it reported an averaged result its stage's majority did not hold) and
+``late_leases`` (it sat on leased tickets past a fraction of ``lease_s`` without completing any). A flag
+counts strikes and shows in ``swarm status``; it never bans on its own (an honest but slow or unlucky
+replica earns some), but it is the input a later policy weighs, and the caller acts on it locally
+(refuses the peer's further redos of the step, shrinks its lease share).
 """
 
 from __future__ import annotations
@@ -25,6 +33,19 @@ from protolearn.coordinator.config import CoordinatorSettings
 
 # Bound on remembered reports per target: more than this many distinct reporters already bans.
 _MAX_REPORTS_PER_TARGET = 1024
+# Bound on flagged peers remembered (the oldest flag is forgotten first); each peer has a few flag kinds.
+_MAX_FLAGGED = 100_000
+FLAG_KINDS = ("redo_storm", "result_mismatch", "late_leases")
+
+
+@dataclass
+class Flag:
+    """A peer's strikes of one kind, the last time and reason (for status)."""
+
+    kind: str
+    strikes: int
+    at: float
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -47,6 +68,8 @@ class VerdictPolicy:
     # target → deque of (time, reporter, reason)
     reports: dict[str, deque[tuple[float, str, str]]] = field(default_factory=dict)
     dirty: set[str] = field(default_factory=set)
+    # peer → kind → flag (insertion-ordered by peer, so the oldest is dropped first when full)
+    flags: dict[str, dict[str, Flag]] = field(default_factory=dict)
 
     # The banned peer IDs, sorted, as every heartbeat reply carries them (rebuilt after a ban).
     _banned: list[str] | None = field(default=None, init=False, repr=False)
@@ -100,6 +123,25 @@ class VerdictPolicy:
             ban = self.ban(target, f"reported by {len(reporters)} peers within {window:g} s: {reason}", now)
             return Verdict(True, ban.reason)
         return Verdict(False, f"{target} reported by {len(reporters)} of {need} distinct peers needed for a ban")
+
+    def flag(self, peer: str, kind: str, reason: str, now: float) -> Flag:
+        """Add a strike of ``kind`` to ``peer`` (never bans on its own; see the module docstring)."""
+        if kind not in FLAG_KINDS:
+            raise ValueError(f"unknown flag kind {kind!r}; one of {FLAG_KINDS}")
+        kinds = self.flags.get(peer)
+        if kinds is None:
+            while len(self.flags) >= _MAX_FLAGGED:
+                del self.flags[next(iter(self.flags))]
+            kinds = self.flags[peer] = {}
+        f = kinds.get(kind)
+        if f is None:
+            f = kinds[kind] = Flag(kind, 0, now, reason)
+        f.strikes, f.at, f.reason = f.strikes + 1, now, reason
+        return f
+
+    def flags_of(self, peer: str) -> list[str]:
+        """``peer``'s flags as ``kind:strikes`` (what ``swarm status`` shows)."""
+        return [f"{k}:{f.strikes}" for k, f in sorted(self.flags.get(peer, {}).items())]
 
     def prune(self, now: float) -> None:
         window = self.settings.report_window_s

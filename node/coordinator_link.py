@@ -200,9 +200,10 @@ class CoordinatorLink:
         reply, _ = await self._request(cm.Release(step=step, indices=indices), cm.ReleaseReply)
         return reply.released
 
-    async def complete(self, step: int, index: int, route: list[str], loss: float) -> cm.CompleteReply:
-        """Report ticket (step, index) done; idempotent across retries (see the module docstring)."""
-        msg = cm.Complete(step=step, index=index, route=route, loss=float(loss))
+    async def complete(self, step: int, index: int, route: list[str], loss: float, ack: bytes | None = None) -> cm.CompleteReply:
+        """Report ticket (step, index) done, with the last stage's signed ``ack`` of its route and loss
+        (needed when the run has more than one stage); idempotent across retries (see the module docstring)."""
+        msg = cm.Complete(step=step, index=index, route=route, loss=float(loss), ack=ack)
         try:
             reply, _ = await self._request(msg, cm.CompleteReply)
             return reply
@@ -229,21 +230,27 @@ class CoordinatorLink:
                 if info.closed:
                     return info
 
-    async def wait_committed(self, step: int, revision: int, *, report: bool, poll_s: float = 10.0) -> bool:
+    async def wait_committed(
+        self, step: int, revision: int, *, report: bool, poll_s: float = 10.0, result_hash: str = "",
+    ) -> bool:
         """The commit barrier: True once every stage averaged ``step`` at ``revision``; False if it reopened.
 
         ``report``: this node took part in the step, so it reports its stage's full average (again on
         every poll, so a restarted coordinator hears it too); a node the accounting left out only
         waits. Nobody applies a step that may still reopen, so a replica that dies while any stage
         averages never costs a ticket (I1). Waits as long as the step stays undecided (a stage with no
-        replica left halts the run until one is restored).
+        replica left halts the run until one is restored). ``result_hash``: the hash of the result this
+        node holds; when its stage's majority holds another one, the refusal (``result_mismatch``) is
+        raised as :class:`CoordinatorRefused`: this node must resync, not apply.
         """
         while True:
             try:
-                info = await self.averaged(step, revision) if report else None
+                info = await self.averaged(step, revision, result_hash) if report else None
                 if info is None or not info.committed:
                     info = await self.wait_step(step, min_revision=revision, timeout_s=poll_s, until="committed")
             except CoordinatorRefused as err:
+                if err.code == "result_mismatch":
+                    raise
                 if err.code in ("stale_revision", "step_not_closed"):
                     return False  # reopened (and maybe closed again) under this node
                 if err.code == "not_participant":
@@ -261,9 +268,10 @@ class CoordinatorLink:
             if not info.closed or info.revision != revision:
                 return False
 
-    async def averaged(self, step: int, revision: int) -> cm.StepInfo:
-        """Report that this node's stage averaged ``step`` at ``revision`` in full; the reply says if it committed."""
-        reply, _ = await self._request(cm.Averaged(step=step, revision=revision), cm.StepInfo)
+    async def averaged(self, step: int, revision: int, result_hash: str = "") -> cm.StepInfo:
+        """Report that this node's stage averaged ``step`` at ``revision`` in full, to a result hashing to
+        ``result_hash``; the reply says if it committed."""
+        reply, _ = await self._request(cm.Averaged(step=step, revision=revision, result_hash=result_hash), cm.StepInfo)
         return reply
 
     async def check_corpus(self, fingerprint: str) -> cm.CorpusCheckReply:

@@ -21,11 +21,14 @@ stage, which peer accounts for which tickets):
    at r+1) or fails outright (the whole step is redone). No replica applies a sum that misses a ticket
    unless the coordinator refused the redo, which is logged as ``tickets_lost``.
 4. **The commit barrier.** Every replica waits until every stage has averaged t at r. If the step
-   reopened meanwhile, it waits for it to close again; otherwise it applies the identical update.
+   reopened meanwhile, it waits for it to close again; otherwise it applies the identical update. If the
+   coordinator refused its result (its stage's majority holds another hash), it resyncs instead.
 5. A refused redo is followed by the question "did the step reopen anyway?" (another replica may have
    asked first). A coordinator error is not an answer: the question is asked again, for a bounded
    time, and only then does the replica fall back to the safe choice (a resync, which never applies
-   anything of its own).
+   anything of its own). Every refusal is handled alike, whatever its code: the coordinator's bounds on
+   redo (``revision_cap``: the step reopened ``max_revisions`` times and its last revision stands;
+   ``redo_limit``: this peer had its share of redos this step) lead to the same fallback.
 
 Why replicas take the same decisions (I1, I2): every branch above is a function of the frozen
 accounting, the round's outcome (which the collective makes identical on every survivor) and the
@@ -68,7 +71,8 @@ from protolearn.node.events import (
 from protolearn.protocol.states import NodeState
 
 # Round ids per step: revision r of step t averages in round t * REVISIONS_PER_STEP + r - 1. The
-# coordinator caps revisions far below this; a step past it is not averaged here (see ``Closed``).
+# coordinator caps revisions far below this (its max_revisions, 32 by default, at most this); a step past
+# it is not averaged here (see ``Closed``) but resynced.
 REVISIONS_PER_STEP = 1 << 12
 # A replica the accounting left out asks the participants for the step's result this long before it
 # checks whether the step reopened, or whether every participant is gone and the step must be redone.
@@ -352,6 +356,8 @@ class NodeCore:
 
     def _commit_answer(self, event: CommitAnswer) -> list[Action]:
         self._expect(Phase.COMMITTING, event)
+        if event.refused:
+            return self._resync(f"step {self._step}: the coordinator refused this replica's result: {event.refused}")
         if not event.committed:
             return [Emit("reopened", {"step": self._step, "revision": self._revision}), *self._reopened()]
         self.phase = Phase.APPLYING

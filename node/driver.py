@@ -92,10 +92,10 @@ class TicketDriver:
         step = self.core.step
         self._feed(PeerDown(peer, [t for (s, t), p in self.router.sent_to.items() if s == step and p == peer]))
 
-    async def complete(self, step: int, ticket: int, route: list[str], loss: float) -> None:
+    async def complete(self, step: int, ticket: int, route: list[str], loss: float, ack: bytes | None = None) -> None:
         """The router's ``on_complete``: ``ticket``'s gradient came back, so report it to the coordinator
         (awaited here, so a completion that lands after the step's drive ended is still reported)."""
-        actions = self.core.handle(Completed(step, ticket, route, loss), self.clock())
+        actions = self.core.handle(Completed(step, ticket, route, loss, ack), self.clock())
         self._wake.set()
         for a in actions:
             if isinstance(a, ReportComplete):
@@ -157,7 +157,7 @@ class TicketDriver:
 
     async def _report(self, a: ReportComplete) -> None:
         try:
-            await self.link.complete(a.step, a.ticket, a.route, a.loss)
+            await self.link.complete(a.step, a.ticket, a.route, a.loss, a.ack)
         except ProtocolError as err:
             code = err.code if isinstance(err, CoordinatorRefused) else "unreachable"
             for b in self.core.handle(CompleteRefused(a.step, a.ticket, code, err.reason), self.clock()):

@@ -84,6 +84,8 @@ class CommitAnswer:
     step: int
     revision: int
     committed: bool
+    # Why the coordinator refused this replica's result (its stage's majority holds another): resync.
+    refused: str = ""
 
 
 @dataclass(frozen=True)

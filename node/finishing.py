@@ -5,6 +5,12 @@ it names (the gradients this replica holds, a collective round, fetching the rou
 "did the step reopen?", the commit wait, applying the update) until the core says the step is applied,
 reopened (wait for the next revision) or lost here (resync). Every decision is the core's; this module
 only does reads, writes and waits, and reads time through the node's one clock.
+
+The commit report names the hash of the result this replica holds: a participant's is its collective
+round's result hash (the one its signed fin names); a replica that fetched the result hashes it the same
+way (per part, over the round's participants, :func:`result_digest`). If its stage's majority holds
+another result, the coordinator refuses the report (``result_mismatch``) and the core resyncs instead of
+applying.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ from protolearn.node.progress import Progress
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.ownership import part_bounds
+from protolearn.protocol.statements import part_hash, result_hash
 
 log = logging.getLogger("protolearn.node")
 # Long-poll length of one commit wait (the coordinator caps it at 30 s).
@@ -61,6 +69,12 @@ class StepResult:
 
     revision: int
     param_hash: str = ""
+
+
+def result_digest(result: torch.Tensor, num_participants: int) -> bytes:
+    """The collective's result hash of ``result`` (``(numel,)``) averaged over ``num_participants`` replicas:
+    what each participant's Done names, recomputed by a replica that fetched the result."""
+    return result_hash([part_hash(result[a:b]) for a, b in part_bounds(result.numel(), num_participants)])
 
 
 class Finisher:
@@ -97,6 +111,7 @@ class Finisher:
         account = {pt.peer_id: list(pt.tickets) for sa in info.accounting if sa.stage == self.core.stage for pt in sa.peers}
         held = await trio.to_thread.run_sync(self.worker.held_tickets, step, limiter=self.compute)
         self._result: torch.Tensor | None = None
+        self._result_hash = ""
         event: Event | None = Closed(step, info.revision, account, info.loss, held)
         while event is not None:
             actions = self.core.handle(event, self.clock())
@@ -127,9 +142,10 @@ class Finisher:
                 done = await self.averager.run_round_detailed(a.round, a.weights, flat)
             except AveragingError as err:
                 return RoundFailed(a.step, a.revision, str(err))
-            self._result = done.result
+            self._result, self._result_hash = done.result, done.digest.hex()
             return RoundDone(a.step, a.revision, list(done.excluded))
         if isinstance(a, Fetch):
+            self._result = None
             with trio.move_on_after(a.try_s):
                 try:
                     self._result = await self.averager.fetch_result(a.round, a.participants)
@@ -138,8 +154,12 @@ class Finisher:
                 except AveragingError as err:
                     log.warning("%s", err)
                     return Fetched(a.step, a.revision, ok=False, reason=str(err))
-                return Fetched(a.step, a.revision, ok=True)
-            return Fetched(a.step, a.revision, ok=False, reason=f"no result within {a.try_s:g} s")
+            if self._result is None:
+                return Fetched(a.step, a.revision, ok=False, reason=f"no result within {a.try_s:g} s")
+            # Hashed outside the fetch's time limit: a result in hand is not lost to a slow hash.
+            digest = await trio.to_thread.run_sync(result_digest, self._result, len(a.participants), limiter=self.compute)
+            self._result_hash = digest.hex()
+            return Fetched(a.step, a.revision, ok=True)
         if isinstance(a, Redo):
             if a.delay_s:
                 await trio.sleep(a.delay_s)
@@ -158,7 +178,12 @@ class Finisher:
             return await self._reopened(a)
         if isinstance(a, WaitCommit):
             self.progress.event("averaged", step=a.step, revision=a.revision, seconds=round(self.core.averaging_seconds(self.clock()), 4))
-            committed = await self.link.wait_committed(a.step, a.revision, report=a.report, poll_s=COMMIT_POLL_S)
+            try:
+                committed = await self.link.wait_committed(
+                    a.step, a.revision, report=a.report, poll_s=COMMIT_POLL_S, result_hash=self._result_hash
+                )
+            except CoordinatorRefused as err:  # result_mismatch: the stage's majority holds another result
+                return CommitAnswer(a.step, a.revision, False, refused=err.reason)
             return CommitAnswer(a.step, a.revision, committed)
         if isinstance(a, StartHeld):
             self.start_held(a.payloads)

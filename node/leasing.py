@@ -62,6 +62,8 @@ class Completed:
     ticket: int
     route: list[str]
     loss: float
+    # The last stage's signature of the route and loss (protocol/acks.py); None in a one-stage run.
+    ack: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class ReportComplete:
     ticket: int
     route: list[str]
     loss: float
+    ack: bytes | None = None
 
 
 LeaseAction = RequestLease | StartTicket | Release | ReportComplete | Emit
@@ -202,12 +205,13 @@ class LeaseCore:
             return [Release(event.step, [event.ticket])]
         if isinstance(event, Completed):
             self.started.pop(event.ticket, None)
-            return [ReportComplete(event.step, event.ticket, list(event.route), event.loss)]
+            return [ReportComplete(event.step, event.ticket, list(event.route), event.loss, event.ack)]
         if isinstance(event, CompleteRefused):
             out: list[LeaseAction] = [Emit("complete_refused", {"step": event.step, "ticket": event.ticket, "reason": event.reason},
                                            logging.WARNING, f"complete refused step={event.step} ticket={event.ticket} reason={event.reason}")]
-            if event.code == "bad_route":
-                # A replica on its route left or moved: hand the ticket back so it is redone now.
+            if event.code in ("bad_route", "bad_ack", "bad_loss"):
+                # A replica on its route left or moved, or the attempt's ack or loss does not check out:
+                # hand the ticket back so it is redone now.
                 out.append(Release(event.step, [event.ticket]))
             return out
         if isinstance(event, PeerDown):

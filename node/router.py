@@ -5,7 +5,9 @@ run's codec) to a next-stage peer picked by the :class:`~protolearn.node.balance
 appends itself to the route and does the same; the last stage rebuilds the targets from (step, ticket),
 computes the loss and backward (scaled by 1/B), and sends the input gradient to the previous stage on
 the route. Backward: each stage backprops its held graph, which accumulates its parameter gradients,
-and passes the gradient on; stage 0 reports the ticket complete with its route and loss.
+and passes the gradient on; stage 0 reports the ticket complete with its route and loss. The last stage
+signs an acknowledgement of (run, step, ticket, route, loss) (``protocol/acks.py``) that rides back on
+every gradient unchanged; stage 0 hands it to the coordinator, which refuses a completion without it.
 
 IO and compute are split: a stream handler reads the whole message and tensor, decodes and validates
 it (expected shape, finite values), asks :class:`~protolearn.node.accounting.Accounting` whether to
@@ -27,6 +29,7 @@ from protolearn.codec_spec import CodecSpecError, parse_codec_spec
 from protolearn.node.accounting import Accounting, Decision
 from protolearn.node.balancer import Balancer
 from protolearn.node.worker import StageWorker
+from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.codecs import Encoder, decode, make_encoder
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.pipeline import (
@@ -50,7 +53,8 @@ log = logging.getLogger("protolearn.node")
 MAX_FORWARD_TRIES = 4
 RETRY_PAUSE_S = 0.2
 
-Complete = Callable[[int, int, list[str], float], Awaitable[None]]
+# (step, ticket, route, loss, the last stage's signed ack of them or None in a one-stage run)
+Complete = Callable[[int, int, list[str], float, bytes | None], Awaitable[None]]
 
 
 @dataclass
@@ -99,6 +103,7 @@ class Router:
         self.stats = RouterStats(started=clock())
         self.next_peers: list[str] = []
         self.codec = run.codec_spec
+        self.run_hash = run.run_hash()
         self._encoders: dict[tuple[str, str], Encoder] = {}
         b = run.batch
         self.hidden_shape = [b.microbatch_size, b.seq_len, run.model.d_model]  # (mb, T, D)
@@ -175,7 +180,7 @@ class Router:
             loss, _ = await self._run(self.worker.forward_backward_last, (step, ticket), inputs, targets)
             self._count(loss)
             self.accounting.backward_done(step, ticket)
-            await self.on_complete(step, ticket, route, loss)
+            await self.on_complete(step, ticket, route, loss, None)
             return True
         hidden = await self._run(self.worker.forward, (step, ticket), inputs)
         return await self._send_forward(step, ticket, route, hidden)
@@ -211,7 +216,8 @@ class Router:
             loss, grad = await self._run(self.worker.forward_backward_last, key, hidden, targets)
             self._count(loss)
             self.accounting.backward_done(step, ticket)
-            await self._send_backward(step, ticket, route, loss, grad)
+            ack = self.host.sign(ack_statement(self.run_hash, step, ticket, route, loss))
+            await self._send_backward(step, ticket, route, loss, grad, ack)
             return
         out = await self._run(self.worker.forward, key, hidden)
         await self._send_forward(step, ticket, route, out)
@@ -276,9 +282,11 @@ class Router:
             return
         await s.send(Ack(queue_len=self.queue_len))
         assert self._nursery is not None
-        self._nursery.start_soon(self._backward_received, msg.step, msg.ticket, route, msg.loss, grad)
+        self._nursery.start_soon(self._backward_received, msg.step, msg.ticket, route, msg.loss, grad, msg.ack)
 
-    async def _backward_received(self, step: int, ticket: int, route: list[str], loss: float, grad: torch.Tensor) -> None:
+    async def _backward_received(
+        self, step: int, ticket: int, route: list[str], loss: float, grad: torch.Tensor, ack: bytes | None,
+    ) -> None:
         key = (step, ticket)
         try:
             grad_in = await self._run(self.worker.backward, key, grad)
@@ -291,11 +299,13 @@ class Router:
         self.accounting.backward_done(step, ticket)
         self._count(loss)
         if self.worker.first:
-            await self.on_complete(step, ticket, route, loss)
+            await self.on_complete(step, ticket, route, loss, ack)
             return
-        await self._send_backward(step, ticket, route, loss, grad_in)
+        await self._send_backward(step, ticket, route, loss, grad_in, ack)
 
-    async def _send_backward(self, step: int, ticket: int, route: list[str], loss: float, grad: torch.Tensor | None) -> None:
+    async def _send_backward(
+        self, step: int, ticket: int, route: list[str], loss: float, grad: torch.Tensor | None, ack: bytes | None,
+    ) -> None:
         assert grad is not None
         peer = route[self.stage - 1]
         frame, _ = self._encoder(peer, "bwd").encode(grad)
@@ -303,7 +313,7 @@ class Router:
         while True:
             try:
                 async with self.host.open_stream(peer, GRADIENT) as s:
-                    await s.send(Gradient(step=step, ticket=ticket, route=route, loss=loss))
+                    await s.send(Gradient(step=step, ticket=ticket, route=route, loss=loss, ack=ack))
                     await s.send_tensor(frame)
                     reply = await s.receive((Ack, Refuse))
                 if isinstance(reply, Refuse):

@@ -16,13 +16,16 @@ Request → reply:
   drop (``removed``). See ``coordinator/view.py``.
 - :class:`Lease` → :class:`LeaseReply`, :class:`Release` → :class:`ReleaseReply`: tickets of the
   open step, in small blocks (stage-0 nodes only).
-- :class:`Complete` → :class:`CompleteReply`: a ticket's backward pass reached stage 0.
+- :class:`Complete` → :class:`CompleteReply`: a ticket's backward pass reached stage 0, with the last
+  stage's signed acknowledgement of the route and loss (``bad_ack``/``bad_loss`` refusals otherwise).
 - :class:`WaitStep` → :class:`StepInfo`: a long poll that answers as soon as step ``t`` closes (or at the
   timeout), with its frozen accounting: stage → peer → tickets, and the mean loss. With
   ``until="committed"`` it answers once the step commits or reopens instead.
 - :class:`Averaged` → :class:`StepInfo`: a participant of stage ``s`` finished averaging the step's
-  revision with every contribution in. The step *commits* once every stage has reported so; only then
-  does any replica apply it (the commit barrier, I1).
+  revision with every contribution in, and names the result's hash. The step *commits* once a strict
+  majority of every stage's live replicas reported the same hash and every live replica reported; only
+  then does any replica apply it (the commit barrier, I1). A replica whose hash is not the majority's is
+  refused with ``result_mismatch`` and resyncs (see ``coordinator/commit.py``).
 - :class:`Redo` → :class:`RedoReply`: un-complete tickets whose route broke (fault tolerance, I1).
 - :class:`CorpusCheck` → :class:`CorpusCheckReply`: a node that reads the training data (stage 0 or the
   last stage) checks its corpus fingerprint against the swarm's; the first one sets it.
@@ -52,6 +55,7 @@ MAX_STAGES = 1024
 MAX_TICKETS_PER_REQUEST = 1024
 MAX_EVIDENCE_BYTES = 64 * 1024
 MAX_HASH = 128
+MAX_SIGNATURE = 128
 MAX_RUN_TOML = 256 * 1024
 # Replicas whose parameter hash a StageHashes reply lists (a majority of a bigger stage is within them).
 MAX_STAGE_HASHES = 256
@@ -187,6 +191,9 @@ class Complete(Message):
     # The peer that processed this ticket in each stage, stage 0 first.
     route: list[PeerId] = Field(min_length=1, max_length=MAX_STAGES)
     loss: Annotated[float, Field(allow_inf_nan=False)]
+    # The last stage's signature of protocol/acks.py's ack_statement over (run, step, index, route, loss):
+    # its word that it computed this loss on this route. Needed when the run has more than one stage.
+    ack: Annotated[bytes, Field(max_length=MAX_SIGNATURE)] | None = None
 
 
 class CompleteReply(Message):
@@ -213,6 +220,9 @@ class Averaged(Message):
     KIND: ClassVar[str] = "coord.averaged"
     step: Step
     revision: Annotated[int, Field(ge=1, lt=2**31)]
+    # The hex SHA-256 of the averaged update the sender holds (the collective's result hash). The step
+    # commits only when a strict majority of each stage's live replicas report the same one.
+    result_hash: Hash = ""
 
 
 class PeerTickets(_Part):

@@ -63,7 +63,8 @@ class Gradient(Message):
     """The gradient of microbatch (step, ticket) for the stage that sent its activation.
 
     ``route`` is the full forward route (stage 0 first), so each stage knows where to send it next;
-    ``loss`` is the microbatch's loss from the last stage, reported by stage 0 when it completes.
+    ``loss`` is the microbatch's loss from the last stage, reported by stage 0 when it completes, and
+    ``ack`` the last stage's signature over both (the coordinator checks it).
     """
 
     KIND: ClassVar[str] = "pipe.gradient"
@@ -71,6 +72,9 @@ class Gradient(Message):
     ticket: Ticket
     route: Route
     loss: Annotated[float, Field(allow_inf_nan=False)]
+    # The last stage's signature of protocol/acks.py's ack_statement(run, step, ticket, route, loss); it
+    # rides back unchanged to stage 0, which hands it to the coordinator with the completion.
+    ack: Annotated[bytes, Field(max_length=128)] | None = None
 
 
 class Ack(Message):

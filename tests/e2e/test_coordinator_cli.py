@@ -19,6 +19,7 @@ import trio
 from protolearn.coordinator.status import STATUS_JSON_SCHEMA
 from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.identity import Identity
 from protolearn.protocol.transport import TransportConfig, open_host
 from protolearn.stages.config import default_run
@@ -80,11 +81,16 @@ def test_coordinator_survives_kill_9_with_members_step_leases_and_bans(tmp_path:
             # one full step (stage-0 replicas a and c each lease their share), committed once both
             # stages averaged it and every live replica (a, b, c) holds the result; then two leased
             # tickets of step 1 held by a
+            def ack(step: int, i: int, route: list[str], loss: float) -> bytes:
+                """b's signed ack as the last stage, as its router sends it back with the gradient."""
+                return b.host.sign(ack_statement(replies[0].run_hash, step, i, route, loss))
+
             for lk in (a, c):
                 lease = await lk.lease(B)
                 assert lease.step == 0 and len(lease.indices) == B // 2
                 for i in lease.indices:
-                    await lk.complete(0, i, [lk.host.peer_id, b.host.peer_id], 3.0)
+                    route = [lk.host.peer_id, b.host.peer_id]
+                    await lk.complete(0, i, route, 3.0, ack(0, i, route, 3.0))
             assert not (await a.averaged(0, 1)).committed
             assert not (await b.averaged(0, 1)).committed
             assert (await c.averaged(0, 1)).committed
@@ -103,9 +109,11 @@ def test_coordinator_survives_kill_9_with_members_step_leases_and_bans(tmp_path:
             procs.append(second.proc)
             assert await second.address() == addr  # same identity, same port
             # the leases survived: only a may complete them, and it can
-            await a.complete(1, held[0], [a.host.peer_id, b.host.peer_id], 2.0)
+            route = [a.host.peer_id, b.host.peer_id]
+            await a.complete(1, held[0], route, 2.0, ack(1, held[0], route, 2.0))
             try:
-                await c.complete(1, held[1], [c.host.peer_id, b.host.peer_id], 2.0)
+                route = [c.host.peer_id, b.host.peer_id]
+                await c.complete(1, held[1], route, 2.0, ack(1, held[1], route, 2.0))
             except Exception as err:  # noqa: BLE001 - checked below
                 assert getattr(err, "code", None) == "not_leaseholder", err
             else:

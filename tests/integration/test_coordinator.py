@@ -15,6 +15,7 @@ from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.service import Running, serve
 from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.errors import Refused
 from protolearn.stages.config import default_run
 
@@ -127,8 +128,11 @@ def test_nodes_join_heartbeat_train_steps_leave_and_expire(open_hosts, run_trio,
                                 for i, lk in enumerate(s0):
                                     lease = await lk.lease(2)
                                     for idx in lease.indices:
-                                        route = [lk.host.peer_id, s1[idx % 2].host.peer_id]
-                                        reply = await lk.complete(lease.step, idx, route, 2.0 + idx)
+                                        last_hop = s1[idx % 2].host
+                                        route = [lk.host.peer_id, last_hop.peer_id]
+                                        # The last stage's signed ack, as its router sends it back with the gradient.
+                                        ack = last_hop.sign(ack_statement(default_run().run_hash(), lease.step, idx, route, 2.0 + idx))
+                                        reply = await lk.complete(lease.step, idx, route, 2.0 + idx, ack)
                                         done += 1
                                         last = trio.current_time()
                                         assert reply.step_closed == (done == B)

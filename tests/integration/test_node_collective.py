@@ -6,6 +6,7 @@ import torch
 import trio
 
 from protolearn.node.averaging import Averager
+from protolearn.node.finishing import result_digest
 
 
 def test_three_replicas_average_and_an_idle_one_fetches_the_result(open_hosts, run_trio) -> None:
@@ -36,6 +37,9 @@ def test_three_replicas_average_and_an_idle_one_fetches_the_result(open_hosts, r
             for k in range(4):
                 assert torch.equal(results[k], results[0]), f"replica {k} differs"
             torch.testing.assert_close(results[0], expected)
+            # The idle replica's commit report names the same result hash as the participants' fins.
+            digests = {avgs[k].last_done.digest for k in range(3)}
+            assert len(digests) == 1 and result_digest(results[3], len(weights)) in digests
             # The next round works too, with a different participant set.
             two = {hosts[0].peer_id: 1.0, hosts[3].peer_id: 2.0}
             async with trio.open_nursery() as n:

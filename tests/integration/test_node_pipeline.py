@@ -12,6 +12,7 @@ import trio
 from protolearn.node.accounting import Accounting
 from protolearn.node.router import Router
 from protolearn.node.worker import StageWorker
+from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.pipeline import (
     ACTIVATION,
@@ -21,6 +22,7 @@ from protolearn.protocol.pipeline import (
     Gradient,
     Refuse,
 )
+from protolearn.protocol.statements import verify_ed25519
 from protolearn.protocol.tensors import to_frame
 from protolearn.stages.config import RunConfig
 from protolearn.stages.corpus import load_corpus
@@ -106,6 +108,11 @@ def test_last_stage_hop_matches_the_reference_and_refuses_bad_input(open_hosts, 
                 msg, grad = got[0]
                 assert (msg.step, msg.ticket, msg.route) == (0, 1, [me, there])
                 assert torch.equal(grad, expected_grad)
+                # The last stage's ack rides back: its host key's signature of this ticket's route and loss,
+                # which stage 0 hands the coordinator with the completion.
+                statement = ack_statement(RUN.run_hash(), 0, 1, [me, there], msg.loss)
+                assert msg.ack is not None and verify_ed25519(there, statement, msg.ack)
+                assert not verify_ed25519(me, statement, msg.ack)
                 assert acc.accumulated(0) == [1]
 
                 # Stage 0 redoes the ticket (its route broke upstream): processed again, counted once.

@@ -33,6 +33,7 @@ from protolearn.node import core as nc
 from protolearn.node import events as ev
 from protolearn.node import leasing as lc
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.acks import ack_statement
 
 HOP_S = 0.01  # one network hop
 HEARTBEAT_S = 1.0
@@ -45,6 +46,17 @@ SETTINGS = CoordinatorSettings(
     heartbeat_interval_s=HEARTBEAT_S, expiry_s=3.0, restart_grace_s=5.0, lease_s=4.0, disconnect_grace_s=0.5,
     lease_block=2, rate_per_s=1e6, rate_burst=1e6, rebalance_interval_s=1e9,
 )
+
+
+def _sim_sign(peer: str, data: bytes) -> bytes:
+    """A simulated node's signature: only ``peer`` "knows" how to make it (the real one is Ed25519)."""
+    import hashlib
+
+    return hashlib.sha256(peer.encode() + b"\x00" + data).digest()
+
+
+def _sim_verify(peer: str, data: bytes, signature: bytes) -> bool:
+    return signature == _sim_sign(peer, data)
 
 
 class Unavailable(Exception):
@@ -100,7 +112,7 @@ class Sim:
         self.steps = steps
         self.run = RunInfo(name="sim", run_hash="0" * 64, run_toml="", layers=(1,) * stages, microbatches_per_step=tickets, tokens_per_step=tickets)
         self.store: Store | None = None  # opened at the first coordinator crash (SQLite only where it is needed)
-        self.coord = CoordinatorCore(self.run, SETTINGS, peer_id="coord", started_at=0.0)
+        self.coord = CoordinatorCore(self.run, SETTINGS, peer_id="coord", started_at=0.0, verify=_sim_verify)
         self.down_until = -1.0
         self._queue: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -108,6 +120,8 @@ class Sim:
         self.rounds: dict[tuple[int, int, int], Round] = {}
         self.on_average: Callable[[SimNode, ev.Average], None] | None = None
         self.log: list[str] = []
+        # Replicas that report a made-up result hash for every step they finish (issue 12's attack 5).
+        self.liars: set[str] = set()
         for k in range(stages * replicas):
             self.add_node(f"n{k}")
         self.at(HOUSEKEEPING_S, self._housekeeping)
@@ -188,7 +202,7 @@ class Sim:
 
         def back() -> None:
             assert self.store is not None
-            self.coord = CoordinatorCore(self.run, SETTINGS, peer_id="coord", started_at=self.now)
+            self.coord = CoordinatorCore(self.run, SETTINGS, peer_id="coord", started_at=self.now, verify=_sim_verify)
             self.coord.restore(**self.store.load(), now=self.now)
             for n in self.nodes.values():
                 if not n.alive:
@@ -368,9 +382,16 @@ class Sim:
                 return
             info: cm.StepInfo | None = None
             if report:
+                held = "" if node.result is None else _hash([node.result])
+                if node.peer in self.liars:
+                    held = f"forged-by-{node.peer}"
+                averaged = cm.Averaged(step=step, revision=revision, result_hash=held)
                 try:
-                    info = self.coord.handle(node.peer, cm.Averaged(step=step, revision=revision), self.now)  # type: ignore[assignment]
+                    info = self.coord.handle(node.peer, averaged, self.now)  # type: ignore[assignment]
                 except Refusal as err:
+                    if err.code == "result_mismatch":
+                        self._feed(node, ev.CommitAnswer(step, revision, False, refused=err.reason))
+                        return
                     if err.code in ("stale_revision", "step_not_closed"):
                         self._feed(node, ev.CommitAnswer(step, revision, False))
                         return
@@ -508,7 +529,7 @@ class Sim:
 
         def go() -> None:
             try:
-                self.request(node.peer, cm.Complete(step=a.step, index=a.ticket, route=a.route, loss=1.0))
+                self.request(node.peer, cm.Complete(step=a.step, index=a.ticket, route=a.route, loss=a.loss, ack=a.ack))
             except Unavailable:
                 self.to_node(node, 1.0, go)  # the link retries for a while
                 return
@@ -592,7 +613,9 @@ class Sim:
 
     def _gradient_home(self, node: SimNode, step: int, ticket: int, route: list[str]) -> None:
         assert node.lease is not None
-        self._carry_lease(node, node.lease.handle(lc.Completed(step, ticket, route, 1.0), self.now))
+        # The last stage's acknowledgement of the route and loss, as the real router's rides back.
+        ack = None if len(route) == 1 else _sim_sign(route[-1], ack_statement(self.run.run_hash, step, ticket, route, 1.0))
+        self._carry_lease(node, node.lease.handle(lc.Completed(step, ticket, route, 1.0, ack), self.now))
 
 
 def _hash(params: list[tuple[int, ...]]) -> str:

@@ -10,6 +10,8 @@ CORES = [
     "protolearn.protocol.coordination",
     "protolearn.coordinator.assignment",
     "protolearn.coordinator.tickets",
+    "protolearn.coordinator.commit",
+    "protolearn.protocol.acks",
     "protolearn.coordinator.registry",
     "protolearn.coordinator.view",
     "protolearn.coordinator.run",

@@ -231,6 +231,10 @@ def test_completions_are_reported_failures_released_and_bad_routes_handed_back()
     assert core.started == {}
     actions = core.handle(lc.CompleteRefused(0, 0, "bad_route", "moved"), 0.6)
     assert only(actions, lc.Release) == [lc.Release(0, [0])]
+    # An attempt whose ack or loss does not check out is handed back too, and the ack rides along.
+    assert core.handle(lc.Completed(0, 0, ["a", "b"], 2.0, b"sig"), 0.6) == [lc.ReportComplete(0, 0, ["a", "b"], 2.0, b"sig")]
+    for code in ("bad_ack", "bad_loss"):
+        assert only(core.handle(lc.CompleteRefused(0, 0, code, "no"), 0.6), lc.Release) == [lc.Release(0, [0])]
     assert only(core.handle(lc.CompleteRefused(0, 0, "duplicate", "dup"), 0.6), lc.Release) == []
 
 
