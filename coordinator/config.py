@@ -42,6 +42,11 @@ class CoordinatorSettings(BaseModel):
     departed_retention_s: float = Field(24 * 3600.0, ge=0)
     max_members: int = Field(100_000, ge=1)
     max_concurrent_waits: int = Field(1024, ge=1)
+    # A member's claimed throughput counts as at most this many times the swarm's median claim
+    # (coordinator/assignment.py ThroughputClaims): a liar weighs like this many honest nodes at most.
+    throughput_claim_factor: float = Field(4.0, ge=1)
+    # A member's state change shows in the view (and bumps its version) at most once per this interval.
+    view_state_interval_s: float = Field(1.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> CoordinatorSettings:
