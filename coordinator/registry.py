@@ -33,10 +33,9 @@ and restarts) visit every member.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-
-from collections import Counter
 
 from protolearn.coordinator.assignment import MIN_THROUGHPUT, Choice, Move, StageLoad, ThroughputClaims, choose_stage, propose_move
 from protolearn.coordinator.config import CoordinatorSettings
