@@ -14,6 +14,17 @@ same total compute, ``sum(T) / sum(w)``: 1.0 is perfect, 0.0 means some stage is
   only if ``rate_before < min_quality * rate_after`` (Petals uses 0.75). Each decision is O(nodes).
 
 Every decision carries a reason string for the log.
+
+**Claims are bounded.** Throughput is what a node says it measured, and a node can lie: one claim of
+1e15 once made its stage look saturated, so every later joiner went elsewhere and the liar held its
+stage alone. Since throughput is in layer-tokens/s, every member's claim measures the same quantity,
+so the swarm's median claim is a reference a minority cannot move: :class:`ThroughputClaims` keeps the
+live members' positive claims in log-spaced bins (O(1) to update, O(bins) for the median, whatever the
+swarm's size) and a claim counts as at most ``factor`` times the lower median of the *other* claims.
+A liar then weighs like ``factor`` honest nodes at most; honest nodes faster than that (a GPU among
+CPUs) are undercounted, which costs only placement quality. With no other claim yet there is no
+reference and the claim counts as made (one member cannot steer anyone: an empty stage always comes
+first).
 """
 
 from __future__ import annotations
@@ -25,6 +36,47 @@ from dataclasses import dataclass
 # A node that reports zero throughput still counts a little, so an empty stage stays distinguishable
 # from one whose replicas have not measured yet.
 MIN_THROUGHPUT = 1e-6
+
+
+# Claims are binned by factors of 2**(1/_BINS_PER_DOUBLING) from MIN_THROUGHPUT up to MAX_CLAIM.
+MAX_CLAIM = 1e15
+_BINS_PER_DOUBLING = 4
+_NUM_BINS = math.ceil(math.log2(MAX_CLAIM / MIN_THROUGHPUT) * _BINS_PER_DOUBLING) + 1
+
+
+def _bin(throughput: float) -> int:
+    x = math.log2(max(throughput, MIN_THROUGHPUT) / MIN_THROUGHPUT) * _BINS_PER_DOUBLING
+    return min(_NUM_BINS - 1, int(x))
+
+
+class ThroughputClaims:
+    """A multiset of positive throughput claims, binned on a log scale (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._bins = [0] * _NUM_BINS
+        self.count = 0
+
+    def add(self, throughput: float, sign: int = 1) -> None:
+        """Add (``sign`` 1) or take out (-1) one claim; zero claims (not measured yet) are not counted."""
+        if throughput > 0:
+            self._bins[_bin(throughput)] += sign
+            self.count += sign
+
+    def lower_median(self) -> float | None:
+        """The upper edge of the bin that holds the lower median claim (None: no claims)."""
+        if self.count <= 0:
+            return None
+        rank, seen = (self.count - 1) // 2, 0
+        for i, n in enumerate(self._bins):
+            seen += n
+            if seen > rank:
+                return MIN_THROUGHPUT * 2 ** ((i + 1) / _BINS_PER_DOUBLING)
+        return None  # unreachable while count matches the bins
+
+    def bound(self, claim: float, factor: float) -> float:
+        """``claim`` as it counts: at most ``factor`` times the lower median of the claims held here."""
+        median = self.lower_median()
+        return claim if median is None else min(claim, factor * median)
 
 
 @dataclass(frozen=True)

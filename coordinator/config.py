@@ -54,6 +54,11 @@ class CoordinatorSettings(BaseModel):
     # each late pass strikes the holder, and every strike halves its share of the step (down to 1).
     lease_late_fraction: float = Field(0.5, gt=0, le=1)
     max_concurrent_waits: int = Field(1024, ge=1)
+    # A member's claimed throughput counts as at most this many times the swarm's median claim
+    # (coordinator/assignment.py ThroughputClaims): a liar weighs like this many honest nodes at most.
+    throughput_claim_factor: float = Field(4.0, ge=1)
+    # A member's state change shows in the view (and bumps its version) at most once per this interval.
+    view_state_interval_s: float = Field(1.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> CoordinatorSettings:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from protolearn.coordinator.assignment import shares_from_layers
 from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.corpus import decide_corpus
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.ratelimit import RateLimiter
 from protolearn.coordinator.registry import LIVE, HeartbeatInfo, JoinInfo, Member, Registry
@@ -47,7 +48,7 @@ from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.errors import SignatureError
 from protolearn.protocol.identity import verify_peer
 from protolearn.protocol.statements import contradiction
-from protolearn.protocol.wire import Message
+from protolearn.protocol.wire import Message, encode
 
 log = logging.getLogger("protolearn.coordinator")
 
@@ -120,7 +121,7 @@ class CoordinatorCore:
         self.refusals: dict[str, int] = {}
         self.reissued = 0
         self._reported_expired: set[tuple[int, int, float]] = set()
-        # The training data's fingerprint, set by the first node that reads it; persisted when it changes.
+        # The training data's fingerprint, decided by stage 0's majority (coordinator/corpus.py); persisted when it changes.
         self.corpus: str | None = None
         self._corpus_dirty: str | None = None
         # (step, peer) → redos of other peers' work granted (only the open and the last closed step are kept).
@@ -172,7 +173,9 @@ class CoordinatorCore:
             return build_status(self, now, msg.loss_history)
         if isinstance(msg, cm.StageHashesRequest):
             hashes = self.registry.stage_hashes(msg.stage, cm.MAX_STAGE_HASHES)
-            return cm.StageHashes(stage=msg.stage, param_hashes=[cm.ParamHash(peer_id=p, step=t, hash=h) for p, t, h in hashes])
+            return cm.StageHashes(
+                stage=msg.stage, step=self.ledger.frontier, param_hashes=[cm.ParamHash(peer_id=p, step=t, hash=h) for p, t, h in hashes],
+            )
         if isinstance(msg, cm.MembersRequest):
             members = self.registry.view.snapshot(range(self.run.num_stages), peer)
             return cm.Members(run_toml=self.run.run_toml, run_hash=self.run.run_hash, step=self.ledger.step, members=members)
@@ -213,23 +216,42 @@ class CoordinatorCore:
         return m
 
     def _join(self, peer: str, msg: cm.Join, now: float) -> cm.JoinReply:
+        """Register ``peer`` and answer it; a join whose reply cannot be built within the frame cap is
+        taken back (the peer is not registered), so that its retry is a plain join again."""
         if self.verdicts.is_banned(peer):
             raise self.refuse("banned", "banned")
+        old = self.registry.members.get(peer)
         d = self.registry.join(
             peer, JoinInfo(list(msg.addrs), msg.device, msg.memory_gb, msg.throughput, msg.name), now
         )
         if not d.accepted:
             raise self.refuse(d.code, d.reason)
+        try:
+            reply = self._join_reply(peer, d.stage, d.rejoined, d.reason)
+            size = len(encode(reply))
+        except (ValueError, TypeError, OverflowError):  # a reply that does not validate or encode
+            self.registry.unjoin(peer, old)
+            log.exception("join reply failed peer=%s; the join was taken back", peer)
+            raise self.refuse("join_failed", "the coordinator could not build the join reply; the join was not registered, retry") from None
+        if size > cm.MAX_REPLY_BYTES:
+            self.registry.unjoin(peer, old)
+            raise self.refuse(
+                "reply_too_large", f"the join reply would be {size} bytes, over the frame cap of {cm.MAX_REPLY_BYTES}; "
+                "the join was not registered, retry later",
+            )
         log.info("join peer=%s stage=%d rejoined=%s reason=%s", peer, d.stage, d.rejoined, d.reason)
+        return reply
+
+    def _join_reply(self, peer: str, stage: int, rejoined: bool, reason: str) -> cm.JoinReply:
         s = self.settings
         view = self.registry.view.full(peer, self._view_stages(self.registry.members[peer], delta=False))
         return cm.JoinReply(
-            stage=d.stage,
+            stage=stage,
             run_toml=self.run.run_toml,
             run_hash=self.run.run_hash,
             step=self.ledger.frontier,
-            rejoined=d.rejoined,
-            reason=d.reason,
+            rejoined=rejoined,
+            reason=reason,
             heartbeat_interval_s=s.heartbeat_interval_s,
             expiry_s=s.expiry_s,
             lease_s=s.lease_s,
@@ -247,7 +269,7 @@ class CoordinatorCore:
 
     def _heartbeat(self, peer: str, msg: cm.Heartbeat, now: float) -> cm.HeartbeatReply:
         info = HeartbeatInfo(msg.state, msg.throughput, msg.queue_len, msg.step, msg.param_hash, msg.loss, msg.stage)
-        d = self.registry.heartbeat(peer, info, now)
+        d = self.registry.heartbeat(peer, info, now, frontier=self.ledger.frontier)
         if not d.accepted:
             raise self.refuse(d.code, d.reason)
         member = self.registry.members[peer]
@@ -373,18 +395,17 @@ class CoordinatorCore:
         return self.step_info(msg.step, msg.revision)
 
     def _corpus_check(self, member: Member, msg: cm.CorpusCheck) -> cm.CorpusCheckReply:
-        """Nodes that read the data must read the same tokens; the first fingerprint is the swarm's."""
-        if self.corpus is None:
-            self.corpus = self._corpus_dirty = msg.fingerprint
-            log.info("corpus fingerprint set by peer=%s fingerprint=%s", member.peer_id, msg.fingerprint[:16])
-            return cm.CorpusCheckReply(fingerprint=msg.fingerprint, first=True)
-        if msg.fingerprint != self.corpus:
-            raise self.refuse(
-                "corpus_mismatch",
-                f"this node's training data ({msg.fingerprint[:8]}) differs from the swarm's ({self.corpus[:8]}): "
-                "use the other nodes' Python version (the default data is its stdlib) or the same data.path files",
-            )
-        return cm.CorpusCheckReply(fingerprint=self.corpus, first=False)
+        """Nodes that read the data must read the same tokens; stage 0's majority decides (coordinator/corpus.py)."""
+        if member.stage == 0:
+            self.registry.vote_corpus(member.peer_id, msg.fingerprint)
+        d = decide_corpus(self.corpus, member.stage, msg.fingerprint, self.registry.corpus_votes)
+        if d.code:
+            raise self.refuse(d.code, d.reason)
+        if d.fingerprint != self.corpus:
+            log.log(logging.WARNING if d.replaced else logging.INFO, "corpus fingerprint set by peer=%s fingerprint=%s votes=%d",
+                    member.peer_id, msg.fingerprint[:16], self.registry.corpus_votes(msg.fingerprint))
+            self.corpus = self._corpus_dirty = d.fingerprint
+        return cm.CorpusCheckReply(fingerprint=msg.fingerprint, first=d.first)
 
     def _leave(self, peer: str, msg: cm.Leave, now: float) -> cm.LeaveReply:
         d = self.registry.leave(peer, now)

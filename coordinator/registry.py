@@ -17,6 +17,14 @@ state change into or out of serving (``training``/``averaging``). Every member f
 two each step, and nobody routes differently because of it, so that flip is not a view change;
 otherwise the view would change with every heartbeat of a large swarm.
 
+Heartbeats are claims (hostile input is normal input), so each field is bounded before it counts:
+*throughput* at ``throughput_claim_factor`` times the swarm's median claim (see assignment.py); a
+*step* at or beyond the coordinator's frontier is not recorded (nobody applied an uncommitted step),
+and the latest report replaces the previous one, so no absurd maximum sticks; a *state* change shows
+in the view at most once per ``view_state_interval_s`` per member; *param_hash* counts only through
+the stage's majority (:func:`~protolearn.protocol.coordination.majority_state`). Live stage-0
+members' corpus fingerprints are tallied here as votes (see corpus.py).
+
 Every request path is O(1) in the number of members: the registry keeps per-stage tallies (replicas,
 throughput, working replicas) and the live count up to date as members change, rather than scanning
 them. Only :meth:`Registry.expire`, :meth:`Registry.rebalance` and :meth:`Registry.restore` (timers
@@ -25,10 +33,11 @@ and restarts) visit every member.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from protolearn.coordinator.assignment import MIN_THROUGHPUT, Choice, Move, StageLoad, choose_stage, propose_move
+from protolearn.coordinator.assignment import MIN_THROUGHPUT, Choice, Move, StageLoad, ThroughputClaims, choose_stage, propose_move
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.view import SwarmView, first_version
 from protolearn.protocol import coordination as cm
@@ -71,6 +80,10 @@ class Member:
     move_reason: str = ""
     # The stage the node last said it serves (-1: not said). It lags ``stage`` while the node moves.
     serving: int = -1
+    # When a state change of it last showed in the view (None: none since it joined); see view_state_interval_s.
+    shown_at: float | None = None
+    # The corpus fingerprint it reported (CorpusCheck); a vote while it is a live stage-0 member.
+    corpus: str = ""
 
     def __post_init__(self) -> None:
         self.state = NodeState(self.state)  # the store keeps it as its string value
@@ -128,6 +141,8 @@ class Registry:
     _replicas: list[int] = field(init=False)
     _working: list[set[str]] = field(init=False)
     _throughput: list[int] = field(init=False)
+    _claims: ThroughputClaims = field(init=False)
+    _corpus_votes: Counter[str] = field(init=False)
     # What nodes are told about the live members (see view.py), kept in step by _touch.
     view: SwarmView = field(init=False)
 
@@ -144,6 +159,8 @@ class Registry:
         self._replicas = [0] * self.num_stages
         self._working = [set() for _ in range(self.num_stages)]
         self._throughput = [0] * self.num_stages
+        self._claims = ThroughputClaims()
+        self._corpus_votes = Counter()
         for m in self.members.values():
             self._count(m, 1)
 
@@ -153,7 +170,12 @@ class Registry:
         if m.status != LIVE:
             return
         self._num_live += sign
+        self._claims.add(m.throughput, sign)
         s = m.stage
+        if s == 0 and m.corpus:
+            self._corpus_votes[m.corpus] += sign
+            if not self._corpus_votes[m.corpus]:
+                del self._corpus_votes[m.corpus]
         if not 0 <= s < self.num_stages:
             return
         self._replicas[s] += sign
@@ -251,7 +273,7 @@ class Registry:
             addrs=list(info.addrs),
             device=info.device,
             memory_gb=info.memory_gb,
-            throughput=info.throughput,
+            throughput=self._claims.bound(info.throughput, self.settings.throughput_claim_factor),
             stage=choice.stage,
             joined_at=now,
             last_seen=now,
@@ -266,33 +288,73 @@ class Registry:
         self._touch(m, True)
         return Decision(True, "ok", choice.reason, choice.stage, rejoined)
 
-    def heartbeat(self, peer_id: str, hb: HeartbeatInfo, now: float) -> Decision:
+    def unjoin(self, peer_id: str, old: Member | None) -> None:
+        """Take back the join of ``peer_id`` that could not be answered: ``old`` is its entry before (None:
+        it had none). Its view entry is dropped, so nodes that saw it drop it too; a retry joins afresh."""
+        m = self.members.get(peer_id)
+        if m is None or m.status != LIVE:
+            return
+        self._count(m, -1)
+        if old is None:
+            del self.members[peer_id]
+            self.dirty.discard(peer_id)
+            self.soft.discard(peer_id)
+        else:
+            self.members[peer_id] = old
+            self._count(old, 1)
+        self.view.drop(peer_id)
+
+    def heartbeat(self, peer_id: str, hb: HeartbeatInfo, now: float, *, frontier: int | None = None) -> Decision:
+        """Record ``peer_id``'s heartbeat, each field bounded (see the module docstring); ``frontier``: the
+        first step not yet committed (None: not checked), which no replica can have applied."""
         m = self.members.get(peer_id)
         if m is None:
             return Decision(False, "not_member", f"{peer_id} has not joined; join first")
         if m.status != LIVE:
             return Decision(False, "not_member", f"{peer_id} is {m.status}; join again")
-        structural = hb.state != m.state and not (hb.state in SERVING_STATES and m.state in SERVING_STATES)
-        persist = structural or hb.step != m.step or hb.param_hash != m.param_hash
+        state = NodeState(hb.state)
+        step, param_hash = hb.step, hb.param_hash
+        if frontier is not None and step >= frontier:
+            step, param_hash = -1, ""  # it cannot have applied an uncommitted step: nothing it says of it counts
+        persist = _visible(m.state, state) or step != m.step or param_hash != m.param_hash
         self._count(m, -1)
-        m.state = NodeState(hb.state)
-        m.throughput = hb.throughput if hb.throughput > 0 else m.throughput
+        m.state = state
+        claim = hb.throughput if hb.throughput > 0 else m.throughput
+        m.throughput = self._claims.bound(claim, self.settings.throughput_claim_factor)
         m.queue_len = hb.queue_len
         if hb.stage >= 0:
             m.serving = hb.stage
         # A node still finishing its old stage after a move reports that stage's parameters: not this one's.
-        if hb.step >= m.step and hb.stage in (-1, m.stage):
-            m.step, m.param_hash = hb.step, hb.param_hash
+        if hb.stage in (-1, m.stage):
+            m.step, m.param_hash = step, param_hash
         if hb.loss is not None:
             m.loss = hb.loss
         self._count(m, 1)
         m.last_seen = now
-        if persist or m.move_reason:
+        shown = self.view.get(peer_id)
+        structural = shown is not None and _visible(shown.state, state) and (
+            m.shown_at is None or now - m.shown_at >= self.settings.view_state_interval_s
+        )
+        if structural:
+            m.shown_at = now
+        if persist or structural or m.move_reason:
             self._touch(m, structural)
         else:
             self.soft.add(peer_id)
         reason, m.move_reason = m.move_reason, ""
         return Decision(True, "ok", reason, m.stage)
+
+    def vote_corpus(self, peer_id: str, fingerprint: str) -> None:
+        """Record the corpus fingerprint ``peer_id`` reported (a vote while it is a live stage-0 member)."""
+        m = self.members[peer_id]
+        self._count(m, -1)
+        m.corpus = fingerprint
+        self._count(m, 1)
+        self.dirty.add(peer_id)
+
+    def corpus_votes(self, fingerprint: str) -> int:
+        """How many live stage-0 members reported ``fingerprint``."""
+        return self._corpus_votes.get(fingerprint, 0)
 
     def leave(self, peer_id: str, now: float) -> Decision:
         m = self.members.get(peer_id)
@@ -387,6 +449,11 @@ class Registry:
         self.grace_until = now + self.settings.restart_grace_s
         for m in self.live():
             m.last_seen = max(m.last_seen, now)
+
+
+def _visible(a: NodeState, b: NodeState) -> bool:
+    """Whether a change from state ``a`` to ``b`` is one other nodes must see (not training ↔ averaging)."""
+    return a != b and not (a in SERVING_STATES and b in SERVING_STATES)
 
 
 def _entry(m: Member) -> cm.MemberView:

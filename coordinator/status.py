@@ -8,14 +8,25 @@ described by :data:`STATUS_JSON_SCHEMA`, which is stable: fields may be added in
 The verdict, in order of precedence:
 
 - ``halted``: no member at all, or a stage with zero replicas (training cannot proceed);
-- ``degraded``: training proceeds but something needs attention: a stage's replicas disagree on
-  their parameter hash (I2), a member has missed heartbeats, or no step has closed for a long time;
+- ``degraded``: training proceeds but something needs attention: a stage's replicas have no
+  majority parameter hash (I2), a member has missed heartbeats, or no step has closed for a long time;
 - ``healthy`` otherwise. ``healthy`` (the boolean) is ``verdict == "healthy"``.
 
 Node flags: ``stale`` (missed two heartbeats), ``hash-mismatch`` (its parameter hash differs from
-its stage's majority at the same step), ``behind`` (it reports an older step than its stage's
-newest), ``no-throughput`` (it has not measured any yet), and the verdict policy's conduct flags as
+its stage's majority at the same step), ``behind`` (it reports an older step than its stage's),
+``no-throughput`` (it has not measured any yet), and the verdict policy's conduct flags as
 ``kind:strikes`` (``redo_storm``, ``result_mismatch``, ``late_leases``; see ``verdicts.py``).
+
+Reports are claims, so one replica cannot decide what a stage looks like: a stage's ``param_step`` is
+the lower median of the steps its replicas report (a lone claim of a huge step moves nothing), and
+``hashes_agree`` means a strict majority of the replicas at that step hold one hash
+(:func:`~protolearn.protocol.coordination.majority_state`); a lone liar is flagged ``hash-mismatch``
+instead of flipping its stage's verdict.
+
+Bounded: the status stays under the frame cap at any swarm size. It lists at most
+:data:`MAX_STATUS_NODES` nodes (flagged ones first) and at most :data:`MAX_STATUS_HASHES` parameter
+hashes over all stages; a stage's ``replicas`` always counts every one, so ``len(nodes)`` below the
+sum of ``replicas`` says the list was cut.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from protolearn.coordinator.run import RunInfo
 from protolearn.coordinator.tickets import LossPoint, TicketLedger
 from protolearn.coordinator.verdicts import VerdictPolicy
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.coordination import majority_state
 
 SCHEMA_VERSION = 1
 # tokens/s is measured over this many of the most recent closed steps.
@@ -37,6 +49,9 @@ RATE_WINDOW = 10
 # No step closed for this long (and this many average step times) while not halted: degraded.
 STALL_S = 60.0
 STALL_STEPS = 5.0
+# Most nodes, and parameter hashes over all stages, one status lists (~0.2 KiB each; see the docstring).
+MAX_STATUS_NODES = 8192
+MAX_STATUS_HASHES = 4096
 
 _NUM = {"type": "number"}
 _INT = {"type": "integer"}
@@ -89,12 +104,12 @@ STATUS_JSON_SCHEMA: dict[str, Any] = {
                         "layers": _INT,
                         "replicas": _INT,
                         "throughput": _NUM,
-                        "param_step": {**_INT, "description": "newest step any replica reports applied, -1 if none"},
+                        "param_step": {**_INT, "description": "the lower median of the steps its replicas report applied, -1 if none"},
                         "param_hashes": {
                             "type": "array",
                             "items": _obj({"peer_id": _STR, "step": _INT, "hash": _STR}),
                         },
-                        "hashes_agree": {"type": "boolean", "description": "all replicas at param_step hold one hash"},
+                        "hashes_agree": {"type": "boolean", "description": "a strict majority of the replicas at param_step hold one hash"},
                     }
                 ),
             },
@@ -156,7 +171,7 @@ class StatusSource(Protocol):
 
 
 def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.Status:
-    """The status at ``now``; O(members), since it lists every node."""
+    """The status at ``now``; O(members), bounded in size (see the module docstring)."""
     run, settings, ledger = core.run, core.settings, core.ledger
     live = sorted(core.registry.live(), key=lambda m: (m.stage, m.peer_id))
     history = [
@@ -170,19 +185,25 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.S
         by_stage.setdefault(m.stage, []).append(m)
     stages: list[cm.StageView] = []
     flags: dict[str, list[str]] = {m.peer_id: [] for m in live}
+    hashes_per_stage = max(1, MAX_STATUS_HASHES // max(1, run.num_stages))
     for s in range(run.num_stages):
         members = by_stage.get(s, [])
         reported = [m for m in members if m.param_hash]
-        param_step = max((m.step for m in reported), default=-1)
+        steps = sorted(m.step for m in reported)
+        param_step = steps[(len(steps) - 1) // 2] if steps else -1
         current = [m for m in reported if m.step == param_step]
-        majority = Counter(m.param_hash for m in current).most_common(1)
-        agree = len({m.param_hash for m in current}) <= 1
+        majority = majority_state((m.step, m.param_hash) for m in current)
+        agree = majority is not None or not current
         for m in members:
             if m.param_hash and m.step < param_step:
                 flags[m.peer_id].append("behind")
+        top = majority[1] if majority else Counter(m.param_hash for m in current).most_common(1)[0][0] if current else ""
         for m in current:
-            if m.param_hash != majority[0][0]:
+            if m.param_hash != top:
                 flags[m.peer_id].append("hash-mismatch")
+        # Flagged replicas first, then the rest, up to this stage's part of the bound.
+        reported.sort(key=lambda m: (not flags[m.peer_id], m.peer_id))
+        reported = sorted(reported[:hashes_per_stage], key=lambda m: m.peer_id)
         stages.append(
             cm.StageView(
                 index=s,
@@ -195,7 +216,7 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.S
             )
         )
 
-    nodes = []
+    nodes: list[cm.NodeView] = []
     for m in live:
         since = max(0.0, now - m.last_seen)
         f = flags[m.peer_id]
@@ -213,6 +234,8 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.S
         )
 
     verdict, why = _verdict(stages, nodes, history, now)
+    if len(nodes) > MAX_STATUS_NODES:  # flagged nodes first, then by stage and peer ID
+        nodes = sorted(sorted(nodes, key=lambda n: not n.flags)[:MAX_STATUS_NODES], key=lambda n: (n.stage, n.peer_id))
     return cm.Status(
         schema_version=SCHEMA_VERSION,
         coordinator=core.peer_id,

@@ -33,6 +33,9 @@ from protolearn.protocol.wire import Message
 log = logging.getLogger("protolearn.node")
 
 R = TypeVar("R", bound=Message)
+# How long a corpus check waits for stage 0 to settle the swarm's data, and how often it asks.
+CORPUS_WAIT_S = 60.0
+CORPUS_RETRY_S = 1.0
 
 
 class CoordinatorRefused(Refused):
@@ -274,10 +277,26 @@ class CoordinatorLink:
         reply, _ = await self._request(cm.Averaged(step=step, revision=revision, result_hash=result_hash), cm.StepInfo)
         return reply
 
-    async def check_corpus(self, fingerprint: str) -> cm.CorpusCheckReply:
-        """Check this node's training data against the swarm's (refused with ``corpus_mismatch``)."""
-        reply, _ = await self._request(cm.CorpusCheck(fingerprint=fingerprint), cm.CorpusCheckReply)
-        return reply
+    async def check_corpus(self, fingerprint: str, *, wait_s: float = CORPUS_WAIT_S) -> cm.CorpusCheckReply:
+        """Check this node's training data against the swarm's (refused with ``corpus_mismatch``).
+
+        Stage 0's majority decides the swarm's data (coordinator/corpus.py): while stage 0 has not said
+        (``corpus_pending``) or is split evenly (``corpus_disputed``), the check is repeated for up to
+        ``wait_s``; a dispute still open then counts as a mismatch.
+        """
+        deadline = trio.current_time() + wait_s
+        while True:
+            try:
+                reply, _ = await self._request(cm.CorpusCheck(fingerprint=fingerprint), cm.CorpusCheckReply)
+                return reply
+            except CoordinatorRefused as err:
+                if err.code not in ("corpus_pending", "corpus_disputed"):
+                    raise
+                if trio.current_time() + CORPUS_RETRY_S > deadline:
+                    code = "corpus_mismatch" if err.code == "corpus_disputed" else err.code
+                    raise CoordinatorRefused(self.peer, code, f"{err.detail} (still so after {wait_s:g} s)") from None
+                log.info("corpus check: %s; retrying in %g s", err.detail, CORPUS_RETRY_S)
+                await trio.sleep(CORPUS_RETRY_S)
 
     async def redo(self, step: int, indices: list[int], reason: str, *, revision: int = 0) -> cm.RedoReply:
         """Ask to redo ``indices`` of ``step``; ``revision``: the closing of the step this is about."""
@@ -302,6 +321,8 @@ class CoordinatorLink:
     async def stage_hashes(self, stage: int) -> list[cm.ParamHash]:
         """The parameter hashes ``stage``'s serving replicas reported (what a replica checks itself against)."""
         reply, _ = await self._request(cm.StageHashesRequest(stage=stage), cm.StageHashes)
+        if reply.step >= 0:
+            self.step = max(self.step, reply.step)  # the frontier only moves on
         return list(reply.param_hashes)
 
     async def status(self, loss_history: int = 200) -> cm.Status:

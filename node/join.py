@@ -99,8 +99,10 @@ async def join_coordinator(
     await wait_for_coordinator(host, config, on_wait=on_wait)
     link = CoordinatorLink(host, config.coordinator, retry=RetryPolicy(request_timeout_s=config.request_timeout_s))
     device = resolve_device(config.device)
+    # The coordinator keeps a few short addresses per member (every view entry carries them).
+    addrs = [a for a in host.addrs() if len(a) <= cm.MAX_ADDR][: cm.MAX_ADDRS]
     try:
-        joined = await link.join(cm.Join(addrs=host.addrs()[: cm.MAX_ADDRS], device=device, name=config.name))
+        joined = await link.join(cm.Join(addrs=addrs, device=device, name=config.name))
     except Refused as err:
         raise JoinError(f"the coordinator refused to let this node join: {err.reason}") from None
     except ProtocolError as err:

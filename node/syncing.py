@@ -3,15 +3,34 @@
 :meth:`StageSync.sync` asks the persistence planner first (a checkpoint of this node, or the
 deterministic init on a fresh run: :mod:`protolearn.node.persistence`); otherwise it downloads from
 the stage's live replicas (a share from each, or everything from one: :mod:`protolearn.node.state_sync`)
-and installs a state only if it hashes to what the donors claimed and to what the stage's other
-replicas reported to the coordinator for the same step. While the coordinator lists a live replica, a
-failed download is retried and never replaced by an older checkpoint (I2).
+and installs a state only if it is the stage's, by this rule (a donor can lie about anything it sends):
+
+- ``applied`` may not exceed the coordinator's frontier (``StageHashes.step``): no replica has
+  applied an uncommitted step;
+- after ``applied`` ≥ 1 steps, the installed parameters must hash to what a strict majority of the
+  replicas that reported step ``applied - 1`` (``StageHashes``) reported for it
+  (:func:`~protolearn.protocol.coordination.majority_state`), and that step may not be older than
+  the lower median of all the replicas' steps (so a liar alone on an old step is no majority of
+  anything). One lying donor, or one lying reporter, is a minority. A stage with a single replica
+  has that replica as its only reporter: a majority of one, which is all a joiner can know there;
+- after 0 steps the state is the deterministic init from the run seed, which this node built itself:
+  the installed parameters must hash to that (no reporter needed, and nobody has one yet);
+- with nothing to compare with (the hashes request failed, nobody reported that step yet, or its
+  reporters are split), nothing is installed: the check is asked again a few times (a donor's report
+  can be a heartbeat behind its state), then the download is refused and retried, with a progress
+  line saying what it waits for, until ``sync_timeout_s``. Unchecked state is never installed.
+  :func:`judge_state` is that rule, without IO.
+
+The first replica of a stage has no donors: it keeps the init (or a checkpoint), see
+:mod:`protolearn.node.persistence`. While the coordinator lists a live replica, a failed download is
+retried and never replaced by an older checkpoint (I2).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 import trio
@@ -22,12 +41,43 @@ from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
 from protolearn.node.state_sync import fetch_state, fetch_state_split
 from protolearn.node.worker import StageWorker
+from protolearn.protocol.coordination import majority_state
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.transport import Host
 
 log = logging.getLogger("protolearn.node")
 # A failed state download is retried this often while the stage has live replicas.
 SYNC_RETRY_S = 1.0
+# A downloaded state whose step the replicas have not reported yet is checked again this often, this many times.
+CHECK_POLL_S = 0.5
+CHECK_POLLS = 6
+
+Verdict = Literal["ok", "wait", "refuse"]
+
+
+def judge_state(applied: int, got: str, reported: Sequence[tuple[int, str]], *, frontier: int, init_hash: str) -> tuple[Verdict, str]:
+    """Whether a state after ``applied`` steps that hashes to ``got`` is the stage's (see the module docstring).
+
+    ``reported``: (step, hash) of the stage's other serving replicas; ``frontier``: the coordinator's
+    first uncommitted step. ``wait``: it cannot be told yet (ask again); ``refuse``: it is not.
+    """
+    if applied > max(frontier, 0):
+        return "refuse", f"it claims {applied} applied steps, beyond the coordinator's frontier {frontier}"
+    if applied == 0:
+        if got == init_hash:
+            return "ok", "the run's deterministic init"
+        return "refuse", f"it claims 0 steps but hashes to {got[:12]}, not the run's deterministic init {init_hash[:12]}"
+    step = applied - 1
+    steps = sorted(s for s, h in reported if h)
+    if steps and steps[(len(steps) - 1) // 2] > step:
+        return "refuse", f"it is after step {step}, older than most replicas' (after step {steps[(len(steps) - 1) // 2]})"
+    majority = majority_state((s, h) for s, h in reported if s == step)
+    if majority is None:
+        n = sum(1 for s, h in reported if s == step and h)
+        return "wait", f"{n} replicas reported step {step}, no majority among them"
+    if majority[1] != got:
+        return "refuse", f"it hashes to {got[:12]}, but the majority of replicas reported {majority[1][:12]} for step {step}"
+    return "ok", f"the majority of replicas reported {got[:12]} for step {step}"
 
 
 class StageSync:
@@ -50,18 +100,22 @@ class StageSync:
         self.donors = donors
         self.say_waiting = say_waiting
         self.clock = clock
+        # The hash of the deterministic init, taken before anything is installed (the state after 0 steps).
+        self._init_hash: str | None = None
 
     async def sync(self, open_step: int) -> int:
         """Take the stage's state from a live replica, or keep the deterministic init on a fresh run.
 
-        The installed state must hash to what the donor claims and to what every replica of the stage
-        reported to the coordinator for the same step. While the coordinator lists a live replica, a
+        The installed state must hash to what the donor claims and be the stage's by the rule in the
+        module docstring. While the coordinator lists a live replica, a
         failed download is retried (the list is refreshed by the heartbeats: a dead replica drops out
         when it expires) and never replaced by an older checkpoint, which would make this replica
         diverge from its stage (I2). Only a stage with no live replica left restores a checkpoint.
         """
         deadline = self.clock() + self.config.sync_timeout_s
         tried, last, planned_for = 0, "", None
+        if self._init_hash is None:  # the worker is as built: the run seed's init
+            self._init_hash = await trio.to_thread.run_sync(self.worker.param_hash, limiter=self.compute)
         while True:
             donors = self.donors()
             # A local or given checkpoint, the init, or (None) a download: see node/persistence.py.
@@ -72,6 +126,11 @@ class StageSync:
                 )
                 if restored is not None:
                     return restored
+            # Nothing to compare a download with yet: ask again rather than download what cannot be checked.
+            waiting = await self._no_checks() if donors else ""
+            if waiting:
+                last = waiting
+                donors = []
             # Several replicas each send a share (a hivemind newcomer loads everything from one); if
             # that fails, or they disagree, one replica at a time sends everything.
             attempts = [donors] if len(donors) > 1 else []
@@ -93,19 +152,34 @@ class StageSync:
                     f"could not sync stage {self.stage} from its replicas within {self.config.sync_timeout_s:g} s "
                     f"({tried} attempts, last: {last}); restart the node to try again"
                 )
-            self.say_waiting(f"syncing stage {self.stage}: no replica handed over its state yet" if donors else "")
+            if waiting:
+                self.say_waiting(f"syncing stage {self.stage}: waiting for its replicas' parameter hashes ({waiting})")
+            else:
+                self.say_waiting(f"syncing stage {self.stage}: no replica handed over its state yet" if donors else "")
             await trio.sleep(SYNC_RETRY_S)
 
+    async def _no_checks(self) -> str:
+        """Why no download could be checked now (empty: one may be). Before the first commit the init is
+        the check; after it, nothing can be checked until some replica reported a hash."""
+        if self.link.step <= 0 or await self._reported_list():
+            return ""
+        return "no replica reported one yet" if self.link.step > 0 else ""
+
     async def _install(self, donors: list[str], applied: int, claimed: str, entries: dict[str, torch.Tensor]) -> None:
-        """Install downloaded state if it hashes to what the donors claimed and the stage's replicas report."""
+        """Install downloaded state if it is the stage's (see the module docstring); else raise, and the
+        caller tries again. A refused state was loaded into the worker, and the next download replaces it."""
         got = await trio.to_thread.run_sync(self.worker.load, entries, limiter=self.compute)
         if got != claimed:
             raise StateSyncError(f"state from {donors} hashes to {got[:12]}, they claimed {claimed[:12]}")
-        reported = await self.reported_hashes(applied - 1)
-        if reported and any(h != got for h in reported.values()):
-            raise StateSyncError(
-                f"state from {donors} hashes to {got[:12]}, but replicas report {sorted({h[:12] for h in reported.values()})} for step {applied - 1}"
-            )
+        for poll in range(CHECK_POLLS):
+            reported = await self._reported_list()  # also refreshes the frontier (link.step)
+            verdict, why = judge_state(applied, got, reported, frontier=self.link.step, init_hash=self._init_hash or "")
+            if verdict == "ok":
+                break
+            if verdict == "refuse" or poll == CHECK_POLLS - 1:
+                raise StateSyncError(f"state from {donors} refused: {why}")
+            # The donors' own reports of this step may be a heartbeat behind their state: ask again.
+            await trio.sleep(CHECK_POLL_S)
         self.progress.event("synced", donor=donors[0], donors=donors, applied=applied, hash=got)
 
     async def reported_hashes(self, step: int) -> dict[str, str]:

@@ -37,6 +37,8 @@ Request → reply:
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from typing import Annotated, ClassVar, Literal
 
 from protolearn.protocol.states import NodeState
@@ -46,10 +48,12 @@ from pydantic import BaseModel, ConfigDict, Field
 # The protocol's name, defined here only; the transport's protocol_id() makes it /protolearn/coordinator/1.0.0.
 COORDINATOR = "coordinator"
 
-# Bounds on every variable-size field. A peer ID is ~52 characters; multiaddrs are short.
+# Bounds on every variable-size field. A peer ID is ~52 characters; multiaddrs are short. A member's
+# addresses travel in every view reply, so they are few and short: 4 of 128 characters keep a view
+# entry under ~0.7 KiB (a full /ip4/…/tcp/…/p2p/<peer id> is ~90 characters).
 MAX_PEER_ID = 128
-MAX_ADDR = 256
-MAX_ADDRS = 16
+MAX_ADDR = 128
+MAX_ADDRS = 4
 MAX_TEXT = 512
 MAX_STAGES = 1024
 MAX_TICKETS_PER_REQUEST = 1024
@@ -61,8 +65,9 @@ MAX_RUN_TOML = 256 * 1024
 MAX_STAGE_HASHES = 256
 # A long poll never holds a stream longer than this.
 MAX_WAIT_S = 30.0
-
-
+# The largest reply the coordinator sends: the transport's default frame cap
+# (protocol/transport HostConfig.max_message_bytes), which is what a node reads at most.
+MAX_REPLY_BYTES = 16 * 1024 * 1024
 
 NODE_STATES: tuple[str, ...] = tuple(s.value for s in NodeState)
 # On the wire a state is its string value; the schema turns it into the enum (and refuses any other).
@@ -321,6 +326,12 @@ class StatusRequest(Message):
     loss_history: Annotated[int, Field(ge=0, le=10_000)] = 200
 
 
+class ParamHash(_Part):
+    peer_id: str
+    step: int
+    hash: str
+
+
 class StageHashesRequest(Message):
     """Ask for the parameter hashes one stage's serving replicas reported: what a syncing or checking
     replica needs, without the whole swarm's status (which grows with every node)."""
@@ -332,6 +343,8 @@ class StageHashesRequest(Message):
 class StageHashes(Message):
     KIND: ClassVar[str] = "coord.stage_hashes"
     stage: int
+    # The coordinator's frontier (the first step not yet committed): no replica has applied it (-1: not said).
+    step: int = -1
     # At most MAX_STAGE_HASHES serving replicas, sorted by peer ID.
     param_hashes: list[ParamHash] = Field(default_factory=list, max_length=MAX_STAGE_HASHES)
 
@@ -367,12 +380,6 @@ class StageView(_Part):
     param_step: int
     param_hashes: list[ParamHash]
     hashes_agree: bool
-
-
-class ParamHash(_Part):
-    peer_id: str
-    step: int
-    hash: str
 
 
 class NodeView(_Part):
@@ -420,6 +427,24 @@ class Status(Message):
     stages: list[StageView]
     nodes: list[NodeView]
     bans: list[BanView]
+
+
+def majority_state(reported: Iterable[tuple[int, str]]) -> tuple[int, str] | None:
+    """The (step, parameter hash) that a strict majority of a stage's reporting replicas hold, or None.
+
+    ``reported`` is each replica's (last applied step, hash after it); entries without a hash do not
+    count. A liar, or a lagging replica, is one vote among the stage's reporters: alone it can neither
+    pass its state off as the stage's nor hide the stage's. While the replicas are split (half of them
+    a step ahead, or a real split) there is no majority, and a caller waits for the next reports. A
+    stage with a single reporting replica has that replica as its majority: nobody else can vouch for
+    or against it.
+    """
+    votes = Counter((step, h) for step, h in reported if h)
+    total = sum(votes.values())
+    if not total:
+        return None
+    ((best, count),) = votes.most_common(1)
+    return best if 2 * count > total else None
 
 
 StageView.model_rebuild()

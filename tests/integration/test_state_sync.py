@@ -1,13 +1,24 @@
-"""State sync between real hosts: a joining replica downloads its stage from several replicas at once."""
+"""State sync between real hosts: a joining replica downloads its stage from several replicas at once,
+and installs it only if it is what the stage's majority reported (issue 12, attack 10)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+import trio
 
+from protolearn.node.config import NodeConfig
 from protolearn.node.errors import StateSyncError
+from protolearn.node.persistence import StagePersistence
+from protolearn.node.progress import Progress
 from protolearn.node.state_sync import StateServer, fetch_state, fetch_state_split
+from protolearn.node.syncing import StageSync
 from protolearn.node.worker import StageWorker
+from protolearn.protocol import coordination as cm
+from protolearn.protocol.errors import ProtocolError
 from protolearn.stages.config import RunConfig
 
 RUN = RunConfig.model_validate(
@@ -67,5 +78,83 @@ def test_replicas_that_hold_different_states_are_not_mixed(open_hosts, run_trio)
                 StateServer(host, 1, RUN.run_hash(), snap).register()
             with pytest.raises(StateSyncError, match="different states"):
                 await fetch_state_split(hosts[2], [h.peer_id for h in hosts[:2]], StageWorker(RUN, 1), RUN.run_hash(), timeout_s=20.0)
+
+    run_trio(main, timeout=60)
+
+
+# -- issue 12, attack 10: a donor that lies about its state ---------------------------------------
+
+
+class _Coordinator:
+    """What StageSync asks the coordinator link: the frontier (``step``) and the stage's reported hashes."""
+
+    def __init__(self, step: int, reported: list[tuple[str, int, str]] | None) -> None:
+        self.step = step
+        self.reported = reported  # None: the request fails
+
+    async def stage_hashes(self, stage: int) -> list[cm.ParamHash]:
+        if self.reported is None:
+            raise ProtocolError("coordinator", "status unavailable")
+        return [cm.ParamHash(peer_id=p, step=s, hash=h) for p, s, h in self.reported]
+
+
+def _syncer(tmp_path: Path, host, link: _Coordinator, donors: list[str], waiting: list[str], timeout_s: float) -> tuple[StageSync, StageWorker, Progress]:
+    config = NodeConfig(coordinator=f"/ip4/127.0.0.1/tcp/1/p2p/{host.peer_id}", data_dir=tmp_path, sync_timeout_s=timeout_s)
+    progress = Progress(tmp_path / "node.jsonl", name="joiner", live=False, plain_every_s=3600.0)
+    compute = trio.CapacityLimiter(1)
+    worker = StageWorker(RUN, 1)
+    sync = StageSync(
+        config, host, link, worker, StagePersistence(config, RUN, progress, compute), compute, progress,  # type: ignore[arg-type]
+        stage=1, run_hash=RUN.run_hash(), donors=lambda: donors, say_waiting=waiting.append,
+    )
+    return sync, worker, progress
+
+
+def test_a_joiner_refuses_a_lying_donor_and_takes_the_majoritys_state(open_hosts, run_trio, tmp_path: Path) -> None:
+    honest, liar = _donor(7), _donor(7, bump=0.5)
+    good, bad = honest[0].param_hash(), liar[0].param_hash()
+
+    async def main() -> None:
+        async with open_hosts(3) as hosts:
+            for host, (w, _) in zip(hosts[:2], [liar, honest], strict=True):
+
+                async def snap(w=w):
+                    return w.applied, w.param_hash(), w.snapshot()
+
+                StateServer(host, 1, RUN.run_hash(), snap).register()
+            lying, true = hosts[0].peer_id, hosts[1].peer_id
+            # The stage's replicas told the coordinator their hash after step 6: two honest ones and the liar.
+            link = _Coordinator(7, [(true, 6, good), ("other", 6, good), (lying, 6, bad)])
+            waiting: list[str] = []
+            sync, worker, progress = _syncer(tmp_path, hosts[2], link, [lying, true], waiting, 30.0)
+            with progress:
+                assert await sync.sync(7) == 7
+            assert worker.param_hash() == good
+            synced = [e for e in map(json.loads, (tmp_path / "node.jsonl").read_text().splitlines()) if e.get("event") == "synced"]
+            assert [e["donors"] for e in synced] == [[true]]  # the split download and the liar alone were refused
+
+    run_trio(main, timeout=90)
+
+
+@pytest.mark.parametrize("reported", [None, []], ids=["hashes-request-fails", "nobody-reported"])
+def test_with_no_hash_to_check_against_a_joiner_installs_nothing(open_hosts, run_trio, tmp_path: Path, reported) -> None:
+    liar = _donor(7, bump=0.5)
+
+    async def main() -> None:
+        async with open_hosts(2) as hosts:
+            served: list[int] = []
+
+            async def snap():
+                served.append(1)
+                return liar[0].applied, liar[0].param_hash(), liar[0].snapshot()
+
+            StateServer(hosts[0], 1, RUN.run_hash(), snap).register()
+            waiting: list[str] = []
+            sync, worker, progress = _syncer(tmp_path, hosts[1], _Coordinator(7, reported), [hosts[0].peer_id], waiting, 2.5)
+            init = worker.param_hash()
+            with progress, pytest.raises(StateSyncError, match="no replica reported one yet"):
+                await sync.sync(7)
+            assert worker.param_hash() == init and not served  # nothing downloaded, nothing installed
+            assert any("waiting for its replicas' parameter hashes" in w for w in waiting)
 
     run_trio(main, timeout=60)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import random
 import time
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from protolearn.coordinator.assignment import (
+    MAX_CLAIM,
     StageLoad,
+    ThroughputClaims,
     balance_quality,
     choose_stage,
     propose_move,
@@ -89,3 +93,24 @@ def test_ten_thousand_nodes_decide_in_under_a_second() -> None:
     assert t1 - t0 < 1.0, f"join decision took {t1 - t0:.3f} s"
     assert t2 - t1 < 1.0, f"rebalance decision took {t2 - t1:.3f} s"
     assert balance_quality(stage_loads(((s, t) for _, s, t, _ in nodes), num_stages), shares) < move.quality_after
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(min_value=1e-3, max_value=MAX_CLAIM), min_size=1, max_size=40), st.integers(0, 39))
+def test_the_binned_median_claim_is_within_one_bin_of_the_true_lower_median(claims: list[float], drop: int) -> None:
+    c = ThroughputClaims()
+    for t in claims:
+        c.add(t)
+    if len(claims) > 1:  # take one out again, as a leaving member does
+        c.add(claims.pop(drop % len(claims)), -1)
+    true = sorted(claims)[(len(claims) - 1) // 2]
+    median = c.lower_median()
+    assert median is not None and true <= median <= true * 2 ** 0.25 * (1 + 1e-9)
+    # A claim counts as at most factor times that median; smaller claims count as made.
+    assert c.bound(1e15, 4.0) == min(1e15, 4.0 * median) and c.bound(true, 4.0) == true
+
+
+def test_with_no_claims_there_is_no_reference_and_a_claim_counts_as_made() -> None:
+    c = ThroughputClaims()
+    c.add(0.0)  # not measured yet: not a claim
+    assert c.count == 0 and c.lower_median() is None and c.bound(1e15, 4.0) == 1e15

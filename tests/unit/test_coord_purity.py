@@ -16,6 +16,7 @@ CORES = [
     "protolearn.coordinator.view",
     "protolearn.coordinator.run",
     "protolearn.coordinator.verdicts",
+    "protolearn.coordinator.corpus",
     "protolearn.coordinator.ratelimit",
     "protolearn.coordinator.core",
     "protolearn.coordinator.status",
