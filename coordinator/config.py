@@ -28,11 +28,14 @@ class CoordinatorSettings(BaseModel):
     # Token bucket per peer over all requests.
     rate_per_s: float = Field(200.0, gt=0)
     rate_burst: float = Field(400.0, ge=1)
-    # Ban policy: verified signed evidence bans at once; otherwise this many distinct reporters in the window.
-    # Off until the integrity checks' verdict policy lands (issue 11): a proof of equivocation is then
-    # one input among several, and a single report never bans on its own word.
+    # Ban policy: verified evidence (two statements the accused signed that contradict each other) bans at
+    # once when set. Off until the integrity checks' verdict policy lands (issue 11): a proof of
+    # equivocation is then one input among several, and a single report never bans on its own word.
     ban_on_evidence: bool = False
-    reports_to_ban: int = Field(3, ge=1)
+    # Reports without such evidence are claims: by default (None) they are counted and shown, never a ban,
+    # since f Sybil identities are f "distinct" reporters. A number N bans on N distinct reporters (a
+    # swarm that trusts its members, e.g. one operator's machines).
+    reports_to_ban: int | None = Field(None, ge=1)
     report_window_s: float = Field(300.0, gt=0)
     # Rebalancing: move a node only if the swarm's bottleneck rate rises so that old < quality * new.
     rebalance_quality: float = Field(0.75, gt=0, le=1)

@@ -43,6 +43,9 @@ log = logging.getLogger("protolearn.coordinator")
 
 # Heartbeat telemetry (last seen, throughput) is written this often rather than on every heartbeat.
 SOFT_PERSIST_S = 5.0
+# Streams open at once from peers that are not live members (joins, status readers), shared by all of them.
+UNKNOWN_STREAMS = 256
+
 REQUEST_TYPES: tuple[type[Message], ...] = (
     cm.Join,
     cm.Heartbeat,
@@ -238,6 +241,10 @@ async def serve(
                 svc.on_request,
                 request_type=REQUEST_TYPES,
                 max_inbound=settings.max_concurrent_waits + 256,
+                # Peers that are not live members (joiners, status readers, Sybils) share these slots, so
+                # identities that never joined cannot crowd the members' heartbeats out.
+                known=core.registry.is_live,
+                max_inbound_unknown=UNKNOWN_STREAMS,
             )
             async with trio.open_nursery() as nursery:
                 await nursery.start(svc.housekeeping)

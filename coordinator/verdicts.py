@@ -1,18 +1,19 @@
 """Fault reports and the ban policy (sans-IO).
 
-A live member reports another member with a reason and, optionally, evidence: bytes it signed with
-its node key. The adapter verifies that signature against the reporter's public key before calling
-:meth:`VerdictPolicy.report` (a signature that does not verify refuses the report). A signed report
-is attributable: a false accusation is provable against the reporter, so it may count for more.
+A live member reports another member with a reason and, optionally, evidence: two statements the
+*accused* signed that contradict each other (the adapter, ``core.py``, verifies both signatures against
+the accused's key and the contradiction before calling :meth:`VerdictPolicy.report`). What the reporter
+signs itself proves nothing: it can sign anything.
 
 Policy:
 
-- verified evidence bans at once when ``ban_on_evidence`` is set;
-- otherwise a peer is banned when ``reports_to_ban`` *distinct* reporters reported it within
-  ``report_window_s`` (one reporter repeating itself counts once).
+- verified evidence bans at once when ``ban_on_evidence`` is set (off by default);
+- a report without it is a claim: it is counted (distinct reporters within ``report_window_s``) and
+  never bans by default, because f Sybil identities are f distinct reporters. Only a swarm that sets
+  ``reports_to_ban`` (one that trusts its members) bans on that many.
 
-Bans are permanent for the run and go out in every heartbeat reply; the coordinator's own host gate
-refuses banned peers.
+Bans are permanent for the run; replies carry the newest :data:`MAX_BANS_IN_REPLY` of them, and the
+coordinator's own host gate refuses every banned peer.
 
 **Flags** are the coordinator's own observations of a member's conduct, not accusations by others:
 ``redo_storm`` (it asked to redo more of other peers' work in one step than any honest replica needs),
@@ -31,8 +32,11 @@ from dataclasses import dataclass, field
 
 from protolearn.coordinator.config import CoordinatorSettings
 
-# Bound on remembered reports per target: more than this many distinct reporters already bans.
+# Bound on remembered reports per target (more distinct reporters than this changes no decision).
 _MAX_REPORTS_PER_TARGET = 1024
+# Bans sent in a join or heartbeat reply: the newest ones (a node's gate only needs the peers it may
+# meet; the coordinator refuses every banned peer anyway), so the reply stays under the frame cap.
+MAX_BANS_IN_REPLY = 4096
 # Bound on flagged peers remembered (the oldest flag is forgotten first); each peer has a few flag kinds.
 _MAX_FLAGGED = 100_000
 FLAG_KINDS = ("redo_storm", "result_mismatch", "late_leases")
@@ -78,9 +82,11 @@ class VerdictPolicy:
         return peer_id in self.bans
 
     def banned(self) -> list[str]:
-        """The banned peer IDs, sorted. Do not modify the list: it is shared until the next ban."""
+        """The newest :data:`MAX_BANS_IN_REPLY` banned peer IDs, sorted. Do not modify the list: it is
+        shared until the next ban."""
         if self._banned is None:
-            self._banned = sorted(self.bans)
+            newest = sorted(self.bans.values(), key=lambda b: (b.at, b.peer_id))[-MAX_BANS_IN_REPLY:]
+            self._banned = sorted(b.peer_id for b in newest)
         return self._banned
 
     def ban(self, peer_id: str, reason: str, now: float) -> Ban:
@@ -119,6 +125,8 @@ class VerdictPolicy:
         q.append((now, reporter, reason))
         reporters = {r for _, r, _ in q}
         need = self.settings.reports_to_ban
+        if need is None:
+            return Verdict(False, f"{target} reported by {len(reporters)} peers; a report without evidence the accused signed never bans")
         if len(reporters) >= need:
             ban = self.ban(target, f"reported by {len(reporters)} peers within {window:g} s: {reason}", now)
             return Verdict(True, ban.reason)

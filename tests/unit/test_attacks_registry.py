@@ -63,7 +63,7 @@ def test_a_throughput_claim_of_1e15_does_not_steer_joiners_away_from_the_liars_s
 
 def test_a_bogus_param_hash_does_not_flip_the_stages_agreed_hash() -> None:
     core = make_core(2)
-    core.ledger.committed_through = 5  # replicas can have applied steps up to 5
+    core.ledger.barrier.committed_through = 5  # replicas can have applied steps up to 5
     stage0 = [p for p in ("a", "b", "c", "d", "e", "f") if join(core, p) == 0]
     honest, liar = stage0[:2], stage0[2]
     for p in honest:
@@ -82,7 +82,7 @@ def test_a_bogus_param_hash_does_not_flip_the_stages_agreed_hash() -> None:
 
 def test_a_claimed_step_of_2_62_is_not_recorded_and_no_stale_maximum_sticks() -> None:
     core = make_core(2)
-    core.ledger.committed_through = 5  # frontier 6: no replica has applied step 6 or later
+    core.ledger.barrier.committed_through = 5  # frontier 6: no replica has applied step 6 or later
     a, b = "a", "b"
     join(core, a), join(core, "s1"), join(core, b)
     core.handle(a, cm.Heartbeat(state="training", step=5, param_hash="H"), 0.5)
@@ -171,7 +171,7 @@ def test_the_longest_addresses_a_join_may_carry_are_few_and_short() -> None:
 def test_100000_members_keep_every_reply_under_the_frame_cap() -> None:
     num_stages, n = 4, 100_000
     core = make_core(num_stages)
-    core.ledger.committed_through = 3
+    core.ledger.barrier.committed_through = 3
     core.restore(members=[_sybil(i, i % num_stages) for i in range(n)], step=4, tickets=[], closed=[], history=[], bans=[], now=0.0)
     sizes: dict[str, int] = {}
     t0 = time.perf_counter()

@@ -372,7 +372,7 @@ def test_each_working_stage0_replica_holds_at_most_its_share_of_the_step() -> No
 
 def test_a_moving_member_counts_at_its_new_stage_only_once_it_serves_it() -> None:
     core = make_core()
-    core.ledger.committed_through = 9  # a run past step 9: the steps below are ones replicas can have applied
+    core.ledger.barrier.committed_through = 9  # a run past step 9: the steps below are ones replicas can have applied
     (a, b), (c, d) = four_members(core).values()
     for p in (a, b, c, d):
         core.handle(p, cm.Heartbeat(state="training", step=3, param_hash="old", stage=core.registry.members[p].stage), 0.0)
@@ -444,7 +444,7 @@ def test_a_holders_report_counts_for_its_stage_after_a_coordinator_restart(tmp_p
 
 def test_a_stage_s_hashes_are_answered_from_its_serving_replicas_only() -> None:
     core = make_core()
-    core.ledger.committed_through = 9  # a run past step 9: the steps below are ones replicas can have applied
+    core.ledger.barrier.committed_through = 9  # a run past step 9: the steps below are ones replicas can have applied
     (s0, other0), (s1, _) = four_members(core).values()
     core.handle(s0, cm.Heartbeat(state="training", stage=0, step=3, param_hash="aa"), 1.0)
     core.handle(other0, cm.Heartbeat(state="syncing", stage=0, step=1, param_hash="bb"), 1.0)

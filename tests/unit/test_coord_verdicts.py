@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.ratelimit import RateLimiter
-from protolearn.coordinator.verdicts import VerdictPolicy
+from protolearn.coordinator.verdicts import MAX_BANS_IN_REPLY, VerdictPolicy
 
 
 def policy(**kw) -> VerdictPolicy:
@@ -44,6 +44,25 @@ def test_distinct_reporters_within_the_window_ban() -> None:
     verdict = v.report("r3", "bad", "outlier activations", evidence_verified=False, now=3.0)
     assert verdict.ban and "3 peers" in verdict.reason
     assert list(v.dirty) == ["bad"]
+
+
+def test_sybil_reports_without_the_accuseds_signature_never_ban_by_default() -> None:
+    # Attack 1 (issue 12): f identities are f "distinct" reporters, so by default a report without
+    # evidence the accused signed is a claim that is counted, never a ban, however many Sybils send it.
+    v = VerdictPolicy(CoordinatorSettings())
+    for i in range(1000):
+        verdict = v.report(f"sybil{i}", "honest", "slow", evidence_verified=False, now=float(i) / 1000)
+        assert not verdict.ban
+    assert not v.is_banned("honest") and "never bans" in verdict.reason
+
+
+def test_replies_carry_only_the_newest_bans() -> None:
+    v = policy()
+    for i in range(MAX_BANS_IN_REPLY + 10):
+        v.ban(f"p{i:06d}", "operator", float(i))
+    sent = v.banned()
+    assert len(sent) == MAX_BANS_IN_REPLY and "p000000" not in sent and f"p{MAX_BANS_IN_REPLY + 9:06d}" in sent
+    assert v.is_banned("p000000")  # still refused by the coordinator itself
 
 
 def test_reports_outside_the_window_expire() -> None:
