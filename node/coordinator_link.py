@@ -256,9 +256,6 @@ class CoordinatorLink:
                     raise
                 if err.code in ("stale_revision", "step_not_closed"):
                     return False  # reopened (and maybe closed again) under this node
-                if err.code == "not_participant":
-                    report = False  # e.g. moved to another stage: its stage-mates report
-                    continue
                 log.warning("averaged report refused step=%d reason=%s", step, err.reason)
                 await trio.sleep(1.0)
                 continue
@@ -304,8 +301,11 @@ class CoordinatorLink:
         reply, _ = await self._request(msg, cm.RedoReply)
         return reply
 
-    async def report(self, target: str, reason: str, evidence: cm.Evidence | None = None) -> cm.ReportReply:
-        msg = cm.Report(target=target, reason=reason[: cm.MAX_TEXT], evidence=evidence)
+    async def report(
+        self, target: str, reason: str, evidence: cm.Evidence | None = None, conflicting: cm.Evidence | None = None,
+    ) -> cm.ReportReply:
+        """Report ``target``; only two statements it signed that contradict each other can ban it."""
+        msg = cm.Report(target=target, reason=reason[: cm.MAX_TEXT], evidence=evidence, conflicting=conflicting)
         reply, _ = await self._request(msg, cm.ReportReply)
         return reply
 

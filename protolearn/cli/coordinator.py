@@ -89,11 +89,15 @@ def _start(
     data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Identity and state (default: ~/.protolearn/coordinator).")] = None,
     metrics_port: Annotated[int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics on this port.")] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")] = "info",
+    ban_on_evidence: Annotated[bool, typer.Option(
+        "--ban-on-evidence", help="Ban a member at once when a report proves it signed two contradicting statements (off by default).",
+    )] = False,
 ) -> None:
     """Start the coordinator and print the address nodes join with."""
     import trio
 
     from protolearn.cli.runner import run_trio
+    from protolearn.coordinator.config import CoordinatorSettings
     from protolearn.coordinator.service import Running, persisted_run_toml, serve
     from protolearn.protocol.addresses import PortInUse
     from protolearn.protocol.identity import default_data_dir
@@ -124,7 +128,7 @@ def _start(
                 return await nursery.start(
                     lambda task_status: serve(
                         run, data_dir, listen_on, metrics_port=metrics_port, metrics_host=metrics_host,
-                        task_status=task_status,
+                        settings=CoordinatorSettings(ban_on_evidence=ban_on_evidence), task_status=task_status,
                     )
                 )
             except PortInUse as err:

@@ -21,6 +21,7 @@ from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.identity import Identity
+from protolearn.protocol.statements import fin_statement
 from protolearn.protocol.transport import TransportConfig, open_host
 from protolearn.stages.config import default_run
 
@@ -63,7 +64,7 @@ def test_coordinator_survives_kill_9_with_members_step_leases_and_bans(tmp_path:
     procs: list[subprocess.Popen] = []
 
     async def main() -> None:
-        first = Coordinator(data)
+        first = Coordinator(data, "--ban-on-evidence")
         procs.append(first.proc)
         addr = await first.address()
         assert "/p2p/12D3KooW" in addr
@@ -96,9 +97,14 @@ def test_coordinator_survives_kill_9_with_members_step_leases_and_bans(tmp_path:
             assert (await c.averaged(0, 1)).committed
             held = (await a.lease(2)).indices
             assert held == [0, 1]
-            # three distinct reporters ban d
+            # reports without evidence never ban, however many
             for lk in (a, b, c):
-                verdict = await lk.report(d.host.peer_id, "outlier activations")
+                assert not (await lk.report(d.host.peer_id, "outlier activations")).banned
+            # two results of one round that d signed are proof (this coordinator bans on evidence)
+            round_dig = bytes(32)
+            told = [fin_statement(round_dig, b"\x03", bytes([n]) * 32) for n in (1, 2)]
+            proof = [cm.Evidence(data=t, signature=d.host.sign(t)) for t in told]
+            verdict = await a.report(d.host.peer_id, "equivocated in a round", proof[0], proof[1])
             assert verdict.banned
 
             before = json.loads((await cli("swarm", "status", "--coordinator", addr, "--json")).stdout)

@@ -395,9 +395,6 @@ class Sim:
                     if err.code in ("stale_revision", "step_not_closed"):
                         self._feed(node, ev.CommitAnswer(step, revision, False))
                         return
-                    if err.code == "not_participant":
-                        self.to_node(node, HOP_S, lambda: poll(False))
-                        return
                     self.to_node(node, 1.0, lambda: poll(report))
                     return
             if info is None or not info.committed:
