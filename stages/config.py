@@ -127,6 +127,29 @@ class DataConfig(_Frozen):
     val_batches: int = Field(8, ge=1)
 
 
+class IntegrityConfig(_Frozen):
+    """Stagewise integrity (DESIGN.md "Integrity"): boundary monitors, spot checks, probation, robust aggregation.
+
+    A newcomer is spot-checked at rate 1.0; the rate halves every ``probation_half_life`` checks it
+    passes, down to ``spot_check_rate``. A spot check passes when the recomputed output is within
+    ``check_tolerance`` (relative L2) of what was sent, on top of the codec's own error.
+    """
+
+    monitors: bool = True
+    spot_check_rate: float = Field(0.05, ge=0.0, le=1.0)
+    probation_half_life: int = Field(8, ge=1, le=1_000_000)
+    check_tolerance: float = Field(1e-3, gt=0.0, le=1.0)
+    # A joiner runs its stage on a fixed input from the run seed and compares with its donor's output.
+    self_test: bool = True
+    # How the replicas of a stage combine their gradients: "mean" (the default), "trimmed_mean" or "centered_clip".
+    aggregation: str = Field("mean", pattern=r"^(mean|trimmed_mean|centered_clip)$")
+    # trimmed_mean: the fraction of replicas cut at each end per coordinate (at least one when there are 3+).
+    trim_fraction: float = Field(0.25, ge=0.0, lt=0.5)
+    # centered_clip: the clipping radius (relative to the median replica's distance from the centre) and iterations.
+    clip_tau: float = Field(1.0, gt=0.0, le=1e6)
+    clip_iters: int = Field(3, ge=1, le=100)
+
+
 class RunConfig(_Frozen):
     """Everything that fixes a training run. Every node must hold the same one (see :meth:`run_hash`)."""
 
@@ -139,6 +162,7 @@ class RunConfig(_Frozen):
     batch: BatchConfig = Field(default_factory=BatchConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    integrity: IntegrityConfig = Field(default_factory=IntegrityConfig)
 
     @field_validator("codec")
     @classmethod
