@@ -42,6 +42,9 @@ class NodeConfig(BaseModel):
     checkpoint_every: int = Field(default=10, ge=0)
     checkpoint_keep: int = Field(default=3, ge=1, le=1000)
     checkpoint: Path | None = None
+    # Testing only: "KIND[:from_step]" makes this node attack the swarm (node/adversary.py), if the
+    # environment allows it. Parsed by the CLI; None: an honest node.
+    adversary: str | None = Field(default=None, max_length=64)
 
     @field_validator("coordinator")
     @classmethod
