@@ -268,7 +268,9 @@ class CoordinatorCore:
         return tuple(range(self.run.num_stages))
 
     def _heartbeat(self, peer: str, msg: cm.Heartbeat, now: float) -> cm.HeartbeatReply:
-        info = HeartbeatInfo(msg.state, msg.throughput, msg.queue_len, msg.step, msg.param_hash, msg.loss, msg.stage)
+        info = HeartbeatInfo(
+            msg.state, msg.throughput, msg.queue_len, msg.step, msg.param_hash, msg.loss, msg.stage, tuple((r.step, r.hash) for r in msg.recent),
+        )
         d = self.registry.heartbeat(peer, info, now, frontier=self.ledger.frontier)
         if not d.accepted:
             raise self.refuse(d.code, d.reason)

@@ -107,6 +107,8 @@ class HeartbeatInfo:
     param_hash: str = ""
     loss: float | None = None
     stage: int = -1  # the stage the node serves now (-1: not said)
+    # (step, hash) after its last few applied steps (protocol/coordination.py HASH_HISTORY), oldest first.
+    recent: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,8 @@ class Registry:
     soft: set[str] = field(default_factory=set)
     # After a restart nobody expires before this time: nodes are still backing off their reconnects.
     grace_until: float = 0.0
+    # Each member's (step, hash) after its last few applied steps (not persisted: the next heartbeat says it).
+    _recent: dict[str, tuple[tuple[int, str], ...]] = field(default_factory=dict)
     # Members whose last connection closed, and since when (cleared when they reconnect).
     _disconnected: dict[str, float] = field(default_factory=dict)
     # Members whose connection stayed closed past the grace: presumed dead until they reconnect.
@@ -226,11 +230,17 @@ class Registry:
         return sorted(p for p in self._working[stage] if p not in self._gone)
 
     def stage_hashes(self, stage: int, limit: int) -> list[tuple[str, int, str]]:
-        """(peer, step, parameter hash) of ``stage``'s serving replicas that reported one, at most ``limit``
-        (O(replicas of the stage), not O(members))."""
+        """(peer, step, parameter hash) after each of the last few steps ``stage``'s serving replicas
+        applied, at most ``limit`` entries (O(replicas of the stage), not O(members))."""
         if not 0 <= stage < self.num_stages:
             return []
-        out = [(p, m.step, m.param_hash) for p in sorted(self._working[stage]) if (m := self.members[p]).param_hash]
+        out: list[tuple[str, int, str]] = []
+        for p in sorted(self._working[stage]):
+            m = self.members[p]
+            if m.param_hash:
+                out += [(p, s, h) for s, h in self._recent.get(p, ((m.step, m.param_hash),))]
+            if len(out) >= limit:
+                break
         return out[:limit]
 
     def live(self) -> Iterator[Member]:
@@ -327,6 +337,11 @@ class Registry:
         # A node still finishing its old stage after a move reports that stage's parameters: not this one's.
         if hb.stage in (-1, m.stage):
             m.step, m.param_hash = step, param_hash
+            bound = m.step + 1 if frontier is None else min(frontier, m.step + 1)
+            recent = {s: h for s, h in hb.recent[-cm.HASH_HISTORY:] if 0 <= s < bound and h}
+            if param_hash:
+                recent[step] = param_hash
+            self._recent[peer_id] = tuple(sorted(recent.items()))
         if hb.loss is not None:
             m.loss = hb.loss
         self._count(m, 1)
@@ -376,6 +391,7 @@ class Registry:
                 out.append(m)
             elif m.status in (LEFT, EXPIRED) and now - m.left_at > self.settings.departed_retention_s:
                 del self.members[m.peer_id]
+                self._recent.pop(m.peer_id, None)
                 self.dirty.discard(m.peer_id)
                 self.removed.add(m.peer_id)
         return out
@@ -407,6 +423,7 @@ class Registry:
             self._count(m, -1)
             m.stage, m.moved_at, m.state, m.move_reason = move.dst, now, NodeState.SYNCING, move.reason
             m.step, m.param_hash = -1, ""  # its hashes were of the old stage
+            self._recent.pop(m.peer_id, None)
             self._count(m, 1)
             self._touch(m, True)
         return move

@@ -243,6 +243,7 @@ class Node:
             queue_len=self.router.queue_len,
             step=applied - 1,
             param_hash=self._hash_by_step.get(applied - 1, ""),
+            recent=[cm.RecentHash(step=s, hash=h) for s, h in sorted(self._hash_by_step.items()) if s < applied][-cm.HASH_HISTORY:],
             loss=self.last_loss if self.last_loss is not None and math.isfinite(self.last_loss) else None,
             view_version=self.view.version,
         )
@@ -288,7 +289,7 @@ class Node:
             return
         for ph in reported:
             mine = self._hash_by_step.get(ph.step)
-            if ph.peer_id == self.host.peer_id or mine is None or not ph.hash:
+            if ph.peer_id == self.host.peer_id or mine is None or not ph.hash or ph.step not in pending:
                 continue
             if ph.hash != mine:
                 self.progress.event("replica_mismatch", step=ph.step, peer=ph.peer_id, theirs=ph.hash, mine=mine)

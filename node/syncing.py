@@ -8,11 +8,14 @@ and installs a state only if it is the stage's, by this rule (a donor can lie ab
 - ``applied`` may not exceed the coordinator's frontier (``StageHashes.step``): no replica has
   applied an uncommitted step;
 - after ``applied`` ≥ 1 steps, the installed parameters must hash to what a strict majority of the
-  replicas that reported step ``applied - 1`` (``StageHashes``) reported for it
-  (:func:`~protolearn.protocol.coordination.majority_state`), and that step may not be older than
-  the lower median of all the replicas' steps (so a liar alone on an old step is no majority of
-  anything). One lying donor, or one lying reporter, is a minority. A stage with a single replica
-  has that replica as its only reporter: a majority of one, which is all a joiner can know there;
+  replicas reported for step ``X = applied - 1``. Each replica reports its hashes after its last
+  ``HASH_HISTORY`` applied steps (a donor trains on while the joiner downloads, so its snapshot is
+  often a step or two behind its latest report). The majority is over all the reporting replicas
+  (one whose reports do not hold ``X`` does not agree), and ``X`` may not be ``HASH_HISTORY`` or more
+  steps older than the lower median of the replicas' latest steps (so a liar alone on an old step is
+  no majority of anything). One lying donor, or one lying
+  reporter, is a minority. A stage with a single replica has that replica as its only reporter: a
+  majority of one, which is all a joiner can know there;
 - after 0 steps the state is the deterministic init from the run seed, which this node built itself:
   the installed parameters must hash to that (no reporter needed, and nobody has one yet);
 - with nothing to compare with (the hashes request failed, nobody reported that step yet, or its
@@ -29,6 +32,7 @@ retried and never replaced by an older checkpoint (I2).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -41,7 +45,7 @@ from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
 from protolearn.node.state_sync import fetch_state, fetch_state_split
 from protolearn.node.worker import StageWorker
-from protolearn.protocol.coordination import majority_state
+from protolearn.protocol.coordination import HASH_HISTORY
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.transport import Host
 
@@ -55,11 +59,12 @@ CHECK_POLLS = 6
 Verdict = Literal["ok", "wait", "refuse"]
 
 
-def judge_state(applied: int, got: str, reported: Sequence[tuple[int, str]], *, frontier: int, init_hash: str) -> tuple[Verdict, str]:
+def judge_state(applied: int, got: str, reported: Sequence[tuple[str, int, str]], *, frontier: int, init_hash: str) -> tuple[Verdict, str]:
     """Whether a state after ``applied`` steps that hashes to ``got`` is the stage's (see the module docstring).
 
-    ``reported``: (step, hash) of the stage's other serving replicas; ``frontier``: the coordinator's
-    first uncommitted step. ``wait``: it cannot be told yet (ask again); ``refuse``: it is not.
+    ``reported``: (replica, step, hash) of the stage's other serving replicas, each after its last few
+    steps; ``frontier``: the coordinator's first uncommitted step. ``wait``: it cannot be told yet
+    (ask again); ``refuse``: it is not.
     """
     if applied > max(frontier, 0):
         return "refuse", f"it claims {applied} applied steps, beyond the coordinator's frontier {frontier}"
@@ -68,15 +73,24 @@ def judge_state(applied: int, got: str, reported: Sequence[tuple[int, str]], *, 
             return "ok", "the run's deterministic init"
         return "refuse", f"it claims 0 steps but hashes to {got[:12]}, not the run's deterministic init {init_hash[:12]}"
     step = applied - 1
-    steps = sorted(s for s, h in reported if h)
-    if steps and steps[(len(steps) - 1) // 2] > step:
-        return "refuse", f"it is after step {step}, older than most replicas' (after step {steps[(len(steps) - 1) // 2]})"
-    majority = majority_state((s, h) for s, h in reported if s == step)
-    if majority is None:
-        n = sum(1 for s, h in reported if s == step and h)
-        return "wait", f"{n} replicas reported step {step}, no majority among them"
-    if majority[1] != got:
-        return "refuse", f"it hashes to {got[:12]}, but the majority of replicas reported {majority[1][:12]} for step {step}"
+    by_peer: dict[str, dict[int, str]] = {}
+    for peer, s, h in reported:
+        if h:
+            by_peer.setdefault(peer, {})[s] = h
+    latest = sorted(max(hs) for hs in by_peer.values())
+    median = latest[(len(latest) - 1) // 2] if latest else step
+    if median - step >= HASH_HISTORY:
+        return "refuse", f"it is after step {step}, {median - step} steps older than most replicas' (after step {median})"
+    # Every reporting replica votes; one whose reports do not hold the step (still behind it, or its
+    # history starts after it) counts as not agreeing, and the next download is of a newer step.
+    votes = Counter(hs[step] for hs in by_peer.values() if step in hs)
+    if not votes:
+        return "wait", f"no replica reported step {step} yet"
+    ((best, count),) = votes.most_common(1)
+    if 2 * count <= len(by_peer):
+        return "wait", f"{count} of {len(by_peer)} replicas reported the same hash for step {step}, no majority"
+    if best != got:
+        return "refuse", f"it hashes to {got[:12]}, but the majority of replicas reported {best[:12]} for step {step}"
     return "ok", f"the majority of replicas reported {got[:12]} for step {step}"
 
 
@@ -172,7 +186,7 @@ class StageSync:
         if got != claimed:
             raise StateSyncError(f"state from {donors} hashes to {got[:12]}, they claimed {claimed[:12]}")
         for poll in range(CHECK_POLLS):
-            reported = await self._reported_list()  # also refreshes the frontier (link.step)
+            reported = await self._reported()  # also refreshes the frontier (link.step)
             verdict, why = judge_state(applied, got, reported, frontier=self.link.step, init_hash=self._init_hash or "")
             if verdict == "ok":
                 break
@@ -186,16 +200,17 @@ class StageSync:
         """The parameter hashes this stage's other replicas reported for ``step`` (empty if unknown)."""
         if step < 0:
             return {}
-        return {p: h for p, (s, h) in (await self._reported()).items() if s == step}
+        return {p: h for p, s, h in await self._reported() if s == step}
 
     async def _reported_list(self) -> list[tuple[int, str]]:
-        return list((await self._reported()).values())
+        return [(s, h) for _, s, h in await self._reported()]
 
-    async def _reported(self) -> dict[str, tuple[int, str]]:
-        """peer → (step, parameter hash) as this stage's other replicas reported them (empty if unknown)."""
+    async def _reported(self) -> list[tuple[str, int, str]]:
+        """(replica, step, parameter hash) after the last few steps this stage's other replicas applied,
+        as they reported them (empty if unknown)."""
         try:
             reported = await self.link.stage_hashes(self.stage)
         except ProtocolError as err:
             log.info("stage hashes request failed reason=%s", err.reason)
-            return {}
-        return {ph.peer_id: (ph.step, ph.hash) for ph in reported if ph.hash and ph.peer_id != self.host.peer_id}
+            return []
+        return [(ph.peer_id, ph.step, ph.hash) for ph in reported if ph.hash and ph.peer_id != self.host.peer_id]

@@ -61,8 +61,11 @@ MAX_EVIDENCE_BYTES = 64 * 1024
 MAX_HASH = 128
 MAX_SIGNATURE = 128
 MAX_RUN_TOML = 256 * 1024
-# Replicas whose parameter hash a StageHashes reply lists (a majority of a bigger stage is within them).
-MAX_STAGE_HASHES = 256
+# A heartbeat carries the parameter hashes after the node's last HASH_HISTORY applied steps, so a joiner can
+# check a donor's snapshot that is a few steps behind the donor (which trains on while the joiner downloads).
+HASH_HISTORY = 8
+# (replica, step, hash) entries a StageHashes reply lists: 256 replicas' latest, or fewer replicas' histories.
+MAX_STAGE_HASHES = 256 * HASH_HISTORY
 # A long poll never holds a stream longer than this.
 MAX_WAIT_S = 30.0
 # The largest reply the coordinator sends: the transport's default frame cap
@@ -127,6 +130,11 @@ class JoinReply(Message):
     members: list[MemberView]
 
 
+class RecentHash(_Part):
+    step: Step
+    hash: Hash
+
+
 class Heartbeat(Message):
     KIND: ClassVar[str] = "coord.heartbeat"
     state: State
@@ -142,6 +150,8 @@ class Heartbeat(Message):
     stage: Annotated[int, Field(ge=-1, lt=MAX_STAGES)] = -1
     # The node merges view deltas: send what changed since view_version (members, removed), not a snapshot.
     view_delta: bool = False
+    # The parameter hashes after its last few applied steps (``step`` included), oldest first.
+    recent: list[RecentHash] = Field(default_factory=list, max_length=HASH_HISTORY)
 
 
 class HeartbeatReply(Message):

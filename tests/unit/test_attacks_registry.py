@@ -73,8 +73,8 @@ def test_a_bogus_param_hash_does_not_flip_the_stages_agreed_hash() -> None:
     assert st.stages[0].hashes_agree and st.stages[0].param_step == 5
     assert "hash-mismatch" in next(n for n in st.nodes if n.peer_id == liar).flags
     reply = core.handle("x", cm.StageHashesRequest(stage=0), 0.6)
-    reported = [(ph.step, ph.hash) for ph in reply.param_hashes]
-    assert len(reported) == 3 and cm.majority_state(reported) == (5, "H") and reply.step == 6
+    reported = [(ph.peer_id, ph.step, ph.hash) for ph in reply.param_hashes]
+    assert len(reported) == 3 and cm.majority_state((s, h) for _, s, h in reported) == (5, "H") and reply.step == 6
     # A joiner takes an honest donor's state and refuses the liar's.
     assert judge_state(6, "H", reported, frontier=6, init_hash="I")[0] == "ok"
     assert judge_state(6, "X", reported, frontier=6, init_hash="I")[0] == "refuse"
@@ -237,24 +237,55 @@ def test_an_expired_member_whose_rejoin_fails_keeps_its_old_entry(monkeypatch: p
 
 
 def test_a_joiner_accepts_only_the_majority_state_for_the_frontier() -> None:
-    reported = [(6, "H"), (6, "H"), (6, "X")]
+    reported = [("p", 6, "H"), ("q", 6, "H"), ("r", 6, "X")]
     assert judge_state(7, "H", reported, frontier=7, init_hash="I")[0] == "ok"
     assert judge_state(7, "X", reported, frontier=7, init_hash="I")[0] == "refuse"  # the lying donor
     verdict, why = judge_state(8, "Y", reported, frontier=7, init_hash="I")
     assert verdict == "refuse" and "frontier" in why  # a step nobody could have applied
-    # A liar alone on an old step is no majority of anything.
-    assert judge_state(5, "Z", [(6, "H"), (6, "H"), (4, "Z")], frontier=7, init_hash="I")[0] == "refuse"
+    # A liar alone on an old step is no majority of anything: the joiner waits, then downloads again...
+    assert judge_state(5, "Z", [("p", 6, "H"), ("q", 6, "H"), ("r", 4, "Z")], frontier=7, init_hash="I")[0] == "wait"
+    # ...and a step further back than the replicas' hash history is refused at once.
+    assert judge_state(5, "Z", [("p", 14, "H"), ("q", 14, "H"), ("r", 4, "Z")], frontier=15, init_hash="I")[0] == "refuse"
+
+
+def test_a_donors_snapshot_a_few_steps_behind_its_latest_report_is_checked_against_its_history() -> None:
+    """The donor trains on while a joiner downloads: its snapshot (after step 22) is behind its latest
+    heartbeat (after step 24), which also carries its hashes after steps 17..24. Before the history,
+    a joiner of a one-donor stage refused every snapshot as "older than most replicas'" and never synced."""
+    core = make_core(2)
+    core.ledger.barrier.committed_through = 24
+    donor = next(p for p in ("a", "b", "c") if join(core, p) == 0)
+    recent = [cm.RecentHash(step=s, hash=f"H{s}") for s in range(17, 25)]
+    core.handle(donor, cm.Heartbeat(state="training", step=24, param_hash="H24", recent=recent), 0.5)
+    reply = core.handle("x", cm.StageHashesRequest(stage=0), 0.6)
+    reported = [(ph.peer_id, ph.step, ph.hash) for ph in reply.param_hashes]
+    assert [s for _, s, _ in reported] == list(range(17, 25))
+    assert judge_state(23, "H22", reported, frontier=25, init_hash="I")[0] == "ok"
+    assert judge_state(23, "X", reported, frontier=25, init_hash="I")[0] == "refuse"
+    # Steps at or past the frontier are not recorded, even inside the history.
+    core.handle(donor, cm.Heartbeat(state="training", step=24, param_hash="H24", recent=(recent + [cm.RecentHash(step=30, hash="F")])[-8:]), 0.7)
+    reply = core.handle("x", cm.StageHashesRequest(stage=0), 0.8)
+    assert max(ph.step for ph in reply.param_hashes) == 24
+
+
+def test_a_liars_made_up_history_is_one_vote_among_the_stages_replicas() -> None:
+    honest = [(p, s, f"H{s}") for p in ("p", "q") for s in range(20, 25)]
+    liar = [("r", s, f"X{s}") for s in range(20, 25)]
+    assert judge_state(23, "H22", honest + liar, frontier=25, init_hash="I")[0] == "ok"
+    assert judge_state(23, "X22", honest + liar, frontier=25, init_hash="I")[0] == "refuse"
+    # A replica that joined after the step does not hold it: with it, one reporter of two is no majority.
+    assert judge_state(21, "H20", [("p", 20, "H20"), ("p", 21, "H21"), ("q", 21, "H21")], frontier=25, init_hash="I")[0] == "wait"
 
 
 def test_with_no_hash_to_compare_a_joiner_waits_and_never_installs() -> None:
     assert judge_state(7, "H", [], frontier=7, init_hash="I")[0] == "wait"  # the hashes request failed
-    assert judge_state(7, "H", [(5, "G"), (5, "G")], frontier=7, init_hash="I")[0] == "wait"  # not reported yet
-    assert judge_state(7, "H", [(6, "H"), (6, "X")], frontier=7, init_hash="I")[0] == "wait"  # split: no majority
+    assert judge_state(7, "H", [("p", 5, "G"), ("q", 5, "G")], frontier=7, init_hash="I")[0] == "wait"  # not reported yet
+    assert judge_state(7, "H", [("p", 6, "H"), ("q", 6, "X")], frontier=7, init_hash="I")[0] == "wait"  # split: no majority
 
 
 def test_a_single_replica_is_its_stages_majority_and_step_0_is_the_init() -> None:
     # One replica, one reporter: a majority of one is all a joiner can know there.
-    assert judge_state(7, "H", [(6, "H")], frontier=7, init_hash="I")[0] == "ok"
+    assert judge_state(7, "H", [("p", 6, "H")], frontier=7, init_hash="I")[0] == "ok"
     # Before any step the state is the run seed's init, which the joiner built itself.
     assert judge_state(0, "I", [], frontier=0, init_hash="I")[0] == "ok"
     assert judge_state(0, "X", [], frontier=0, init_hash="I")[0] == "refuse"
