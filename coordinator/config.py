@@ -32,6 +32,9 @@ class CoordinatorSettings(BaseModel):
     # once when set. Off until the integrity checks' verdict policy lands (issue 11): a proof of
     # equivocation is then one input among several, and a single report never bans on its own word.
     ban_on_evidence: bool = False
+    # Integrity evidence the coordinator checks itself (a spot check's three signed outputs of the same
+    # inputs, or a signed tensor with NaN/Inf: coordinator/integrity.py) bans the convicted peer.
+    integrity_bans: bool = True
     # Reports without such evidence are claims: by default (None) they are counted and shown, never a ban,
     # since f Sybil identities are f "distinct" reporters. A number N bans on N distinct reporters (a
     # swarm that trusts its members, e.g. one operator's machines).

@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from protolearn.coordinator.integrity import EvidenceRecord, IntegrityDesk, IntegrityRefused
 from protolearn.coordinator.assignment import shares_from_layers
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.corpus import decide_corpus
@@ -74,11 +75,13 @@ class Changes:
     committed: int | None = None
     # The corpus fingerprint, when it was just set.
     corpus: str | None = None
+    # Integrity reports judged since the last drain (coordinator/integrity.py).
+    evidence: list[EvidenceRecord] = field(default_factory=list)
 
     def empty(self) -> bool:
         return not (
             self.members or self.removed or self.tickets or self.tickets_reset or self.closed or self.bans
-            or self.committed is not None or self.corpus is not None
+            or self.committed is not None or self.corpus is not None or self.evidence
         )
 
 
@@ -113,6 +116,7 @@ class CoordinatorCore:
             keep_closed=KEEP_CLOSED, max_revisions=settings.max_revisions, max_loss=max_loss,
         )
         self.verdicts = VerdictPolicy(settings)
+        self.integrity = IntegrityDesk(self.registry, self.verdicts, run, enabled=settings.integrity_bans)
         self.limiter = RateLimiter(settings.rate_per_s, settings.rate_burst, max_peers=settings.max_members * 2)
         self.history: deque[LossPoint] = deque(maxlen=KEEP_HISTORY)
         self._new_closed: list[ClosedStep] = []
@@ -145,11 +149,13 @@ class CoordinatorCore:
         now: float,
         committed: int | None = None,
         corpus: str | None = None,
+        evidence: list[EvidenceRecord] | None = None,
     ) -> None:
         """Load persisted state after a restart, giving live members and leases a fresh term."""
         self.registry.restore(members, now)
         self.ledger.restore(step=step, tickets=tickets, closed=closed, committed_through=committed, now=now)
         self.verdicts.restore(bans)
+        self.integrity.restore(evidence or [])
         self.corpus = corpus
         self.history.extend(history)
 
@@ -183,6 +189,8 @@ class CoordinatorCore:
             return self._join(peer, msg, now)
         if isinstance(msg, cm.Report):
             return self._report(peer, msg, now)
+        if isinstance(msg, cm.IntegrityReport):
+            return self._integrity_report(peer, msg, now)
         member = self._live_member(peer)
         if isinstance(msg, cm.Heartbeat):
             return self._heartbeat(peer, msg, now)
@@ -442,6 +450,16 @@ class CoordinatorCore:
             self._apply_ban(msg.target, now)
         return cm.ReportReply(banned=v.ban, reason=v.reason)
 
+    def _integrity_report(self, peer: str, msg: cm.IntegrityReport, now: float) -> cm.ReportReply:
+        self._live_member(peer)
+        try:
+            banned, reason = self.integrity.report(peer, msg, now, self.ledger.frontier)
+        except IntegrityRefused as err:
+            raise self.refuse(err.code, err.reason) from None
+        if banned and self.registry.is_live(msg.target):
+            self._apply_ban(msg.target, now)
+        return cm.ReportReply(banned=banned, reason=reason)
+
     def ban(self, peer: str, reason: str, now: float) -> Ban:
         """Ban a peer by operator decision (and the policy's)."""
         b = self.verdicts.ban(peer, reason, now)
@@ -560,6 +578,7 @@ class CoordinatorCore:
         ch = Changes(
             step=self.ledger.step, members=members, removed=removed, tickets=tickets.tickets, tickets_reset=tickets.reset,
             closed=list(self._new_closed), bans=self.verdicts.drain(), committed=tickets.committed, corpus=self._corpus_dirty,
+            evidence=self.integrity.drain(),
         )
         self._new_closed.clear()
         self._corpus_dirty = None

@@ -22,6 +22,11 @@ class RunInfo:
     tokens_per_step: int
     # The model's vocabulary (bounds a plausible loss); 0: unknown, no upper bound beyond finiteness.
     vocab_size: int = 0
+    # What a spot check's evidence is checked against (coordinator/integrity.py): the boundary tensor's
+    # shape (mb, T, D), the run's codec and the relative tolerance beyond the codec's own error.
+    boundary_shape: tuple[int, ...] = ()
+    codec: str = "none"
+    check_tolerance: float = 1e-3
 
     @property
     def num_stages(self) -> int:
@@ -39,4 +44,7 @@ class RunInfo:
             microbatches_per_step=run.batch.microbatches_per_step,
             tokens_per_step=run.batch.tokens_per_step,
             vocab_size=run.model.vocab_size,
+            boundary_shape=(run.batch.microbatch_size, run.batch.seq_len, run.model.d_model),
+            codec=run.codec,
+            check_tolerance=run.integrity.check_tolerance,
         )

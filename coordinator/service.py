@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ REQUEST_TYPES: tuple[type[Message], ...] = (
     cm.Averaged,
     cm.CorpusCheck,
     cm.Report,
+    cm.IntegrityReport,
     cm.Leave,
     cm.StatusRequest,
     cm.StageHashesRequest,
@@ -211,6 +213,10 @@ def _answered(msg: cm.WaitStep, info: cm.StepInfo) -> bool:
     return info.committed or not info.closed or info.revision != msg.min_revision
 
 
+def _load_evidence_checks() -> None:
+    import protolearn.protocol.codecs  # noqa: F401 - imports torch
+
+
 async def serve(
     run: Any,
     data_dir: Path | str,
@@ -248,6 +254,9 @@ async def serve(
             )
             async with trio.open_nursery() as nursery:
                 await nursery.start(svc.housekeeping)
+                # Checking integrity evidence needs torch; loading it (seconds) in the first request's
+                # handler would stall every heartbeat meanwhile, so it loads in a thread at start-up.
+                nursery.start_soon(partial(trio.to_thread.run_sync, _load_evidence_checks, abandon_on_cancel=True))
                 port = None
                 if metrics_port is not None:
                     port = await nursery.start(serve_metrics, metrics_registry(core, clock), metrics_port, metrics_host)

@@ -20,9 +20,13 @@ from typing import Any
 
 from protolearn.coordinator.core import KEEP_CLOSED, KEEP_HISTORY, Changes
 from protolearn.coordinator.errors import StoreError
+from protolearn.coordinator.integrity import EvidenceRecord
 from protolearn.coordinator.registry import Member
 from protolearn.coordinator.tickets import ClosedStep, LossPoint, Ticket
 from protolearn.coordinator.verdicts import Ban
+
+# Evidence records loaded after a restart (the newest; counts in status start from them).
+MAX_EVIDENCE_LOADED = 100_000
 
 DB_FILE = "coordinator.sqlite"
 SCHEMA_VERSION = 1
@@ -39,6 +43,9 @@ CREATE TABLE IF NOT EXISTS steps (
     routes TEXT NOT NULL, losses TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS bans (peer_id TEXT PRIMARY KEY, reason TEXT NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS evidence (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, reporter TEXT NOT NULL, accused TEXT NOT NULL,
+    step INTEGER NOT NULL, verdict TEXT NOT NULL, reason TEXT NOT NULL, digest TEXT NOT NULL);
 """
 
 
@@ -112,6 +119,10 @@ class Store:
                     "INSERT OR REPLACE INTO bans (peer_id, reason, at) VALUES (?,?,?)",
                     [(b.peer_id, b.reason, b.at) for b in ch.bans],
                 )
+                db.executemany(
+                    "INSERT INTO evidence (at, reporter, accused, step, verdict, reason, digest) VALUES (?,?,?,?,?,?,?)",
+                    [(r.at, r.reporter, r.accused, r.step, r.verdict, r.reason, r.digest) for r in ch.evidence],
+                )
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
@@ -142,9 +153,16 @@ class Store:
         ]
         history = [LossPoint(s, loss, len(json.loads(losses)), at) for s, _r, loss, at, _routes, losses in rows]
         bans = [Ban(p, r, at) for p, r, at in db.execute("SELECT peer_id, reason, at FROM bans ORDER BY at")]
+        evidence = [
+            EvidenceRecord(at, rep, acc, step, verdict, reason, digest)
+            for at, rep, acc, step, verdict, reason, digest in db.execute(
+                "SELECT at, reporter, accused, step, verdict, reason, digest FROM evidence ORDER BY id DESC LIMIT ?", (MAX_EVIDENCE_LOADED,)
+            )
+        ]
         return {
             "members": members, "step": step, "tickets": tickets, "closed": closed, "history": history, "bans": bans,
             # A store from before the commit barrier has no entry: its closed steps were all applied.
             "committed": int(committed) if committed is not None else None,
             "corpus": self.get_meta("corpus"),
+            "evidence": evidence,
         }

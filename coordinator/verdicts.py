@@ -39,7 +39,7 @@ _MAX_REPORTS_PER_TARGET = 1024
 MAX_BANS_IN_REPLY = 4096
 # Bound on flagged peers remembered (the oldest flag is forgotten first); each peer has a few flag kinds.
 _MAX_FLAGGED = 100_000
-FLAG_KINDS = ("redo_storm", "result_mismatch", "late_leases")
+FLAG_KINDS = ("redo_storm", "result_mismatch", "late_leases", "integrity")
 
 
 @dataclass

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import trio
+from protolearn.node.errors import Banned
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.boundary import Evidence as BoundaryEvidence
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused
 from protolearn.protocol.wire import Message
 
@@ -179,6 +181,8 @@ class CoordinatorLink:
             try:
                 reply = await self.heartbeat(make())
             except CoordinatorRefused as err:
+                if err.code == "banned":
+                    raise Banned(f"the coordinator banned this node ({err.detail}); it stopped training") from None
                 if err.code != "not_member":
                     raise
                 log.warning("coordinator no longer knows this node (%s); joining again", err.reason)
@@ -309,11 +313,17 @@ class CoordinatorLink:
         reply, _ = await self._request(msg, cm.ReportReply)
         return reply
 
+    async def integrity_report(self, target: str, reason: str, evidence: BoundaryEvidence | None) -> cm.ReportReply:
+        """Report a stage that failed a check; only ``evidence`` the coordinator verifies itself can ban it."""
+        msg = cm.IntegrityReport(target=target, reason=reason[: cm.MAX_TEXT], evidence=evidence)
+        reply, _ = await self._request(msg, cm.ReportReply)
+        return reply
+
     async def leave(self, reason: str = "") -> list[int]:
         try:
             reply, _ = await self._request(cm.Leave(reason=reason[: cm.MAX_TEXT]), cm.LeaveReply)
         except CoordinatorRefused as err:
-            if err.code == "not_member":
+            if err.code in ("not_member", "banned"):
                 return []
             raise
         return reply.released

@@ -17,3 +17,7 @@ class StateSyncError(NodeError):
 
 class ReplicaMismatch(NodeError):
     """After a step this replica's parameter hash differs from its stage's other replicas (I2)."""
+
+
+class Banned(NodeError):
+    """The coordinator banned this node (its reason says why); it cannot rejoin the run."""

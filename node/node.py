@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 import trio
+from protolearn.node.adversary import Adversary, parse_adversary
 from protolearn.node.averaging import Averager
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
@@ -34,6 +35,7 @@ from protolearn.node.events import Synced
 from protolearn.node.driver import TicketDriver
 from protolearn.node.errors import JoinError, StateSyncError
 from protolearn.node.finishing import Finisher
+from protolearn.node.integrity import Integrity
 from protolearn.node.join import join_coordinator, resolve_device
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
@@ -42,6 +44,7 @@ from protolearn.node.state_sync import Snapshot, StateServer
 from protolearn.node.syncing import StageSync
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.boundary import Evidence as BoundaryEvidence
 from protolearn.protocol.states import NodeState
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import Identity
@@ -104,6 +107,11 @@ class Node:
         self._waiting = ""
         self.persistence = StagePersistence(config, run, progress, self.compute)
         self.core: NodeCore | None = None
+        # Spot checks pick microbatches and checkers at random: seeded per node, and the seed is logged.
+        self.integrity_seed = int(os.environ.get("PROTOLEARN_CHECK_SEED") or int.from_bytes(os.urandom(4), "big"))
+        # Testing only: the attack this node makes (node/adversary.py), None for an honest node.
+        self.adversary = parse_adversary(config.adversary) if config.adversary else None
+        self.adversary_sent = 0  # corrupted tensors sent (the integrity benchmark counts them to the ban)
         self.worker: StageWorker
         self.router: Router
         self.averager: Averager
@@ -149,6 +157,13 @@ class Node:
             on_complete=self.driver.complete, send_timeout_s=self.config.request_timeout_s, clock=self.clock,
         )
         self.router.on_peer_down = self.driver.peer_down
+        self.integrity = Integrity(
+            self.host, run, self.worker, corpus, self.compute, replicas=lambda s: self.view.stage_peers(s), stage_of=self._stage_of,
+            report=self._integrity_report, timeout_s=self.config.request_timeout_s, seed=self.integrity_seed,
+        )
+        self.router.integrity = self.integrity
+        if self.adversary is not None:
+            self._arm_adversary(self.adversary)
         self.host.on_connection = self._on_connection
         self.driver.bind(self.worker, self.router, core.accounting)
         self.averager = Averager(self.host, stage, self.worker.numel, timeout_s=self.config.averaging_timeout_s,
@@ -168,7 +183,9 @@ class Node:
         self.core = core
         self._apply_view()
         self.progress.update(stage=f"{stage}/{self.worker.module.plan.num_stages}")
-        self.progress.event("built", stage=stage, device=self.device, params=self.worker.numel, layers=list(self.worker.module.layers))
+        self.progress.event(
+            "built", stage=stage, device=self.device, params=self.worker.numel, layers=list(self.worker.module.layers), check_seed=self.integrity_seed,
+        )
 
     async def _snapshot(self) -> Snapshot | None:
         core = self.core
@@ -183,8 +200,54 @@ class Node:
     async def sync_state(self, open_step: int) -> None:
         """Take the stage's state (see :class:`~protolearn.node.syncing.StageSync`); the core counts it applied."""
         assert self.core is not None  # built
+        self.worker.applied = -1  # weights being replaced: no spot check recomputes with them meanwhile
         applied = await self.syncer.sync(open_step)
+        self.worker.applied = applied
         self.core.handle(Synced(applied), self.clock())
+
+    def _stage_of(self, peer: str) -> int | None:
+        return next((m.stage for m in self.view.members if m.peer_id == peer), None)
+
+    async def _integrity_report(self, target: str, reason: str, evidence: BoundaryEvidence | None) -> bool:
+        """Send an integrity report; True when the coordinator banned ``target`` (this node then shuts
+        it out at once, without waiting for the next heartbeat's ban list)."""
+        try:
+            reply = await self.link.integrity_report(target, reason, evidence)
+        except CoordinatorRefused as err:
+            log.warning("integrity report refused peer=%s code=%s reason=%s", target, err.code, err.detail)
+            return False
+        self.progress.event("integrity_report", peer=target, evidence=evidence is not None, banned=reply.banned, reason=reply.reason)
+        if reply.banned:
+            self.progress.say(f"banned {target[-8:]}: {reply.reason}")
+            if not self.host.is_banned(target):
+                self.host.ban(target, reply.reason)
+                self.router.balancer.ban(target)
+        return reply.banned
+
+    def _arm_adversary(self, adv: Adversary) -> None:
+        """Testing only: make this node attack the swarm as ``adv`` says (node/adversary.py)."""
+        log.warning("adversary armed: %s from step %d", adv.kind, adv.from_step)
+        if adv.corrupts_tensors:
+
+            def tamper(t: torch.Tensor, step: int, ticket: int, direction: str) -> torch.Tensor:
+                if not adv.active(step):
+                    return t
+                self.adversary_sent += 1
+                self.progress.event("adversary", kind=adv.kind, step=step, ticket=ticket, direction=direction, sent=self.adversary_sent)
+                return adv.corrupt(t, step=step, ticket=ticket, direction=direction)
+
+            self.router.tamper = tamper
+            self.integrity.tamper = tamper
+        elif adv.kind == "stale":
+            self.worker.stale_from = adv.from_step
+
+            def count(t: torch.Tensor, step: int, ticket: int, direction: str) -> torch.Tensor:
+                if self.worker.stale_serving:
+                    self.adversary_sent += 1
+                    self.progress.event("adversary", kind=adv.kind, step=step, ticket=ticket, direction=direction, sent=self.adversary_sent)
+                return t
+
+            self.router.tamper = count
 
     def _apply_view(self) -> None:
         for m in self.view.members:

@@ -28,10 +28,12 @@ import trio
 from protolearn.codec_spec import CodecSpecError, parse_codec_spec
 from protolearn.node.accounting import Accounting, Decision
 from protolearn.node.balancer import Balancer
+from protolearn.node.integrity import Integrity, Received
 from protolearn.node.worker import StageWorker
 from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.codecs import Encoder, decode, make_encoder
 from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.frames import TensorFrame
 from protolearn.protocol.pipeline import (
     ACTIVATION,
     GRADIENT,
@@ -118,6 +120,10 @@ class Router:
         # (stage 0 then restarts the tickets it handed that peer, without waiting for the membership).
         self.sent_to: dict[tuple[int, int], str] = {}
         self.on_peer_down: Callable[[str], None] | None = None
+        # Signs what this replica sends and checks what it receives (node/integrity.py); set by the node.
+        self.integrity: Integrity | None = None
+        # Testing only (node/adversary.py): corrupts each tensor this replica sends.
+        self.tamper: Callable[[torch.Tensor, int, int, str], torch.Tensor] | None = None
 
     # -- wiring ----------------------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -129,6 +135,8 @@ class Router:
             limit, per_peer = 4 * self.accounting.max_in_flight + 4, 2 * self.accounting.max_in_flight + 2
             self.host.serve_stream(ACTIVATION, self._on_activation, max_inbound=limit, max_inbound_per_peer=per_peer)
             self.host.serve_stream(GRADIENT, self._on_gradient, max_inbound=limit, max_inbound_per_peer=per_peer)
+            if self.integrity is not None:
+                self.integrity.register(nursery)
             task_status.started()
             await trio.sleep_forever()
 
@@ -138,6 +146,8 @@ class Router:
         applied = self.accounting.applied
         self._routes = {k: v for k, v in self._routes.items() if k[0] >= applied}
         self.sent_to = {k: v for k, v in self.sent_to.items() if k[0] >= applied}
+        if self.integrity is not None:
+            self.integrity.prune(applied)
         for p in payloads:
             self._nursery.start_soon(self._forward_received, *p)
 
@@ -155,7 +165,8 @@ class Router:
         finally:
             self.queue_len -= 1
 
-    async def _read_tensor(self, peer: str, s: FramedStream) -> torch.Tensor:
+    async def _read_tensor(self, peer: str, s: FramedStream) -> tuple[TensorFrame, torch.Tensor]:
+        """The frame as received and its decoded tensor (which may hold NaN or Inf: see :meth:`_received`)."""
         frame = await s.receive_tensor(limits=self._limits)
         try:
             got = parse_codec_spec(frame.codec, field="frame codec")
@@ -163,7 +174,24 @@ class Router:
             raise ProtocolError(peer, str(err)) from None
         if got.name != self.codec.name:
             raise ProtocolError(peer, f"tensor in codec {frame.codec[:32]!r}, but this run uses {self.run.codec!r}")
-        return decode(frame, peer=peer, shape=self.hidden_shape, dtype=torch.float32, limits=self._limits, require_finite=True)
+        return frame, decode(frame, peer=peer, shape=self.hidden_shape, dtype=torch.float32, limits=self._limits, require_finite=False)
+
+    async def _received(self, peer: str, s: FramedStream, direction: str, msg: Activation | Gradient, frame: TensorFrame, t: torch.Tensor) -> Received | None:
+        """Check the sender's signature and finiteness; None (after refusing) when the tensor is unusable."""
+        stage = self.stage - 1 if direction == "fwd" else self.stage + 1
+        got = Received(peer, stage, direction, msg.step, msg.ticket, msg.inputs, frame, msg.signature, t)
+        if self.integrity is not None:
+            try:
+                self.integrity.check_signature(peer, stage, direction, msg.step, msg.ticket, msg.inputs, frame, msg.signature)
+            except ProtocolError as err:
+                await self._refuse(s, peer, "invalid", err.reason)
+                return None
+        if not bool(torch.isfinite(t).all()):
+            if self.integrity is not None:
+                self.integrity.nonfinite(got)
+            await self._refuse(s, peer, "invalid", "tensor contains NaN or Inf")
+            return None
+        return got
 
     # -- stage 0: starting a ticket --------------------------------------------------------------
     async def start_ticket(self, step: int, ticket: int) -> bool:
@@ -188,15 +216,21 @@ class Router:
     # -- forward ---------------------------------------------------------------------------------
     async def _on_activation(self, peer: str, s: FramedStream) -> None:
         msg = await s.receive(Activation)
-        hidden = await self._read_tensor(peer, s)
+        frame, hidden = await self._read_tensor(peer, s)
         if len(msg.route) != self.stage or msg.route[-1] != peer:
             await self._refuse(s, peer, "invalid", f"route of {len(msg.route)} hops ending at {msg.route[-1][:16]} does not lead to stage {self.stage} from this sender")
+            return
+        got = await self._received(peer, s, "fwd", msg, frame, hidden)
+        if got is None:
             return
         decision = self.accounting.admit_forward(msg.step, msg.ticket, (msg.step, msg.ticket, list(msg.route), hidden))
         if decision.action == "refuse":
             await self._refuse(s, peer, _code(decision.reason), decision.reason)
             return
         await s.send(Ack(queue_len=self.queue_len))
+        if self.integrity is not None:
+            self.integrity.keep_received(msg.step, msg.ticket, "input", frame)
+            self.integrity.observe(got)
         if decision.action == "process":
             assert self._nursery is not None
             self._nursery.start_soon(self._forward_received, msg.step, msg.ticket, list(msg.route), hidden)
@@ -226,6 +260,9 @@ class Router:
         key = (step, ticket)
         tried: set[str] = set()
         deadline = self.clock() + self.send_timeout_s
+        inputs = self.integrity.my_inputs("fwd", step, ticket) if self.integrity is not None else b""
+        if self.tamper is not None:
+            hidden = self.tamper(hidden, step, ticket, "fwd")
         while self.clock() < deadline and len(tried) < MAX_FORWARD_TRIES:
             candidates = [p for p in self.next_peers if p not in tried] or list(self.next_peers)
             choice = self.balancer.choose(candidates, self.clock())
@@ -235,11 +272,12 @@ class Router:
             peer = choice.peer
             tried.add(peer)
             frame, _ = self._encoder(peer, "fwd").encode(hidden)
+            signature = self.integrity.sign(step, ticket, "fwd", inputs, frame, peer) if self.integrity is not None else b""
             t0 = self.clock()
             self.balancer.on_sent(peer)
             try:
                 async with self.host.open_stream(peer, ACTIVATION) as s:
-                    await s.send(Activation(step=step, ticket=ticket, route=route))
+                    await s.send(Activation(step=step, ticket=ticket, route=route, inputs=inputs, signature=signature))
                     await s.send_tensor(frame)
                     reply = await s.receive((Ack, Refuse))
             except ProtocolError as err:
@@ -268,7 +306,7 @@ class Router:
     # -- backward --------------------------------------------------------------------------------
     async def _on_gradient(self, peer: str, s: FramedStream) -> None:
         msg = await s.receive(Gradient)
-        grad = await self._read_tensor(peer, s)
+        frame, grad = await self._read_tensor(peer, s)
         route = list(msg.route)
         if len(route) <= self.stage + 1 or route[self.stage] != self.host.peer_id or route[self.stage + 1] != peer:
             await self._refuse(s, peer, "invalid", f"gradient route does not pass through this replica at stage {self.stage} from this sender")
@@ -280,7 +318,13 @@ class Router:
         if decision.action != "process":
             await self._refuse(s, peer, "unknown", decision.reason)
             return
+        got = await self._received(peer, s, "bwd", msg, frame, grad)
+        if got is None:
+            return
         await s.send(Ack(queue_len=self.queue_len))
+        if self.integrity is not None:
+            self.integrity.keep_received(msg.step, msg.ticket, "grad", frame)
+            self.integrity.observe(got)
         assert self._nursery is not None
         self._nursery.start_soon(self._backward_received, msg.step, msg.ticket, route, msg.loss, grad, msg.ack)
 
@@ -308,12 +352,16 @@ class Router:
     ) -> None:
         assert grad is not None
         peer = route[self.stage - 1]
+        if self.tamper is not None:
+            grad = self.tamper(grad, step, ticket, "bwd")
         frame, _ = self._encoder(peer, "bwd").encode(grad)
+        inputs = self.integrity.my_inputs("bwd", step, ticket) if self.integrity is not None else b""
+        signature = self.integrity.sign(step, ticket, "bwd", inputs, frame, peer) if self.integrity is not None else b""
         deadline = self.clock() + self.send_timeout_s
         while True:
             try:
                 async with self.host.open_stream(peer, GRADIENT) as s:
-                    await s.send(Gradient(step=step, ticket=ticket, route=route, loss=loss, ack=ack))
+                    await s.send(Gradient(step=step, ticket=ticket, route=route, loss=loss, ack=ack, inputs=inputs, signature=signature))
                     await s.send_tensor(frame)
                     reply = await s.receive((Ack, Refuse))
                 if isinstance(reply, Refuse):

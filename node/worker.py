@@ -18,6 +18,7 @@ parameter name (``param/<name>``, ``exp_avg/<name>``, ...), never by position or
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable
 from contextlib import nullcontext
 
@@ -48,6 +49,12 @@ class StageWorker:
         self._keys: set[Hashable] = set()
         # Per-ticket parameter gradients (one tensor or None per parameter), summed at step close.
         self._ticket_grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        # Optimizer steps the weights are after (the weights step ``applied``'s microbatches use); -1
+        # while unknown (a state being installed). A spot check recomputes only at the checked step's weights.
+        self.applied = 0
+        # Testing only (the ``stale`` adversary): from this step on, outputs sent come from a frozen copy.
+        self.stale_from: int | None = None
+        self._stale: StageModule | None = None
 
     @property
     def first(self) -> bool:
@@ -69,6 +76,8 @@ class StageWorker:
         self.module.discard(key)
         with self._ctx():
             out = self.module(key, inputs)
+            if self._stale is not None:
+                out = self._stale.infer(inputs)
         self._keys.add(key)
         return out.float().cpu()
 
@@ -102,6 +111,35 @@ class StageWorker:
     def discard(self, key: Hashable) -> bool:
         self._keys.discard(key)
         return self.module.discard(key)
+
+    @property
+    def stale_serving(self) -> bool:
+        return self._stale is not None
+
+    def recompute(self, step: int, direction: str, inputs: list[torch.Tensor], targets: torch.Tensor | None) -> torch.Tensor:
+        """A spot check: this stage's output for microbatch inputs, without touching held graphs or
+        parameter gradients, at the weights for ``step`` (raises ValueError when this replica's weights
+        are not those). ``fwd``: the boundary hidden it sends on; ``bwd``: the gradient wrt its input
+        hidden (``inputs`` = [hidden] on the last stage, with ``targets``; [hidden, grad_output] on a
+        middle stage). Float32 on the CPU."""
+        if self.applied != step:
+            raise ValueError(f"this replica's weights are after {self.applied} steps, not the {step} the check needs")
+        if direction == "fwd":
+            if self.last:
+                raise ValueError("the last stage sends no activations")
+            with self._ctx():
+                return self.module.infer(inputs[0]).float().cpu()
+        if self.first:
+            raise ValueError("stage 0 sends no gradients")
+        leaf = inputs[0].detach().to(self.device).requires_grad_(True)
+        # autograd.grad with an explicit input computes that gradient only: parameter .grad stays untouched.
+        with torch.enable_grad(), self._ctx():
+            out = self.module._compute(leaf, leaf, targets)
+            if self.last:
+                (grad,) = torch.autograd.grad(out * (1.0 / self.run.batch.microbatches_per_step), [leaf])
+            else:
+                (grad,) = torch.autograd.grad(out, [leaf], grad_outputs=inputs[1].to(self.device))
+        return grad.float().cpu()
 
     # -- averaging and the step ------------------------------------------------------------------
     def held_tickets(self, step: int) -> list[int]:
@@ -145,6 +183,13 @@ class StageWorker:
             p.grad = flat[offset : offset + n].view_as(p).to(self.device, dtype=p.dtype).clone()
             offset += n
         norm = apply_step(self.module, self.optimizer, step, self.run.optim)
+        self.applied = step + 1
+        if self.stale_from is not None and self._stale is None and self.applied >= self.stale_from:
+            held, self.module._in_flight = self.module._in_flight, {}  # graphs of microbatches in flight do not copy
+            try:
+                self._stale = copy.deepcopy(self.module)
+            finally:
+                self.module._in_flight = held
         return self.module.state_hash(), norm
 
     def zero_grads(self) -> None:

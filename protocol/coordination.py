@@ -41,6 +41,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Annotated, ClassVar, Literal
 
+from protolearn.protocol.boundary import Evidence as BoundaryEvidence
 from protolearn.protocol.states import NodeState
 from protolearn.protocol.wire import Message
 from pydantic import BaseModel, ConfigDict, Field
@@ -312,6 +313,16 @@ class Report(Message):
     # With ``conflicting``: two statements the target signed that cannot both be honest.
     evidence: Evidence | None = None
     conflicting: Evidence | None = None
+
+
+class IntegrityReport(Message):
+    """A stage's output failed a check (protocol/boundary.py): with ``evidence`` the coordinator verifies
+    it and convicts; without, the report is a claim that flags the target and never bans."""
+
+    KIND: ClassVar[str] = "coord.integrity_report"
+    target: PeerId
+    reason: Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
+    evidence: BoundaryEvidence | None = None
 
 
 class ReportReply(Message):

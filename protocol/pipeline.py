@@ -17,13 +17,20 @@ dtype, shape, size) before reading a payload byte.
   :class:`ResultRequest` instead and gets :class:`Ack` + the whole reduced vector from a participant.
 - ``state``: :class:`StateRequest` → :class:`StateInfo`, then per tensor a :class:`StateChunk` + tensor,
   for syncing a stage's parameters and optimizer state from a live replica.
+- ``show``: :class:`ShowRequest` → :class:`Ack` + the input frame a stage received for a microbatch
+  (exactly as received), or :class:`Refuse`: what a spot check of that stage recomputes from.
+- ``check``: :class:`CheckRequest` + its input frames → :class:`CheckResult` + the recomputed output
+  (raw float32), or :class:`Refuse`. See ``protocol/boundary.py`` for the statements both sign.
+
+Activations and gradients carry the sender's signature over its boundary statement (``signature``)
+and the digest of the inputs it computed them from (``inputs``); a receiver refuses one without.
 
 Bounds on every variable-size field keep a hostile peer from making a node allocate without bound.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -35,6 +42,8 @@ ACTIVATION = "activation"
 GRADIENT = "gradient"
 COLLECTIVE = "collective"
 STATE = "state"
+SHOW = "show"
+CHECK = "check"
 
 MAX_STAGES = 1024
 MAX_PEER_ID = 128
@@ -57,6 +66,9 @@ class Activation(Message):
     step: Step
     ticket: Ticket
     route: Route
+    # The sender's inputs digest and its signature of protocol/boundary.py's boundary statement.
+    inputs: Annotated[bytes, Field(max_length=64)] = b""
+    signature: Annotated[bytes, Field(max_length=128)] = b""
 
 
 class Gradient(Message):
@@ -75,6 +87,9 @@ class Gradient(Message):
     # The last stage's signature of protocol/acks.py's ack_statement(run, step, ticket, route, loss); it
     # rides back unchanged to stage 0, which hands it to the coordinator with the completion.
     ack: Annotated[bytes, Field(max_length=128)] | None = None
+    # The sender's inputs digest and its signature of protocol/boundary.py's boundary statement.
+    inputs: Annotated[bytes, Field(max_length=64)] = b""
+    signature: Annotated[bytes, Field(max_length=128)] = b""
 
 
 class Ack(Message):
@@ -128,3 +143,32 @@ class StateChunk(Message):
     KIND: ClassVar[str] = "pipe.state_chunk"
     index: Annotated[int, Field(ge=0, lt=MAX_STATE_TENSORS)]
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+
+
+class ShowRequest(Message):
+    """Ask the stage that sent microbatch (step, ticket) for an input it computed it from: ``input`` (the
+    activation it received) or ``grad`` (the gradient it received, for a middle stage's backward)."""
+
+    KIND: ClassVar[str] = "pipe.show_request"
+    step: Step
+    ticket: Ticket
+    what: Literal["input", "grad"]
+
+
+class CheckRequest(Message):
+    """Recompute microbatch (step, ticket) of ``stage`` in ``direction`` from the ``inputs`` frames that
+    follow (none for stage 0's forward: the tokens follow from the run), with the weights for ``step``."""
+
+    KIND: ClassVar[str] = "pipe.check_request"
+    step: Step
+    ticket: Ticket
+    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+    direction: Literal["fwd", "bwd"]
+    inputs: Annotated[int, Field(ge=0, le=2)]
+
+
+class CheckResult(Message):
+    """The recomputed output follows; ``signature`` is the checker's over its boundary statement."""
+
+    KIND: ClassVar[str] = "pipe.check_result"
+    signature: Annotated[bytes, Field(max_length=128)]

@@ -24,6 +24,7 @@ SUITES: dict[str, str] = {
     "coordinator": "scripts/bench_coordinator.py",
     "restart": "scripts/bench_restart.py",
     "abuse": "scripts/bench_abuse.py",
+    "integrity": "scripts/bench_integrity.py",
 }
 
 

@@ -132,7 +132,8 @@ class IntegrityConfig(_Frozen):
 
     A newcomer is spot-checked at rate 1.0; the rate halves every ``probation_half_life`` checks it
     passes, down to ``spot_check_rate``. A spot check passes when the recomputed output is within
-    ``check_tolerance`` (relative L2) of what was sent, on top of the codec's own error.
+    ``check_tolerance`` (relative L2) of what was sent, on top of the codec's own error. A
+    ``spot_check_rate`` of 0 turns spot checks off altogether, probation included.
     """
 
     monitors: bool = True

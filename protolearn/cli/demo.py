@@ -49,6 +49,8 @@ class LocalSwarm:
     num_nodes: int
     threads: int | None = 1
     node_args: list[str] = field(default_factory=list)
+    # Extra arguments of single nodes (by index), e.g. an --adversary for the integrity benchmark.
+    per_node_args: dict[int, list[str]] = field(default_factory=dict)
     address: str = ""
     coordinator: subprocess.Popen | None = None
     nodes: list[subprocess.Popen] = field(default_factory=list)
@@ -126,14 +128,19 @@ class LocalSwarm:
 
     def _node_args(self, k: int) -> list[str]:
         args = ["node", "join", "--coordinator", self.address, "--device", "cpu", "--listen", "/ip4/127.0.0.1/tcp/0",
-                "--data-dir", str(self.workdir / f"node{k}"), "--name", f"node{k}", *self.node_args]
+                "--data-dir", str(self.workdir / f"node{k}"), "--name", f"node{k}", *self.node_args, *self.per_node_args.get(k, [])]
         if self.threads:
             args += ["--threads", str(self.threads)]
         return args
 
     def start_nodes(self) -> None:
-        for k in range(self.num_nodes):
-            self.nodes.append(self._popen(self._node_args(k), f"node{k}"))
+        for _ in range(len(self.nodes), self.num_nodes):
+            self.start_node()
+
+    def start_node(self) -> None:
+        """Start the next node (``node<len(nodes)>``)."""
+        k = len(self.nodes)
+        self.nodes.append(self._popen(self._node_args(k), f"node{k}"))
 
     def failed_node(self) -> str:
         """A one-line description of the first node that exited with an error, or ''."""

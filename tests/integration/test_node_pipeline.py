@@ -82,11 +82,11 @@ def test_last_stage_hop_matches_the_reference_and_refuses_bad_input(open_hosts, 
                 # Wrong shape: refused before compute; the stream is reset and the reason logged.
                 with pytest.raises(ProtocolError):
                     await send(sender, there, ACTIVATION, Activation(step=0, ticket=1, route=[me]), good[:, :8])
-                # NaN: refused the same way.
+                # NaN: refused with a reason (a signed one is evidence against its sender: node/integrity.py).
                 bad = good.clone()
                 bad[0, 0, 0] = float("nan")
-                with pytest.raises(ProtocolError):
-                    await send(sender, there, ACTIVATION, Activation(step=0, ticket=1, route=[me]), bad)
+                r = await send(sender, there, ACTIVATION, Activation(step=0, ticket=1, route=[me]), bad)
+                assert isinstance(r, Refuse) and r.code == "invalid" and "NaN" in r.reason
                 # A route that does not end at the sender.
                 r = await send(sender, there, ACTIVATION, Activation(step=0, ticket=1, route=[there]), good)
                 assert isinstance(r, Refuse) and r.code == "invalid"

@@ -1,0 +1,405 @@
+"""A node's integrity checks of its neighbours: signed boundary tensors, monitors and spot checks.
+
+The trio adapter around ``protocol/boundary.py`` (statements, evidence), ``protocol/monitors.py``
+(statistics of what each sender sends) and ``protocol/probation.py`` (how often to spot-check whom).
+The :class:`~protolearn.node.router.Router` calls it for every tensor it sends and receives:
+
+- **Sending**, :meth:`Integrity.sign`: the boundary statement over (step, ticket, direction, stage, the
+  digest of the inputs this node computed from, the digest of the frame it sends).
+- **Receiving**, :meth:`Integrity.check_signature` before the tensor is used (an unsigned or forged
+  tensor is refused), then :meth:`Integrity.observe`: the monitor scores the sender, and at the
+  policy's rate (1.0 for a newcomer or a monitor suspect) a spot check starts in the background. A
+  signed tensor with NaN or Inf is evidence on its own (:meth:`Integrity.nonfinite`).
+- **A spot check** of sender A of stage s: its inputs are gathered (stage 0's forward has none; A
+  shows the frame it received over ``show``, and this node holds the activation it sent A itself),
+  checked against the digest A signed, and sent over ``check`` to another replica B of stage s, which
+  recomputes with the weights for the same step and signs its output. If B's output is within
+  :func:`~protolearn.protocol.boundary.tolerance` of A's, A passed. If not, a third replica D breaks
+  the tie: the odd one out of three signed outputs is convicted by the coordinator, which verifies
+  everything itself. With no third replica the mismatch is reported without evidence (a flag).
+- **Serving** ``show`` (only to the peer this node sent that microbatch to) and ``check`` (only to
+  members of the stage before or after, at most a few per peer per step, at this node's weights for
+  the step or not at all).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from protolearn.protocol.boundary import (
+    Evidence,
+    SignedOutput,
+    boundary_statement,
+    distance,
+    frame_digest,
+    inputs_digest,
+    tolerance,
+)
+from protolearn.protocol.codecs import decode, make_encoder
+from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.frames import TensorFrame
+from protolearn.protocol.identity import verify_peer
+from protolearn.protocol.monitors import BoundaryMonitor
+from protolearn.protocol.pipeline import CHECK, SHOW, Ack, CheckRequest, CheckResult, Refuse, ShowRequest
+from protolearn.protocol.probation import SpotCheckPolicy
+from protolearn.protocol.tensors import TensorLimits
+from protolearn.protocol.transport import FramedStream, Host
+from protolearn.stages.config import RunConfig
+from protolearn.stages.corpus import Corpus
+from protolearn.stages.sampling import microbatch
+
+log = logging.getLogger("protolearn.node")
+
+# Spot checks this node runs at once (more are skipped, not queued: a check is a sample).
+MAX_CHECKS_IN_FLIGHT = 4
+# Recomputations this node does for one peer in one step (a check costs a forward or a backward).
+MAX_SERVED_PER_PEER_STEP = 64
+
+# A claim without evidence about one peer is sent at most this often (evidence goes at once).
+CLAIM_INTERVAL_S = 10.0
+
+Key = tuple[int, int]
+# (accused, reason, evidence or None) → whether the coordinator banned the accused.
+Report = Callable[[str, str, Evidence | None], Awaitable[bool]]
+
+
+@dataclass
+class IntegrityStats:
+    checks_passed: int = 0
+    checks_failed: int = 0
+    checks_inconclusive: int = 0
+    checks_served: int = 0
+    evidence_sent: int = 0
+    refused_unsigned: int = 0
+
+
+@dataclass
+class Received:
+    """A tensor this node received and may spot-check: who sent it, what it signed, and the tensor."""
+
+    peer: str
+    stage: int
+    direction: str
+    step: int
+    ticket: int
+    inputs: bytes
+    frame: TensorFrame
+    signature: bytes
+    tensor: torch.Tensor
+
+
+class Integrity:
+    """See the module docstring. One per built stage; the router calls it."""
+
+    def __init__(
+        self, host: Host, run: RunConfig, worker, corpus: Corpus | None, compute: trio.CapacityLimiter, *,
+        replicas: Callable[[int], list[str]], stage_of: Callable[[str], int | None], report: Report,
+        timeout_s: float, seed: int,
+    ) -> None:
+        self.host = host
+        self.run = run
+        self.worker = worker
+        self.stage = worker.stage
+        self.corpus = corpus
+        self.compute = compute
+        self.replicas = replicas
+        self.stage_of = stage_of
+        self.report = report
+        self.timeout_s = timeout_s
+        self.run_hash = run.run_hash()
+        cfg = run.integrity
+        self.tolerance = tolerance(run.codec, cfg.check_tolerance)
+        self.monitor = BoundaryMonitor(codec=run.codec) if cfg.monitors else None
+        self.rng = random.Random(seed)
+        self.checks = cfg.spot_check_rate > 0  # 0: no spot checks at all (probation included)
+        self.policy = SpotCheckPolicy(rate=cfg.spot_check_rate, half_life=cfg.probation_half_life, rng=self.rng)
+        b = run.batch
+        self.shape = [b.microbatch_size, b.seq_len, run.model.d_model]
+        n = b.microbatch_size * b.seq_len * run.model.d_model
+        self.limits = TensorLimits(max_elements=n, max_bytes=8 * n + 4096)
+        self._raw = make_encoder("none")
+        # Frames per microbatch: what this node received (to show its checker) and sent forward (the
+        # input of the next stage's backward, which this node checks), and to whom it sent its outputs.
+        self.received: dict[tuple[Key, str], TensorFrame] = {}
+        self.sent_fwd: dict[Key, TensorFrame] = {}
+        self.sent_to: dict[tuple[Key, str], str] = {}
+        self._served: dict[tuple[str, int], int] = {}
+        self._in_flight = 0
+        # Peers with a report in flight, and those the coordinator convicted: one report at a time per
+        # peer, and none after the conviction (a peer sending NaN in every tensor is reported once).
+        self._reporting: set[str] = set()
+        self.convicted: set[str] = set()
+        self._claimed_at: dict[str, float] = {}
+        self.stats = IntegrityStats()
+        self._nursery: trio.Nursery | None = None
+        # Testing only (node/adversary.py): corrupts what this node sends, check results included.
+        self.tamper: Callable[[torch.Tensor, int, int, str], torch.Tensor] | None = None
+
+    def register(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        self.host.serve_stream(SHOW, self._on_show, max_inbound=32, max_inbound_per_peer=8)
+        self.host.serve_stream(CHECK, self._on_check, max_inbound=16, max_inbound_per_peer=4)
+
+    def prune(self, applied: int) -> None:
+        """Forget the frames of steps before ``applied`` (they can no longer be checked)."""
+        self.received = {k: v for k, v in self.received.items() if k[0][0] >= applied}
+        self.sent_fwd = {k: v for k, v in self.sent_fwd.items() if k[0] >= applied}
+        self.sent_to = {k: v for k, v in self.sent_to.items() if k[0][0] >= applied}
+        self._served = {k: v for k, v in self._served.items() if k[1] >= applied}
+
+    # -- what this node signs --------------------------------------------------------------------
+    def my_inputs(self, direction: str, step: int, ticket: int) -> bytes:
+        """The digest of the inputs this node computed its ``direction`` output of (step, ticket) from."""
+        key = (step, ticket)
+        if direction == "fwd":
+            frame = self.received.get((key, "input"))
+            return b"" if frame is None else frame_digest(frame)
+        parts = [self.received.get((key, "input")), self.received.get((key, "grad"))]
+        return inputs_digest([f for f in parts if f is not None])
+
+    def sign(self, step: int, ticket: int, direction: str, inputs: bytes, frame: TensorFrame, to: str) -> bytes:
+        key = (step, ticket)
+        self.sent_to[(key, direction)] = to
+        if direction == "fwd":
+            self.sent_fwd[key] = frame
+        return self.host.sign(boundary_statement(self.run_hash, step, ticket, direction, self.stage, inputs, frame_digest(frame)))
+
+    def keep_received(self, step: int, ticket: int, what: str, frame: TensorFrame) -> None:
+        self.received[((step, ticket), what)] = frame
+
+    # -- what this node receives -----------------------------------------------------------------
+    def check_signature(self, peer: str, stage: int, direction: str, step: int, ticket: int, inputs: bytes, frame: TensorFrame, signature: bytes) -> None:
+        """Raise ProtocolError unless ``peer`` signed this tensor (and, for a gradient, names as its input
+        the activation this node sent it)."""
+        if not signature:
+            self.stats.refused_unsigned += 1
+            raise ProtocolError(peer, "an unsigned tensor; every activation and gradient must carry its sender's signature")
+        statement = boundary_statement(self.run_hash, step, ticket, direction, stage, inputs, frame_digest(frame))
+        verify_peer(peer, statement, signature)
+        if direction == "bwd":
+            sent = self.sent_fwd.get((step, ticket))
+            if sent is not None and inputs[:32] != frame_digest(sent):
+                raise ProtocolError(peer, f"its gradient of (step {step}, ticket {ticket}) names an input this node did not send it")
+
+    def nonfinite(self, got: Received) -> None:
+        """A signed tensor with NaN or Inf convicts its sender on its own: send the evidence."""
+        ev = Evidence(
+            accused=got.peer, step=got.step, ticket=got.ticket, direction=got.direction, stage=got.stage, inputs=got.inputs,
+            outputs=[SignedOutput.of(got.peer, got.signature, got.frame)],
+        )
+        self._spawn(self._send_evidence, got.peer, "it sent a tensor with NaN or Inf", ev)
+
+    def observe(self, got: Received) -> None:
+        """Score the sender and maybe start a spot check of this tensor."""
+        if got.peer in self.convicted or got.peer in self._reporting:
+            return
+        suspect = False
+        if self.monitor is not None:
+            self.monitor.observe(got.peer, got.stage, got.direction, got.tensor)
+            suspect = self.monitor.suspect(got.peer)
+        if self._nursery is None or not self.checks or not self.policy.should_check(got.peer, suspect=suspect):
+            return
+        if self._in_flight >= MAX_CHECKS_IN_FLIGHT:
+            return
+        self._spawn(self._spot_check, got)
+
+    def _spawn(self, fn, *args) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)
+
+    # -- running a spot check --------------------------------------------------------------------
+    async def _spot_check(self, got: Received) -> None:
+        self._in_flight += 1
+        try:
+            with trio.move_on_after(3 * self.timeout_s):
+                await self._run_check(got)
+                return
+            self.stats.checks_inconclusive += 1
+        finally:
+            self._in_flight -= 1
+
+    async def _run_check(self, got: Received) -> None:
+        inputs = await self._gather_inputs(got)
+        if inputs is None:
+            self.stats.checks_inconclusive += 1
+            return
+        others = [p for p in self.replicas(got.stage) if p not in (got.peer, self.host.peer_id)]
+        self.rng.shuffle(others)
+        results: dict[str, tuple[bytes, TensorFrame, torch.Tensor]] = {}
+        for peer in others:
+            r = await self._ask_check(peer, got, inputs)
+            if r is None:
+                continue
+            results[peer] = r
+            if len(results) == 1 and distance(got.tensor, r[2]) <= self.tolerance:
+                self.stats.checks_passed += 1
+                self.policy.passed(got.peer)
+                return
+            if len(results) == 2:
+                break
+        if not results:
+            self.stats.checks_inconclusive += 1
+            return
+        far = distance(got.tensor, next(iter(results.values()))[2])
+        if len(results) < 2:
+            self.stats.checks_inconclusive += 1
+            self.policy.failed(got.peer)
+            await self._send_evidence(got.peer, f"spot check: its {got.direction} output of step {got.step} is {far:.3g} away from a replica's (no third replica to confirm)", None)
+            return
+        (b, (sig_b, frame_b, t_b)), (d, (sig_d, frame_d, t_d)) = results.items()
+        outputs = {got.peer: SignedOutput.of(got.peer, got.signature, got.frame), b: SignedOutput.of(b, sig_b, frame_b), d: SignedOutput.of(d, sig_d, frame_d)}
+        close = {(got.peer, b): far <= self.tolerance, (got.peer, d): distance(got.tensor, t_d) <= self.tolerance, (b, d): distance(t_b, t_d) <= self.tolerance}
+        if close[(b, d)] and not close[(got.peer, d)]:
+            accused = got.peer
+        elif close[(got.peer, d)] and not close[(b, d)]:
+            accused = b  # the first checker was the one that lied
+        else:
+            self.stats.checks_inconclusive += 1
+            return
+        if accused == got.peer:
+            self.stats.checks_failed += 1
+            self.policy.failed(got.peer)
+        else:
+            self.stats.checks_passed += 1
+            self.policy.passed(got.peer)
+        ev = Evidence(
+            accused=accused, step=got.step, ticket=got.ticket, direction=got.direction, stage=got.stage, inputs=got.inputs,
+            outputs=list(outputs.values()),
+        )
+        await self._send_evidence(accused, f"spot check of step {got.step} ticket {got.ticket} ({got.direction})", ev)
+
+    async def _gather_inputs(self, got: Received) -> list[TensorFrame] | None:
+        """The input frames A computed from, checked against the digest it signed (None: unavailable)."""
+        key = (got.step, got.ticket)
+        frames: list[TensorFrame] = []
+        if got.direction == "bwd":
+            sent = self.sent_fwd.get(key)
+            if sent is None:
+                return None
+            frames.append(sent)
+        needs_show = (got.direction == "fwd" and got.stage > 0) or (got.direction == "bwd" and got.stage < self.run.stages.num_stages - 1)
+        if needs_show:
+            shown = await self._show(got.peer, got.step, got.ticket, "input" if got.direction == "fwd" else "grad")
+            if shown is None:
+                return None
+            frames.append(shown)
+        if inputs_digest(frames) != got.inputs:
+            log.info("spot check skipped peer=%s step=%d ticket=%d: inputs do not match what it signed", got.peer, got.step, got.ticket)
+            return None
+        return frames
+
+    async def _show(self, peer: str, step: int, ticket: int, what: str) -> TensorFrame | None:
+        try:
+            with trio.fail_after(self.timeout_s):
+                async with self.host.open_stream(peer, SHOW) as s:
+                    await s.send(ShowRequest(step=step, ticket=ticket, what=what))
+                    reply = await s.receive((Ack, Refuse))
+                    if isinstance(reply, Refuse):
+                        return None
+                    return await s.receive_tensor(limits=self.limits)
+        except (ProtocolError, trio.TooSlowError) as err:
+            log.info("show failed peer=%s reason=%s", peer, getattr(err, "reason", "timed out"))
+            return None
+
+    async def _ask_check(self, peer: str, got: Received, inputs: list[TensorFrame]) -> tuple[bytes, TensorFrame, torch.Tensor] | None:
+        try:
+            with trio.fail_after(self.timeout_s):
+                async with self.host.open_stream(peer, CHECK) as s:
+                    await s.send(CheckRequest(step=got.step, ticket=got.ticket, stage=got.stage, direction=got.direction, inputs=len(inputs)))
+                    for f in inputs:
+                        await s.send_tensor(f)
+                    reply = await s.receive((CheckResult, Refuse))
+                    if isinstance(reply, Refuse):
+                        log.info("check refused peer=%s step=%d reason=%s", peer, got.step, reply.reason)
+                        return None
+                    frame = await s.receive_tensor(codec="none", limits=self.limits)
+            out = decode(frame, peer=peer, shape=self.shape, dtype=torch.float32, limits=self.limits, require_finite=False)
+            statement = boundary_statement(self.run_hash, got.step, got.ticket, got.direction, got.stage, got.inputs, frame_digest(frame))
+            verify_peer(peer, statement, reply.signature)
+            return reply.signature, frame, out
+        except (ProtocolError, trio.TooSlowError) as err:
+            log.info("check failed peer=%s reason=%s", peer, getattr(err, "reason", "timed out"))
+            return None
+
+    async def _send_evidence(self, accused: str, reason: str, ev: Evidence | None) -> None:
+        if accused in self._reporting or accused in self.convicted:
+            return
+        now = trio.current_time()
+        if ev is None:
+            if now - self._claimed_at.get(accused, -CLAIM_INTERVAL_S) < CLAIM_INTERVAL_S:
+                return
+            self._claimed_at[accused] = now
+        self._reporting.add(accused)
+        self.stats.evidence_sent += ev is not None
+        log.warning("integrity report peer=%s evidence=%s reason=%s", accused, ev is not None, reason)
+        try:
+            if await self.report(accused, reason, ev):
+                self.convicted.add(accused)
+        except ProtocolError as err:
+            log.warning("integrity report failed peer=%s reason=%s", accused, err.reason)
+        finally:
+            self._reporting.discard(accused)
+
+    # -- serving show and check ------------------------------------------------------------------
+    async def _on_show(self, peer: str, s: FramedStream) -> None:
+        req = await s.receive(ShowRequest)
+        key = (req.step, req.ticket)
+        # Only the peer this node sent its output of that microbatch to may see the input.
+        direction = "fwd" if req.what == "input" else "bwd"
+        frame = self.received.get((key, req.what))
+        if self.sent_to.get((key, direction)) != peer or frame is None:
+            await s.send(Refuse(code="unknown", reason=f"this node sent you no {direction} output of (step {req.step}, ticket {req.ticket})"))
+            return
+        await s.send(Ack())
+        await s.send_tensor(frame)
+
+    async def _on_check(self, peer: str, s: FramedStream) -> None:
+        req = await s.receive(CheckRequest)
+        frames = [await s.receive_tensor(limits=self.limits) for _ in range(req.inputs)]
+        why = self._check_refusal(peer, req)
+        if why:
+            await s.send(Refuse(code="invalid", reason=why))
+            return
+        try:
+            tensors = [decode(f, peer=peer, shape=self.shape, dtype=torch.float32, limits=self.limits) for f in frames]
+            if req.direction == "fwd" and self.stage == 0:
+                assert self.corpus is not None
+                tensors = [microbatch(self.run, self.corpus, req.step, req.ticket)[0]]
+            targets = None
+            if req.direction == "bwd" and self.worker.last:
+                assert self.corpus is not None
+                targets = microbatch(self.run, self.corpus, req.step, req.ticket)[1]
+            if len(tensors) != (1 if req.direction == "fwd" or self.worker.last else 2):
+                raise ValueError(f"{len(tensors)} input tensors for a {req.direction} check of stage {self.stage}")
+            out = await trio.to_thread.run_sync(self.worker.recompute, req.step, req.direction, tensors, targets, limiter=self.compute)
+        except (ValueError, ProtocolError) as err:
+            await s.send(Refuse(code="stale", reason=str(err)[:400]))
+            return
+        if self.tamper is not None:
+            out = self.tamper(out, req.step, req.ticket, req.direction)
+        frame, _ = self._raw.encode(out)
+        self.stats.checks_served += 1
+        signature = self.host.sign(boundary_statement(self.run_hash, req.step, req.ticket, req.direction, self.stage, inputs_digest(frames), frame_digest(frame)))
+        await s.send(CheckResult(signature=signature))
+        await s.send_tensor(frame)
+
+    def _check_refusal(self, peer: str, req: CheckRequest) -> str:
+        if req.stage != self.stage:
+            return f"this replica serves stage {self.stage}, not {req.stage}"
+        asker = self.stage_of(peer)
+        want = self.stage + 1 if req.direction == "fwd" else self.stage - 1
+        if asker != want:
+            return f"a {req.direction} check of stage {self.stage} is for a member of stage {want}"
+        if req.step != self.worker.applied:
+            return f"this replica's weights are for step {self.worker.applied}, not {req.step}"
+        n = self._served.get((peer, req.step), 0)
+        if n >= MAX_SERVED_PER_PEER_STEP:
+            return f"{n} checks served to this peer in step {req.step} already"
+        self._served[(peer, req.step)] = n + 1
+        return ""

@@ -1,0 +1,203 @@
+"""Bench suite ``integrity``: do monitors and spot checks find and shut out a lying replica, and at what cost?
+
+Every scenario is a real local swarm (a coordinator and 4 nodes as CLI subprocesses on 127.0.0.1, as
+``protolearn demo`` runs it) on a tiny 2-stage run whose stage 0 holds 3 of the 4 layers, so the
+coordinator gives stage 0 three replicas and stage 1 one. Three nodes start together (two take stage
+0, one stage 1) and train; once all three have built their stage, the fourth, ``node3``, joins: the
+coordinator puts it on stage 0, it syncs its state from the others and, in an adversary run, attacks
+as ``--adversary KIND:FROM_STEP`` says (node/adversary.py), as a newcomer on probation.
+
+Per kind it reports whether the adversary was banned (``detected``), the microbatches it corrupted
+before the ban (counted by the adversary itself: ``microbatches_to_ban``), whether an honest node was
+banned (``false_positives``), and the final loss against the honest run's (``loss_ratio``; the goal
+is within 3%). ``overhead``: the honest swarm's tokens/s with integrity checks off, against monitors
+plus spot checks at p = 0.05, measured in the same invocation (the goal is ≤ 5% slower).
+
+Usage: ``python scripts/bench.py integrity --json [--kinds scale,nan] [--steps 14] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from protolearn.node.adversary import ENV, KINDS
+
+TINY = """
+name = "integrity"
+seed = {seed}
+steps = {steps}
+codec = "{codec}"
+[model]
+vocab_size = 259
+d_model = 64
+n_layers = 4
+n_heads = 4
+d_ff = 128
+max_seq_len = 64
+[stages]
+num_stages = 2
+layers = [3, 1]
+[batch]
+microbatches_per_step = 6
+microbatch_size = 4
+seq_len = 32
+[optim]
+warmup_steps = 2
+total_steps = {steps}
+[data]
+max_bytes = 200000
+[integrity]
+monitors = {monitors}
+spot_check_rate = {rate}
+"""
+
+NODES = 4
+ADVERSARY = 3  # joins last, mid-run: stage 0 is then short of its share, so it goes there
+START_S = 90.0
+
+
+def _events(workdir: Path, k: int, event: str) -> list[dict]:
+    path = workdir / f"node{k}" / "node.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if d.get("event") == event:
+            out.append(d)
+    return out
+
+
+async def _watch(swarm, timeout_s: float, may_fail: set[int]):
+    """Poll the coordinator's status until every node has exited (``may_fail`` may exit non-zero: the
+    adversary, once banned); returns the last status. Raises if another node fails or time runs out."""
+    import trio
+
+    from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
+    from protolearn.protocol.errors import ProtocolError
+    from protolearn.protocol.identity import Identity
+    from protolearn.protocol.transport import open_host
+
+    last = None
+    with trio.fail_after(timeout_s):
+        async with open_host(Identity.generate()) as host:
+            link = CoordinatorLink(host, swarm.address, retry=RetryPolicy(retry_for_s=5.0, request_timeout_s=5.0))
+            while True:
+                for k, p in enumerate(swarm.nodes):
+                    if k not in may_fail and p.poll() not in (None, 0):
+                        raise RuntimeError(f"node{k} exited with code {p.returncode}: {swarm.tail(f'node{k}')}")
+                done = swarm.nodes_done()
+                try:
+                    last = await link.status(loss_history=10_000)
+                except ProtocolError:
+                    pass
+                if done:
+                    return last
+                await trio.sleep(0.5)
+
+
+def scenario(
+    workdir: Path, *, kind: str | None = None, from_step: int = 0, steps: int = 40, seed: int = 0, codec: str = "none",
+    rate: float = 0.25, monitors: bool = True, timeout_s: float = 300.0,
+) -> dict:
+    """One swarm run; ``kind`` None is the honest run. See the module docstring for what it returns."""
+    import trio
+
+    from protolearn.cli.demo import LocalSwarm
+
+    run_toml = TINY.format(seed=seed, steps=steps, codec=codec, rate=rate, monitors=str(monitors).lower())
+    per_node = {ADVERSARY: ["--adversary", f"{kind}:{from_step}"]} if kind else {}
+    os.environ[ENV] = "1"  # the adversary node needs it; an honest node ignores it
+    swarm = LocalSwarm(workdir, run_toml, NODES, threads=1, per_node_args=per_node)
+    t0 = time.monotonic()
+    try:
+        swarm.start_coordinator()
+        deadline = time.monotonic() + START_S
+        while not swarm.poll_address():
+            assert time.monotonic() < deadline, "the coordinator did not start"
+            time.sleep(0.1)
+        for _ in range(ADVERSARY):
+            swarm.start_node()
+        for k in range(ADVERSARY):
+            while swarm.stage_of(k) is None:
+                assert time.monotonic() < deadline and swarm.nodes[k].poll() is None, f"node{k} did not build a stage: {swarm.tail(f'node{k}')}"
+                time.sleep(0.1)
+        swarm.start_node()
+        status = trio.run(_watch, swarm, timeout_s, {ADVERSARY} if kind else set())
+    finally:
+        swarm.stop()
+    wall = time.monotonic() - t0
+    stages = [swarm.stage_of(k) for k in range(NODES)]
+    names = {}
+    for k in range(NODES):
+        started = _events(workdir, k, "start")
+        if started:
+            names[started[0]["peer_id"]] = f"node{k}"
+    bans = {names.get(b.peer_id, b.peer_id): b.reason for b in (status.bans if status else [])}
+    history = list(status.loss_history) if status is not None else []
+    sent = _events(workdir, ADVERSARY, "adversary")
+    closed = [h.closed_at for h in history]
+    span = closed[-1] - closed[1] if len(closed) > 2 else float("nan")
+    tokens_per_step = 6 * 4 * 32
+    out = {
+        "kind": kind or "honest", "stages": stages, "steps_closed": len(history), "final_loss": history[-1].loss if history else None,
+        "bans": bans, "wall_s": round(wall, 1),
+        "tokens_per_s": tokens_per_step * (len(closed) - 2) / span if len(closed) > 2 else 0.0,
+        "adversary_rc": swarm.nodes[ADVERSARY].returncode if kind else None,
+        "microbatches_to_ban": (sent[-1]["sent"] if sent else 0) if kind else None,
+        "workdir": str(workdir),
+    }
+    if kind:
+        out["detected"] = f"node{ADVERSARY}" in bans
+        out["false_positives"] = sum(1 for n in bans if n != f"node{ADVERSARY}")
+    else:
+        out["false_positives"] = len(bans)
+    return out
+
+
+def run(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(prog="bench.py integrity")
+    parser.add_argument("--kinds", default=",".join(k for k in KINDS if k not in ("reducer", "blackhole")), help="adversary kinds, comma-separated")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--from-step", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=0.25, help="spot-check rate p of the adversary runs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-overhead", action="store_true", help="skip the overhead pair of honest runs")
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args(argv)
+    root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="protolearn-bench-integrity-"))
+    kinds = [k for k in args.kinds.split(",") if k]
+    honest = scenario(root / "honest", steps=args.steps, seed=args.seed, rate=args.rate)
+    per_kind = {}
+    for kind in kinds:
+        r = scenario(root / kind, kind=kind, from_step=args.from_step, steps=args.steps, seed=args.seed, rate=args.rate)
+        if r["final_loss"] and honest["final_loss"]:
+            r["loss_ratio"] = r["final_loss"] / honest["final_loss"]
+        per_kind[kind] = r
+    out: dict = {
+        "honest": honest,
+        "kinds": per_kind,
+        "detection_rate": {k: float(r["detected"]) for k, r in per_kind.items()},
+        "false_positives": {k: r["false_positives"] for k, r in per_kind.items()} | {"honest": honest["false_positives"]},
+        "max_microbatches_to_ban": {k: r["microbatches_to_ban"] for k, r in per_kind.items()},
+    }
+    if not args.no_overhead:
+        # Side by side: checks off, then monitors + spot checks at p = 0.05, then off again (machine drift).
+        off1 = scenario(root / "off1", steps=args.steps, seed=args.seed, rate=0.0, monitors=False)
+        on = scenario(root / "on", steps=args.steps, seed=args.seed, rate=0.05, monitors=True)
+        off2 = scenario(root / "off2", steps=args.steps, seed=args.seed, rate=0.0, monitors=False)
+        off_tps = (off1["tokens_per_s"] + off2["tokens_per_s"]) / 2
+        out["overhead"] = {
+            "tokens_per_s_off": [off1["tokens_per_s"], off2["tokens_per_s"]], "tokens_per_s_on": on["tokens_per_s"],
+            "overhead": 1.0 - on["tokens_per_s"] / off_tps if off_tps else None,
+        }
+    out["workdir"] = str(root)
+    return out
