@@ -17,7 +17,8 @@ exactly these slices (their hashes give its inputs digest) and for the part hash
 signatures show the slices are theirs; recomputing the reduction (a pure function of ``S`` and the slices,
 :mod:`.robust`) gives bytes whose hash is not the one the reducer signed. An accuser cannot frame an honest
 reducer with a slice of its own that differs from the one it sent, since the reducer's inputs digest would
-not match. The evidence is hostile input: every count and length is checked against the round before any
+not match. The message decodes without torch (the coordinator starts without it); only
+:func:`verify_reducer_fault` loads it, to recompute. The evidence is hostile input: every count and length is checked against the round before any
 tensor is built, and nothing is deserialised except the flat float32 bytes of the slices.
 
 Wire size: for a part of ``L`` floats reduced over ``k`` contributors among ``n`` participants, about
@@ -30,30 +31,29 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-import torch
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import Field
 
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import public_key_from_peer_id
-from protolearn.protocol.ownership import part_bounds
 from protolearn.protocol.pipeline import MAX_PEER_ID, PeerId, Step
-from protolearn.protocol.robust import Aggregation, robust_reduce
 from protolearn.protocol.statements import (
     HASH_BYTES,
     SIGNATURE_BYTES,
     inputs_digest,
     members_mask,
     op_tag,
-    part_hash,
     part_statement,
     round_digest,
     slice_statement,
 )
 from protolearn.protocol.wire import MAX_MESSAGE_BYTES, Message
+
+if TYPE_CHECKING:  # the coordinator decodes evidence without torch; only verifying it loads torch
+    import torch
 
 # The same bound as the collective's (not imported: the collective imports this module).
 MAX_PARTICIPANTS = 1024
@@ -123,6 +123,13 @@ def _signed(public_key_of: Callable[[str], bytes | None], peer: str, data: bytes
     return True
 
 
+def _part_bounds(numel: int, n: int, part: int) -> tuple[int, int]:
+    # ownership.part_bounds for one part, without importing torch.
+    base, extra = divmod(numel, n)
+    start = part * base + min(part, extra)
+    return start, start + base + (1 if part < extra else 0)
+
+
 def _shape_error(ev: ReducerFault) -> str:
     """Why ``ev`` is malformed ('' if it is not), from counts and lengths alone."""
     n = len(ev.participants)
@@ -143,7 +150,7 @@ def _shape_error(ev: ReducerFault) -> str:
         return "the reducer's statement must carry 32-byte digests and a 64-byte signature"
     if [s.peer for s in ev.slices] != ev.members:
         return "there must be exactly one slice per member, in member order"
-    a, b = part_bounds(ev.numel, n)[ev.part]
+    a, b = _part_bounds(ev.numel, n, ev.part)
     if any(len(s.data) != 4 * (b - a) for s in ev.slices):
         return f"every slice of part {ev.part} must be {b - a} float32 values"
     if 4 * (b - a) * len(ev.slices) > MAX_FAULT_BYTES:
@@ -157,10 +164,15 @@ def verify_reducer_fault(
     """Whether ``evidence`` proves that its reducer signed a wrong part, with the reason either way.
 
     ``public_key_of(peer)``: a peer's raw Ed25519 public key, or None if unknown (e.g.
-    :func:`peer_id_public_key`). ``aggregation_cfg``: the run's aggregation, an :class:`Aggregation` or the
+    :func:`peer_id_public_key`). ``aggregation_cfg``: the run's aggregation, a :class:`~.robust.Aggregation` or the
     run config's ``integrity`` section; a round that used another one does not verify (its statements are
     bound to it).
     """
+    import torch
+
+    from protolearn.protocol.robust import Aggregation, robust_reduce
+    from protolearn.protocol.statements import part_hash
+
     why = _shape_error(evidence)
     if why:
         return False, f"malformed evidence: {why}"
@@ -181,7 +193,7 @@ def verify_reducer_fault(
         hashes.append(h)
     if inputs_digest(hashes) != ev.inputs:
         return False, f"the slices are not the ones {ev.reducer} signed for"
-    a, b = part_bounds(ev.numel, len(ev.participants))[ev.part]
+    a, b = _part_bounds(ev.numel, len(ev.participants), ev.part)
     tensors = {s.peer: torch.frombuffer(bytearray(s.data), dtype=torch.float32) for s in ev.slices}  # (L,) each
     if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
         return False, "a slice holds NaN or Inf (the collective refuses those)"
