@@ -148,6 +148,7 @@ from protolearn.protocol.statements import (
     Verify,
     fin_statement,
     inputs_digest,
+    is_part_statement,
     members_mask,
     op_tag,
     part_hash,
@@ -173,6 +174,8 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 60.0
 # Upper bound on participants of one round; a stage with more replicas is a misconfiguration.
 MAX_PARTICIPANTS = 1024
+# A part statement: domain, round digest, part and mask length, mask, inputs digest, hash.
+MAX_STATEMENT_BYTES = 64 + HASH_BYTES + 6 + MAX_PARTICIPANTS // 8 + 2 * HASH_BYTES
 
 Phase = Literal["scatter", "gather", "fin"]
 # A test adversary: rewrites a part this replica reduced (part index, bytes) before it signs it.
@@ -189,6 +192,7 @@ class PartHeader(Message):
     the sender, its result hash and its signature (:func:`~.statements.fin_statement`); for scatter in a
     cross-checked round, the contributor, its slice's SHA-256 and its signature (:func:`~.statements.slice_statement`).
     ``inputs``: for gather in a cross-checked round, the digest of the slices the reducer reduced.
+    ``vetoed``: for a vetoing fin, the part statement it refuses (its hash is the fin's result hash).
     """
 
     KIND: ClassVar[str] = "collective.part"
@@ -202,6 +206,7 @@ class PartHeader(Message):
     digest: Annotated[bytes, Field(max_length=HASH_BYTES)] = b""
     signature: Annotated[bytes, Field(max_length=SIGNATURE_BYTES)] = b""
     inputs: Annotated[bytes, Field(max_length=HASH_BYTES)] = b""
+    vetoed: Annotated[bytes, Field(max_length=MAX_STATEMENT_BYTES)] = b""
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,7 @@ class Send:
     digest: bytes = b""
     signature: bytes = b""
     inputs: bytes = b""
+    vetoed: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -333,6 +339,7 @@ class CollectiveRound:
         self._proofs: dict[int, dict[str, tuple[bytes, bytes]]] = {}
         self._checked: set[tuple[int, bytes, bytes]] = set()
         self._veto: _Fin | None = None
+        self._vetoed_statement = b""
         self._ledger = PartLedger(self.round_id, self.peers, self._all, self._round_digest, self.verify, self.cross_check)
         self._broadcasts: dict[tuple[int, frozenset[str]], Broadcast] = {}
         self._detector = FailureDetector(self.floor_s, self.factor, self.bandwidth)
@@ -368,11 +375,11 @@ class CollectiveRound:
         return successor(self.peers, part, self.owner(part), self.suspects)
 
     @property
-    def veto(self) -> tuple[tuple[str, ...], bytes, bytes] | None:
-        """The vetoing fin this replica signed (members, result hash, signature), if it vetoed: the adapter
-        answers late probes with it, since a veto must never read as "left"."""
+    def veto(self) -> tuple[tuple[str, ...], bytes, bytes, bytes] | None:
+        """The vetoing fin this replica signed (members, result hash, signature, vetoed statement), if it
+        vetoed: the adapter answers late probes with it, since a veto must never read as "left"."""
         v = self._veto
-        return None if v is None else (tuple(sorted(v.members)), v.digest, v.signature)
+        return None if v is None else (tuple(sorted(v.members)), v.digest, v.signature, self._vetoed_statement)
 
     def live_peers(self) -> list[str]:
         return [p for p in self.peers if p != self.me and p not in self.suspects]
@@ -414,6 +421,7 @@ class CollectiveRound:
         digest: bytes = b"",
         signature: bytes = b"",
         inputs: bytes = b"",
+        vetoed: bytes = b"",
         data_digest: bytes | None = None,
         now: float | None = None,
     ) -> list[Action]:
@@ -447,8 +455,15 @@ class CollectiveRound:
                 return [Rejected(peer, reason)]
         elif phase == "fin":
             reason = self._check_fin(peer, frozenset(contributors), digest, signature)
+            if not reason and vetoed and (veto_digest(vetoed) != digest or not is_part_statement(vetoed, self._round_digest)):
+                reason = "a vetoing fin's hash must be the veto digest of a part statement of this round"
             if reason:
                 return [Rejected(peer, reason)]
+            if vetoed:
+                # It signed a fin no result matches: it will never commit, so neither can this round here.
+                fin = _Fin(frozenset(contributors), digest, signature)
+                return self._fail([peer], f"{peer} vetoed a part of round {self.round_id} that its reducer got wrong",
+                                  (self._fin_evidence(peer, fin),))
         now_out, to_probe = self._suspicion.claimed(peer, suspects)
         actions: list[Action] = [Probe(p) for p in to_probe]
         self._detector.alive(peer, self._now)
@@ -650,8 +665,10 @@ class CollectiveRound:
         statement = self._ledger.statement(part, members, p.digest, p.inputs)
         digest = veto_digest(statement)
         self._veto = _Fin(members, digest, self.sign(fin_statement(self._round_digest, self._mask(members), digest)))
+        self._vetoed_statement = statement
         tag = tuple(sorted(members))
-        sends: list[Action] = [Send(q, "fin", 0, None, tag, self.me, digest, self._veto.signature) for q in self.peers if q != self.me]
+        sends: list[Action] = [Send(q, "fin", 0, None, tag, self.me, digest, self._veto.signature, vetoed=statement)
+                               for q in self.peers if q != self.me]
         self._finished = Failed([p.signer], reason, (self._ledger.evidence(part, members, p),), () if fault is None else (fault,))
         return [*sends, self._finished]
 

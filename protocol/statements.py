@@ -68,7 +68,7 @@ Verify = Callable[[str, bytes, bytes], bool]
 
 __all__ = [
     "HASH_BYTES", "SIGNATURE_BYTES", "Evidence", "Sign", "Verify", "contradiction", "fin_statement", "inputs_digest",
-    "members_mask", "op_tag", "part_hash", "part_statement", "result_hash", "round_digest", "slice_statement", "verify_ed25519",
+    "is_part_statement", "members_mask", "op_tag", "part_hash", "part_statement", "result_hash", "round_digest", "slice_statement", "verify_ed25519",
     "veto_digest",
 ]
 
@@ -123,6 +123,11 @@ def slice_statement(round_dig: bytes, part: int, digest: bytes) -> bytes:
 def inputs_digest(slice_hashes: Sequence[bytes]) -> bytes:
     """What a cross-checked part's statement binds: the hashes of its slices, in sorted contributor order."""
     return hashlib.sha256(_INPUTS + b"".join(slice_hashes)).digest()
+
+
+def is_part_statement(statement: bytes, round_dig: bytes) -> bool:
+    """Whether ``statement`` is (shaped like) a part statement of the round with digest ``round_dig``."""
+    return statement.startswith(_PART + round_dig)
 
 
 def veto_digest(statement: bytes) -> bytes:

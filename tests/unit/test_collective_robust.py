@@ -60,9 +60,10 @@ class CheckedNet(Net):
         veto = self.rounds[dst].veto
         if dst in self.dead or veto is None:
             return super().probe(src, dst, suspects)
-        members, digest, signature = veto
+        members, digest, signature, vetoed = veto
         self.handle(src, self.rounds[src].receive(dst, "fin", 0, None, contributors=list(members), signer=dst, digest=digest,
-                                                  signature=signature, suspects=sorted(self.rounds[dst].suspects), now=self.now))
+                                                  signature=signature, vetoed=vetoed, suspects=sorted(self.rounds[dst].suspects),
+                                                  now=self.now))
 
     def honest(self) -> list[str]:
         return [p for p in self.weights if p not in self.tamperers and p not in self.dead]
@@ -139,8 +140,9 @@ def test_a_tampering_owner_is_vetoed_and_its_checker_holds_evidence_that_verifie
             # What a node sends the coordinator: the wire encoding, decoded, verifies the same.
             again = decode(encode(fault), peer="test", expect=ReducerFault)
             assert verify_reducer_fault(again, peer_id_public_key, aggregation_cfg=agg)[0]
-        for p in failed:
-            assert net.failed[p].reason
+        others = [p for p in failed if p != checker]
+        assert all("vetoed" in net.failed[p].reason for p in others), "the others fail on the checker's veto at once"
+        assert net.now == 0.0, "nobody waits for a deadline"
 
 
 def test_a_tampering_backup_that_takes_over_a_dead_owners_part_is_caught_by_the_next_one() -> None:
