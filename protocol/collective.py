@@ -19,8 +19,9 @@ How it works
   comes to hold that owner out, it resends the slice to the new owner (it still holds its vector).
 * An owner reduces part ``j`` over a contributor set ``S`` once it holds the slice of every contributor
   it does not hold out. It adds ``w_p * x_p`` in sorted peer order with separate, correctly rounded
-  multiply and add, so **the value of part j over S is a pure function of S**: any replica that
-  reduces it gets the same bytes. It **signs** (round, ``j``, ``S``, SHA-256 of the part's bytes) and
+  multiply and add (or applies the run's robust rule, :mod:`protolearn.protocol.robust`, built the same
+  way), so **the value of part j over S is a pure function of S**: any replica that reduces it gets the
+  same bytes. It **signs** (round, ``j``, ``S``, SHA-256 of the part's bytes) and
   sends the part with its signature to every participant. A receiver keeps a part only if its bytes
   hash to the signed hash and the signature is the named signer's, and a part over a set that has
   ``peers[j]`` in only if ``peers[j]`` signed it (nobody else ever holds its slice of its own part).
@@ -51,6 +52,34 @@ How it works
   whose ``C`` or result hash differs from ours, or a second, different fin from one peer, turns the
   round into :class:`Failed`. (The adapter answers a late probe of a finished round with its fin, or
   with "left" if the round failed there, so nobody waits out a deadline on a replica that is done.)
+
+Reducer cross-check (``cross_check=True``)
+------------------------------------------
+* Every contributor signs its slice of each part (:func:`~.statements.slice_statement`) and sends it to
+  the part's owner **and** to the owner's successor in the chain, the part's **checker** (re-sending to
+  both whenever either changes). Receivers keep a slice only with its sender's signature over its hash.
+* An owner's part statement also binds the digest of the hashes of the slices it reduced
+  (:func:`~.statements.inputs_digest`). A backup taking over never sums the first owner's own slice (it
+  may hold it now), so the rule that only ``peers[j]`` signs a set with ``peers[j]`` in still holds.
+* Before committing, the checker of ``j`` (and an owner relaying a dead owner's part) recomputes every
+  counting part over ``C`` that another peer signed, from the slices it holds (the same pure function).
+  It commits only once each such part checked out, or its missing slices are from dead contributors.
+* A mismatch is a **veto**: the checker signs a fin whose result hash is
+  :func:`~.statements.veto_digest` of the refused statement (no committed result has it), sends it with
+  that statement to every peer, and fails with :attr:`Failed.reducer_faults`: the reducer's signed
+  statement and every contributor's signed slice (:mod:`.reducer_check`), which a third party checks
+  without trusting the checker. If the reducer's inputs digest is not that of the slices the checker
+  holds, the checker cannot tell the reducer from an equivocating contributor: it vetoes without a proof.
+* A replica that receives a veto whose hash matches the statement it carries fails at once. An honest
+  checker is never dead to an honest replica (T; the adapter answers a late probe of a vetoed round with
+  the veto, never with "left"), and its only fin is the veto, so **no honest replica finishes Done with
+  a part its honest checker refused**: the round fails, is redone, and the evidence goes to the
+  coordinator. A lying checker can veto an honest part (a liar can always fail a round) but its
+  evidence does not verify. Owner and checker lying together still go unnoticed; that is the residual
+  the statistical monitors and robust aggregation are for.
+* Cost: scatter bytes double (each slice goes to two replicas), about 1.5x a round's bytes in all, plus a
+  SHA-256 of the vector and one signature per part at each contributor and one extra reduction per part at
+  each checker.
 
 Why survivors agree (crash-stop peers)
 --------------------------------------
@@ -104,10 +133,10 @@ liars), and what a liar can still do:
   claiming it dead (more than ``f`` claimants are needed; fewer only make the receiver probe). Such
   parts are held and never used.
 * As a part's owner (or as the backup of a dead one) it can sign a wrong value and send that same value
-  to everyone, with a fin to match: honest replicas then agree on a wrong part. The backup cannot tell,
-  because it holds none of the part's slices (scatter goes to the owner only; sending the slices to the
-  backup too would cost 50% more bytes per round, for a check that still fails when owner and backup
-  collude). What the backup does check: the owner's hash and signature, that the part's set leaves out
+  to everyone, with a fin to match: without the cross-check, honest replicas then agree on a wrong part.
+  The backup cannot tell, because it holds none of the part's slices (scatter goes to the owner only;
+  the cross-check above sends them to the backup too, for 50% more bytes per round, and still fails when
+  owner and backup collude). What the backup does check: the owner's hash and signature, that the part's set leaves out
   only peers the backup itself holds out, and, since it gets the part first and relays exactly that
   signed part if the owner dies, that nobody commits another version without the fins showing it. The
   wrong part stays signed, so attributable; its plausibility is the integrity layer's job (statistical
