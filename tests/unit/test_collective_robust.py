@@ -14,14 +14,14 @@ from functools import cache
 
 import pytest
 import torch
-from protolearn.protocol.collective import Aggregation, Bandwidth, CollectiveRound
+from protolearn.protocol.collective import Aggregation, Bandwidth, CollectiveRound, Failed, Rejected
 from protolearn.protocol.identity import Identity
 from protolearn.protocol.reducer_check import ReducerFault, make_fault, peer_id_public_key, verify_reducer_fault
 from protolearn.protocol.robust import robust_reduce
-from protolearn.protocol.statements import part_hash, slice_statement, verify_ed25519
+from protolearn.protocol.statements import fin_statement, members_mask, part_hash, slice_statement, veto_digest, verify_ed25519
 from protolearn.protocol.wire import decode, encode
 
-from tests.unit.test_collective import KILL_POINTS, Net, expected
+from tests.unit.test_collective import KILL_POINTS, Net, expected, signed_fin
 
 TRIMMED = Aggregation("trimmed_mean", trim_fraction=0.25)
 CLIP = Aggregation("centered_clip", clip_tau=1.0, clip_iters=3)
@@ -86,9 +86,10 @@ def assert_agree(net: CheckedNet) -> tuple[list[str], list[str]]:
 
 @pytest.mark.parametrize("agg", [Aggregation(), TRIMMED, CLIP], ids=["mean", "trimmed", "clip"])
 @pytest.mark.parametrize("num_peers", [3, 5])
-def test_cross_checked_rounds_finish_identically_with_the_rule_applied_per_part(agg: Aggregation, num_peers: int) -> None:
+@pytest.mark.parametrize("op", ["sum", "weighted_mean"])
+def test_cross_checked_rounds_finish_identically_with_the_rule_applied_per_part(agg: Aggregation, num_peers: int, op: str) -> None:
     for seed in range(4):
-        net = CheckedNet(num_peers, 29, seed=seed, agg=agg)
+        net = CheckedNet(num_peers, 29, seed=seed, agg=agg, op=op)
         net.run()
         done, failed = assert_agree(net)
         assert not failed and len(done) == num_peers and net.now == 0.0, "no fault: nobody waits for a deadline"
@@ -280,3 +281,20 @@ def test_a_consistent_forging_owner_is_detected_with_the_cross_check(cross_check
     assert not [p for p in honest if p in net.done], "nobody commits the forged part"
     (fault,) = net.failed["peer03"].reducer_faults  # peer03 follows peer02 in part 2's chain
     assert fault.reducer == "peer02" and fault.part == 2 and net.failed["peer03"].missing == ["peer02"]
+
+
+def test_a_veto_must_hash_to_the_statement_it_carries() -> None:
+    ids = identities(3)
+    net = CheckedNet(3, 9, seed=0)
+    r, liar = net.rounds[ids[0].peer_id], ids[1]
+    r.start(net.vectors[ids[0].peer_id], now=0.0)
+    members = sorted(net.weights)
+    statement = r._ledger.statement(1, members, bytes(32), bytes(32))
+    kw = signed_fin(r, liar.peer_id, members, bytes(32))
+    kw["signature"] = liar.sign(fin_statement(r._round_digest, members_mask(r.peers, members), bytes(32)))
+    (out,) = r.receive(liar.peer_id, "fin", 0, None, vetoed=statement, **kw)
+    assert isinstance(out, Rejected) and "veto digest" in out.reason and r.finished is None
+    digest = veto_digest(statement)
+    sig = liar.sign(fin_statement(r._round_digest, members_mask(r.peers, members), digest))
+    (out,) = r.receive(liar.peer_id, "fin", 0, None, vetoed=statement, **{**kw, "digest": digest, "signature": sig})
+    assert isinstance(out, Failed) and "vetoed" in out.reason and out.missing == [liar.peer_id]
