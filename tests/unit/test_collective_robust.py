@@ -20,6 +20,7 @@ from protolearn.protocol.reducer_check import ReducerFault, make_fault, peer_id_
 from protolearn.protocol.robust import robust_reduce
 from protolearn.protocol.statements import fin_statement, members_mask, part_hash, slice_statement, veto_digest, verify_ed25519
 from protolearn.protocol.wire import decode, encode
+from protolearn.stages.config import IntegrityConfig
 
 from tests.unit.test_collective import KILL_POINTS, Net, expected, signed_fin
 
@@ -134,7 +135,9 @@ def test_a_tampering_owner_is_vetoed_and_its_checker_holds_evidence_that_verifie
         checker = ids[(liar + 1) % num_peers].peer_id
         faults = net.failed[checker].reducer_faults
         assert faults and net.failed[checker].missing == [ids[liar].peer_id]
+        integrity = IntegrityConfig(aggregation=agg.rule, trim_fraction=agg.trim_fraction)  # what the coordinator holds
         for fault in faults:
+            assert verify_reducer_fault(fault, peer_id_public_key, aggregation_cfg=integrity)[0]
             ok, why = verify_reducer_fault(fault, peer_id_public_key, aggregation_cfg=agg)
             assert ok, why
             assert fault.reducer == ids[liar].peer_id and ids[liar].peer_id in why
