@@ -21,6 +21,10 @@ expects it) asks a participant for the finished round's vector with :class:`Resu
 applies exactly the same update. The round's hard deadline comes from the node config; a round survives
 dead peers, and :attr:`Averager.last_done` says whose contributions are in (``excluded``: tickets to redo);
 :attr:`Averager.last_failed` keeps a failed round's reason and, if a peer signed two stories, the evidence.
+The run's aggregation rule (:mod:`protolearn.protocol.robust`) and the reducer cross-check are passed to
+every round; with the cross-check, scatter slices are signed, and a round this replica vetoed (a reducer
+signed a wrong part: :attr:`Failed.reducer_faults` holds the proof for the coordinator) answers late probes
+with its vetoing fin instead of ``left``, so that no peer stops waiting for its objection.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from protolearn.node.early_parts import EarlyParts
 from protolearn.node.errors import NodeError
 from protolearn.protocol.collective import (
     DEFAULT_FLOOR_S,
+    Aggregation,
     Bandwidth,
     CollectiveRound,
     Done,
@@ -44,6 +49,7 @@ from protolearn.protocol.collective import (
     Probe,
     Rejected,
     Send,
+    Tamper,
 )
 from protolearn.protocol.errors import OverLimit, ProtocolError
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse, ResultRequest
@@ -90,7 +96,8 @@ class Averager:
         self, host: Host, stage: int, numel: int, *, timeout_s: float, floor_s: float = DEFAULT_FLOOR_S,
         window: Callable[[], int] | None = None, first_round: int = 0, clock: Callable[[], float] = trio.current_time,
         sign: Sign | None = None, verify: Verify = verify_ed25519, max_liars: int = 1,
-        members: Callable[[], Collection[str]] | None = None,
+        members: Callable[[], Collection[str]] | None = None, aggregation: Aggregation | None = None,
+        cross_check: bool = False, tamper: Tamper | None = None,
     ) -> None:
         """``window``: the round this replica takes part in next, from its owner (the node core, which
         knows whether a step may still reopen). Without one, the averager counts its own rounds from
@@ -98,7 +105,11 @@ class Averager:
         (by default the host's identity key); ``verify``: a peer's; ``max_liars``: see
         :class:`~protolearn.protocol.collective.CollectiveRound`. ``members``: this stage's members in the
         node's view, so that parts from non-members held before a round starts share a small budget
-        (None: every sender is treated as a possible member; the per-peer bounds hold either way)."""
+        (None: every sender is treated as a possible member; the per-peer bounds hold either way).
+        ``aggregation``: the run's rule (``Aggregation.from_config(run.integrity)``; None: the mean).
+        ``cross_check``: every part's owner is checked by its successor (scatter traffic doubles); every
+        replica of a stage must use the same setting. ``tamper``: the ``reducer`` test adversary, applied to
+        the parts this replica reduces before it signs them (None in real use)."""
         self.host = host
         self.stage = stage
         self.numel = numel
@@ -108,6 +119,9 @@ class Averager:
         self.sign = sign if sign is not None else host.sign
         self.verify = verify
         self.max_liars = max_liars
+        self.aggregation = aggregation if aggregation is not None else Aggregation()
+        self.cross_check = cross_check
+        self.tamper = tamper
         self._window = window
         self._own_next = first_round
         # Receive-rate EMA across rounds: the per-wait deadlines scale with it.
@@ -189,7 +203,7 @@ class Averager:
                 data = from_frame(frame, peer=peer, dtype=torch.float32, limits=self._limits, require_finite=True)
                 if data.dim() != 1:
                     raise ProtocolError(peer, f"collective part must be a flat vector, got shape {list(data.shape)}")
-                if msg.phase == "gather":  # the round checks it against the signed hash
+                if msg.phase == "gather" or msg.signature:  # the round checks it against the signed hash
                     data_digest = await trio.to_thread.run_sync(part_hash, data)
             elif early:
                 self._reserve_early(peer, msg.round, 0)
@@ -232,7 +246,7 @@ class Averager:
     def _receive(self, r: CollectiveRound, p: _Pending) -> list:
         m = p.msg
         return r.receive(p.peer, m.phase, m.part, p.data, contributors=m.contributors, suspects=m.suspects, signer=m.signer,
-                         digest=m.digest, signature=m.signature, data_digest=p.data_digest, now=self.clock())
+                         digest=m.digest, signature=m.signature, inputs=m.inputs, vetoed=m.vetoed, data_digest=p.data_digest, now=self.clock())
 
     async def _serve_result(self, peer: str, s: FramedStream, round_id: int) -> None:
         # A finished round stays servable while kept (a step's rounds are numbered sparsely, see round_id).
@@ -303,7 +317,8 @@ class Averager:
         """Like :meth:`run_round`, returning the :class:`Done` with ``contributors`` and ``excluded``."""
         r = CollectiveRound(
             round_id, self.host.peer_id, weights, self.numel, op="sum", timeout_s=self.timeout_s,
-            bandwidth=self.bandwidth, floor_s=self.floor_s, max_liars=self.max_liars, sign=self.sign, verify=self.verify,
+            bandwidth=self.bandwidth, floor_s=self.floor_s, max_liars=self.max_liars, aggregation=self.aggregation,
+            cross_check=self.cross_check, sign=self.sign, verify=self.verify, tamper=self.tamper,
         )
         # Unbounded in principle, bounded in fact: the machine emits at most a few sends per peer and part.
         send, recv = trio.open_memory_channel[Send | Probe](16 * len(weights) ** 2 + 64)
@@ -335,9 +350,10 @@ class Averager:
             self._round, self._outbox = None, None
             self._own_next = round_id + 1
         result = r.finished
-        self._outcomes[round_id] = None if not isinstance(result, Done) else PartHeader(
-            round=round_id, stage=self.stage, phase="fin", part=0, contributors=result.contributors,
-            suspects=sorted(r.suspects), signer=self.host.peer_id, digest=result.digest, signature=result.signature,
+        fin = (result.contributors, result.digest, result.signature, b"") if isinstance(result, Done) else r.veto
+        self._outcomes[round_id] = None if fin is None else PartHeader(
+            round=round_id, stage=self.stage, phase="fin", part=0, contributors=list(fin[0]),
+            suspects=sorted(r.suspects), signer=self.host.peer_id, digest=fin[1], signature=fin[2], vetoed=fin[3],
         )
         self._outcomes = {k: v for k, v in self._outcomes.items() if k >= round_id - 2 * REVISIONS_PER_STEP}
         if isinstance(result, Failed):
@@ -377,7 +393,8 @@ class Averager:
             round=round_id, stage=self.stage, phase=phase, part=0, suspects=sorted(r.suspects),
         ) if isinstance(a, Probe) else PartHeader(
             round=round_id, stage=self.stage, phase=phase, part=a.part, contributors=list(a.contributors),
-            suspects=sorted(r.suspects), signer=a.signer, digest=a.digest, signature=a.signature,
+            suspects=sorted(r.suspects), signer=a.signer, digest=a.digest, signature=a.signature, inputs=a.inputs,
+            vetoed=a.vetoed,
         )
         # A part is bounded by the transport's per-chunk deadline (a dead or hung peer stops taking chunks),
         # not by a total: a slow but live transfer must not count as a death. A busy live peer answers a

@@ -19,8 +19,9 @@ How it works
   comes to hold that owner out, it resends the slice to the new owner (it still holds its vector).
 * An owner reduces part ``j`` over a contributor set ``S`` once it holds the slice of every contributor
   it does not hold out. It adds ``w_p * x_p`` in sorted peer order with separate, correctly rounded
-  multiply and add, so **the value of part j over S is a pure function of S**: any replica that
-  reduces it gets the same bytes. It **signs** (round, ``j``, ``S``, SHA-256 of the part's bytes) and
+  multiply and add (or applies the run's robust rule, :mod:`protolearn.protocol.robust`, built the same
+  way), so **the value of part j over S is a pure function of S**: any replica that reduces it gets the
+  same bytes. It **signs** (round, ``j``, ``S``, SHA-256 of the part's bytes) and
   sends the part with its signature to every participant. A receiver keeps a part only if its bytes
   hash to the signed hash and the signature is the named signer's, and a part over a set that has
   ``peers[j]`` in only if ``peers[j]`` signed it (nobody else ever holds its slice of its own part).
@@ -51,6 +52,34 @@ How it works
   whose ``C`` or result hash differs from ours, or a second, different fin from one peer, turns the
   round into :class:`Failed`. (The adapter answers a late probe of a finished round with its fin, or
   with "left" if the round failed there, so nobody waits out a deadline on a replica that is done.)
+
+Reducer cross-check (``cross_check=True``)
+------------------------------------------
+* Every contributor signs its slice of each part (:func:`~.statements.slice_statement`) and sends it to
+  the part's owner **and** to the owner's successor in the chain, the part's **checker** (re-sending to
+  both whenever either changes). Receivers keep a slice only with its sender's signature over its hash.
+* An owner's part statement also binds the digest of the hashes of the slices it reduced
+  (:func:`~.statements.inputs_digest`). A backup taking over never sums the first owner's own slice (it
+  may hold it now), so the rule that only ``peers[j]`` signs a set with ``peers[j]`` in still holds.
+* Before committing, the checker of ``j`` (and an owner relaying a dead owner's part) recomputes every
+  counting part over ``C`` that another peer signed, from the slices it holds (the same pure function).
+  It commits only once each such part checked out, or its missing slices are from dead contributors.
+* A mismatch is a **veto**: the checker signs a fin whose result hash is
+  :func:`~.statements.veto_digest` of the refused statement (no committed result has it), sends it with
+  that statement to every peer, and fails with :attr:`Failed.reducer_faults`: the reducer's signed
+  statement and every contributor's signed slice (:mod:`.reducer_check`), which a third party checks
+  without trusting the checker. If the reducer's inputs digest is not that of the slices the checker
+  holds, the checker cannot tell the reducer from an equivocating contributor: it vetoes without a proof.
+* A replica that receives a veto whose hash matches the statement it carries fails at once. An honest
+  checker is never dead to an honest replica (T; the adapter answers a late probe of a vetoed round with
+  the veto, never with "left"), and its only fin is the veto, so **no honest replica finishes Done with
+  a part its honest checker refused**: the round fails, is redone, and the evidence goes to the
+  coordinator. A lying checker can veto an honest part (a liar can always fail a round) but its
+  evidence does not verify. Owner and checker lying together still go unnoticed; that is the residual
+  the statistical monitors and robust aggregation are for.
+* Cost: scatter bytes double (each slice goes to two replicas), about 1.5x a round's bytes in all, plus a
+  SHA-256 of the vector and one signature per part at each contributor and one extra reduction per part at
+  each checker.
 
 Why survivors agree (crash-stop peers)
 --------------------------------------
@@ -104,10 +133,10 @@ liars), and what a liar can still do:
   claiming it dead (more than ``f`` claimants are needed; fewer only make the receiver probe). Such
   parts are held and never used.
 * As a part's owner (or as the backup of a dead one) it can sign a wrong value and send that same value
-  to everyone, with a fin to match: honest replicas then agree on a wrong part. The backup cannot tell,
-  because it holds none of the part's slices (scatter goes to the owner only; sending the slices to the
-  backup too would cost 50% more bytes per round, for a check that still fails when owner and backup
-  collude). What the backup does check: the owner's hash and signature, that the part's set leaves out
+  to everyone, with a fin to match: without the cross-check, honest replicas then agree on a wrong part.
+  The backup cannot tell, because it holds none of the part's slices (scatter goes to the owner only;
+  the cross-check above sends them to the backup too, for 50% more bytes per round, and still fails when
+  owner and backup collude). What the backup does check: the owner's hash and signature, that the part's set leaves out
   only peers the backup itself holds out, and, since it gets the part first and relays exactly that
   signed part if the owner dies, that nobody commits another version without the fins showing it. The
   wrong part stays signed, so attributable; its plausibility is the integrity layer's job (statistical
@@ -119,6 +148,7 @@ liars), and what a liar can still do:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
@@ -134,9 +164,11 @@ from protolearn.protocol.liveness import (
     Suspicion,
     Wait,
 )
-from protolearn.protocol.ownership import Broadcast, Op, owner, part_bounds, reduce_part, successor
+from protolearn.protocol.ownership import Broadcast, Op, owner, part_bounds, successor
 from protolearn.protocol.part_ledger import MAX_VERSIONS_PER_SIGNER, PartLedger, SignedPart
 from protolearn.protocol.pipeline import MAX_PEER_ID, MAX_STAGES, PeerId, Step
+from protolearn.protocol.reducer_check import ReducerFault, make_fault
+from protolearn.protocol.robust import Aggregation, robust_reduce
 from protolearn.protocol.statements import (
     HASH_BYTES,
     SIGNATURE_BYTES,
@@ -144,10 +176,15 @@ from protolearn.protocol.statements import (
     Sign,
     Verify,
     fin_statement,
+    inputs_digest,
+    is_part_statement,
     members_mask,
+    op_tag,
     part_hash,
     result_hash,
     round_digest,
+    slice_statement,
+    veto_digest,
 )
 from protolearn.protocol.wire import Message
 from pydantic import Field
@@ -155,8 +192,8 @@ from pydantic import Field
 # The liveness names stay importable from here: the adapter and the tests know the collective only.
 __all__ = [
     "DEFAULT_FACTOR", "DEFAULT_FLOOR_S", "DEFAULT_TIMEOUT_S", "EMA_ALPHA", "INITIAL_BYTES_PER_S", "MAX_PARTICIPANTS",
-    "MAX_VERSIONS_PER_SIGNER", "STUCK_FACTOR", "Action", "Bandwidth", "CollectiveRound", "Done", "Evidence", "Failed",
-    "PartHeader", "Probe", "Rejected", "Send",
+    "MAX_VERSIONS_PER_SIGNER", "STUCK_FACTOR", "Action", "Aggregation", "Bandwidth", "CollectiveRound", "Done", "Evidence",
+    "Failed", "PartHeader", "Probe", "ReducerFault", "Rejected", "Send", "Tamper",
 ]
 
 # A round's parts travel on the protocol named protocol/pipeline.py's COLLECTIVE, next to the rest of that
@@ -166,8 +203,12 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 60.0
 # Upper bound on participants of one round; a stage with more replicas is a misconfiguration.
 MAX_PARTICIPANTS = 1024
+# A part statement: domain, round digest, part and mask length, mask, inputs digest, hash.
+MAX_STATEMENT_BYTES = 64 + HASH_BYTES + 6 + MAX_PARTICIPANTS // 8 + 2 * HASH_BYTES
 
 Phase = Literal["scatter", "gather", "fin"]
+# A test adversary: rewrites a part this replica reduced (part index, bytes) before it signs it.
+Tamper = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class PartHeader(Message):
@@ -177,7 +218,10 @@ class PartHeader(Message):
     ``suspects``: peers the sender holds to be out (a claim: it makes the receiver probe them).
     ``signer``, ``digest``, ``signature``: for gather, the reducer, the part's SHA-256 and the reducer's
     signature of it (:func:`~.statements.part_statement`; the sender may relay another's part); for fin,
-    the sender, its result hash and its signature (:func:`~.statements.fin_statement`).
+    the sender, its result hash and its signature (:func:`~.statements.fin_statement`); for scatter in a
+    cross-checked round, the contributor, its slice's SHA-256 and its signature (:func:`~.statements.slice_statement`).
+    ``inputs``: for gather in a cross-checked round, the digest of the slices the reducer reduced.
+    ``vetoed``: for a vetoing fin, the part statement it refuses (its hash is the fin's result hash).
     """
 
     KIND: ClassVar[str] = "collective.part"
@@ -190,6 +234,8 @@ class PartHeader(Message):
     signer: Annotated[str, Field(max_length=MAX_PEER_ID)] = ""
     digest: Annotated[bytes, Field(max_length=HASH_BYTES)] = b""
     signature: Annotated[bytes, Field(max_length=SIGNATURE_BYTES)] = b""
+    inputs: Annotated[bytes, Field(max_length=HASH_BYTES)] = b""
+    vetoed: Annotated[bytes, Field(max_length=MAX_STATEMENT_BYTES)] = b""
 
 
 @dataclass(frozen=True)
@@ -206,6 +252,8 @@ class Send:
     signer: str = ""
     digest: bytes = b""
     signature: bytes = b""
+    inputs: bytes = b""
+    vetoed: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -239,11 +287,14 @@ class Done:
 @dataclass(frozen=True)
 class Failed:
     """The round cannot finish: ``missing`` peers did not deliver, or the replicas disagreed. When a peer
-    signed two different stories, ``evidence`` holds both statements (checkable by a third party)."""
+    signed two different stories, ``evidence`` holds both statements (checkable by a third party). When
+    this replica vetoed a part its reducer got wrong, ``reducer_faults`` proves it
+    (:func:`~.reducer_check.verify_reducer_fault`)."""
 
     missing: list[str]
     reason: str
     evidence: tuple[Evidence, ...] = ()
+    reducer_faults: tuple[ReducerFault, ...] = ()
 
 
 Action = Send | Probe | Rejected | Done | Failed
@@ -264,6 +315,11 @@ class CollectiveRound:
     but still reduces). All participants must use the same ``round_id``, ``weights``, ``numel`` and ``op``.
     ``sign(data)`` is this replica's signature of ``data``; ``verify(peer, data, signature)`` checks a
     peer's. ``max_liars``: how many lying participants a claim must outnumber to count (see the docstring).
+    ``aggregation``: how a part combines its contributors (:mod:`.robust`; the mean by default).
+    ``cross_check``: contributors also send (signed) slices to each part's checker, which recomputes the
+    owner's part and vetoes the round if it differs (see "Reducer cross-check"). ``tamper``: a test
+    adversary applied to the parts this replica reduces, before it signs them. All participants must use
+    the same ``aggregation`` and ``cross_check`` (both are bound into every statement).
     """
 
     round_id: int
@@ -276,8 +332,11 @@ class CollectiveRound:
     floor_s: float = DEFAULT_FLOOR_S
     factor: float = DEFAULT_FACTOR
     max_liars: int = 1
+    aggregation: Aggregation = field(default_factory=Aggregation)
+    cross_check: bool = False
     sign: Sign = field(kw_only=True, repr=False)
     verify: Verify = field(kw_only=True, repr=False)
+    tamper: Tamper | None = field(default=None, kw_only=True, repr=False)
     peers: list[str] = field(init=False)
     bounds: list[tuple[int, int]] = field(init=False)
     suspects: set[str] = field(init=False, default_factory=set)
@@ -295,16 +354,22 @@ class CollectiveRound:
             raise ValueError(f"max_liars must be at least 0, got {self.max_liars}")
         self.peers = sorted(self.weights)
         self.bounds = part_bounds(self.numel, len(self.peers))
-        self._round_digest = round_digest(self.round_id, self.weights, self.numel, self.op)
+        self._op_tag = op_tag(self.op, self.aggregation.tag, self.cross_check)
+        self._round_digest = round_digest(self.round_id, self.weights, self.numel, self._op_tag)
         self._all = frozenset(p for p in self.peers if self.weights[p] > 0)
         self._C = self._all  # the intersection of every counting part's set seen so far
         self._now = 0.0
         self._started_at: float | None = None
         self._local: torch.Tensor | None = None
         self._owner_seen: dict[int, str] = {}
-        self._sent_to: dict[int, str] = {}  # part -> owner that has my slice of it
-        self._slices: dict[int, dict[str, torch.Tensor]] = {}  # parts I (may) reduce: sender -> slice
-        self._ledger = PartLedger(self.round_id, self.peers, self._all, self._round_digest, self.verify)
+        self._sent_to: dict[int, set[str]] = {}  # part -> reducers (owner, checker) that have my slice of it
+        self._slices: dict[int, dict[str, torch.Tensor]] = {}  # parts I (may) reduce or check: sender -> slice
+        # Cross-check: each held slice's hash and its contributor's signature (mine too), and the parts checked.
+        self._proofs: dict[int, dict[str, tuple[bytes, bytes]]] = {}
+        self._checked: set[tuple[int, bytes, bytes]] = set()
+        self._veto: _Fin | None = None
+        self._vetoed_statement = b""
+        self._ledger = PartLedger(self.round_id, self.peers, self._all, self._round_digest, self.verify, self.cross_check)
         self._broadcasts: dict[tuple[int, frozenset[str]], Broadcast] = {}
         self._detector = FailureDetector(self.floor_s, self.factor, self.bandwidth)
         self._suspicion = Suspicion(self.max_liars, self.suspects)
@@ -333,6 +398,17 @@ class CollectiveRound:
     def owner(self, part: int) -> str:
         """The first peer of ``part``'s chain this replica does not hold out (never None: not itself)."""
         return owner(self.peers, part, self.suspects, self.me)
+
+    def checker(self, part: int) -> str | None:
+        """The peer that cross-checks ``part``'s owner here: the next one in its chain (None: nobody)."""
+        return successor(self.peers, part, self.owner(part), self.suspects)
+
+    @property
+    def veto(self) -> tuple[tuple[str, ...], bytes, bytes, bytes] | None:
+        """The vetoing fin this replica signed (members, result hash, signature, vetoed statement), if it
+        vetoed: the adapter answers late probes with it, since a veto must never read as "left"."""
+        v = self._veto
+        return None if v is None else (tuple(sorted(v.members)), v.digest, v.signature, self._vetoed_statement)
 
     def live_peers(self) -> list[str]:
         return [p for p in self.peers if p != self.me and p not in self.suspects]
@@ -373,6 +449,8 @@ class CollectiveRound:
         signer: str = "",
         digest: bytes = b"",
         signature: bytes = b"",
+        inputs: bytes = b"",
+        vetoed: bytes = b"",
         data_digest: bytes | None = None,
         now: float | None = None,
     ) -> list[Action]:
@@ -394,13 +472,27 @@ class CollectiveRound:
             assert data is not None
             if data_digest is None:
                 data_digest = part_hash(data)
-            reason = self._ledger.check(part, frozenset(contributors), data_digest, signer, digest, signature)
+            reason = self._ledger.check(part, frozenset(contributors), data_digest, signer, digest, signature, inputs)
+            if reason:
+                return [Rejected(peer, reason)]
+        elif phase == "scatter" and self.cross_check:
+            assert data is not None
+            if data_digest is None:
+                data_digest = part_hash(data)
+            reason = self._check_slice(peer, part, data_digest, signer, digest, signature)
             if reason:
                 return [Rejected(peer, reason)]
         elif phase == "fin":
             reason = self._check_fin(peer, frozenset(contributors), digest, signature)
+            if not reason and vetoed and (veto_digest(vetoed) != digest or not is_part_statement(vetoed, self._round_digest)):
+                reason = "a vetoing fin's hash must be the veto digest of a part statement of this round"
             if reason:
                 return [Rejected(peer, reason)]
+            if vetoed:
+                # It signed a fin no result matches: it will never commit, so neither can this round here.
+                fin = _Fin(frozenset(contributors), digest, signature)
+                return self._fail([peer], f"{peer} vetoed a part of round {self.round_id} that its reducer got wrong",
+                                  (self._fin_evidence(peer, fin),))
         now_out, to_probe = self._suspicion.claimed(peer, suspects)
         actions: list[Action] = [Probe(p) for p in to_probe]
         self._detector.alive(peer, self._now)
@@ -413,11 +505,13 @@ class CollectiveRound:
         elif phase == "scatter":
             assert data is not None
             self._slices.setdefault(part, {})[peer] = data
+            if self.cross_check:
+                self._proofs.setdefault(part, {})[peer] = (digest, signature)
             self._bytes_in += 4 * data.numel()
         elif phase == "gather":
             assert data is not None
             self._bytes_in += 4 * data.numel()
-            conflict = self._ledger.add(part, frozenset(contributors), SignedPart(data, digest, signer, signature))
+            conflict = self._ledger.add(part, frozenset(contributors), SignedPart(data, digest, signer, signature, inputs))
             if conflict is not None:
                 return actions + self._fail(*conflict)
         # phase == "probe": its claims are news (a part this replica must now take over, say)
@@ -491,7 +585,7 @@ class CollectiveRound:
         if phase == "scatter":
             if self.weights[peer] <= 0:
                 return "a participant with weight 0 must not contribute"
-            if self._owner_with(part, set(suspects)) != self.me:
+            if self._owner_with(part, set(suspects)) != self.me and not (self.cross_check and self._checker_with(part, set(suspects)) == self.me):
                 return f"scatter of part {part} sent to a replica that does not reduce it"
             if peer in self._slices.get(part, {}):
                 return f"duplicate scatter of part {part}"
@@ -522,6 +616,91 @@ class CollectiveRound:
         # The sender's claims count here (it only decides where a slice may be kept), never against me.
         return owner(self.peers, part, self.suspects | (extra - {self.me}), self.me)
 
+    def _checker_with(self, part: int, extra: set[str]) -> str | None:
+        out = self.suspects | (extra - {self.me})
+        return successor(self.peers, part, owner(self.peers, part, out, self.me), out)
+
+    def _check_slice(self, peer: str, part: int, data_digest: bytes, signer: str, digest: bytes, signature: bytes) -> str:
+        if signer != peer or len(digest) != HASH_BYTES or len(signature) != SIGNATURE_BYTES:
+            return f"scatter of part {part} must carry its sender's {HASH_BYTES}-byte hash and {SIGNATURE_BYTES}-byte signature"
+        if data_digest != digest:
+            return f"scatter of part {part}: the bytes do not hash to the signed hash"
+        if not self.verify(peer, slice_statement(self._round_digest, part, digest), signature):
+            return f"scatter of part {part}: the signature does not verify as the sender's"
+        return ""
+
+    def _reduce(self, held: dict[str, torch.Tensor], members: frozenset[str], part: int) -> torch.Tensor:
+        a, b = self.bounds[part]
+        return robust_reduce(held, members, self.weights, self.op, b - a, self.aggregation)
+
+    def _inputs(self, part: int, members: frozenset[str]) -> bytes:
+        if not self.cross_check:
+            return b""
+        proofs = self._proofs.get(part, {})
+        return inputs_digest([proofs[p][0] for p in sorted(members)])
+
+    def _slice_targets(self, part: int) -> list[str]:
+        o = self.owner(part)
+        c = self.checker(part) if self.cross_check else None
+        return [o] if c is None or c == o else [o, c]
+
+    def _my_slice(self, part: int) -> tuple[torch.Tensor, bytes, bytes]:
+        assert self._local is not None
+        a, b = self.bounds[part]
+        data = self._local[a:b]
+        if not self.cross_check:
+            return data, b"", b""
+        mine = self._proofs.setdefault(part, {})
+        if self.me not in mine:
+            digest = part_hash(data)
+            mine[self.me] = (digest, self.sign(slice_statement(self._round_digest, part, digest)))
+        return data, *mine[self.me]
+
+    def _cross_check(self) -> tuple[bool, list[Action]]:
+        """Check every part over C that counts here and that this replica checks (as its owner's successor,
+        or as the owner relaying a dead owner's part) against the slices held; (all checked, veto actions).
+        A part whose slices are missing from a dead contributor cannot be checked and is taken as it is."""
+        if not self.cross_check or self._committed is not None:
+            return True, []
+        complete = True
+        for j in range(len(self.peers)):
+            if self.me not in (self.owner(j), self.checker(j)):
+                continue
+            p = self._ledger.counted(j, self._C)
+            if p is None or p.signer == self.me or (j, p.digest, p.inputs) in self._checked:
+                continue
+            held = self._slices.get(j, {})
+            missing = [c for c in self._C if c not in held]
+            if missing:
+                if all(c in self._dead for c in missing):
+                    self._checked.add((j, p.digest, p.inputs))
+                else:
+                    complete = False
+                continue
+            if self._inputs(j, self._C) != p.inputs:
+                return False, self._vetoed(j, p, None, f"{p.signer} signed part {j} as the reduction of other slices than its "
+                                                       "contributors sent this replica (the reducer or a contributor lied)")
+            if part_hash(self._reduce(held, self._C, j)) != p.digest:
+                fault = make_fault(self.round_id, self.weights, self.numel, self.op, j, sorted(self._C), p.signer, p.inputs,
+                                   p.digest, p.signature, [(c, held[c], self._proofs[j][c][1]) for c in sorted(self._C)])
+                return False, self._vetoed(j, p, fault, f"{p.signer} signed part {j} of round {self.round_id} with bytes that are "
+                                                        "not the reduction of the slices it signed for")
+            self._checked.add((j, p.digest, p.inputs))
+        return complete, []
+
+    def _vetoed(self, part: int, p: SignedPart, fault: ReducerFault | None, reason: str) -> list[Action]:
+        """Refuse a wrong part for good: sign a fin no honest result matches, send it to all, and fail here."""
+        members = self._C
+        statement = self._ledger.statement(part, members, p.digest, p.inputs)
+        digest = veto_digest(statement)
+        self._veto = _Fin(members, digest, self.sign(fin_statement(self._round_digest, self._mask(members), digest)))
+        self._vetoed_statement = statement
+        tag = tuple(sorted(members))
+        sends: list[Action] = [Send(q, "fin", 0, None, tag, self.me, digest, self._veto.signature, vetoed=statement)
+                               for q in self.peers if q != self.me]
+        self._finished = Failed([p.signer], reason, (self._ledger.evidence(part, members, p),), () if fault is None else (fault,))
+        return [*sends, self._finished]
+
     def _settle(self) -> list[Action]:
         """Let the parts that now count count (:mod:`.part_ledger`): shrink C, fail on a conflict, free the rest."""
         meet, conflict = self._ledger.settle(self.suspects, self.owner)
@@ -541,11 +720,17 @@ class CollectiveRound:
             held = self._slices.get(j, {})
             if any(c not in held and c not in self.suspects for c in self._C):
                 continue
-            members = frozenset(c for c in self._C if c in held)
-            a, b = self.bounds[j]
-            data = reduce_part(held, members, self.weights, self.op, b - a)
+            # A backup never sums the first owner's own slice of its part (a checker may hold it): receivers
+            # count such a set only when the first owner signed it.
+            members = frozenset(c for c in self._C if c in held and (c != self.peers[j] or c == self.me))
+            data = self._reduce(held, members, j)
+            if self.tamper is not None:
+                a, b = self.bounds[j]
+                data = self.tamper(j, data).detach().to(torch.float32).contiguous().reshape(-1)[: b - a]
             digest = part_hash(data)
-            self._ledger.add(j, members, SignedPart(data, digest, self.me, self.sign(self._ledger.statement(j, members, digest))))
+            inputs = self._inputs(j, members)
+            signature = self.sign(self._ledger.statement(j, members, digest, inputs))
+            self._ledger.add(j, members, SignedPart(data, digest, self.me, signature, inputs))
             reduced = True
         return reduced
 
@@ -579,14 +764,17 @@ class CollectiveRound:
         assert local is not None
         # Sender: my slice of every part must be at that part's current owner.
         if self.weights[me] > 0:
-            for j, (a, b) in enumerate(self.bounds):
-                o = self.owner(j)
-                if self._sent_to.get(j) != o:
-                    self._sent_to[j] = o
+            for j in range(n):
+                have = self._sent_to.setdefault(j, set())
+                for o in self._slice_targets(j):
+                    if o in have:
+                        continue
+                    have.add(o)
+                    data, digest, signature = self._my_slice(j)
                     if o == me:
-                        self._slices.setdefault(j, {})[me] = local[a:b]
+                        self._slices.setdefault(j, {})[me] = data
                     else:
-                        actions.append(Send(o, "scatter", j, local[a:b]))
+                        actions.append(Send(o, "scatter", j, data, (), me if digest else "", digest, signature))
         # A part whose owner died: tell the backup at once (a probe carries our claims, and it probes the
         # owner in turn), since it may have finished and no longer wait for anything.
         for j in range(n):
@@ -607,9 +795,12 @@ class CollectiveRound:
         for j in mine:
             if self._ledger.counted(j, self._C) is not None:
                 actions += self._broadcast(j, self._C)
+        checked, vetoed = self._cross_check()
+        if vetoed:
+            return actions + vetoed
         counted = [self._ledger.counted(j, self._C) for j in range(n)]
         parts = [p for p in counted if p is not None]
-        if self._committed is None and len(parts) == n:
+        if self._committed is None and len(parts) == n and checked:
             if self.op == "weighted_mean" and not self._C:
                 return actions + self._fail(sorted(self._all), f"round {self.round_id}: no contribution survived")
             digest = result_hash([p.digest for p in parts])
@@ -645,7 +836,8 @@ class CollectiveRound:
         assert p is not None
         tag = tuple(sorted(members))
         succ = successor(self.peers, part, self.me, self.suspects)
-        return [Send(q, "gather", part, p.data, tag, p.signer, p.digest, p.signature) for q in b.next_peers(succ, self.live_peers())]
+        return [Send(q, "gather", part, p.data, tag, p.signer, p.digest, p.signature, p.inputs)
+                for q in b.next_peers(succ, self.live_peers())]
 
     def _track_waits(self) -> None:
         """Tell the detector what this replica waits on now (a deadline counts from a wait's start)."""
@@ -657,4 +849,10 @@ class CollectiveRound:
             waits.add(("own", j) if o == self.me else ("gather", j, o))
         if self._committed is not None:
             waits.update(("fin", p) for p in self.peers if p != self.me and p not in self._dead and p not in self._fins)
+        elif self.cross_check:  # a part to check waits for the slices it was reduced from
+            for j in range(len(self.peers)):
+                p = self._ledger.counted(j, self._C)
+                if p is not None and p.signer != self.me and self.me in (self.owner(j), self.checker(j)):
+                    held = self._slices.get(j, {})
+                    waits.update(("check", j, c) for c in self._C if c not in held and c != self.me)
         self._detector.track((k for k in waits if self._waited_peers(k) or k[0] != "own"), self._now)

@@ -7,7 +7,7 @@ argument names; they need the round's view of who is out and who owns what, and 
 
 * :meth:`PartLedger.check` refuses a part before it is kept: a signer that is not a participant, a hash
   or signature of the wrong size, bytes that do not hash to the signed hash, a signature that does not
-  verify over (round digest, part, set, hash), more than ``MAX_VERSIONS_PER_SIGNER`` sets from one signer
+  verify over (round digest, part, set, inputs, hash), inputs of the wrong size for the round, more than ``MAX_VERSIONS_PER_SIGNER`` sets from one signer
   for one part, or a set with the part's first owner in that the first owner did not sign (it never
   sends its own slice of its own part, so nobody else can sum it).
 * A kept part of ``j`` over ``S`` counts once (a) its signer is no later in ``j``'s chain than the owner
@@ -38,12 +38,14 @@ MAX_VERSIONS_PER_SIGNER = 4
 
 @dataclass(frozen=True)
 class SignedPart:
-    """A reduced part with its SHA-256 and its reducer's signature (see :func:`~.statements.part_statement`)."""
+    """A reduced part with its SHA-256 and its reducer's signature (see :func:`~.statements.part_statement`);
+    ``inputs``: in a cross-checked round, the digest of the slices the reducer says it reduced."""
 
     data: torch.Tensor
     digest: bytes
     signer: str
     signature: bytes
+    inputs: bytes = b""
 
 
 class Conflict(NamedTuple):
@@ -63,6 +65,7 @@ class PartLedger:
     contributors: frozenset[str]
     round_digest: bytes
     verify: Verify
+    cross_check: bool = False
     _index: dict[str, int] = field(init=False)
     _held: dict[int, dict[frozenset[str], dict[str, SignedPart]]] = field(init=False, default_factory=dict)
     _counted: dict[int, dict[frozenset[str], SignedPart]] = field(init=False, default_factory=dict)
@@ -78,15 +81,18 @@ class PartLedger:
         """The sets over which a part of ``part`` counts here."""
         return list(self._counted.get(part, {}))
 
-    def statement(self, part: int, members: Collection[str], digest: bytes) -> bytes:
-        return part_statement(self.round_digest, part, members_mask(self.peers, members), digest)
+    def statement(self, part: int, members: Collection[str], digest: bytes, inputs: bytes = b"") -> bytes:
+        return part_statement(self.round_digest, part, members_mask(self.peers, members), digest, inputs)
 
-    def check(self, part: int, members: frozenset[str], data_digest: bytes, signer: str, digest: bytes, signature: bytes) -> str:
+    def check(self, part: int, members: frozenset[str], data_digest: bytes, signer: str, digest: bytes, signature: bytes,
+              inputs: bytes = b"") -> str:
         """Why a received part over ``members`` whose bytes hash to ``data_digest`` must be refused ('' if not)."""
         if signer not in self._index:
             return f"part {part} is signed by {signer[:64]!r}, not a participant"
         if len(digest) != HASH_BYTES or len(signature) != SIGNATURE_BYTES:
             return f"part {part} must carry a {HASH_BYTES}-byte hash and a {SIGNATURE_BYTES}-byte signature"
+        if len(inputs) != (HASH_BYTES if self.cross_check else 0):
+            return f"part {part} must carry {'a' if self.cross_check else 'no'} {HASH_BYTES}-byte inputs digest in this round"
         primary = self.peers[part]
         if signer != primary and primary in members:
             return f"part {part} over a set with {primary} in is signed by {signer}, not by {primary}"
@@ -94,11 +100,11 @@ class PartLedger:
             return f"part {part}'s bytes do not hash to the hash {signer} signed"
         by_set = self._held.get(part, {})
         old = by_set.get(members, {}).get(signer)
-        if old is not None and old.digest == digest and old.signature == signature:
+        if old is not None and old.digest == digest and old.signature == signature and old.inputs == inputs:
             return ""  # the same part again (relayed, say): nothing new to check
         if old is None and sum(signer in s for s in by_set.values()) >= MAX_VERSIONS_PER_SIGNER:
             return f"{signer} signed more than {MAX_VERSIONS_PER_SIGNER} versions of part {part}"
-        if not self.verify(signer, self.statement(part, members, digest), signature):
+        if not self.verify(signer, self.statement(part, members, digest, inputs), signature):
             return f"part {part}'s signature does not verify as {signer}'s"
         return ""
 
@@ -139,4 +145,4 @@ class PartLedger:
                 self._counted.get(j, {}).pop(members, None)
 
     def evidence(self, part: int, members: Collection[str], p: SignedPart) -> Evidence:
-        return Evidence(p.signer, self.statement(part, members, p.digest), p.signature, f"part {part} of round {self.round_id}")
+        return Evidence(p.signer, self.statement(part, members, p.digest, p.inputs), p.signature, f"part {part} of round {self.round_id}")

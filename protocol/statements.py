@@ -8,7 +8,15 @@ ever deserialised to check one):
   the replica that reduced it. It travels with the part, also when another replica relays it, so any
   receiver can check who produced the bytes it holds;
 * a **fin**: "I committed this round over contributor set ``C`` with result hash ``H``", signed by the
-  replica that committed.
+  replica that committed;
+* a **slice** (only in a round with the reducer cross-check): "my slice of part ``j`` of this round hashes
+  to ``h``", signed by its contributor. A part's statement then also binds its **inputs**: the
+  :func:`inputs_digest` of the hashes of the slices the reducer summed, so that the reducer cannot later
+  claim to have reduced other slices, and a checker's evidence cannot frame it with other ones.
+
+A replica that finds a part it can check is not the reduction of the inputs its reducer signed **vetoes**
+the round: it signs a fin whose result hash is :func:`veto_digest` of the reducer's statement (a hash no
+committed result ever has), so no honest replica that needs its fin can finish with that part.
 
 Both name the round by its :func:`round_digest` (the round id, the vector's length, the operation and
 every participant with its weight), so a statement from another round, or from another stage's round
@@ -51,13 +59,17 @@ _PART = b"protolearn/collective/part/1\x00"
 _FIN = b"protolearn/collective/fin/1\x00"
 _ROUND = b"protolearn/collective/round/1\x00"
 _RESULT = b"protolearn/collective/result/1\x00"
+_SLICE = b"protolearn/collective/slice/1\x00"
+_INPUTS = b"protolearn/collective/inputs/1\x00"
+_VETO = b"protolearn/collective/veto/1\x00"
 
 Sign = Callable[[bytes], bytes]
 Verify = Callable[[str, bytes, bytes], bool]
 
 __all__ = [
-    "HASH_BYTES", "SIGNATURE_BYTES", "Evidence", "Sign", "Verify", "contradiction", "fin_statement", "members_mask",
-    "part_hash", "part_statement", "result_hash", "round_digest", "verify_ed25519",
+    "HASH_BYTES", "SIGNATURE_BYTES", "Evidence", "Sign", "Verify", "contradiction", "fin_statement", "inputs_digest",
+    "is_part_statement", "members_mask", "op_tag", "part_hash", "part_statement", "result_hash", "round_digest", "slice_statement", "verify_ed25519",
+    "veto_digest",
 ]
 
 
@@ -69,6 +81,12 @@ def round_digest(round_id: int, weights: Mapping[str, float], numel: int, op: st
         raw = peer.encode()
         h.update(struct.pack(">H", len(raw)) + raw + struct.pack(">d", weights[peer]))
     return h.digest()
+
+
+def op_tag(op: str, rule_tag: str = "mean", cross_check: bool = False) -> str:
+    """What a round's digest names as its operation: ``op``, the aggregation rule with its parameters unless it
+    is the mean, and whether slices are cross-checked (a plain mean round's digest is what it always was)."""
+    return op + ("" if rule_tag == "mean" else f"/{rule_tag}") + ("/xc" if cross_check else "")
 
 
 def members_mask(peers: Sequence[str], members: Collection[str]) -> bytes:
@@ -91,9 +109,30 @@ def result_hash(part_hashes: Sequence[bytes]) -> bytes:
     return hashlib.sha256(_RESULT + b"".join(part_hashes)).digest()
 
 
-def part_statement(round_dig: bytes, part: int, mask: bytes, digest: bytes) -> bytes:
-    """The bytes a reducer signs for part ``part`` over the set ``mask`` with hash ``digest``."""
-    return _PART + round_dig + struct.pack(">IH", part, len(mask)) + mask + digest
+def part_statement(round_dig: bytes, part: int, mask: bytes, digest: bytes, inputs: bytes = b"") -> bytes:
+    """The bytes a reducer signs for part ``part`` over the set ``mask`` with hash ``digest`` (and, in a
+    cross-checked round, the :func:`inputs_digest` of the slices it reduced; the hash stays last)."""
+    return _PART + round_dig + struct.pack(">IH", part, len(mask)) + mask + inputs + digest
+
+
+def slice_statement(round_dig: bytes, part: int, digest: bytes) -> bytes:
+    """The bytes a contributor signs for its slice of part ``part`` with hash ``digest``."""
+    return _SLICE + round_dig + struct.pack(">I", part) + digest
+
+
+def inputs_digest(slice_hashes: Sequence[bytes]) -> bytes:
+    """What a cross-checked part's statement binds: the hashes of its slices, in sorted contributor order."""
+    return hashlib.sha256(_INPUTS + b"".join(slice_hashes)).digest()
+
+
+def is_part_statement(statement: bytes, round_dig: bytes) -> bool:
+    """Whether ``statement`` is (shaped like) a part statement of the round with digest ``round_dig``."""
+    return statement.startswith(_PART + round_dig)
+
+
+def veto_digest(statement: bytes) -> bytes:
+    """The result hash of a vetoing fin: bound to the part statement it refuses, never a real result's hash."""
+    return hashlib.sha256(_VETO + statement).digest()
 
 
 def fin_statement(round_dig: bytes, mask: bytes, digest: bytes) -> bytes:

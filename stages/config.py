@@ -142,11 +142,15 @@ class IntegrityConfig(_Frozen):
     check_tolerance: float = Field(1e-3, gt=0.0, le=1.0)
     # A joiner runs its stage on a fixed input from the run seed and compares with its donor's output.
     self_test: bool = True
-    # How the replicas of a stage combine their gradients: "mean" (the default), "trimmed_mean" or "centered_clip".
+    # How the replicas of a stage combine their gradients (protocol/robust.py): "mean" (the default), "trimmed_mean"
+    # or "centered_clip". The robust rules act on each replica's per-ticket mean, per collective part, and are scaled
+    # back to the sum's scale; with fewer than 3 contributors they are the mean.
     aggregation: str = Field("mean", pattern=r"^(mean|trimmed_mean|centered_clip)$")
-    # trimmed_mean: the fraction of replicas cut at each end per coordinate (at least one when there are 3+).
+    # trimmed_mean: the fraction of replicas cut at each end per coordinate, floor(fraction * k) but at least one
+    # when there are 3+ and the fraction is > 0 (3 replicas: the coordinate-wise median); the rest are ticket-weighted.
     trim_fraction: float = Field(0.25, ge=0.0, lt=0.5)
-    # centered_clip: the clipping radius (relative to the median replica's distance from the centre) and iterations.
+    # centered_clip: start at the coordinate-wise median; the clipping radius is clip_tau times the median replica's
+    # distance from it (scale-free); clip_iters fixed iterations (each moves the centre by at most the radius).
     clip_tau: float = Field(1.0, gt=0.0, le=1e6)
     clip_iters: int = Field(3, ge=1, le=100)
 

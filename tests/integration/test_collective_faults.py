@@ -9,7 +9,9 @@ never left out.
 Two more check what only real hosts show: a replica that signs a fin with a made-up result hash (with
 its real key) makes the honest replicas fail, with its signed fin as evidence that checks out against its
 peer ID; and a replica that finished a round answers a late probe of it with its signed fin (signed with
-the host's key), or with ``left`` when the round failed there.
+the host's key), or with ``left`` when the round failed there. With the reducer cross-check and a robust
+rule, a replica that tampers with the parts it reduces makes every honest replica fail, and its checker
+holds evidence that :func:`verify_reducer_fault` accepts from the peer IDs alone.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from protolearn.node.averaging import Averager, AveragingError
 from protolearn.protocol.collective import Done, PartHeader, Send
 from protolearn.protocol.identity import Identity
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse
+from protolearn.protocol.reducer_check import peer_id_public_key, verify_reducer_fault
+from protolearn.protocol.robust import Aggregation, robust_reduce
 from protolearn.protocol.statements import fin_statement, members_mask, round_digest, verify_ed25519
 from protolearn.protocol.transport import TransportConfig, open_host
 
@@ -253,5 +257,54 @@ def test_a_late_probe_of_a_finished_round_gets_the_signed_fin_or_left(run_trio, 
                 await avgs[0].run_round(ROUND + 1, weights, torch.zeros(64))
             left = await probe(ROUND + 1)
             assert isinstance(left, Refuse) and left.code == "left"
+
+    run_trio(main, timeout=40)
+
+
+@pytest.mark.parametrize("tamperer", [None, 1])
+def test_a_tampering_reducer_is_vetoed_with_evidence_over_real_hosts(run_trio, tamperer: int | None) -> None:
+    agg = Aggregation("trimmed_mean", trim_fraction=0.25)
+    numel = 3001
+
+    async def main() -> None:
+        ids = sorted((Identity.generate() for _ in range(3)), key=lambda i: i.peer_id)
+        weights = {i.peer_id: float(k + 1) for k, i in enumerate(ids)}
+        gen = torch.Generator().manual_seed(5)
+        vectors = [torch.randn(numel, generator=gen) * (k + 1) for k in range(3)]
+        outcome: dict[int, object] = {}
+        async with AsyncExitStack() as stack:
+            hosts = [await stack.enter_async_context(open_host(i, config=CONFIG)) for i in ids]
+            for h in hosts:
+                for other in hosts:
+                    if other is not h:
+                        h.add_peer_addrs(other.peer_id, other.addrs())
+            avgs = [Averager(h, STAGE, numel, timeout_s=20.0, first_round=ROUND, sign=i.sign, aggregation=agg, cross_check=True,
+                             tamper=(lambda j, part: part + 1.0) if k == tamperer else None)
+                    for k, (h, i) in enumerate(zip(hosts, ids))]
+            for a in avgs:
+                a.register()
+
+            async def one(k: int) -> None:
+                try:
+                    outcome[k] = await avgs[k].run_round(ROUND, weights, vectors[k])
+                except AveragingError as err:
+                    outcome[k] = err
+
+            async with trio.open_nursery() as n:
+                for k in range(3):
+                    n.start_soon(one, k)
+        honest = [k for k in range(3) if k != tamperer]
+        if tamperer is None:
+            bounds = [(0, 1001), (1001, 2001), (2001, 3001)]
+            slices = {i.peer_id: v for i, v in zip(ids, vectors)}
+            exact = torch.cat([robust_reduce({p: v[a:b] for p, v in slices.items()}, weights, weights, "sum", b - a, agg) for a, b in bounds])
+            assert all(isinstance(outcome[k], torch.Tensor) and torch.equal(outcome[k], exact) for k in honest)
+            return
+        assert all(isinstance(outcome[k], AveragingError) for k in honest), "the wrong part is never applied"
+        checker = avgs[(tamperer + 1) % 3].last_failed
+        assert checker is not None and checker.missing == [ids[tamperer].peer_id] and checker.reducer_faults
+        for fault in checker.reducer_faults:
+            ok, why = verify_reducer_fault(fault, peer_id_public_key, aggregation_cfg=agg)
+            assert ok and fault.reducer == ids[tamperer].peer_id, why
 
     run_trio(main, timeout=40)

@@ -121,7 +121,8 @@ class Net:
             return
         data = None if msg.data is None else msg.data.clone()
         self.handle(msg.peer, dst.receive(src, msg.phase, msg.part, data, contributors=list(msg.contributors), suspects=suspects,
-                                          signer=msg.signer, digest=msg.digest, signature=msg.signature, now=self.now))
+                                          signer=msg.signer, digest=msg.digest, signature=msg.signature, inputs=msg.inputs,
+                                          vetoed=msg.vetoed, now=self.now))
         self.deliveries += 1
         if src in self.dead:
             return
