@@ -282,6 +282,7 @@ class CoordinatorCore:
         d = self.registry.heartbeat(peer, info, now, frontier=self.ledger.frontier)
         if not d.accepted:
             raise self.refuse(d.code, d.reason)
+        self.integrity.observe_checks(peer, msg.checks)
         member = self.registry.members[peer]
         stages = self._view_stages(member, delta=msg.view_delta)
         view = self.registry.view.update_for(peer, stages, msg.view_version, delta=msg.view_delta)
@@ -422,6 +423,7 @@ class CoordinatorCore:
         if not d.accepted:
             raise self.refuse(d.code, d.reason)
         freed = self.ledger.revoke_peer(peer)
+        self.integrity.forget(peer)
         log.info("leave peer=%s stage=%d freed=%s reason=%s", peer, d.stage, freed, msg.reason or "-")
         return cm.LeaveReply(released=freed)
 
@@ -515,6 +517,7 @@ class CoordinatorCore:
         """Expire silent members, prune reports, maybe rebalance. Returns log lines of what happened."""
         events = []
         for m in self.registry.expire(now):
+            self.integrity.forget(m.peer_id)
             freed = self.ledger.revoke_peer(m.peer_id)
             events.append(f"expired peer={m.peer_id} stage={m.stage} freed={freed}")
         for peer in self.registry.newly_gone(now):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protolearn.coordinator.registry import Registry
@@ -67,6 +68,40 @@ class IntegrityDesk:
     against: Counter[str] = field(default_factory=Counter)
     filed: Counter[str] = field(default_factory=Counter)
     dirty: list[EvidenceRecord] = field(default_factory=list)
+    # target → reporter → what the reporter's checks found of it (each heartbeat replaces the reporter's list).
+    checks: dict[str, dict[str, cm.PeerCheck]] = field(default_factory=dict)
+    _checked_by: dict[str, set[str]] = field(default_factory=dict)
+
+    def observe_checks(self, reporter: str, checks: list[cm.PeerCheck]) -> None:
+        """Record ``reporter``'s heartbeat view of its checks (a claim: shown as the median, never acted on)."""
+        for target in self._checked_by.pop(reporter, set()):
+            by = self.checks.get(target)
+            if by is not None:
+                by.pop(reporter, None)
+                if not by:
+                    del self.checks[target]
+        if not checks:
+            return
+        for c in checks:
+            if c.peer_id != reporter:
+                self.checks.setdefault(c.peer_id, {})[reporter] = c
+        self._checked_by[reporter] = {c.peer_id for c in checks if c.peer_id != reporter}
+
+    def forget(self, peer: str) -> None:
+        """``peer`` left: its reports of others go (what others report of it stays until they report again)."""
+        self.observe_checks(peer, [])
+
+    def summary(self, peer: str, live: Callable[[str], bool]) -> tuple[float | None, str, int, int]:
+        """(median score, majority probation state, checks passed, failed) as ``peer``'s live checkers report."""
+        reports = [c for r, c in self.checks.get(peer, {}).items() if live(r)]
+        if not reports:
+            return None, "", 0, 0
+        scores = sorted(c.score for c in reports)
+        states = Counter(c.state for c in reports)
+        (state, n), = states.most_common(1)
+        if 2 * n <= len(reports):
+            state = "probation"
+        return scores[(len(scores) - 1) // 2], state, sum(c.passed for c in reports), sum(c.failed for c in reports)
 
     def restore(self, records: list[EvidenceRecord]) -> None:
         self.against = Counter(r.accused for r in records)
@@ -89,7 +124,10 @@ class IntegrityDesk:
         if self.verdicts.is_banned(target):
             return True, f"{target} is already banned: {self.verdicts.bans[target].reason}"
         stages = {accused.stage, accused.serving} - {-1}
-        if not any(abs(me.stage - s) == 1 or abs(me.serving - s) == 1 for s in stages):
+        if msg.reducer_fault is not None:
+            return self._reducer_fault(reporter, me, msg, stages, now)
+        mine = {me.stage, me.serving} - {-1}
+        if not any(abs(m - s) == 1 for m in mine for s in stages):
             raise IntegrityRefused("bad_report", "only a stage next to the accused's receives its outputs and can check them")
         ev = msg.evidence
         if ev is None:
@@ -126,6 +164,33 @@ class IntegrityDesk:
         ban = self.verdicts.ban(target, f"integrity: {why} (reported by {reporter[-8:]})", now)
         self._record(EvidenceRecord(now, reporter, target, ev.step, "ban", why, digest))
         log.warning("integrity conviction peer=%s reporter=%s step=%d reason=%s", target, reporter, ev.step, why)
+        return True, ban.reason
+
+    def _reducer_fault(self, reporter: str, me, msg: cm.IntegrityReport, stages: set[int], now: float) -> tuple[bool, str]:
+        """A replica of the reporter's own stage signed a wrong reduced part: checked by recomputing it."""
+        ev = msg.reducer_fault
+        assert ev is not None
+        target = msg.target
+        if ev.reducer != target or not (({me.stage, me.serving} - {-1}) & stages):
+            raise IntegrityRefused("bad_evidence", "a reducer's proof accuses a replica of the reporter's own stage")
+        for peer in {s.peer for s in ev.slices}:
+            m = self.registry.members.get(peer)
+            if m is None or not (({m.stage, m.serving} - {-1}) & stages):
+                raise IntegrityRefused("bad_evidence", f"slice signer {peer[-8:]} is not a replica of the reducer's stage")
+        from protolearn.protocol.reducer_check import peer_id_public_key, verify_reducer_fault
+
+        ok, why = verify_reducer_fault(ev, peer_id_public_key, aggregation_cfg=self.run)
+        if not ok:
+            raise IntegrityRefused("bad_evidence", why)
+        digest = hashlib.sha256(encode(ev)).hexdigest()
+        why = f"collective: it signed part {ev.part} of round {ev.round} with bytes that are not the reduction of the slices it was sent ({why})"
+        if not self.enabled:
+            self.verdicts.flag(target, "integrity", why, now)
+            self._record(EvidenceRecord(now, reporter, target, ev.round, "flag", why, digest))
+            return False, f"{target} convicted, but integrity bans are off: {why}"
+        ban = self.verdicts.ban(target, f"integrity: {why} (reported by {reporter[-8:]})", now)
+        self._record(EvidenceRecord(now, reporter, target, ev.round, "ban", why, digest))
+        log.warning("integrity conviction peer=%s reporter=%s round=%d reason=%s", target, reporter, ev.round, why)
         return True, ban.reason
 
     def _record(self, r: EvidenceRecord) -> None:

@@ -87,6 +87,15 @@ class CoordinatorCollector(Collector):
             refusals.add_metric([code], n)
         yield refusals
         yield CounterMetricFamily(PREFIX + "tickets_reissued", "Expired leases re-issued.", value=core.reissued)
+        desk = core.integrity
+        yield CounterMetricFamily(PREFIX + "integrity_reports", "Integrity reports that reached a verdict (ban or flag).", value=sum(desk.against.values()))
+        yield GaugeMetricFamily(PREFIX + "bans", "Banned peers.", value=len(core.verdicts.bans))
+        passed = sum(c.passed for by in desk.checks.values() for c in by.values())
+        failed = sum(c.failed for by in desk.checks.values() for c in by.values())
+        checks = GaugeMetricFamily(PREFIX + "spot_checks", "Spot checks of live members as their checkers last reported them.", labels=["result"])
+        checks.add_metric(["passed"], passed)
+        checks.add_metric(["failed"], failed)
+        yield checks
 
 
 def metrics_registry(core: CoordinatorCore, clock: Callable[[], float]) -> CollectorRegistry:

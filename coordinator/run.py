@@ -27,6 +27,11 @@ class RunInfo:
     boundary_shape: tuple[int, ...] = ()
     codec: str = "none"
     check_tolerance: float = 1e-3
+    # The collective's aggregation (a reducer's proof is checked against it): as IntegrityConfig names them.
+    aggregation: str = "mean"
+    trim_fraction: float = 0.25
+    clip_tau: float = 1.0
+    clip_iters: int = 3
 
     @property
     def num_stages(self) -> int:
@@ -47,4 +52,8 @@ class RunInfo:
             boundary_shape=(run.batch.microbatch_size, run.batch.seq_len, run.model.d_model),
             codec=run.codec,
             check_tolerance=run.integrity.check_tolerance,
+            aggregation=run.integrity.aggregation,
+            trim_fraction=run.integrity.trim_fraction,
+            clip_tau=run.integrity.clip_tau,
+            clip_iters=run.integrity.clip_iters,
         )

@@ -15,7 +15,13 @@ The verdict, in order of precedence:
 Node flags: ``stale`` (missed two heartbeats), ``hash-mismatch`` (its parameter hash differs from
 its stage's majority at the same step), ``behind`` (it reports an older step than its stage's),
 ``no-throughput`` (it has not measured any yet), and the verdict policy's conduct flags as
-``kind:strikes`` (``redo_storm``, ``result_mismatch``, ``late_leases``; see ``verdicts.py``).
+``kind:strikes`` (``redo_storm``, ``result_mismatch``, ``late_leases``, ``integrity``; see ``verdicts.py``).
+
+Integrity (schema 2, ``coordinator/integrity.py``): each node's ``integrity`` is the median of the
+boundary-monitor scores its checkers report in their heartbeats, ``probation`` their majority state,
+``checks_passed``/``checks_failed`` the spot checks they ran on it, and ``evidence`` the integrity
+reports against it that reached a verdict (persisted). These are claims by its neighbours, shown, never
+acted on: only evidence the coordinator verifies itself bans.
 
 Reports are claims, so one replica cannot decide what a stage looks like: a stage's ``param_step`` is
 the lower median of the steps its replicas report (a lone claim of a huge step moves nothing), and
@@ -43,7 +49,8 @@ from protolearn.coordinator.verdicts import VerdictPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.coordination import majority_state
 
-SCHEMA_VERSION = 1
+# 2: nodes carry integrity, probation, checks_passed, checks_failed and evidence (issue 11).
+SCHEMA_VERSION = 2
 # tokens/s is measured over this many of the most recent closed steps.
 RATE_WINDOW = 10
 # No step closed for this long (and this many average step times) while not halted: degraded.
@@ -65,7 +72,7 @@ def _obj(props: dict[str, Any]) -> dict[str, Any]:
 STATUS_JSON_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "protolearn swarm status",
-    "description": "Output of `protolearn swarm status --json` (schema_version 1).",
+    "description": "Output of `protolearn swarm status --json` (schema_version 2).",
     **_obj(
         {
             "schema_version": {"const": SCHEMA_VERSION},
@@ -126,6 +133,11 @@ STATUS_JSON_SCHEMA: dict[str, Any] = {
                         "step": _INT,
                         "loss": {"type": ["number", "null"]},
                         "flags": {"type": "array", "items": _STR},
+                        "integrity": {"type": ["number", "null"], "description": "median boundary-monitor score its checkers report; >= 1 is a suspect"},
+                        "probation": {"enum": ["", "probation", "trusted", "failed"]},
+                        "checks_passed": _INT,
+                        "checks_failed": _INT,
+                        "evidence": {**_INT, "description": "integrity reports against it that reached a verdict"},
                     }
                 ),
             },
@@ -225,11 +237,14 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.S
         if m.throughput <= 0:
             f.append("no-throughput")
         f.extend(core.verdicts.flags_of(m.peer_id))
+        score, probation, passed, failed = core.integrity.summary(m.peer_id, core.registry.is_live)
         nodes.append(
             cm.NodeView(
                 peer_id=m.peer_id, stage=m.stage, state=m.state, last_seen_s=float(since),
                 throughput=float(m.throughput), queue_len=m.queue_len, step=m.step,
                 loss=None if m.loss is None else float(m.loss), flags=f,
+                integrity=score, probation=probation, checks_passed=passed, checks_failed=failed,
+                evidence=core.integrity.against.get(m.peer_id, 0),
             )
         )
 

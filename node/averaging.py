@@ -38,6 +38,7 @@ import trio
 from protolearn.node.core import REVISIONS_PER_STEP
 from protolearn.node.early_parts import EarlyParts
 from protolearn.node.errors import NodeError
+from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.collective import (
     DEFAULT_FLOOR_S,
     Aggregation,
@@ -130,6 +131,8 @@ class Averager:
         self.last_done: Done | None = None
         # The last round that failed, with its evidence (two statements one peer signed) when a peer lied.
         self.last_failed: Failed | None = None
+        # Called with each proof that a reducer signed a wrong part (the node sends it to the coordinator).
+        self.on_reducer_fault: Callable[[ReducerFault], None] | None = None
         self._round: CollectiveRound | None = None
         self._outbox: trio.MemorySendChannel[Send | Probe] | None = None
         self._finished = trio.Event()
@@ -358,6 +361,9 @@ class Averager:
         self._outcomes = {k: v for k, v in self._outcomes.items() if k >= round_id - 2 * REVISIONS_PER_STEP}
         if isinstance(result, Failed):
             self.last_failed = result
+            if result.reducer_faults and self.on_reducer_fault is not None:
+                for fault in result.reducer_faults:
+                    self.on_reducer_fault(fault)
             raise AveragingError(f"stage {self.stage} averaging of step {round_id} failed: {result.reason}")
         assert isinstance(result, Done)
         if result.excluded:

@@ -29,6 +29,7 @@ import trio
 from protolearn.node.errors import Banned
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.boundary import Evidence as BoundaryEvidence
+from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused
 from protolearn.protocol.wire import Message
 
@@ -313,9 +314,11 @@ class CoordinatorLink:
         reply, _ = await self._request(msg, cm.ReportReply)
         return reply
 
-    async def integrity_report(self, target: str, reason: str, evidence: BoundaryEvidence | None) -> cm.ReportReply:
-        """Report a stage that failed a check; only ``evidence`` the coordinator verifies itself can ban it."""
-        msg = cm.IntegrityReport(target=target, reason=reason[: cm.MAX_TEXT], evidence=evidence)
+    async def integrity_report(
+        self, target: str, reason: str, evidence: BoundaryEvidence | None, fault: ReducerFault | None = None,
+    ) -> cm.ReportReply:
+        """Report a stage that failed a check; only evidence the coordinator verifies itself can ban it."""
+        msg = cm.IntegrityReport(target=target, reason=reason[: cm.MAX_TEXT], evidence=evidence, reducer_fault=fault)
         reply, _ = await self._request(msg, cm.ReportReply)
         return reply
 

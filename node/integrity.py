@@ -42,12 +42,14 @@ from protolearn.protocol.boundary import (
     tolerance,
 )
 from protolearn.protocol.codecs import decode, make_encoder
+from protolearn.protocol.coordination import MAX_PEER_CHECKS, PeerCheck
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.frames import TensorFrame
 from protolearn.protocol.identity import verify_peer
 from protolearn.protocol.monitors import BoundaryMonitor
 from protolearn.protocol.pipeline import CHECK, SHOW, Ack, CheckRequest, CheckResult, Refuse, ShowRequest
 from protolearn.protocol.probation import SpotCheckPolicy
+from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.tensors import TensorLimits
 from protolearn.protocol.transport import FramedStream, Host
 from protolearn.stages.config import RunConfig
@@ -65,8 +67,8 @@ MAX_SERVED_PER_PEER_STEP = 64
 CLAIM_INTERVAL_S = 10.0
 
 Key = tuple[int, int]
-# (accused, reason, evidence or None) → whether the coordinator banned the accused.
-Report = Callable[[str, str, Evidence | None], Awaitable[bool]]
+# (accused, reason, evidence or None, a reducer's fault or None) → whether the coordinator banned the accused.
+Report = Callable[[str, str, Evidence | None, ReducerFault | None], Awaitable[bool]]
 
 
 @dataclass
@@ -136,6 +138,9 @@ class Integrity:
         self._reporting: set[str] = set()
         self.convicted: set[str] = set()
         self._claimed_at: dict[str, float] = {}
+        # peer → [spot checks passed, failed] and when it last sent this node a tensor (for the heartbeat).
+        self.per_peer: dict[str, list[int]] = {}
+        self._seen: dict[str, float] = {}
         self.stats = IntegrityStats()
         self._nursery: trio.Nursery | None = None
         # Testing only (node/adversary.py): corrupts what this node sends, check results included.
@@ -199,6 +204,11 @@ class Integrity:
         """Score the sender and maybe start a spot check of this tensor."""
         if got.peer in self.convicted or got.peer in self._reporting:
             return
+        self._seen[got.peer] = trio.current_time()
+        if len(self._seen) > 4 * MAX_PEER_CHECKS:  # keep the most recent senders only
+            for p in sorted(self._seen, key=self._seen.__getitem__)[: len(self._seen) - MAX_PEER_CHECKS]:
+                del self._seen[p]
+                self.per_peer.pop(p, None)
         suspect = False
         if self.monitor is not None:
             self.monitor.observe(got.peer, got.stage, got.direction, got.tensor)
@@ -238,8 +248,7 @@ class Integrity:
                 continue
             results[peer] = r
             if len(results) == 1 and distance(got.tensor, r[2]) <= self.tolerance:
-                self.stats.checks_passed += 1
-                self.policy.passed(got.peer)
+                self._count(got.peer, passed=True)
                 return
             if len(results) == 2:
                 break
@@ -262,17 +271,34 @@ class Integrity:
         else:
             self.stats.checks_inconclusive += 1
             return
-        if accused == got.peer:
-            self.stats.checks_failed += 1
-            self.policy.failed(got.peer)
-        else:
-            self.stats.checks_passed += 1
-            self.policy.passed(got.peer)
+        self._count(got.peer, passed=accused != got.peer)
         ev = Evidence(
             accused=accused, step=got.step, ticket=got.ticket, direction=got.direction, stage=got.stage, inputs=got.inputs,
             outputs=list(outputs.values()),
         )
         await self._send_evidence(accused, f"spot check of step {got.step} ticket {got.ticket} ({got.direction})", ev)
+
+    def _count(self, peer: str, *, passed: bool) -> None:
+        counts = self.per_peer.setdefault(peer, [0, 0])
+        if passed:
+            self.stats.checks_passed += 1
+            counts[0] += 1
+            self.policy.passed(peer)
+        else:
+            self.stats.checks_failed += 1
+            counts[1] += 1
+            self.policy.failed(peer)
+
+    def peer_checks(self) -> list[PeerCheck]:
+        """What this node's checks found of the peers that sent it tensors lately (for the heartbeat)."""
+        recent = sorted(self._seen, key=self._seen.__getitem__, reverse=True)[:MAX_PEER_CHECKS]
+        out = []
+        for p in recent:
+            passed, failed = self.per_peer.get(p, (0, 0))
+            score = self.monitor.score(p) if self.monitor is not None else 0.0
+            score = min(max(float(score), 0.0), 1e6) if score == score else 1e6
+            out.append(PeerCheck(peer_id=p, score=score, state=self.policy.state(p), passed=passed, failed=failed))
+        return out
 
     async def _gather_inputs(self, got: Received) -> list[TensorFrame] | None:
         """The input frames A computed from, checked against the digest it signed (None: unavailable)."""
@@ -327,19 +353,23 @@ class Integrity:
             log.info("check failed peer=%s reason=%s", peer, getattr(err, "reason", "timed out"))
             return None
 
-    async def _send_evidence(self, accused: str, reason: str, ev: Evidence | None) -> None:
+    def reducer_fault(self, fault: ReducerFault) -> None:
+        """The collective caught a reducer of this stage signing a wrong part: send the proof."""
+        self._spawn(self._send_evidence, fault.reducer, f"collective round {fault.round}: a wrong reduced part", None, fault)
+
+    async def _send_evidence(self, accused: str, reason: str, ev: Evidence | None, fault: ReducerFault | None = None) -> None:
         if accused in self._reporting or accused in self.convicted:
             return
         now = trio.current_time()
-        if ev is None:
+        if ev is None and fault is None:
             if now - self._claimed_at.get(accused, -CLAIM_INTERVAL_S) < CLAIM_INTERVAL_S:
                 return
             self._claimed_at[accused] = now
         self._reporting.add(accused)
-        self.stats.evidence_sent += ev is not None
-        log.warning("integrity report peer=%s evidence=%s reason=%s", accused, ev is not None, reason)
+        self.stats.evidence_sent += ev is not None or fault is not None
+        log.warning("integrity report peer=%s evidence=%s reason=%s", accused, ev is not None or fault is not None, reason)
         try:
-            if await self.report(accused, reason, ev):
+            if await self.report(accused, reason, ev, fault):
                 self.convicted.add(accused)
         except ProtocolError as err:
             log.warning("integrity report failed peer=%s reason=%s", accused, err.reason)

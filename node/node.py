@@ -45,6 +45,8 @@ from protolearn.node.syncing import StageSync
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.boundary import Evidence as BoundaryEvidence
+from protolearn.protocol.reducer_check import ReducerFault
+from protolearn.protocol.robust import Aggregation
 from protolearn.protocol.states import NodeState
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import Identity
@@ -162,14 +164,16 @@ class Node:
             report=self._integrity_report, timeout_s=self.config.request_timeout_s, seed=self.integrity_seed,
         )
         self.router.integrity = self.integrity
-        if self.adversary is not None:
-            self._arm_adversary(self.adversary)
         self.host.on_connection = self._on_connection
         self.driver.bind(self.worker, self.router, core.accounting)
         self.averager = Averager(self.host, stage, self.worker.numel, timeout_s=self.config.averaging_timeout_s,
                                  window=lambda: core.next_round, clock=self.clock,
-                                 members=lambda: set(self.view.stage_peers(stage, live=False)))
+                                 members=lambda: set(self.view.stage_peers(stage, live=False)),
+                                 aggregation=Aggregation.from_config(run.integrity), cross_check=run.integrity.cross_check)
+        self.averager.on_reducer_fault = self.integrity.reducer_fault
         self.averager.register()
+        if self.adversary is not None:
+            self._arm_adversary(self.adversary)
         self.syncer = StageSync(
             self.config, self.host, self.link, self.worker, self.persistence, self.compute, self.progress,
             stage=stage, run_hash=self.run_hash, donors=lambda: [p for p in self.view.stage_peers(stage) if p != self.host.peer_id],
@@ -208,11 +212,11 @@ class Node:
     def _stage_of(self, peer: str) -> int | None:
         return next((m.stage for m in self.view.members if m.peer_id == peer), None)
 
-    async def _integrity_report(self, target: str, reason: str, evidence: BoundaryEvidence | None) -> bool:
+    async def _integrity_report(self, target: str, reason: str, evidence: BoundaryEvidence | None, fault: ReducerFault | None = None) -> bool:
         """Send an integrity report; True when the coordinator banned ``target`` (this node then shuts
         it out at once, without waiting for the next heartbeat's ban list)."""
         try:
-            reply = await self.link.integrity_report(target, reason, evidence)
+            reply = await self.link.integrity_report(target, reason, evidence, fault)
         except CoordinatorRefused as err:
             log.warning("integrity report refused peer=%s code=%s reason=%s", target, err.code, err.detail)
             return False
@@ -238,6 +242,14 @@ class Node:
 
             self.router.tamper = tamper
             self.integrity.tamper = tamper
+        elif adv.kind == "reducer":
+
+            def corrupt_part(part: int, data: torch.Tensor) -> torch.Tensor:
+                self.adversary_sent += 1
+                self.progress.event("adversary", kind=adv.kind, part=part, sent=self.adversary_sent)
+                return data + 1.0
+
+            self.averager.tamper = corrupt_part
         elif adv.kind == "stale":
             self.worker.stale_from = adv.from_step
 
@@ -307,6 +319,7 @@ class Node:
             step=applied - 1,
             param_hash=self._hash_by_step.get(applied - 1, ""),
             recent=[cm.RecentHash(step=s, hash=h) for s, h in sorted(self._hash_by_step.items()) if s < applied][-cm.HASH_HISTORY:],
+            checks=self.integrity.peer_checks(),
             loss=self.last_loss if self.last_loss is not None and math.isfinite(self.last_loss) else None,
             view_version=self.view.version,
         )

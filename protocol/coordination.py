@@ -42,6 +42,7 @@ from collections.abc import Iterable
 from typing import Annotated, ClassVar, Literal
 
 from protolearn.protocol.boundary import Evidence as BoundaryEvidence
+from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.states import NodeState
 from protolearn.protocol.wire import Message
 from pydantic import BaseModel, ConfigDict, Field
@@ -136,6 +137,20 @@ class RecentHash(_Part):
     hash: Hash
 
 
+class PeerCheck(_Part):
+    """What a node's integrity checks found of one peer whose outputs it receives (node/integrity.py)."""
+
+    peer_id: PeerId
+    # The boundary monitor's score: 0 looks like its stage's other replicas, >= 1 is a suspect.
+    score: Annotated[float, Field(ge=0.0, le=1e6, allow_inf_nan=False)]
+    state: Literal["probation", "trusted", "failed"]
+    passed: Annotated[int, Field(ge=0, lt=2**31)]
+    failed: Annotated[int, Field(ge=0, lt=2**31)]
+
+
+MAX_PEER_CHECKS = 64
+
+
 class Heartbeat(Message):
     KIND: ClassVar[str] = "coord.heartbeat"
     state: State
@@ -153,6 +168,8 @@ class Heartbeat(Message):
     view_delta: bool = False
     # The parameter hashes after its last few applied steps (``step`` included), oldest first.
     recent: list[RecentHash] = Field(default_factory=list, max_length=HASH_HISTORY)
+    # Its integrity checks of the peers it receives tensors from (the most recently seen first).
+    checks: list[PeerCheck] = Field(default_factory=list, max_length=MAX_PEER_CHECKS)
 
 
 class HeartbeatReply(Message):
@@ -316,13 +333,16 @@ class Report(Message):
 
 
 class IntegrityReport(Message):
-    """A stage's output failed a check (protocol/boundary.py): with ``evidence`` the coordinator verifies
-    it and convicts; without, the report is a claim that flags the target and never bans."""
+    """A stage's output failed a check (protocol/boundary.py), or a reducer of the reporter's stage signed a
+    wrong part: with ``evidence`` or ``reducer_fault`` the coordinator verifies it and convicts; without,
+    the report is a claim that flags the target and never bans."""
 
     KIND: ClassVar[str] = "coord.integrity_report"
     target: PeerId
     reason: Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
     evidence: BoundaryEvidence | None = None
+    # Or: a collective reducer of the reporter's own stage signed a wrong part (protocol/reducer_check.py).
+    reducer_fault: ReducerFault | None = None
 
 
 class ReportReply(Message):
@@ -413,6 +433,13 @@ class NodeView(_Part):
     step: int
     loss: float | None
     flags: list[str]
+    # Integrity (schema 2): the median monitor score its checkers report (None: nobody checks it yet),
+    # their majority probation state ("" when none), spot checks passed and failed, evidence against it.
+    integrity: float | None = None
+    probation: str = ""
+    checks_passed: int = 0
+    checks_failed: int = 0
+    evidence: int = 0
 
 
 class LossPoint(_Part):

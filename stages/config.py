@@ -146,6 +146,9 @@ class IntegrityConfig(_Frozen):
     # or "centered_clip". The robust rules act on each replica's per-ticket mean, per collective part, and are scaled
     # back to the sum's scale; with fewer than 3 contributors they are the mean.
     aggregation: str = Field("mean", pattern=r"^(mean|trimmed_mean|centered_clip)$")
+    # Each part a replica reduces in the collective is recomputed by the next replica in its chain, which
+    # vetoes the round with a proof when the reducer signed a wrong part (scatter traffic doubles).
+    cross_check: bool = True
     # trimmed_mean: the fraction of replicas cut at each end per coordinate, floor(fraction * k) but at least one
     # when there are 3+ and the fraction is > 0 (3 replicas: the coordinate-wise median); the rest are ticket-weighted.
     trim_fraction: float = Field(0.25, ge=0.0, lt=0.5)

@@ -40,6 +40,13 @@ def short(peer_id: str) -> str:
     return f"…{peer_id[-8:]}" if len(peer_id) > 10 else peer_id
 
 
+def _integrity(n: Any) -> str:
+    """A node's monitor score and probation state, as its checkers report them ("-" when none checks it)."""
+    if n.integrity is None:
+        return "-"
+    return f"{n.integrity:.2f} {n.probation}".strip()
+
+
 def render(st: cm.Status) -> Any:
     """A rich renderable of the status (what the terminal shows)."""
     from rich.console import Group
@@ -73,12 +80,13 @@ def render(st: cm.Status) -> Any:
         )
 
     nodes = Table(title="nodes", title_justify="left", expand=False)
-    for col in ("peer", "stage", "state", "last seen", "throughput", "queue", "step", "flags"):
+    for col in ("peer", "stage", "state", "last seen", "throughput", "queue", "step", "integrity", "checks", "flags"):
         nodes.add_column(col)
     for n in st.nodes:
         nodes.add_row(
             short(n.peer_id), str(n.stage), n.state, f"{n.last_seen_s:.1f}s", f"{n.throughput:,.0f}",
-            str(n.queue_len), str(n.step), ",".join(n.flags), style="yellow" if n.flags else "",
+            str(n.queue_len), str(n.step), _integrity(n), f"{n.checks_passed}/{n.checks_failed}" + (f" ev:{n.evidence}" if n.evidence else ""),
+            ",".join(n.flags), style="yellow" if n.flags or n.probation == "failed" else "",
         )
     parts: list[Any] = [head, verdict, progress, stages, nodes]
     if st.bans:

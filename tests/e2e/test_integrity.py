@@ -1,0 +1,46 @@
+"""Integrity end to end: a lying stage-0 replica in a real swarm is caught, banned with a reason, and training
+goes on to within 3% of the honest run's loss. The swarm is ``scripts/bench_integrity.py``'s scenario:
+a coordinator and 4 nodes as CLI subprocesses on 127.0.0.1, the adversary joining last, mid-run, as
+``node join --adversary KIND`` (allowed by PROTOLEARN_ALLOW_ADVERSARY=1).
+
+CI runs one kind the monitors and spot checks must catch (``signflip``: outputs of the right size and
+statistics but the wrong sign) and the collective's (``reducer``); ``python scripts/bench.py integrity``
+runs every kind (README, "Integrity").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 30
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("protolearn_bench_integrity", ROOT / "scripts" / "bench_integrity.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def honest(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    r = _bench().scenario(tmp_path_factory.mktemp("honest"), steps=STEPS, timeout_s=400)
+    assert r["steps_closed"] == STEPS and r["false_positives"] == 0, r
+    return r
+
+
+@pytest.mark.parametrize("kind", ["signflip", "reducer"])
+def test_one_adversary_among_three_replicas_is_banned_and_training_goes_on(kind: str, honest: dict, tmp_path: Path) -> None:
+    r = _bench().scenario(tmp_path / kind, kind=kind, steps=STEPS, timeout_s=400)
+    assert r["stages"][3] == 0, r  # the adversary joined stage 0, as the third of its replicas
+    assert r["detected"], r
+    assert "integrity" in r["bans"]["node3"], r
+    assert r["false_positives"] == 0, r
+    assert r["microbatches_to_ban"] <= 20, r
+    assert r["steps_closed"] == STEPS, r
+    assert abs(r["final_loss"] / honest["final_loss"] - 1) <= 0.03, (r["final_loss"], honest["final_loss"])
