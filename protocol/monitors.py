@@ -12,7 +12,7 @@ What it measures, per tensor ``x`` viewed as ``(N, D)`` rows:
 * ``mean``: the mean of all elements over their RMS (catches ``signflip`` of activations);
 * ``tail``: the fraction of elements beyond ``TAIL_K`` times the tensor's own RMS, a shape statistic
   independent of scale (catches ``random`` and ``noise``, which are Gaussian where honest tensors are not);
-* ``rows``: the coefficient of variation of the per-token norms ``(N,)`` (catches ``random`` and
+* ``rows``: the log of the coefficient of variation of the per-token norms ``(N,)`` (catches ``random`` and
   ``noise`` gradients: an honest gradient is large on the few tokens the model got wrong, a Gaussian one
   is equally large everywhere);
 * ``dir``: the cosine of the per-feature mean vector ``x.mean(0)`` ``(D,)`` with the group's reference
@@ -25,15 +25,17 @@ What it measures, per tensor ``x`` viewed as ``(N, D)`` rows:
 How it compares. Senders are grouped by (stage, direction): the replicas of one stage, seen through one
 codec, so like is compared with like (topk:0.05 changes every statistic, but for all of them alike).
 Each sender keeps, per statistic, a fast EMA (rate :data:`FAST_ALPHA`), a slow EMA ``mu`` (rate
-``alpha``; a plain average over the first ``1/alpha`` observations) with an EMA of ``|s - mu|``, and
+``alpha``; a plain average over the first ``1/alpha`` observations) with an EMA of ``(s - mu)^2``, and
 fast EMAs of its mean and profile vectors. A sender is *warm* after ``warmup`` observations.
 
 * Once a group has :data:`MIN_GROUP` warm senders (a median of 3 ignores one liar), an observation is
   compared with the group *now*: the reference is the median of the warm senders' fast EMAs (the
   vectors' coordinate-wise), which follows training's drift since all replicas drift together, and
-  the spread is the median of the senders' EMA of ``|s - ref|``, which holds microbatch-to-microbatch
-  variation and the codec's error;
-* in a smaller group, a warm sender is compared with its own past (``mu``, and ``|s - mu|`` as spread).
+  the spread is the root of the median of the senders' EMA of ``(s - ref)^2``, which holds
+  microbatch-to-microbatch variation and the codec's error. An RMS rather than a mean absolute
+  deviation, because some honest statistics are heavy-tailed (a gradient microbatch dominated by one
+  token drops the profile cosine and, under topk, the tail fraction) and must get a wider tolerance;
+* in a smaller group, a warm sender is compared with its own past (``mu``, and the RMS of ``s - mu``).
 
 Spreads never go below :data:`FLOORS`. The badness of an observation is ``b = max over statistics of
 |s - ref| / (threshold * spread)``; the sender's score is an EMA (rate :data:`SCORE_ALPHA`) of
@@ -65,7 +67,7 @@ import torch.nn.functional as F
 STATS = ("rms", "mean", "tail", "rows", "dir", "profile")
 # Absolute floors of the spread (mean absolute deviation) per statistic: below these, differences are
 # codec rounding or float noise, never a lie worth a spot check.
-FLOORS = (0.02, 0.005, 0.001, 0.005, 0.01, 0.002)
+FLOORS = (0.02, 0.005, 0.001, 0.05, 0.01, 0.002)
 TAIL_K = 3.0
 # The group's reference needs this many warm senders: a median of 3 ignores one liar.
 MIN_GROUP = 3
@@ -96,8 +98,8 @@ class _Track:
     count: int = 0
     fast: torch.Tensor = field(default_factory=lambda: torch.zeros(_NUM, dtype=torch.float64))  # EMA at FAST_ALPHA
     mu: torch.Tensor = field(default_factory=lambda: torch.zeros(_NUM, dtype=torch.float64))  # EMA at alpha
-    ad_group: torch.Tensor = field(default_factory=lambda: torch.zeros(_NUM, dtype=torch.float64))  # |s - group ref|
-    ad_self: torch.Tensor = field(default_factory=lambda: torch.zeros(_NUM, dtype=torch.float64))  # |s - mu|
+    ad_group: torch.Tensor = field(default_factory=lambda: torch.zeros(_NUM, dtype=torch.float64))  # EMA of (s - group ref)^2
+    ad_self: torch.Tensor = field(default_factory=lambda: torch.zeros(_NUM, dtype=torch.float64))  # EMA of (s - mu)^2
     group_count: int = 0  # observations compared with a group reference
     mean_vec: torch.Tensor | None = None  # (D,) EMA at FAST_ALPHA
     profile_vec: torch.Tensor | None = None  # (D,) EMA at FAST_ALPHA
@@ -229,7 +231,7 @@ class BoundaryMonitor:
                 math.log(rms + _TINY),
                 mean / rms if rms > 0 else 0.0,
                 tail,
-                rows,
+                math.log(rows + _TINY),
                 _cos(mean_vec, ref_mean_vec) if ref_mean_vec is not None else 1.0,
                 _cos(profile_vec, ref_profile_vec) if ref_profile_vec is not None else 1.0,
             ],
@@ -265,13 +267,13 @@ class BoundaryMonitor:
             ref = torch.stack([w.fast for w in warm]).median(0).values
             seasoned = [w.ad_group for w in warm if w.group_count >= self.warmup]
             if len(seasoned) >= MIN_GROUP:
-                spread = torch.maximum(torch.stack(seasoned).median(0).values, self._floors)
+                spread = torch.maximum(torch.stack(seasoned).median(0).values.sqrt(), self._floors)
                 dev = (stats - ref).abs()
                 return self._explain(stats, ref, dev, spread), ref
             return (None, ""), ref
         if own.count >= self.warmup:
             # Too few replicas to tell who lies: against its own past only.
-            spread = torch.maximum(own.ad_self, self._floors)
+            spread = torch.maximum(own.ad_self.sqrt(), self._floors)
             dev = (stats - own.mu).abs()
             return self._explain(stats, own.mu, dev, spread), None
         return (None, ""), None
@@ -280,9 +282,9 @@ class BoundaryMonitor:
         """The winsorising limit's unit: the group's spread when known, else the sender's own."""
         seasoned = [w.ad_group for w in warm if w.group_count >= self.warmup]
         if len(seasoned) >= MIN_GROUP:
-            return torch.maximum(torch.stack(seasoned).median(0).values, self._floors)
+            return torch.maximum(torch.stack(seasoned).median(0).values.sqrt(), self._floors)
         if own.count >= self.warmup:
-            return torch.maximum(own.ad_self, self._floors)
+            return torch.maximum(own.ad_self.sqrt(), self._floors)
         return torch.full((_NUM,), math.inf, dtype=torch.float64)
 
     def _explain(self, stats: torch.Tensor, base: torch.Tensor, dev: torch.Tensor, spread: torch.Tensor) -> tuple[float, str]:
@@ -311,13 +313,13 @@ class BoundaryMonitor:
         limit = self.threshold * spread
         # Winsorised: a lie moves a baseline by at most `limit` per tensor, and not at all the group's median.
         delta = (stats - track.mu).clamp(-limit, limit)
-        track.ad_self += a * (delta.abs() - track.ad_self)
+        track.ad_self += a * (delta.square() - track.ad_self)
         track.mu += a * delta
         track.fast += FAST_ALPHA * (stats - track.fast).clamp(-limit, limit)
         if ref is not None:
             track.group_count += 1
             g = max(self.alpha, 1.0 / track.group_count)
-            track.ad_group += g * ((stats - ref).abs().clamp(max=limit) - track.ad_group)
+            track.ad_group += g * ((stats - ref).abs().clamp(max=limit).square() - track.ad_group)
         w = FAST_ALPHA / max(1.0, badness or 0.0)
         if track.mean_vec is None or track.mean_vec.shape != mean_vec.shape:
             track.mean_vec, track.profile_vec = mean_vec.clone(), profile_vec.clone()
