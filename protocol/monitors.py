@@ -61,7 +61,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 # Statistic names, in the order of the per-sender vectors.
 STATS = ("rms", "mean", "tail", "rows", "dir", "profile")
@@ -69,6 +68,8 @@ STATS = ("rms", "mean", "tail", "rows", "dir", "profile")
 # codec rounding or float noise, never a lie worth a spot check.
 FLOORS = (0.02, 0.005, 0.001, 0.05, 0.01, 0.002)
 TAIL_K = 3.0
+# The tail fraction is counted on at most this many elements (evenly strided) of a large tensor.
+TAIL_SAMPLE = 1 << 14
 # The group's reference needs this many warm senders: a median of 3 ignores one liar.
 MIN_GROUP = 3
 SCORE_ALPHA = 0.5
@@ -91,15 +92,18 @@ _NUM = len(STATS)
 _TINY = 1e-30
 
 
+Stats = list[float]  # one value per name in STATS
+
+
 @dataclass
 class _Track:
-    """One sender's history in one (stage, direction) group."""
+    """One sender's history in one (stage, direction) group. Scalars are plain floats: cheaper than tiny tensors."""
 
     count: int = 0
-    fast: torch.Tensor = field(default_factory=lambda: torch.zeros(_NUM, dtype=torch.float64))  # EMA at FAST_ALPHA
-    mu: torch.Tensor = field(default_factory=lambda: torch.zeros(_NUM, dtype=torch.float64))  # EMA at alpha
-    ad_group: torch.Tensor = field(default_factory=lambda: torch.zeros(_NUM, dtype=torch.float64))  # EMA of (s - group ref)^2
-    ad_self: torch.Tensor = field(default_factory=lambda: torch.zeros(_NUM, dtype=torch.float64))  # EMA of (s - mu)^2
+    fast: Stats = field(default_factory=lambda: [0.0] * _NUM)  # EMA at FAST_ALPHA
+    mu: Stats = field(default_factory=lambda: [0.0] * _NUM)  # EMA at alpha
+    var_group: Stats = field(default_factory=lambda: [0.0] * _NUM)  # EMA of (s - group ref)^2
+    var_self: Stats = field(default_factory=lambda: [0.0] * _NUM)  # EMA of (s - mu)^2
     group_count: int = 0  # observations compared with a group reference
     mean_vec: torch.Tensor | None = None  # (D,) EMA at FAST_ALPHA
     profile_vec: torch.Tensor | None = None  # (D,) EMA at FAST_ALPHA
@@ -114,7 +118,18 @@ class _Sender:
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(F.cosine_similarity(a, b, dim=0, eps=_TINY))
+    den = float(torch.linalg.vector_norm(a)) * float(torch.linalg.vector_norm(b))
+    return float(torch.dot(a, b)) / den if den > _TINY else 0.0
+
+
+def _median(rows: list[Stats]) -> Stats:
+    """Per-statistic median (the lower one of an even count, as torch's)."""
+    k = (len(rows) - 1) // 2
+    return [sorted(col)[k] for col in zip(*rows)]
+
+
+def _clamp(v: float, limit: float) -> float:
+    return -limit if v < -limit else limit if v > limit else v
 
 
 class BoundaryMonitor:
@@ -146,7 +161,6 @@ class BoundaryMonitor:
         self.max_senders = max_senders
         self._senders: OrderedDict[str, _Sender] = OrderedDict()
         self._groups: dict[tuple[int, str], set[str]] = {}
-        self._floors = torch.tensor(FLOORS, dtype=torch.float64)
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -211,32 +225,33 @@ class BoundaryMonitor:
         n = x.shape[0]
         if x.numel() == 0:
             return self.score(sender)
+        sq = x * x  # (N, D)
         mean_vec = x.mean(0)  # (D,)
-        profile_vec = torch.linalg.vector_norm(x, dim=0) / math.sqrt(n)  # (D,) per-feature RMS
-        row_norms = torch.linalg.vector_norm(x, dim=1)  # (N,) per-token norms
-        rms = float(torch.linalg.vector_norm(profile_vec)) / math.sqrt(d)
-        row_mean = float(row_norms.mean())
-        rows = float(row_norms.std()) / row_mean if n > 1 and row_mean > 0 else 0.0
-        mean = float(mean_vec.mean())
+        profile_vec = (sq.sum(0) / n).sqrt_()  # (D,) per-feature RMS
+        row_norms = sq.sum(1).sqrt_()  # (N,) per-token norms
+        rms = math.sqrt(float(sq.sum()) / x.numel())
+        mean = float(mean_vec.sum()) / d
         if not (math.isfinite(rms) and math.isfinite(mean)):
             bad = int((~torch.isfinite(x)).sum())
             s.poisoned = f"stage {stage} {direction}: {bad} non-finite value(s) in a {tuple(t.shape)} tensor"
             return MAX_SCORE
-        tail = float(torch.count_nonzero(x.abs() > TAIL_K * rms)) / x.numel() if rms > 0 else 0.0
+        row_mean = float(row_norms.mean())
+        rows = float(row_norms.std()) / row_mean if n > 1 and row_mean > 0 else 0.0
+        flat = sq.view(-1)
+        if flat.numel() > TAIL_SAMPLE:  # a strided sample: the count is the costliest reduction
+            flat = flat[:: -(-flat.numel() // TAIL_SAMPLE)]
+        tail = float(torch.count_nonzero(flat > (TAIL_K * rms) ** 2)) / flat.numel() if rms > 0 else 0.0
 
         warm = [self._senders[m].tracks[key] for m in self._groups[key] if self._senders[m].tracks[key].count >= self.warmup]
         ref_mean_vec, ref_profile_vec = self._reference_vectors(warm, track, mean_vec, profile_vec)
-        stats = torch.tensor(
-            [
-                math.log(rms + _TINY),
-                mean / rms if rms > 0 else 0.0,
-                tail,
-                math.log(rows + _TINY),
-                _cos(mean_vec, ref_mean_vec) if ref_mean_vec is not None else 1.0,
-                _cos(profile_vec, ref_profile_vec) if ref_profile_vec is not None else 1.0,
-            ],
-            dtype=torch.float64,
-        )
+        stats = [
+            math.log(rms + _TINY),
+            mean / rms if rms > 0 else 0.0,
+            tail,
+            math.log(rows + _TINY),
+            _cos(mean_vec, ref_mean_vec) if ref_mean_vec is not None else 1.0,
+            _cos(profile_vec, ref_profile_vec) if ref_profile_vec is not None else 1.0,
+        ]
         (badness, why), ref = self._badness(stats, warm, track)
         if badness is not None:
             track.score = (1.0 - SCORE_ALPHA) * track.score + SCORE_ALPHA * min(badness, MAX_BADNESS)
@@ -259,67 +274,74 @@ class BoundaryMonitor:
             return own.mean_vec, own.profile_vec
         return None, None
 
-    def _badness(self, stats: torch.Tensor, warm: list[_Track], own: _Track) -> tuple[tuple[float | None, str], torch.Tensor | None]:
-        """(b, reason, group ref); b is None while there is nothing to compare with."""
+    def _badness(self, stats: Stats, warm: list[_Track], own: _Track) -> tuple[tuple[float | None, str], Stats | None]:
+        """((b, reason), group ref); b is None while there is nothing to compare with."""
         ref = None
         if len(warm) >= MIN_GROUP:
             # Against the group now: the median of the warm senders' fast EMAs drifts with training.
-            ref = torch.stack([w.fast for w in warm]).median(0).values
-            seasoned = [w.ad_group for w in warm if w.group_count >= self.warmup]
-            if len(seasoned) >= MIN_GROUP:
-                spread = torch.maximum(torch.stack(seasoned).median(0).values.sqrt(), self._floors)
-                dev = (stats - ref).abs()
-                return self._explain(stats, ref, dev, spread), ref
+            ref = _median([w.fast for w in warm])
+            spread = self._group_spread(warm)
+            if spread is not None:
+                return self._explain(stats, ref, spread), ref
             return (None, ""), ref
         if own.count >= self.warmup:
             # Too few replicas to tell who lies: against its own past only.
-            spread = torch.maximum(own.ad_self.sqrt(), self._floors)
-            dev = (stats - own.mu).abs()
-            return self._explain(stats, own.mu, dev, spread), None
+            return self._explain(stats, own.mu, self._own_spread(own)), None
         return (None, ""), None
 
-    def _spread(self, warm: list[_Track], own: _Track) -> torch.Tensor:
-        """The winsorising limit's unit: the group's spread when known, else the sender's own."""
-        seasoned = [w.ad_group for w in warm if w.group_count >= self.warmup]
-        if len(seasoned) >= MIN_GROUP:
-            return torch.maximum(torch.stack(seasoned).median(0).values.sqrt(), self._floors)
-        if own.count >= self.warmup:
-            return torch.maximum(own.ad_self.sqrt(), self._floors)
-        return torch.full((_NUM,), math.inf, dtype=torch.float64)
+    def _group_spread(self, warm: list[_Track]) -> Stats | None:
+        seasoned = [w.var_group for w in warm if w.group_count >= self.warmup]
+        if len(seasoned) < MIN_GROUP:
+            return None
+        return [max(math.sqrt(v), f) for v, f in zip(_median(seasoned), FLOORS)]
 
-    def _explain(self, stats: torch.Tensor, base: torch.Tensor, dev: torch.Tensor, spread: torch.Tensor) -> tuple[float, str]:
-        z = dev / spread  # (S,) in spreads
-        j = int(z.argmax())
-        why = f"{STATS[j]} {float(stats[j]):.4g} vs {float(base[j]):.4g}, {float(z[j]):.1f} spreads off"
-        return float(z[j]) / self.threshold, why
+    def _own_spread(self, own: _Track) -> Stats:
+        return [max(math.sqrt(v), f) for v, f in zip(own.var_self, FLOORS)]
+
+    def _spread(self, warm: list[_Track], own: _Track) -> Stats:
+        """The winsorising limit's unit: the group's spread when known, else the sender's own."""
+        spread = self._group_spread(warm)
+        if spread is not None:
+            return spread
+        if own.count >= self.warmup:
+            return self._own_spread(own)
+        return [math.inf] * _NUM
+
+    def _explain(self, stats: Stats, base: Stats, spread: Stats) -> tuple[float, str]:
+        z = [abs(v - b) / sp for v, b, sp in zip(stats, base, spread)]  # in spreads
+        j = max(range(_NUM), key=z.__getitem__)
+        why = f"{STATS[j]} {stats[j]:.4g} vs {base[j]:.4g}, {z[j]:.1f} spreads off"
+        return z[j] / self.threshold, why
 
     def _update(
         self,
         track: _Track,
-        stats: torch.Tensor,
-        ref: torch.Tensor | None,
-        spread: torch.Tensor,
+        stats: Stats,
+        ref: Stats | None,
+        spread: Stats,
         badness: float | None,
         mean_vec: torch.Tensor,
         profile_vec: torch.Tensor,
     ) -> None:
         track.count += 1
         if track.count == 1:
-            track.mu = stats.clone()
-            track.fast = stats.clone()
+            track.mu, track.fast = list(stats), list(stats)
             track.mean_vec, track.profile_vec = mean_vec.clone(), profile_vec.clone()
             return
         a = max(self.alpha, 1.0 / track.count)
-        limit = self.threshold * spread
-        # Winsorised: a lie moves a baseline by at most `limit` per tensor, and not at all the group's median.
-        delta = (stats - track.mu).clamp(-limit, limit)
-        track.ad_self += a * (delta.square() - track.ad_self)
-        track.mu += a * delta
-        track.fast += FAST_ALPHA * (stats - track.fast).clamp(-limit, limit)
+        g = max(self.alpha, 1.0 / (track.group_count + 1))
+        for j in range(_NUM):
+            # Winsorised: a lie moves a baseline by at most `limit` per tensor, and not at all the group's median.
+            limit = self.threshold * spread[j]
+            delta = _clamp(stats[j] - track.mu[j], limit)
+            track.var_self[j] += a * (delta * delta - track.var_self[j])
+            track.mu[j] += a * delta
+            track.fast[j] += FAST_ALPHA * _clamp(stats[j] - track.fast[j], limit)
+            if ref is not None:
+                off = _clamp(stats[j] - ref[j], limit)
+                track.var_group[j] += g * (off * off - track.var_group[j])
         if ref is not None:
             track.group_count += 1
-            g = max(self.alpha, 1.0 / track.group_count)
-            track.ad_group += g * ((stats - ref).abs().clamp(max=limit).square() - track.ad_group)
         w = FAST_ALPHA / max(1.0, badness or 0.0)
         if track.mean_vec is None or track.mean_vec.shape != mean_vec.shape:
             track.mean_vec, track.profile_vec = mean_vec.clone(), profile_vec.clone()

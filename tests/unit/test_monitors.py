@@ -142,7 +142,8 @@ def synthetic_trace(direction: str, seed: int, steps: int) -> Trace:
         mean = mean0 + drift * step / steps
         row = []
         for _ in range(MBS):
-            tokens = torch.exp(torch.randn(n, 1, generator=g) * (0.3 if direction == "fwd" else 1.0))  # (N, 1)
+            # Per-token scales: lognormal, with the coefficient of variation of the real run's tensors (~0.2 / ~0.65).
+            tokens = torch.exp(torch.randn(n, 1, generator=g) * (0.2 if direction == "fwd" else 0.6))  # (N, 1)
             x = tokens * (mean + profile * torch.randn(n, d, generator=g)) * level  # (N, D)
             row.append({direction: x.reshape(4, 32, d)})
         trace.append(row)
@@ -327,4 +328,4 @@ def test_cost_per_observation() -> None:
         monitor.observe(SENDERS[k % 3], 1, "fwd", xs[k % 6])
     us = (time.perf_counter() - t0) / n * 1e6
     print(f"BoundaryMonitor.observe on (4, 64, 256) float32: {us:.0f} us per tensor (1 torch thread)")
-    assert us < 5_000  # generous: a shared, loaded machine; typically a few hundred us
+    assert us < 2_000  # generous for a shared, loaded machine; ~200 us measured
