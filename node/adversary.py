@@ -4,7 +4,10 @@ It works only when the environment sets ``PROTOLEARN_ALLOW_ADVERSARY=1``, so no 
 From optimizer step ``from_step`` on, the node misbehaves in one way:
 
 - ``scale``, ``noise``, ``signflip``, ``zero``, ``random``, ``nan``: every activation and gradient it
-  sends is corrupted (:meth:`Adversary.corrupt`), and it signs the corrupted tensor as its own;
+  sends is corrupted (:meth:`Adversary.corrupt`, before encoding), and it signs the corrupted tensor as
+  its own: x10; plus Gaussian noise of the tensor's RMS; negated; zeros; a Gaussian of the same RMS
+  (norm-preserving, structure-free); NaN in 1% of the elements. The int8 and topk encoders refuse NaN,
+  so under those codecs a ``nan`` liar fails to send rather than sending NaN;
 - ``stale``: it serves outputs computed with the weights it had at ``from_step``;
 - ``reducer``: it corrupts the parts it reduces in the collective;
 - ``blackhole``: it accepts leases and activations and never answers, while it keeps heartbeating.

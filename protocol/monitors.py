@@ -233,7 +233,11 @@ class BoundaryMonitor:
     # -- the one event -----------------------------------------------------------------------------
 
     def observe(self, sender: str, stage: int, direction: str, t: torch.Tensor) -> float:
-        """Fold tensor ``t`` ``(B, T, D)`` from ``sender`` at (``stage``, ``direction``) in; return its score."""
+        """Fold tensor ``t`` ``(B, T, D)`` in; return ``sender``'s score.
+
+        ``stage`` is the stage ``sender`` serves and ``direction`` is ``"fwd"`` for its activations,
+        ``"bwd"`` for its gradients: the senders compared with each other are those of one (stage, direction).
+        """
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         s = self._touch(sender)
