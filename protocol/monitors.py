@@ -38,7 +38,7 @@ fast EMAs of its mean and profile vectors. A sender is *warm* after ``warmup`` o
 * in a smaller group, a warm sender is compared with its own past (``mu``, and the RMS of ``s - mu``).
 
 Spreads never go below :data:`FLOORS`. The badness of an observation is ``b = max over statistics of
-|s - ref| / (threshold * spread)``; the sender's score is an EMA (rate :data:`SCORE_ALPHA`) of
+|s - ref| / (threshold * TOLERANCE * spread)``; the sender's score is an EMA (rate :data:`SCORE_ALPHA`) of
 ``min(b, MAX_BADNESS)``, and a score >= 1 is *suspect*. So one wild honest tensor never makes a
 suspect (it adds at most 0.6), while a liar whose every tensor is ``threshold`` spreads off or more is
 suspect on its third; one NaN or Inf is enough.
@@ -56,8 +56,10 @@ evidence note; ``scores()`` for ``swarm status``; ``forget(sender)`` when a peer
 Cost: ~200 us per (4, 64, 256) float32 tensor on one CPU thread (measured by the unit test).
 
 Calibration (tests/unit/test_monitors.py): a 2-stage d_model=64 run trained 120 steps while 3 replicas
-send ~240 tensors each per direction; with ``threshold`` 8 no honest score passed 0.76 (none/int8) or
-0.75 (topk:0.05), on synthetic streams 0.81. A liar among 3, lying from step 50, is suspect after this
+send ~240 tensors each per direction (two run seeds); with ``threshold`` 8 no honest score passed 0.78
+(none/int8) or 0.87 (topk:0.05), on synthetic streams 0.82. In a 3-stage d_model=128 run (both
+boundaries; not in the tests) the highest honest score was 0.94 (topk gradients), and x10 was caught
+after 2-3 lies at every boundary and codec. A liar among 3, lying from step 50, is suspect after this
 many lies ("no": not within the stream):
 
 =========  =====  =====  ========  ====  ======  ===  =====
@@ -94,6 +96,11 @@ STATS = ("rms", "mean", "tail", "rows", "dir", "profile")
 # Absolute floors of the spread (an RMS deviation) per statistic: below these, differences are codec
 # rounding or float noise, never a lie worth a spot check.
 FLOORS = (0.02, 0.005, 0.001, 0.05, 0.01, 0.002)
+# Per statistic, the share of ``threshold`` (in spreads) it may be off. The log RMS is a log of a mean of
+# many squares, light-tailed, so it is held tighter (5 spreads at the default threshold 8): a gradient
+# boundary whose RMS varies a lot between microbatches still catches x10 at once. The others are
+# heavy-tailed (a one-token microbatch moves the cosines and the tail fraction far).
+TOLERANCE = (0.625, 1.0, 1.0, 1.0, 1.0, 1.0)
 TAIL_K = 3.0
 # The tail fraction is counted on at most this many elements (evenly strided) of a large tensor.
 TAIL_SAMPLE = 1 << 14
@@ -340,9 +347,9 @@ class BoundaryMonitor:
 
     def _explain(self, stats: Stats, base: Stats, spread: Stats) -> tuple[float, str]:
         z = [abs(v - b) / sp for v, b, sp in zip(stats, base, spread)]  # in spreads
-        j = max(range(_NUM), key=z.__getitem__)
+        j = max(range(_NUM), key=lambda k: z[k] / TOLERANCE[k])
         why = f"{STATS[j]} {stats[j]:.4g} vs {base[j]:.4g}, {z[j]:.1f} spreads off"
-        return z[j] / self.threshold, why
+        return z[j] / (self.threshold * TOLERANCE[j]), why
 
     def _update(
         self,
