@@ -60,7 +60,7 @@ send ~240 tensors each per direction (two run seeds); with ``threshold`` 8 no ho
 (none/int8) or 0.87 (topk:0.05), on synthetic streams 0.82. In a 3-stage d_model=128 run (both
 boundaries; not in the tests) the highest honest score was 0.94 (topk gradients), and x10 was caught
 after 2-3 lies at every boundary and codec. A liar among 3, lying from step 50, is suspect after this
-many lies ("no": not within 20 lies; bwd topk noise after 119):
+many lies ("no": not in its 140 lies, bar bwd topk noise: after 119):
 
 =========  =====  =====  ========  ====  ======  ===  =====
 boundary   scale  noise  signflip  zero  random  nan  stale
