@@ -21,3 +21,7 @@ class ReplicaMismatch(NodeError):
 
 class Banned(NodeError):
     """The coordinator banned this node (its reason says why); it cannot rejoin the run."""
+
+
+class SelfTestError(NodeError):
+    """This node's stage output on the run's self-test input differs from its replicas': a faulty device."""

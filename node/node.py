@@ -197,7 +197,8 @@ class Node:
             return None
 
         def take() -> Snapshot:
-            return core.applied, self.worker.param_hash(), self.worker.snapshot()
+            self_test = self.worker.self_test().numpy().tobytes() if self.run.integrity.self_test else b""
+            return core.applied, self.worker.param_hash(), self.worker.snapshot(), self_test
 
         return await trio.to_thread.run_sync(take, limiter=self.compute)
 

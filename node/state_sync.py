@@ -31,7 +31,8 @@ from protolearn.protocol.transport import Host
 
 log = logging.getLogger("protolearn.node")
 
-Snapshot = tuple[int, str, list[tuple[str, torch.Tensor]]]  # (applied, param hash, entries)
+# (applied, param hash, entries, the self-test output with this state as raw float32 bytes)
+Snapshot = tuple[int, str, list[tuple[str, torch.Tensor]], bytes]
 
 
 class StateServer:
@@ -58,8 +59,10 @@ class StateServer:
         if req.part >= req.parts:
             await s.send(Refuse(code="state", reason=f"part {req.part} of {req.parts} does not exist"))
             return
-        applied, param_hash, entries = snap
-        await s.send(StateInfo(stage=self.stage, applied=applied, run_hash=self.run_hash, param_hash=param_hash, num_tensors=len(entries)))
+        applied, param_hash, entries, self_test = snap
+        await s.send(StateInfo(
+            stage=self.stage, applied=applied, run_hash=self.run_hash, param_hash=param_hash, num_tensors=len(entries), self_test=self_test,
+        ))
         for i, (name, t) in enumerate(entries):
             if i % req.parts == req.part:
                 await s.send(StateChunk(index=i, name=name))
@@ -69,20 +72,23 @@ class StateServer:
 
 async def fetch_state(
     host: Host, donor: str, worker: StageWorker, run_hash: str, *, timeout_s: float, part: int = 0, parts: int = 1,
+    self_tests: dict[str, bytes] | None = None,
 ) -> tuple[int, str, dict[str, torch.Tensor]]:
     """Download and validate ``donor``'s state (or its share ``part`` of ``parts``) for ``worker``'s stage;
-    returns (applied, hash, entries).
+    returns (applied, hash, entries), and puts the donor's self-test output in ``self_tests``.
 
     Nothing is installed here; the caller installs in its compute thread and compares hashes.
     """
-    applied, param_hash, _total, entries = await _fetch(host, donor, worker, run_hash, timeout_s=timeout_s, part=part, parts=parts)
+    applied, param_hash, _total, entries = await _fetch(
+        host, donor, worker, run_hash, timeout_s=timeout_s, part=part, parts=parts, self_tests=self_tests,
+    )
     if parts == 1:
         _check_complete(donor, worker, entries)
     return applied, param_hash, entries
 
 
 async def fetch_state_split(
-    host: Host, donors: list[str], worker: StageWorker, run_hash: str, *, timeout_s: float,
+    host: Host, donors: list[str], worker: StageWorker, run_hash: str, *, timeout_s: float, self_tests: dict[str, bytes] | None = None,
 ) -> tuple[int, str, dict[str, torch.Tensor]]:
     """Download the state from all ``donors`` at once, each sending an equal share of the tensors.
 
@@ -95,7 +101,7 @@ async def fetch_state_split(
 
     async def one(k: int) -> None:
         try:
-            got[k] = await _fetch(host, donors[k], worker, run_hash, timeout_s=timeout_s, part=k, parts=parts)
+            got[k] = await _fetch(host, donors[k], worker, run_hash, timeout_s=timeout_s, part=k, parts=parts, self_tests=self_tests)
         except (ProtocolError, StateSyncError) as err:
             errors.append(f"{donors[k]}: {err}")
 
@@ -124,6 +130,7 @@ def _check_complete(donor: str, worker: StageWorker, entries: dict[str, torch.Te
 
 async def _fetch(
     host: Host, donor: str, worker: StageWorker, run_hash: str, *, timeout_s: float, part: int, parts: int,
+    self_tests: dict[str, bytes] | None = None,
 ) -> tuple[int, str, int, dict[str, torch.Tensor]]:
     entries: dict[str, torch.Tensor] = {}
     biggest = max((p.numel() for p in worker.params), default=1)
@@ -137,6 +144,8 @@ async def _fetch(
                     raise StateSyncError(f"replica {donor} refused to share its state: {info.reason}")
                 if info.stage != worker.stage or info.run_hash != run_hash:
                     raise StateSyncError(f"replica {donor} offered stage {info.stage} of run {info.run_hash[:12]}, not stage {worker.stage} of {run_hash[:12]}")
+                if self_tests is not None and info.self_test:
+                    self_tests[donor] = info.self_test
                 if info.num_tensors > 4 * len(worker.names):
                     raise ProtocolError(donor, f"state of {info.num_tensors} tensors; stage {worker.stage} has at most {4 * len(worker.names)}")
                 for i in range(part, info.num_tensors, parts):

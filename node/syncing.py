@@ -24,6 +24,12 @@ and installs a state only if it is the stage's, by this rule (a donor can lie ab
   line saying what it waits for, until ``sync_timeout_s``. Unchecked state is never installed.
   :func:`judge_state` is that rule, without IO.
 
+After a download, a **self-test** (``IntegrityConfig.self_test``): each donor sent its stage's output on
+a fixed input from the run seed, computed with the very state it sent; this node computes the same with
+the state it installed and must agree with the majority of its donors within 10 × ``check_tolerance``.
+A broken GPU or driver thus stops the node with one line (:class:`~protolearn.node.errors.SelfTestError`)
+before it touches training. A state from the init or a checkpoint skips the test and says so.
+
 The first replica of a stage has no donors: it keeps the init (or a checkpoint), see
 :mod:`protolearn.node.persistence`. While the coordinator lists a live replica, a failed download is
 retried and never replaced by an older checkpoint (I2).
@@ -32,6 +38,7 @@ retried and never replaced by an older checkpoint (I2).
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -40,11 +47,12 @@ import torch
 import trio
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink
-from protolearn.node.errors import StateSyncError
+from protolearn.node.errors import SelfTestError, StateSyncError
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
 from protolearn.node.state_sync import fetch_state, fetch_state_split
 from protolearn.node.worker import StageWorker
+from protolearn.protocol.boundary import distance
 from protolearn.protocol.coordination import HASH_HISTORY
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.transport import Host
@@ -55,6 +63,8 @@ SYNC_RETRY_S = 1.0
 # A downloaded state whose step the replicas have not reported yet is checked again this often, this many times.
 CHECK_POLL_S = 0.5
 CHECK_POLLS = 6
+# A self-test result agrees within this many times the run's check_tolerance (no codec is involved).
+SELF_TEST_TOLERANCE_FACTOR = 10.0
 
 Verdict = Literal["ok", "wait", "refuse"]
 
@@ -139,6 +149,9 @@ class StageSync:
                     self.stage, self.worker, open_step if not tried else self.link.step, donors, self._reported_list,
                 )
                 if restored is not None:
+                    if self.worker.run.integrity.self_test:
+                        self.progress.say(f"self-test skipped: stage {self.stage}'s state came from {'the init' if restored == 0 else 'a checkpoint'}, with no donor's result to compare with")
+                        self.progress.event("self_test", result="skipped")
                     return restored
             # Nothing to compare a download with yet: ask again rather than download what cannot be checked.
             waiting = await self._no_checks() if donors else ""
@@ -150,16 +163,22 @@ class StageSync:
             attempts = [donors] if len(donors) > 1 else []
             for source in attempts + [[d] for d in donors]:
                 tried += 1
+                self_tests: dict[str, bytes] = {}
                 try:
                     if len(source) > 1:
-                        applied, claimed, entries = await fetch_state_split(self.host, source, self.worker, self.run_hash, timeout_s=self.config.sync_timeout_s)
+                        applied, claimed, entries = await fetch_state_split(
+                            self.host, source, self.worker, self.run_hash, timeout_s=self.config.sync_timeout_s, self_tests=self_tests,
+                        )
                     else:
-                        applied, claimed, entries = await fetch_state(self.host, source[0], self.worker, self.run_hash, timeout_s=self.config.sync_timeout_s)
+                        applied, claimed, entries = await fetch_state(
+                            self.host, source[0], self.worker, self.run_hash, timeout_s=self.config.sync_timeout_s, self_tests=self_tests,
+                        )
                     await self._install(source, applied, claimed, entries)
                 except (ProtocolError, StateSyncError) as err:
                     last = str(err)
                     log.warning("state sync failed donors=%s reason=%s", source, last)
                     continue
+                await self._self_test(self_tests)
                 return applied
             if self.clock() > deadline:
                 raise StateSyncError(
@@ -195,6 +214,38 @@ class StageSync:
             # The donors' own reports of this step may be a heartbeat behind their state: ask again.
             await trio.sleep(CHECK_POLL_S)
         self.progress.event("synced", donor=donors[0], donors=donors, applied=applied, hash=got)
+
+    async def _self_test(self, outputs: dict[str, bytes]) -> None:
+        """Known-answer self-test: this device's output on the run's self-test input must match what the donors
+        computed with the state just installed. Raises :class:`SelfTestError` when it matches no donor's."""
+        if not self.worker.run.integrity.self_test:
+            return
+        if not outputs:
+            self.progress.say(f"self-test skipped: no replica of stage {self.stage} sent its result to compare with")
+            self.progress.event("self_test", result="skipped")
+            return
+        mine = await trio.to_thread.run_sync(self.worker.self_test, limiter=self.compute)
+        tol = SELF_TEST_TOLERANCE_FACTOR * self.worker.run.integrity.check_tolerance
+        far: dict[str, float] = {}
+        for donor, raw in outputs.items():
+            if len(raw) != 4 * mine.numel():
+                far[donor] = math.inf
+                continue
+            theirs = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(mine.shape)
+            d = distance(mine, theirs) if bool(torch.isfinite(theirs).all()) else math.inf
+            if not d <= tol:  # NaN is far too
+                far[donor] = d
+        if 2 * len(far) <= len(outputs) and len(far) < len(outputs):
+            for donor, d in far.items():
+                log.warning("self-test: donor %s sent a result %.3g away from this node's and its other donors'", donor, d)
+            self.progress.event("self_test", result="passed", donors=len(outputs))
+            return
+        worst = max(far.values())
+        self.progress.event("self_test", result="failed", error=worst, donors=len(outputs))
+        raise SelfTestError(
+            f"self-test failed: this device computes stage {self.stage} {worst:.3g} (relative L2) away from its replicas "
+            f"(tolerance {tol:.3g}), so its GPU, driver or torch build is faulty; fix it, or join with --device cpu"
+        )
 
     async def reported_hashes(self, step: int) -> dict[str, str]:
         """The parameter hashes this stage's other replicas reported for ``step`` (empty if unknown)."""

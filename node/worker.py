@@ -116,6 +116,20 @@ class StageWorker:
     def stale_serving(self) -> bool:
         return self._stale is not None
 
+    @torch.no_grad()
+    def self_test(self) -> torch.Tensor:
+        """This stage's output on a fixed input derived from the run seed (1 sequence of up to 16 tokens, or
+        hidden states), float32 on the CPU: the next-stage hidden, or the logits on the last stage."""
+        g = torch.Generator().manual_seed(self.run.seed ^ 0x5E1F7E57)
+        t = min(16, self.run.batch.seq_len)
+        if self.first:
+            x = torch.randint(0, self.run.model.vocab_size, (1, t), generator=g)
+        else:
+            x = torch.randn((1, t, self.run.model.d_model), generator=g)
+        with self._ctx():
+            out = self.module.logits(x) if self.last else self.module.infer(x)
+        return out.float().cpu()
+
     def recompute(self, step: int, direction: str, inputs: list[torch.Tensor], targets: torch.Tensor | None) -> torch.Tensor:
         """A spot check: this stage's output for microbatch inputs, without touching held graphs or
         parameter gradients, at the weights for ``step`` (raises ValueError when this replica's weights

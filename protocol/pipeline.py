@@ -52,6 +52,7 @@ MAX_STATE_TENSORS = 100_000
 # A joining replica downloads its stage's state from at most this many donors at once.
 MAX_STATE_PARTS = 16
 MAX_NAME = 256
+MAX_SELF_TEST_BYTES = 4 * 1024 * 1024
 
 PeerId = Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID)]
 Step = Annotated[int, Field(ge=0, lt=2**62)]
@@ -135,6 +136,9 @@ class StateInfo(Message):
     run_hash: Annotated[str, Field(max_length=128)]
     param_hash: Annotated[str, Field(max_length=128)]
     num_tensors: Annotated[int, Field(ge=0, le=MAX_STATE_TENSORS)]
+    # The donor's output on the run's self-test input with exactly this state, raw float32 (node/worker.py
+    # self_test): the joiner computes the same and compares, which catches a broken device before it trains.
+    self_test: Annotated[bytes, Field(max_length=MAX_SELF_TEST_BYTES)] = b""
 
 
 class StateChunk(Message):

@@ -11,7 +11,7 @@ import torch
 import trio
 
 from protolearn.node.config import NodeConfig
-from protolearn.node.errors import StateSyncError
+from protolearn.node.errors import SelfTestError, StateSyncError
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
 from protolearn.node.state_sync import StateServer, fetch_state, fetch_state_split
@@ -50,7 +50,7 @@ def test_a_joiner_takes_one_share_from_each_replica_and_gets_the_whole_state(ope
 
                 async def snap(w=w, served=served):
                     served.append(1)
-                    return w.applied, w.param_hash(), w.snapshot()
+                    return w.applied, w.param_hash(), w.snapshot(), w.self_test().numpy().tobytes()
 
                 StateServer(host, 1, RUN.run_hash(), snap).register()
             joiner = StageWorker(RUN, 1)
@@ -73,7 +73,7 @@ def test_replicas_that_hold_different_states_are_not_mixed(open_hosts, run_trio)
             for host, (w, _) in zip(hosts[:2], [_donor(7), _donor(7, bump=0.5)], strict=True):
 
                 async def snap(w=w):
-                    return w.applied, w.param_hash(), w.snapshot()
+                    return w.applied, w.param_hash(), w.snapshot(), w.self_test().numpy().tobytes()
 
                 StateServer(host, 1, RUN.run_hash(), snap).register()
             with pytest.raises(StateSyncError, match="different states"):
@@ -119,7 +119,7 @@ def test_a_joiner_refuses_a_lying_donor_and_takes_the_majoritys_state(open_hosts
             for host, (w, _) in zip(hosts[:2], [liar, honest], strict=True):
 
                 async def snap(w=w):
-                    return w.applied, w.param_hash(), w.snapshot()
+                    return w.applied, w.param_hash(), w.snapshot(), w.self_test().numpy().tobytes()
 
                 StateServer(host, 1, RUN.run_hash(), snap).register()
             lying, true = hosts[0].peer_id, hosts[1].peer_id
@@ -136,6 +136,39 @@ def test_a_joiner_refuses_a_lying_donor_and_takes_the_majoritys_state(open_hosts
     run_trio(main, timeout=90)
 
 
+@pytest.mark.parametrize("broken", [False, True], ids=["sound-device", "broken-device"])
+def test_a_joiner_passes_the_self_test_or_stops_with_one_line(open_hosts, run_trio, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, broken: bool) -> None:
+    """Issue 11, probation: a joiner compares its output on the run's self-test input with its donor's,
+    computed with the state it sent. A device that computes wrong (faked here by scaling the joiner's
+    output: this machine has no broken GPU) stops before it trains, with one line saying what to do."""
+    donor = _donor(7)
+    good = donor[0].param_hash()
+
+    async def main() -> None:
+        async with open_hosts(2) as hosts:
+            w = donor[0]
+
+            async def snap():
+                return w.applied, w.param_hash(), w.snapshot(), w.self_test().numpy().tobytes()
+
+            StateServer(hosts[0], 1, RUN.run_hash(), snap).register()
+            link = _Coordinator(7, [(hosts[0].peer_id, 6, good)])
+            sync, worker, progress = _syncer(tmp_path, hosts[1], link, [hosts[0].peer_id], [], 30.0)
+            if broken:
+                real = worker.self_test
+                monkeypatch.setattr(worker, "self_test", lambda: real() * 1.5)
+            with progress:
+                if broken:
+                    with pytest.raises(SelfTestError, match="self-test failed: this device computes stage 1 .* faulty; fix it, or join with --device cpu"):
+                        await sync.sync(7)
+                else:
+                    assert await sync.sync(7) == 7
+            events = [e for e in map(json.loads, (tmp_path / "node.jsonl").read_text().splitlines()) if e.get("event") == "self_test"]
+            assert [e["result"] for e in events] == (["failed"] if broken else ["passed"])
+
+    run_trio(main, timeout=90)
+
+
 @pytest.mark.parametrize("reported", [None, []], ids=["hashes-request-fails", "nobody-reported"])
 def test_with_no_hash_to_check_against_a_joiner_installs_nothing(open_hosts, run_trio, tmp_path: Path, reported) -> None:
     liar = _donor(7, bump=0.5)
@@ -146,7 +179,7 @@ def test_with_no_hash_to_check_against_a_joiner_installs_nothing(open_hosts, run
 
             async def snap():
                 served.append(1)
-                return liar[0].applied, liar[0].param_hash(), liar[0].snapshot()
+                return liar[0].applied, liar[0].param_hash(), liar[0].snapshot(), b""
 
             StateServer(hosts[0], 1, RUN.run_hash(), snap).register()
             waiting: list[str] = []
