@@ -98,6 +98,8 @@ class Node:
         self._hash_by_step: dict[int, str] = {}
         self._checked_hash_steps: set[int] = set()
         self.driver = TicketDriver(config, run, link, progress, clock=clock)
+        self.blackhole = _blackhole(config)
+        self.driver.blackhole = self.blackhole
         self._first_logged = False
         self._moved_warned = False
         self._leaving = False
@@ -149,6 +151,7 @@ class Node:
             on_complete=self.driver.complete, send_timeout_s=self.config.request_timeout_s, clock=self.clock,
         )
         self.router.on_peer_down = self.driver.peer_down
+        self.router.blackhole = self.blackhole
         self.host.on_connection = self._on_connection
         self.driver.bind(self.worker, self.router, core.accounting)
         self.averager = Averager(self.host, stage, self.worker.numel, timeout_s=self.config.averaging_timeout_s,
@@ -376,6 +379,16 @@ class Node:
         if core is None or core.state is NodeState.SYNCING:
             return
         await self.persistence.at_leave(self.stage, self.worker, lambda: core.applied)
+
+
+def _blackhole(config: NodeConfig) -> Callable[[int], bool] | None:
+    """Testing only: whether a step is one this node blackholes (``--adversary blackhole[:from_step]``)."""
+    if config.adversary is None:
+        return None
+    from protolearn.node.adversary import parse_adversary
+
+    adv = parse_adversary(config.adversary)
+    return adv.active if adv.kind == "blackhole" else None
 
 
 async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -> int:

@@ -118,6 +118,9 @@ class Router:
         # (stage 0 then restarts the tickets it handed that peer, without waiting for the membership).
         self.sent_to: dict[tuple[int, int], str] = {}
         self.on_peer_down: Callable[[str], None] | None = None
+        # Testing only (node/adversary.py ``blackhole``): for a step where this returns True, Ack received
+        # activations and gradients and drop them. Set by the node.
+        self.blackhole: Callable[[int], bool] | None = None
 
     # -- wiring ----------------------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -189,6 +192,9 @@ class Router:
     async def _on_activation(self, peer: str, s: FramedStream) -> None:
         msg = await s.receive(Activation)
         hidden = await self._read_tensor(peer, s)
+        if self.blackhole is not None and self.blackhole(msg.step):
+            await s.send(Ack(queue_len=0))
+            return
         if len(msg.route) != self.stage or msg.route[-1] != peer:
             await self._refuse(s, peer, "invalid", f"route of {len(msg.route)} hops ending at {msg.route[-1][:16]} does not lead to stage {self.stage} from this sender")
             return
@@ -258,6 +264,7 @@ class Router:
             self.balancer.on_done(peer, self.clock() - t0)
             self.balancer.on_queue_report(peer, reply.queue_len)
             self.sent_to[key] = peer
+            self.balancer.on_handed(key, peer, self.clock())
             return True
         self.stats.dropped += 1
         log.warning("microbatch dropped step=%d ticket=%d: no next-stage peer took it (tried %s)", step, ticket, sorted(tried))
@@ -269,6 +276,9 @@ class Router:
     async def _on_gradient(self, peer: str, s: FramedStream) -> None:
         msg = await s.receive(Gradient)
         grad = await self._read_tensor(peer, s)
+        if self.blackhole is not None and self.blackhole(msg.step):
+            await s.send(Ack(queue_len=0))
+            return
         route = list(msg.route)
         if len(route) <= self.stage + 1 or route[self.stage] != self.host.peer_id or route[self.stage + 1] != peer:
             await self._refuse(s, peer, "invalid", f"gradient route does not pass through this replica at stage {self.stage} from this sender")
@@ -280,6 +290,7 @@ class Router:
         if decision.action != "process":
             await self._refuse(s, peer, "unknown", decision.reason)
             return
+        self.balancer.on_returned((msg.step, msg.ticket), self.clock())
         await s.send(Ack(queue_len=self.queue_len))
         assert self._nursery is not None
         self._nursery.start_soon(self._backward_received, msg.step, msg.ticket, route, msg.loss, grad, msg.ack)

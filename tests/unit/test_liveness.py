@@ -200,3 +200,40 @@ def test_the_core_routes_liveness_reports_to_the_stage_majority_rule() -> None:
     for p in (a, b):
         r = core.handle(p, cm.Report(target=y, reason="it looks slow"), 2.0)
     assert not r.banned
+
+
+# -- the node's balancer: microbatches acknowledged and never answered ------------------------------------
+def test_the_balancer_gives_up_on_unanswered_microbatches_and_stops_choosing_their_peer() -> None:
+    b = Balancer()
+    # Honest round trips of about 0.3 s set the deadline to 4x that, but at least 2 s.
+    for i in range(4):
+        b.on_handed((0, i), "good", 0.0)
+        b.on_returned((0, i), 0.3)
+    assert b.deadline_s(cap_s=60.0) == 2.0
+    b.on_handed((1, 0), "hole", 1.0)
+    b.on_handed((1, 1), "good", 1.0)
+    assert b.overdue(2.5, cap_s=60.0) == []
+    b.on_returned((1, 1), 1.4)
+    assert b.overdue(3.5, cap_s=60.0) == [((1, 0), "hole")]
+    assert b.lost("hole") == 1 and b.lost("good") == 0
+    assert b.choose(["good", "hole"], 3.5).peer == "good"
+    # Losses in a row double the penalty; one returned microbatch resets the count.
+    for i in range(2, 5):
+        b.on_handed((1, i), "hole", 4.0)
+    assert len(b.overdue(10.0, cap_s=60.0)) == 3 and b.lost("hole") == 4
+    assert b.expected_finish_s("hole", 10.0) > 8 * b.failure_penalty_s
+    b.on_handed((2, 0), "hole", 10.0)
+    b.on_returned((2, 0), 10.1)
+    assert b.lost("hole") == 0
+
+
+def test_the_overdue_deadline_follows_slow_round_trips_and_is_capped() -> None:
+    b = Balancer()
+    assert b.deadline_s(cap_s=7.0) == 7.0  # nothing measured yet: the caller's cap
+    b.on_handed((0, 0), "p", 0.0)
+    b.on_returned((0, 0), 5.0)  # a slow (loaded) round trip raises the deadline at once
+    assert b.deadline_s(cap_s=60.0) == 20.0 and b.deadline_s(cap_s=7.0) == 7.0
+    b.on_handed((0, 1), "p", 5.0)
+    assert b.overdue(20.0, cap_s=60.0) == []
+    b.forget("p")
+    assert b.overdue(1e9, cap_s=60.0) == []
