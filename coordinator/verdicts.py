@@ -180,8 +180,8 @@ class VerdictPolicy:
             return Verdict(False, f"{target} reported lost microbatches itself: it may be the victim of a peer further down; flagged only")
         if not self.settings.expel_on_liveness_reports:
             return Verdict(False, f"{target} reported by {len(agree)} stage-{target_stage - 1} replicas; liveness reports never ban here")
-        ban = self.ban(target, f"liveness: {len(agree)} of {len(live)} live stage-{target_stage - 1} replicas handed it microbatches "
-                               f"that never came back within {window:g} s ({reason})", now)
+        ban = self.ban(target, f"liveness: {len(agree)} of {len(live)} live stage-{target_stage - 1} replicas reported within {window:g} s "
+                               f"that microbatches it acknowledged never came back ({reason})", now)
         return Verdict(True, ban.reason)
 
     def _prune_liveness(self, now: float) -> None:
