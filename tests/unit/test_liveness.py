@@ -237,3 +237,49 @@ def test_the_overdue_deadline_follows_slow_round_trips_and_is_capped() -> None:
     assert b.overdue(20.0, cap_s=60.0) == []
     b.forget("p")
     assert b.overdue(1e9, cap_s=60.0) == []
+
+
+def test_stage0_restarts_overdue_tickets_elsewhere_and_reports_a_peer_that_keeps_losing_them() -> None:
+    """The driver's liveness pass (node/driver.py) with the real lease core and balancer and a fake link."""
+    from types import SimpleNamespace
+
+    import trio
+    from protolearn.node import leasing as lc
+    from protolearn.node.driver import REPORT_AFTER_LOST, TicketDriver
+
+    reports: list[tuple[str, str]] = []
+
+    class Link:
+        async def report(self, target: str, reason: str) -> cm.ReportReply:
+            reports.append((target, reason))
+            return cm.ReportReply(banned=False, reason="flagged")
+
+    class Progress:
+        def event(self, *a: object, **kw: object) -> None: ...
+
+    config = SimpleNamespace(max_in_flight=8, lease_block=4, request_timeout_s=30.0)
+    run_ = SimpleNamespace(stages=SimpleNamespace(num_stages=2))
+    now = [0.0]
+    d = TicketDriver(config, run_, Link(), Progress(), clock=lambda: now[0])  # type: ignore[arg-type]
+    router = SimpleNamespace(balancer=Balancer(), sent_to={})
+    d.router = router  # type: ignore[assignment]
+    d.core.begin(5, [], 0.0)
+    d.core.handle(lc.Leased(5, [0, 1, 2, 3]), 0.0)
+    for t in range(4):
+        peer = "hole" if t < REPORT_AFTER_LOST else "good"
+        router.sent_to[(5, t)] = peer
+        router.balancer.on_handed((5, t), peer, 0.0)
+    router.balancer.on_returned((5, 3), 0.5)  # the good peer answers: round trips of 0.5 s
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            d._nursery = nursery
+            now[0] = 3.0  # past the 2 s floor, well before stall_s (60 s) and any lease expiry
+            d._check_overdue(5, now[0])
+            restarted = [a.ticket for a in d.core.poll(now[0], in_flight=0, has_next_stage=True) if isinstance(a, lc.StartTicket)]
+            assert restarted == [0, 1, 2]
+            d._nursery = None
+
+    trio.run(main)
+    assert [t for t, _ in reports] == ["hole"] and reports[0][1].startswith("liveness: 3 microbatches")
+    assert router.balancer.choose(["good", "hole"], 3.0).peer == "good"
