@@ -15,7 +15,7 @@ The verdict, in order of precedence:
 Node flags: ``stale`` (missed two heartbeats), ``hash-mismatch`` (its parameter hash differs from
 its stage's majority at the same step), ``behind`` (it reports an older step than its stage's),
 ``no-throughput`` (it has not measured any yet), and the verdict policy's conduct flags as
-``kind:strikes`` (``redo_storm``, ``result_mismatch``, ``late_leases``; see ``verdicts.py``).
+``kind:strikes`` (``redo_storm``, ``result_mismatch``, ``late_leases``, ``lost_microbatches``; see ``verdicts.py``).
 
 Reports are claims, so one replica cannot decide what a stage looks like: a stage's ``param_step`` is
 the lower median of the steps its replicas report (a lone claim of a huge step moves nothing), and
