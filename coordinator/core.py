@@ -142,6 +142,9 @@ class CoordinatorCore:
         # Stage-0 peers' liveness strikes (late while others progressed) and the leases they sat on, since
         # each one's last completion; expel_after_strikes of them ban it.
         self._idle: dict[str, tuple[int, int]] = {}
+        # The tickets (step, index) whose leases a liveness strike ended early, per struck peer: a late
+        # completion of one of them (refused, as it went elsewhere) still shows the peer works.
+        self._ended_early: dict[str, set[tuple[int, int]]] = {}
         # When each stage-0 peer last completed a ticket (not pruned by time, unlike _last_completed).
         self._progress_at: dict[str, float] = {}
 
@@ -354,21 +357,23 @@ class CoordinatorCore:
         self.history.append(LossPoint(closed.step, closed.loss, closed.num_tickets, closed.closed_at))
 
     def _credit_late_work(self, peer: str, msg: cm.Complete) -> None:
-        """A struck peer finished a ticket that went to another replica meanwhile: it is slow, not a
-        blackhole, if the last stage acknowledged its route (in a one-stage run nothing can prove it)."""
-        if len(msg.route) != self.run.num_stages or msg.route[0] != peer:
+        """A struck peer finished a ticket whose lease a strike ended and that went to another replica
+        meanwhile: it is slow, not a blackhole, if the last stage acknowledged its route."""
+        if (msg.step, msg.index) not in self._ended_early.get(peer, ()) or len(msg.route) != self.run.num_stages or msg.route[0] != peer:
             return
         if len(msg.route) > 1:
             statement = ack_statement(self.run.run_hash, msg.step, msg.index, msg.route, msg.loss)
             if msg.ack is None or not self.verify(msg.route[-1], statement, msg.ack):
                 return
         self._idle.pop(peer, None)
+        self._ended_early.pop(peer, None)
 
     def _on_completed(self, peer: str, held_s: float, now: float) -> None:
         """A completion is progress; one within the late fraction of its lease takes a strike off."""
         self._last_completed[peer] = now
         self._progress_at[peer] = now
-        self._idle.pop(peer, None)
+        if self._idle.pop(peer, None) is not None:
+            self._ended_early.pop(peer, None)
         strikes = self._lease_strikes.get(peer, 0)
         if strikes and held_s <= self.settings.lease_late_fraction * self.settings.lease_s:
             if strikes > 1:
@@ -600,6 +605,7 @@ class CoordinatorCore:
         if len(self._lease_strikes) > 2 * self.registry.working(0) + 64:
             self._lease_strikes = {p: n for p, n in self._lease_strikes.items() if self.registry.is_live(p)}
             self._idle = {p: v for p, v in self._idle.items() if self.registry.is_live(p)}
+            self._ended_early = {p: v for p, v in self._ended_early.items() if p in self._idle}
         if len(self._progress_at) > 2 * self.registry.working(0) + 64:
             self._progress_at = {p: v for p, v in self._progress_at.items() if self.registry.is_live(p)}
         return events
@@ -614,11 +620,13 @@ class CoordinatorCore:
         assert limit is not None
         if strikes >= limit:
             del self._idle[peer]
+            self._ended_early.pop(peer, None)
             reason = (f"liveness: held {leases} leases past {late_s:g} s without completing any "
                       f"({strikes} times while other stage-0 replicas completed theirs)")
             self.ban(peer, reason, now)
             return f"expelled peer={peer} {reason}"
         ended = self.ledger.expire_leases(peer, now)
+        self._ended_early.setdefault(peer, set()).update((self.ledger.step, i) for i in ended)
         return f"liveness strike peer={peer} {strikes}/{limit}: others complete tickets, it does not; leases ended early tickets={ended}"
 
     def drain(self, *, soft: bool = False) -> Changes:

@@ -7,6 +7,7 @@ coordinator does its housekeeping and each stage-0 replica acts its part), as in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protolearn.coordinator.config import CoordinatorSettings
@@ -32,14 +33,18 @@ class Part:
     refused: list[str] = field(default_factory=list)
 
 
-def run(core: CoordinatorCore, swarm: Swarm, parts: dict[str, Part], *, until: float) -> list[tuple[int, float]]:
-    """Tick the swarm until ``until``; returns (step, closed_at) of every step that closed."""
+def run(
+    core: CoordinatorCore, swarm: Swarm, parts: dict[str, Part], *, until: float, hook: Callable[[float], None] | None = None,
+) -> list[tuple[int, float]]:
+    """Tick the swarm until ``until`` (``hook(now)`` first each tick); returns (step, closed_at) of every step that closed."""
     closed: list[tuple[int, float]] = []
     s1 = swarm.stages[1]
     t = 0.0
     while t < until:
         t += TICK
         core.housekeeping(t)
+        if hook is not None:
+            hook(t)
         for peer, part in parts.items():
             if core.verdicts.is_banned(peer):
                 continue
@@ -107,6 +112,27 @@ def test_a_slow_replica_that_completes_its_own_late_leases_is_never_expelled() -
     parts = {honest: Part(), slow: Part(delay=LATE_S + 1.0)}
     run(core, swarm, parts, until=120.0)
     assert core.verdicts.bans == {}
+
+
+def test_fake_late_completions_of_tickets_it_never_held_do_not_save_a_blackhole() -> None:
+    core = make_core()
+    swarm = Swarm(core, per_stage=3)
+    hole, *honest = swarm.stages[0]
+    s1 = swarm.stages[1][0]
+
+    def claim_others_work(t: float) -> None:
+        """It claims tickets other replicas completed: refused, and nothing shows it ever worked on them."""
+        if core.verdicts.is_banned(hole):
+            return
+        for i, tk in enumerate(core.ledger.tickets):
+            if tk.done and tk.holder != hole:
+                try:
+                    swarm.complete(hole, core.ledger.step, i, [hole, s1], 3.0, t)
+                except Refusal:
+                    pass
+
+    run(core, swarm, {p: Part() for p in honest} | {hole: Part(delay=None)}, until=60.0, hook=claim_others_work)
+    assert core.verdicts.is_banned(hole) and core.verdicts.bans[hole].reason.startswith("liveness: held ")
 
 
 def test_no_stage0_replica_is_expelled_when_none_completes_anything() -> None:
