@@ -11,7 +11,8 @@ start-up is excluded:
   if it never was);
 - ``ratio`` = blackhole / honest (the goal is >= 0.9);
 - ``leases_until_ban``: the leases it sat on until the ban (from the ban reason), and
-  ``steps_until_ban``: steps closed from its first blackholed step to the ban;
+  ``steps_until_ban``: steps closed from its first blackholed step (``blackhole_from_step``: FROM_STEP,
+  or the step it joined at when a loaded machine started it later) to the ban;
 - ``banned_reason``, ``honest_banned`` (must be empty), ``blackhole_wall_s`` / ``honest_wall_s``.
 
 ``python scripts/bench_blackhole.py [--quick]`` prints the dict as JSON; ``scripts/bench.py`` may call
@@ -73,11 +74,14 @@ class Outcome:
     history: list[Any]  # LossPoint: step, loss, num_tickets, closed_at
     bans: list[Any]  # BanView: peer_id, reason, at
     node_peers: dict[int, str]
+    joined_step: dict[int, int]  # the open step when each node joined (a loaded machine starts some late)
     exit_codes: dict[int, int | None]
     tokens_per_step: int
 
 
-def _swarm_run(workdir: Path, *, stages: int, steps: int, num_nodes: int, lease_s: float, hole: str | None, deadline_s: float) -> Outcome:
+def _swarm_run(
+    workdir: Path, *, stages: int, steps: int, num_nodes: int, lease_s: float, hole: str | None, deadline_s: float, hole_stage: int = 0,
+) -> Outcome:
     import trio
     from protolearn.cli.demo import LocalSwarm
     from protolearn.stages.config import RunConfig
@@ -111,7 +115,22 @@ def _swarm_run(workdir: Path, *, stages: int, steps: int, num_nodes: int, lease_
         with trio.fail_after(STARTUP_S):
             while not swarm.poll_address():
                 await trio.sleep(0.1)
-        swarm.start_nodes()
+        # Node 0 (the blackhole, in that run) first, the others once it joined: on a loaded machine a node
+        # started with the rest may join only after the run is over.
+        # With hole_stage 1, an honest node joins first and takes stage 0, so node 0 lands in stage 1.
+        procs: dict[int, Any] = {}
+        for k in ([1, 0] if hole_stage == 1 else [0]):
+            procs[k] = swarm._popen(swarm._node_args(k), f"node{k}")
+            log = workdir / f"node{k}" / "node.jsonl"
+            with trio.fail_after(STARTUP_S):
+                while not (log.exists() and '"joined"' in log.read_text(errors="replace")):
+                    if procs[k].poll() is not None:
+                        raise RuntimeError(f"node{k} exited with {procs[k].returncode}: {swarm.tail(f'node{k}')}")
+                    await trio.sleep(0.1)
+        for k in range(num_nodes):
+            if k not in procs:
+                procs[k] = swarm._popen(swarm._node_args(k), f"node{k}")
+        swarm.nodes.extend(procs[k] for k in range(num_nodes))
         last = None
         async with open_host(Identity.generate()) as host:
             link = CoordinatorLink(host, swarm.address, retry=RetryPolicy(retry_for_s=5.0, request_timeout_s=5.0))
@@ -135,7 +154,7 @@ def _swarm_run(workdir: Path, *, stages: int, steps: int, num_nodes: int, lease_
         codes = {k: p.poll() for k, p in enumerate(swarm.nodes)}
     finally:
         swarm.stop()
-    peers = {}
+    peers, joined = {}, {}
     for k in range(num_nodes):
         path = workdir / f"node{k}" / "node.jsonl"
         for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
@@ -143,12 +162,14 @@ def _swarm_run(workdir: Path, *, stages: int, steps: int, num_nodes: int, lease_
                 d = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if d.get("peer_id"):
+            if d.get("event") == "start" and d.get("peer_id"):
                 peers[k] = d["peer_id"]
+            if d.get("event") == "joined":
+                joined[k] = int(d.get("step", 0))
                 break
     history = list(status.loss_history) if status is not None else []
     bans = list(status.bans) if status is not None else []
-    return Outcome(time.monotonic() - t0, history, bans, peers, codes, tokens_per_step)
+    return Outcome(time.monotonic() - t0, history, bans, peers, joined, codes, tokens_per_step)
 
 
 def _tokens_per_s(history: list[Any], after: float, tokens_per_step: int) -> float | None:
@@ -160,15 +181,18 @@ def _tokens_per_s(history: list[Any], after: float, tokens_per_step: int) -> flo
 
 
 def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: int | None = None, from_step: int = 2,
-            lease_s: float | None = None, warmup: int = 2, workdir: Path | None = None) -> dict:
+            lease_s: float | None = None, warmup: int = 2, hole_stage: int = 0, workdir: Path | None = None) -> dict:
     """Run the honest and the blackhole swarm back to back and compare their tokens/s (module docstring)."""
-    steps = steps or (24 if quick else 60)
+    steps = steps or (20 if quick else 60)
     lease_s = lease_s or (2.0 if quick else 4.0)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="protolearn-bench-blackhole-"))
     deadline = 120.0 if quick else 600.0
-    honest = _swarm_run(workdir / "honest", stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s, hole=None, deadline_s=deadline)
+    if hole_stage not in (0, 1) or (hole_stage == 1 and (stages < 2 or num_nodes < 4)):
+        raise ValueError(f"hole_stage {hole_stage}: 0, or 1 with >= 2 stages and >= 4 nodes (so stage 1 keeps a replica after the ban)")
+    honest = _swarm_run(workdir / "honest", stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s, hole=None, deadline_s=deadline,
+                        hole_stage=hole_stage)
     hole = _swarm_run(workdir / "blackhole", stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s,
-                      hole=f"blackhole:{from_step}", deadline_s=deadline)
+                      hole=f"blackhole:{from_step}", deadline_s=deadline, hole_stage=hole_stage)
     h_hist = sorted(honest.history, key=lambda p: p.step)
     honest_tps = _tokens_per_s(h_hist, h_hist[warmup - 1].closed_at if len(h_hist) >= warmup else 0.0, honest.tokens_per_step)
     hole_peer = hole.node_peers.get(0)
@@ -182,10 +206,9 @@ def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: 
     else:
         start = b_hist[min(len(b_hist) - 1, from_step + 20)].closed_at if b_hist else 0.0
     hole_tps = _tokens_per_s(b_hist, start, hole.tokens_per_step)
-    steps_until_ban = None
-    if ban is not None:
-        first = next((p.closed_at for p in b_hist if p.step == from_step - 1), None)
-        steps_until_ban = sum(1 for p in b_hist if p.step >= from_step and p.closed_at <= ban.at) if first is not None else None
+    # Steps closed from the first one it blackholed (from_step, or the step it joined at if later) to the ban.
+    first_bad = max(from_step, hole.joined_step.get(0, 0))
+    steps_until_ban = sum(1 for p in b_hist if p.step >= first_bad and p.closed_at <= ban.at) if ban is not None else None
     return {
         "honest_tokens_per_s": honest_tps,
         "blackhole_tokens_per_s": hole_tps,
@@ -194,11 +217,13 @@ def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: 
         "banned_reason": ban.reason if ban is not None else None,
         "leases_until_ban": leases,
         "steps_until_ban": steps_until_ban,
+        "blackhole_from_step": first_bad,
         "honest_banned": [b.peer_id for b in hole.bans + honest.bans if b.peer_id != hole_peer],
         "steps_closed": [len(honest.history), len(hole.history)],
         "steps": steps,
         "lease_s": lease_s,
         "stages": stages,
+        "hole_stage": hole_stage,
         "num_nodes": num_nodes,
         "honest_wall_s": honest.wall_s,
         "blackhole_wall_s": hole.wall_s,
@@ -215,10 +240,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--from-step", type=int, default=2)
     parser.add_argument("--lease-s", type=float, default=None)
+    parser.add_argument("--hole-stage", type=int, default=0, help="1: the blackhole serves stage 1 (needs --stages 2 --nodes 4)")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
     out = measure(quick=args.quick, stages=args.stages, num_nodes=args.nodes, steps=args.steps, from_step=args.from_step,
-                  lease_s=args.lease_s, workdir=Path(args.workdir) if args.workdir else None)
+                  lease_s=args.lease_s, hole_stage=args.hole_stage, workdir=Path(args.workdir) if args.workdir else None)
     print(json.dumps(out))
 
 
