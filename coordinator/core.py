@@ -482,6 +482,7 @@ class CoordinatorCore:
         stage = target.serving if target.serving >= 0 else target.stage
         v = self.verdicts.liveness_report(
             peer, msg.target, msg.reason, target_stage=stage, upstream=self.registry.serving(stage - 1) if stage >= 1 else (), now=now,
+            replicas=len(self.registry.serving(stage)),
         )
         log.info("liveness report reporter=%s target=%s ban=%s reason=%s", peer, msg.target, v.ban, v.reason)
         if v.ban and msg.target in self.registry.members and self.registry.members[msg.target].status == LIVE:

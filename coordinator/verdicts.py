@@ -32,7 +32,7 @@ claims: :meth:`VerdictPolicy.liveness_report` bans only when at least 2 distinct
 replicas of the stage right before the target's, and a strict majority of that stage, reported it within
 ``report_window_s``. Sybils must then hold a majority of a stage, not merely exist. A peer that itself
 reported lost microbatches further down is not banned on such reports (its own missing gradients may be
-the downstream blackhole's doing), only flagged.
+the downstream blackhole's doing), nor is a stage's only serving replica; both are only flagged.
 """
 
 from __future__ import annotations
@@ -152,12 +152,15 @@ class VerdictPolicy:
 
     def liveness_report(
         self, reporter: str, target: str, reason: str, *, target_stage: int, upstream: Collection[str], now: float,
+        replicas: int = 2,
     ) -> Verdict:
         """``reporter`` says microbatches it handed ``target`` (of ``target_stage``) never came back.
 
         ``upstream``: the live replicas of stage ``target_stage - 1`` now. Flags ``target`` every time; bans
         it on at least 2 distinct reporters in ``upstream`` that are also a strict majority of it, within
-        ``report_window_s``, unless ``target`` itself reported lost microbatches in that window.
+        ``report_window_s``, unless ``target`` itself reported lost microbatches in that window, or it is
+        its stage's only serving replica (``replicas``): a ban would leave the stage empty and stall the run
+        as surely, and an honest sole replica under load is the likelier story.
         """
         if target in self.bans:
             return Verdict(True, f"{target} is already banned: {self.bans[target].reason}")
@@ -178,6 +181,8 @@ class VerdictPolicy:
                                   f"replicas; {need} needed for a ban")
         if any(target in reporters for reporters in self.liveness.values()):
             return Verdict(False, f"{target} reported lost microbatches itself: it may be the victim of a peer further down; flagged only")
+        if replicas <= 1:
+            return Verdict(False, f"{target} is the only serving replica of stage {target_stage}; flagged only")
         if not self.settings.expel_on_liveness_reports:
             return Verdict(False, f"{target} reported by {len(agree)} stage-{target_stage - 1} replicas; liveness reports never ban here")
         ban = self.ban(target, f"liveness: {len(agree)} of {len(live)} live stage-{target_stage - 1} replicas reported within {window:g} s "

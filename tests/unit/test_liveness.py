@@ -200,6 +200,13 @@ def test_a_peer_that_itself_lost_microbatches_downstream_is_only_flagged() -> No
     assert not d.ban and "victim" in d.reason
 
 
+def test_the_only_serving_replica_of_a_stage_is_flagged_not_banned() -> None:
+    v = _policy()
+    for r in ("a", "b"):
+        d = v.liveness_report(r, "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0, replicas=1)
+    assert not d.ban and "only serving replica" in d.reason
+
+
 def test_stage0_targets_and_a_disabled_policy_never_ban() -> None:
     v = _policy()
     for r in ("a", "b", "c"):
