@@ -183,7 +183,7 @@ def _tokens_per_s(history: list[Any], after: float, tokens_per_step: int) -> flo
 def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: int | None = None, from_step: int = 2,
             lease_s: float | None = None, warmup: int = 2, hole_stage: int = 0, workdir: Path | None = None) -> dict:
     """Run the honest and the blackhole swarm back to back and compare their tokens/s (module docstring)."""
-    steps = steps or (20 if quick else 60)
+    steps = steps or (16 if quick else 60)
     lease_s = lease_s or (2.0 if quick else 4.0)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="protolearn-bench-blackhole-"))
     deadline = 120.0 if quick else 600.0
