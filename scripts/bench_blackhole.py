@@ -9,7 +9,9 @@ start-up is excluded:
 - ``honest_tokens_per_s``: steps after ``warmup`` of the honest run;
 - ``blackhole_tokens_per_s``: steps that closed after the blackhole was banned (after its 20th lease
   if it never was);
-- ``ratio`` = blackhole / honest (the goal is >= 0.9);
+- ``ratio`` = blackhole / honest (the goal is >= 0.9). These three come from the median interval
+  between step closes (a step stalled by other load on a shared machine does not count); the
+  ``*_mean`` keys are the plain span means;
 - ``leases_until_ban``: the leases it sat on until the ban (from the ban reason), and
   ``steps_until_ban``: steps closed from its first blackholed step (``blackhole_from_step``: FROM_STEP,
   or the step it joined at when a loaded machine started it later) to the ban;
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import tempfile
@@ -74,7 +77,8 @@ class Outcome:
     history: list[Any]  # LossPoint: step, loss, num_tickets, closed_at
     bans: list[Any]  # BanView: peer_id, reason, at
     node_peers: dict[int, str]
-    joined_step: dict[int, int]  # the open step when each node joined (a loaded machine starts some late)
+    # (open step when it joined, wall time of its first applied step: from then on it trains)
+    joined: dict[int, tuple[int, float]]
     exit_codes: dict[int, int | None]
     tokens_per_step: int
 
@@ -115,11 +119,10 @@ def _swarm_run(
         with trio.fail_after(STARTUP_S):
             while not swarm.poll_address():
                 await trio.sleep(0.1)
-        # Node 0 (the blackhole, in that run) first, the others once it joined: on a loaded machine a node
-        # started with the rest may join only after the run is over.
-        # With hole_stage 1, an honest node joins first and takes stage 0, so node 0 lands in stage 1.
+        # All at once (node 0 first); the timed windows start once every node joined (a loaded machine
+        # starts some seconds apart). With hole_stage 1, an honest node joins first and takes stage 0.
         procs: dict[int, Any] = {}
-        for k in ([1, 0] if hole_stage == 1 else [0]):
+        for k in ([1, 0] if hole_stage == 1 else []):
             procs[k] = swarm._popen(swarm._node_args(k), f"node{k}")
             log = workdir / f"node{k}" / "node.jsonl"
             with trio.fail_after(STARTUP_S):
@@ -165,25 +168,29 @@ def _swarm_run(
             if d.get("event") == "start" and d.get("peer_id"):
                 peers[k] = d["peer_id"]
             if d.get("event") == "joined":
-                joined[k] = int(d.get("step", 0))
+                joined[k] = (int(d.get("step", 0)), math.inf)
+            if d.get("event") == "step" and k in joined:  # its first applied step: it trains now
+                joined[k] = (joined[k][0], float(d["t"]))
                 break
     history = list(status.loss_history) if status is not None else []
     bans = list(status.bans) if status is not None else []
     return Outcome(time.monotonic() - t0, history, bans, peers, joined, codes, tokens_per_step)
 
 
-def _tokens_per_s(history: list[Any], after: float, tokens_per_step: int) -> float | None:
-    """Tokens/s over the steps that closed after ``after`` (from the first of them to the last)."""
+def _tokens_per_s(history: list[Any], after: float, tokens_per_step: int) -> tuple[float | None, float | None]:
+    """Tokens/s over the steps that closed after ``after``: (mean over the span, from the median step
+    interval). Other load on a shared machine stalls a step now and then; the median ignores that."""
     times = sorted(p.closed_at for p in history if p.closed_at > after)
     if len(times) < 3:
-        return None
-    return tokens_per_step * (len(times) - 1) / (times[-1] - times[0])
+        return None, None
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    return tokens_per_step * (len(times) - 1) / (times[-1] - times[0]), tokens_per_step / gaps[len(gaps) // 2]
 
 
 def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: int | None = None, from_step: int = 2,
             lease_s: float | None = None, warmup: int = 2, hole_stage: int = 0, workdir: Path | None = None) -> dict:
     """Run the honest and the blackhole swarm back to back and compare their tokens/s (module docstring)."""
-    steps = steps or (16 if quick else 60)
+    steps = steps or (40 if quick else 80)
     lease_s = lease_s or (2.0 if quick else 4.0)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="protolearn-bench-blackhole-"))
     deadline = 120.0 if quick else 600.0
@@ -194,7 +201,10 @@ def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: 
     hole = _swarm_run(workdir / "blackhole", stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s,
                       hole=f"blackhole:{from_step}", deadline_s=deadline, hole_stage=hole_stage)
     h_hist = sorted(honest.history, key=lambda p: p.step)
-    honest_tps = _tokens_per_s(h_hist, h_hist[warmup - 1].closed_at if len(h_hist) >= warmup else 0.0, honest.tokens_per_step)
+    # The honest window: from the warmup-th step closed after the last node started training.
+    all_in = max((at for _, at in honest.joined.values()), default=0.0)
+    after = [p.closed_at for p in h_hist if p.closed_at > all_in]
+    honest_tps = _tokens_per_s(h_hist, after[warmup - 1] if len(after) >= warmup else all_in, honest.tokens_per_step)
     hole_peer = hole.node_peers.get(0)
     ban = next((b for b in hole.bans if b.peer_id == hole_peer), None)
     b_hist = sorted(hole.history, key=lambda p: p.step)
@@ -202,17 +212,21 @@ def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: 
     if ban is not None:
         m = re.search(r"held (\d+) leases", ban.reason)
         leases = int(m.group(1)) if m else None
-        start = ban.at
+        start = max(ban.at, max((at for _, at in hole.joined.values()), default=0.0))
     else:
         start = b_hist[min(len(b_hist) - 1, from_step + 20)].closed_at if b_hist else 0.0
     hole_tps = _tokens_per_s(b_hist, start, hole.tokens_per_step)
     # Steps closed from the first one it blackholed (from_step, or the step it joined at if later) to the ban.
-    first_bad = max(from_step, hole.joined_step.get(0, 0))
+    first_bad = max(from_step, hole.joined.get(0, (0, 0.0))[0])
     steps_until_ban = sum(1 for p in b_hist if p.step >= first_bad and p.closed_at <= ban.at) if ban is not None else None
+    (honest_mean, honest_tps), (hole_mean, hole_tps) = honest_tps, hole_tps
     return {
         "honest_tokens_per_s": honest_tps,
         "blackhole_tokens_per_s": hole_tps,
         "ratio": (hole_tps / honest_tps) if honest_tps and hole_tps else None,
+        "honest_tokens_per_s_mean": honest_mean,
+        "blackhole_tokens_per_s_mean": hole_mean,
+        "ratio_mean": (hole_mean / honest_mean) if honest_mean and hole_mean else None,
         "banned": ban is not None,
         "banned_reason": ban.reason if ban is not None else None,
         "leases_until_ban": leases,
@@ -225,6 +239,7 @@ def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: 
         "stages": stages,
         "hole_stage": hole_stage,
         "num_nodes": num_nodes,
+        "nodes_joined": [len(honest.joined), len(hole.joined)],
         "honest_wall_s": honest.wall_s,
         "blackhole_wall_s": hole.wall_s,
         "exit_codes": {"honest": honest.exit_codes, "blackhole": hole.exit_codes},
