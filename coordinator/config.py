@@ -59,6 +59,18 @@ class CoordinatorSettings(BaseModel):
     # A lease held past this fraction of lease_s while its holder completed nothing for as long is late:
     # each late pass strikes the holder, and every strike halves its share of the step (down to 1).
     lease_late_fraction: float = Field(0.5, gt=0, le=1)
+    # Liveness (issue 11): a stage-0 member struck this many times for late leases with no completion in
+    # between, each time while another stage-0 replica did complete tickets (so the pipeline behind it
+    # works), is banned with a ``liveness:`` reason; from its first such strike its leases end at the
+    # strike instead of at lease_s. A late completion (even one refused because the ticket went to another
+    # replica meanwhile, if the last stage's ack checks out) clears the count, so a slow honest replica
+    # is never expelled. None: flag and shrink its share only.
+    expel_after_strikes: int | None = Field(4, ge=1)
+    # Reports of lost microbatches (a next-stage peer that Acks activations and never sends the gradient
+    # back, reason ``liveness: ...``) ban the reported stage-s member only when at least 2 distinct live
+    # replicas of stage s-1, and a strict majority of them, reported it within report_window_s; fewer
+    # reporters flag it (``lost_microbatches``). False: flag only.
+    expel_on_liveness_reports: bool = True
     max_concurrent_waits: int = Field(1024, ge=1)
     # A member's claimed throughput counts as at most this many times the swarm's median claim
     # (coordinator/assignment.py ThroughputClaims): a liar weighs like this many honest nodes at most.

@@ -23,6 +23,15 @@ completion needs the last stage's signed acknowledgement of its route and loss (
 (``late_leases``); each strike halves its share of the step down to one ticket, and each ticket it then
 completes on time takes one strike off. Its tickets are re-issued when their lease runs out, so a step
 it sits on closes at most about one ``lease_s`` later, and each later sitting costs it more share.
+
+Liveness (issue 11): a strike taken while another stage-0 replica completed a ticket since the late
+leases began (so the pipeline behind it works: the fault is this peer's) also ends its leases at once, so its
+tickets are re-issued after ``lease_late_fraction * lease_s`` rather than ``lease_s``, and counts toward
+expulsion: ``expel_after_strikes`` of them with no completion in between ban it (``liveness: held N
+leases past X s without completing any``). Any completion clears that count, even one refused because
+its ticket went to another replica meanwhile, provided the last stage's ack of it checks out: a slow
+honest replica still delivers, a blackhole never does. Reports of lost microbatches against later-stage
+peers (reason ``liveness:``) go to :meth:`VerdictPolicy.liveness_report` (a majority of the stage before).
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from protolearn.coordinator.registry import LIVE, HeartbeatInfo, JoinInfo, Membe
 from protolearn.coordinator.run import RunInfo
 from protolearn.coordinator.status import build_status
 from protolearn.coordinator.tickets import ClosedStep, LossPoint, Ticket, TicketLedger
-from protolearn.coordinator.verdicts import Ban, VerdictPolicy
+from protolearn.coordinator.verdicts import LIVENESS_REASON, Ban, VerdictPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.errors import SignatureError
@@ -134,6 +143,14 @@ class CoordinatorCore:
         self._lease_strikes: dict[str, int] = {}
         self._last_completed: dict[str, float] = {}
         self._late_seen: set[tuple[int, int, float]] = set()
+        # Stage-0 peers' liveness strikes (late while others progressed) and the leases they sat on, since
+        # each one's last completion; expel_after_strikes of them ban it.
+        self._idle: dict[str, tuple[int, int]] = {}
+        # The tickets (step, index) whose leases a liveness strike ended early, per struck peer: a late
+        # completion of one of them (refused, as it went elsewhere) still shows the peer works.
+        self._ended_early: dict[str, set[tuple[int, int]]] = {}
+        # When each stage-0 peer last completed a ticket (not pruned by time, unlike _last_completed).
+        self._progress_at: dict[str, float] = {}
 
     # -- restore ------------------------------------------------------------------------------
 
@@ -323,6 +340,8 @@ class CoordinatorCore:
                 )
         early = self.ledger.check_complete(member.peer_id, msg.step, msg.index, msg.route, msg.loss)
         if early is not None:  # refused before any signature is checked
+            if early.code in ("not_leaseholder", "duplicate", "step_closed") and member.peer_id in self._idle:
+                self._credit_late_work(member.peer_id, msg)
             raise self.refuse(early.code, early.reason)
         if len(msg.route) > 1:
             # Only the last stage knows that the ticket went the whole way and what its loss was.
@@ -348,9 +367,24 @@ class CoordinatorCore:
             self.history.pop()  # a reopened step closes again: replace its point
         self.history.append(LossPoint(closed.step, closed.loss, closed.num_tickets, closed.closed_at))
 
+    def _credit_late_work(self, peer: str, msg: cm.Complete) -> None:
+        """A struck peer finished a ticket whose lease a strike ended and that went to another replica
+        meanwhile: it is slow, not a blackhole, if the last stage acknowledged its route."""
+        if (msg.step, msg.index) not in self._ended_early.get(peer, ()) or len(msg.route) != self.run.num_stages or msg.route[0] != peer:
+            return
+        if len(msg.route) > 1:
+            statement = ack_statement(self.run.run_hash, msg.step, msg.index, msg.route, msg.loss)
+            if msg.ack is None or not self.verify(msg.route[-1], statement, msg.ack):
+                return
+        self._idle.pop(peer, None)
+        self._ended_early.pop(peer, None)
+
     def _on_completed(self, peer: str, held_s: float, now: float) -> None:
         """A completion is progress; one within the late fraction of its lease takes a strike off."""
         self._last_completed[peer] = now
+        self._progress_at[peer] = now
+        if self._idle.pop(peer, None) is not None:
+            self._ended_early.pop(peer, None)
         strikes = self._lease_strikes.get(peer, 0)
         if strikes and held_s <= self.settings.lease_late_fraction * self.settings.lease_s:
             if strikes > 1:
@@ -434,6 +468,8 @@ class CoordinatorCore:
         if msg.target not in self.registry.members:
             raise self.refuse("unknown_peer", f"{msg.target} is not a member of this swarm")
         verified = False
+        if msg.evidence is None and msg.conflicting is None and msg.reason.startswith(LIVENESS_REASON):
+            return self._liveness_report(peer, msg, now)
         if msg.evidence is not None or msg.conflicting is not None:
             # Proof is two statements the *accused* signed that contradict each other. The reporter's own
             # signature proves nothing (it can sign anything): that once let one member ban every other.
@@ -461,6 +497,19 @@ class CoordinatorCore:
         if banned and self.registry.is_live(msg.target):
             self._apply_ban(msg.target, now)
         return cm.ReportReply(banned=banned, reason=reason)
+
+    def _liveness_report(self, peer: str, msg: cm.Report, now: float) -> cm.ReportReply:
+        """``peer`` says microbatches it handed ``msg.target`` never came back (see verdicts.py)."""
+        target = self.registry.members[msg.target]
+        stage = target.serving if target.serving >= 0 else target.stage
+        v = self.verdicts.liveness_report(
+            peer, msg.target, msg.reason, target_stage=stage, upstream=self.registry.serving(stage - 1) if stage >= 1 else (), now=now,
+            replicas=len(self.registry.serving(stage)),
+        )
+        log.info("liveness report reporter=%s target=%s ban=%s reason=%s", peer, msg.target, v.ban, v.reason)
+        if v.ban and msg.target in self.registry.members and self.registry.members[msg.target].status == LIVE:
+            self._apply_ban(msg.target, now)
+        return cm.ReportReply(banned=v.ban, reason=v.reason)
 
     def ban(self, peer: str, reason: str, now: float) -> Ban:
         """Ban a peer by operator decision (and the policy's)."""
@@ -548,8 +597,10 @@ class CoordinatorCore:
         late_s = self.settings.lease_late_fraction * self.settings.lease_s
         late: set[tuple[int, int, float]] = set()
         struck: dict[str, list[int]] = {}
+        began: dict[str, float] = {}  # the earliest start of each struck holder's late leases
         for t in self.ledger.tickets:
-            if t.done or t.holder is None or now - (t.expires_at - self.settings.lease_s) < late_s:
+            # (An expired lease, or one ended early, waits for re-issue: its holder was struck for it already.)
+            if t.done or t.holder is None or t.expires_at <= now or now - (t.expires_at - self.settings.lease_s) < late_s:
                 continue
             key = (self.ledger.step, t.index, t.expires_at)
             if key in self._late_seen:
@@ -559,6 +610,7 @@ class CoordinatorCore:
                 # pass: completing one ticket of a block does not buy the right to sit on the rest.)
                 late.add(key)
                 struck.setdefault(t.holder, []).append(t.index)
+                began[t.holder] = min(began.get(t.holder, math.inf), t.expires_at - self.settings.lease_s)
         self._late_seen = late
         # Only a completion within late_s counts as progress: older ones go (O(recently active stage-0 peers)).
         self._last_completed = {p: at for p, at in self._last_completed.items() if now - at < late_s}
@@ -570,9 +622,36 @@ class CoordinatorCore:
             why = f"held tickets {tickets} of step {self.ledger.step} past {late_s:g} s without completing any"
             self.verdicts.flag(peer, "late_leases", why, now)
             events.append(f"late leases peer={peer} strikes={strikes} {why}")
+            if self.settings.expel_after_strikes is not None and any(
+                p != peer and at >= began[peer] for p, at in self._progress_at.items()
+            ):
+                events.append(self._liveness_strike(peer, len(tickets), late_s, now))
         if len(self._lease_strikes) > 2 * self.registry.working(0) + 64:
             self._lease_strikes = {p: n for p, n in self._lease_strikes.items() if self.registry.is_live(p)}
+            self._idle = {p: v for p, v in self._idle.items() if self.registry.is_live(p)}
+            self._ended_early = {p: v for p, v in self._ended_early.items() if p in self._idle}
+        if len(self._progress_at) > 2 * self.registry.working(0) + 64:
+            self._progress_at = {p: v for p, v in self._progress_at.items() if self.registry.is_live(p)}
         return events
+
+    def _liveness_strike(self, peer: str, num_leases: int, late_s: float, now: float) -> str:
+        """``peer`` sat on ``num_leases`` leases while other stage-0 replicas completed tickets: end its
+        leases now (they are re-issued on the next request) and ban it after ``expel_after_strikes``."""
+        strikes, leases = self._idle.get(peer, (0, 0))
+        strikes, leases = strikes + 1, leases + num_leases
+        self._idle[peer] = (strikes, leases)
+        limit = self.settings.expel_after_strikes
+        assert limit is not None
+        if strikes >= limit:
+            del self._idle[peer]
+            self._ended_early.pop(peer, None)
+            reason = (f"liveness: held {leases} leases past {late_s:g} s without completing any "
+                      f"({strikes} times while other stage-0 replicas completed theirs)")
+            self.ban(peer, reason, now)
+            return f"expelled peer={peer} {reason}"
+        ended = self.ledger.expire_leases(peer, now)
+        self._ended_early.setdefault(peer, set()).update((self.ledger.step, i) for i in ended)
+        return f"liveness strike peer={peer} {strikes}/{limit}: others complete tickets, it does not; leases ended early tickets={ended}"
 
     def drain(self, *, soft: bool = False) -> Changes:
         """Take the changes to persist; ``soft`` includes heartbeat-only telemetry too."""

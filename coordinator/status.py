@@ -15,7 +15,7 @@ The verdict, in order of precedence:
 Node flags: ``stale`` (missed two heartbeats), ``hash-mismatch`` (its parameter hash differs from
 its stage's majority at the same step), ``behind`` (it reports an older step than its stage's),
 ``no-throughput`` (it has not measured any yet), and the verdict policy's conduct flags as
-``kind:strikes`` (``redo_storm``, ``result_mismatch``, ``late_leases``, ``integrity``; see ``verdicts.py``).
+``kind:strikes`` (``redo_storm``, ``result_mismatch``, ``late_leases``, ``lost_microbatches``, ``integrity``; see ``verdicts.py``).
 
 Integrity (schema 2, ``coordinator/integrity.py``): each node's ``integrity`` is the median of the
 boundary-monitor scores its checkers report in their heartbeats, ``probation`` their majority state,

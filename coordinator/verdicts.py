@@ -18,16 +18,27 @@ coordinator's own host gate refuses every banned peer.
 **Flags** are the coordinator's own observations of a member's conduct, not accusations by others:
 ``redo_storm`` (it asked to redo more of other peers' work in one step than any honest replica needs),
 ``result_mismatch`` (it reported an averaged result its stage's majority did not hold) and
-``late_leases`` (it sat on leased tickets past a fraction of ``lease_s`` without completing any). A flag
-counts strikes and shows in ``swarm status``; it never bans on its own (an honest but slow or unlucky
-replica earns some), but it is the input a later policy weighs, and the caller acts on it locally
-(refuses the peer's further redos of the step, shrinks its lease share).
+``late_leases`` (it sat on leased tickets past a fraction of ``lease_s`` without completing any) and
+``lost_microbatches`` (a previous-stage replica reported that microbatches it handed this peer, and the
+peer acknowledged, never got their gradient back). A flag counts strikes and shows in ``swarm status``;
+it never bans on its own (an honest but slow or unlucky replica earns some), but it is the input a
+later policy weighs, and the caller acts on it locally (refuses the peer's further redos of the step,
+shrinks its lease share).
+
+**Liveness** (issue 11): a peer that accepts work and never delivers. A stage-0 sitter is judged by the
+coordinator's own observation of its leases (``core.py``, ``expel_after_strikes``). A later-stage
+blackhole is seen only by its upstream replicas, so their reports (reason :data:`LIVENESS_REASON`) are
+claims: :meth:`VerdictPolicy.liveness_report` bans only when at least 2 distinct reporters that are live
+replicas of the stage right before the target's, and a strict majority of that stage, reported it within
+``report_window_s``. Sybils must then hold a majority of a stage, not merely exist. A peer that itself
+reported lost microbatches further down is not banned on such reports (its own missing gradients may be
+the downstream blackhole's doing), nor is a stage's only serving replica; both are only flagged.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from protolearn.coordinator.config import CoordinatorSettings
@@ -39,7 +50,10 @@ _MAX_REPORTS_PER_TARGET = 1024
 MAX_BANS_IN_REPLY = 4096
 # Bound on flagged peers remembered (the oldest flag is forgotten first); each peer has a few flag kinds.
 _MAX_FLAGGED = 100_000
-FLAG_KINDS = ("redo_storm", "result_mismatch", "late_leases", "integrity")
+FLAG_KINDS = ("redo_storm", "result_mismatch", "late_leases", "lost_microbatches", "integrity")
+# A report whose reason starts with this is a liveness claim (lost microbatches), weighed by
+# :meth:`VerdictPolicy.liveness_report` rather than as a plain report.
+LIVENESS_REASON = "liveness:"
 
 
 @dataclass
@@ -75,6 +89,9 @@ class VerdictPolicy:
     # peer → kind → flag (insertion-ordered by peer, so the oldest is dropped first when full)
     flags: dict[str, dict[str, Flag]] = field(default_factory=dict)
 
+    # target → reporter → when it last reported lost microbatches (liveness claims, see the docstring)
+    liveness: dict[str, dict[str, float]] = field(default_factory=dict)
+
     # The banned peer IDs, sorted, as every heartbeat reply carries them (rebuilt after a ban).
     _banned: list[str] | None = field(default=None, init=False, repr=False)
 
@@ -97,6 +114,7 @@ class VerdictPolicy:
             self._banned = None
             self.dirty.add(peer_id)
             self.reports.pop(peer_id, None)
+            self.liveness.pop(peer_id, None)
         return ban
 
     def restore(self, bans: Iterable[Ban]) -> None:
@@ -132,6 +150,54 @@ class VerdictPolicy:
             return Verdict(True, ban.reason)
         return Verdict(False, f"{target} reported by {len(reporters)} of {need} distinct peers needed for a ban")
 
+    def liveness_report(
+        self, reporter: str, target: str, reason: str, *, target_stage: int, upstream: Collection[str], now: float,
+        replicas: int = 2,
+    ) -> Verdict:
+        """``reporter`` says microbatches it handed ``target`` (of ``target_stage``) never came back.
+
+        ``upstream``: the live replicas of stage ``target_stage - 1`` now. Flags ``target`` every time; bans
+        it on at least 2 distinct reporters in ``upstream`` that are also a strict majority of it, within
+        ``report_window_s``, unless ``target`` itself reported lost microbatches in that window, or it is
+        its stage's only serving replica (``replicas``): a ban would leave the stage empty and stall the run
+        as surely, and an honest sole replica under load is the likelier story.
+        """
+        if target in self.bans:
+            return Verdict(True, f"{target} is already banned: {self.bans[target].reason}")
+        window = self.settings.report_window_s
+        self._prune_liveness(now)
+        by = self.liveness.setdefault(target, {})
+        if len(by) >= _MAX_REPORTS_PER_TARGET and reporter not in by:
+            del by[min(by, key=by.__getitem__)]
+        by[reporter] = now
+        self.flag(target, "lost_microbatches", f"reported by {reporter}: {reason}", now)
+        if target_stage < 1:
+            return Verdict(False, f"{target} is a stage-0 replica: its liveness is judged by its leases, not by reports")
+        live = set(upstream)
+        agree = sorted(r for r in by if r in live)
+        need = max(2, len(live) // 2 + 1)
+        if len(agree) < need:
+            return Verdict(False, f"{target} reported for lost microbatches by {len(agree)} of the {len(live)} live stage-{target_stage - 1} "
+                                  f"replicas; {need} needed for a ban")
+        if any(target in reporters for reporters in self.liveness.values()):
+            return Verdict(False, f"{target} reported lost microbatches itself: it may be the victim of a peer further down; flagged only")
+        if replicas <= 1:
+            return Verdict(False, f"{target} is the only serving replica of stage {target_stage}; flagged only")
+        if not self.settings.expel_on_liveness_reports:
+            return Verdict(False, f"{target} reported by {len(agree)} stage-{target_stage - 1} replicas; liveness reports never ban here")
+        ban = self.ban(target, f"liveness: {len(agree)} of {len(live)} live stage-{target_stage - 1} replicas reported within {window:g} s "
+                               f"that microbatches it acknowledged never came back ({reason})", now)
+        return Verdict(True, ban.reason)
+
+    def _prune_liveness(self, now: float) -> None:
+        window = self.settings.report_window_s
+        for target in list(self.liveness):
+            by = {r: at for r, at in self.liveness[target].items() if now - at <= window}
+            if by:
+                self.liveness[target] = by
+            else:
+                del self.liveness[target]
+
     def flag(self, peer: str, kind: str, reason: str, now: float) -> Flag:
         """Add a strike of ``kind`` to ``peer`` (never bans on its own; see the module docstring)."""
         if kind not in FLAG_KINDS:
@@ -153,6 +219,7 @@ class VerdictPolicy:
 
     def prune(self, now: float) -> None:
         window = self.settings.report_window_s
+        self._prune_liveness(now)
         for target in list(self.reports):
             q = self.reports[target]
             while q and now - q[0][0] > window:

@@ -5,6 +5,12 @@ carries out its actions (a lease request, starting a ticket through the
 :class:`~protolearn.node.router.Router`, releasing tickets, reporting a completion), feeds the answers
 back as events, and sleeps until the core's next wake-up or until something happens (a completion, a
 failed send, a departure). The node owns one driver for its lifetime and binds it to each stage it builds.
+
+Liveness (issue 11): each pass also asks the router's balancer for microbatches handed to a stage-1 peer
+whose gradient is overdue (:meth:`~protolearn.node.balancer.Balancer.overdue`); their tickets restart
+on another peer at once (a :class:`PeerDown` for those tickets), and a peer that lost
+:data:`REPORT_AFTER_LOST` in a row is reported to the coordinator (``liveness: ...``), at most once per
+:data:`REPORT_INTERVAL_S`. One report is a claim: the coordinator bans only on a majority of stage 0.
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ from protolearn.stages.config import RunConfig
 
 log = logging.getLogger("protolearn.node")
 
+# A next-stage peer that lost this many handed microbatches in a row is reported, at most this often.
+REPORT_AFTER_LOST = 3
+REPORT_INTERVAL_S = 5.0
+
 
 def emit(progress: Progress, action: Emit) -> None:
     """Write a core's :class:`Emit` to the event log, and to the log when it carries a level."""
@@ -68,6 +78,10 @@ class TicketDriver:
         self.worker: StageWorker
         self.router: Router
         self.accounting: Accounting
+        # Testing only (node/adversary.py ``blackhole``): for a step where this returns True, leased
+        # tickets are never started. Set by the node.
+        self.blackhole: Callable[[int], bool] | None = None
+        self._reported_at: dict[str, float] = {}
 
     def bind(self, worker: StageWorker, router: Router, accounting: Accounting) -> None:
         """Drive the stage the node just built."""
@@ -113,6 +127,7 @@ class TicketDriver:
             try:
                 while not closed.is_set():
                     now = self.clock()
+                    self._check_overdue(step, now)
                     self._carry(core.poll(now, in_flight=self.accounting.num_in_flight, has_next_stage=bool(self.router.next_peers)))
                     self._wake = trio.Event()
                     with trio.move_on_at(core.next_wake(now)):
@@ -120,6 +135,32 @@ class TicketDriver:
             finally:
                 self._nursery = None
                 nursery.cancel_scope.cancel()
+
+    def _check_overdue(self, step: int, now: float) -> None:
+        """Restart the tickets whose gradient is overdue from a stage-1 peer; report a peer that keeps losing them."""
+        lost = self.router.balancer.overdue(now, self.core.stall_s)
+        by_peer: dict[str, list[int]] = {}
+        for (s, t), peer in lost:
+            if s == step and self.router.sent_to.get((s, t)) == peer:
+                by_peer.setdefault(peer, []).append(t)
+        for peer, tickets in sorted(by_peer.items()):
+            log.warning("gradients overdue peer=%s step=%d tickets=%s: restarting them elsewhere", peer, step, tickets)
+            self._carry(self.core.handle(PeerDown(peer, tickets), now))
+        for peer in sorted({p for _, p in lost}):
+            n = self.router.balancer.lost(peer)
+            if n >= REPORT_AFTER_LOST and now - self._reported_at.get(peer, -REPORT_INTERVAL_S) >= REPORT_INTERVAL_S and self._nursery is not None:
+                self._reported_at[peer] = now
+                why = f"liveness: {n} microbatches it acknowledged got no gradient back within {self.router.balancer.deadline_s(self.core.stall_s):.1f} s"
+                self._nursery.start_soon(self._report_peer, peer, why)
+
+    async def _report_peer(self, peer: str, why: str) -> None:
+        try:
+            reply = await self.link.report(peer, why)
+        except ProtocolError as err:
+            log.info("liveness report failed peer=%s reason=%s", peer, err.reason)
+            return
+        emit(self.progress, Emit("peer_reported", {"peer": peer, "reason": why, "banned": reply.banned}, logging.WARNING,
+                                 f"reported peer={peer} banned={reply.banned} reason={why} verdict={reply.reason}"))
 
     def _carry(self, actions: list[LeaseAction]) -> None:
         for a in actions:
@@ -146,6 +187,8 @@ class TicketDriver:
         self._feed(Leased(reply.step, list(reply.indices)))
 
     async def _run_ticket(self, step: int, ticket: int) -> None:
+        if self.blackhole is not None and self.blackhole(step):
+            return  # the adversary sits on its lease
         if not await self.router.start_ticket(step, ticket):
             self._feed(NotStarted(step, ticket))
 

@@ -113,6 +113,9 @@ class Node:
         self.integrity_seed = int(os.environ.get("PROTOLEARN_CHECK_SEED") or int.from_bytes(os.urandom(4), "big"))
         # Testing only: the attack this node makes (node/adversary.py), None for an honest node.
         self.adversary = parse_adversary(config.adversary) if config.adversary else None
+        # The ``blackhole`` adversary: for its steps, take leases and activations and never answer.
+        self.blackhole = self.adversary.active if self.adversary is not None and self.adversary.kind == "blackhole" else None
+        self.driver.blackhole = self.blackhole
         self.adversary_sent = 0  # corrupted tensors sent (the integrity benchmark counts them to the ban)
         self.worker: StageWorker
         self.router: Router
@@ -164,6 +167,7 @@ class Node:
             report=self._integrity_report, timeout_s=self.config.request_timeout_s, seed=self.integrity_seed,
         )
         self.router.integrity = self.integrity
+        self.router.blackhole = self.blackhole
         self.host.on_connection = self._on_connection
         self.driver.bind(self.worker, self.router, core.accounting)
         self.averager = Averager(self.host, stage, self.worker.numel, timeout_s=self.config.averaging_timeout_s,

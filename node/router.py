@@ -124,6 +124,9 @@ class Router:
         self.integrity: Integrity | None = None
         # Testing only (node/adversary.py): corrupts each tensor this replica sends.
         self.tamper: Callable[[torch.Tensor, int, int, str], torch.Tensor] | None = None
+        # Testing only (node/adversary.py ``blackhole``): for a step where this returns True, Ack received
+        # activations and gradients and drop them. Set by the node.
+        self.blackhole: Callable[[int], bool] | None = None
 
     # -- wiring ----------------------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -217,6 +220,9 @@ class Router:
     async def _on_activation(self, peer: str, s: FramedStream) -> None:
         msg = await s.receive(Activation)
         frame, hidden = await self._read_tensor(peer, s)
+        if self.blackhole is not None and self.blackhole(msg.step):
+            await s.send(Ack(queue_len=0))
+            return
         if len(msg.route) != self.stage or msg.route[-1] != peer:
             await self._refuse(s, peer, "invalid", f"route of {len(msg.route)} hops ending at {msg.route[-1][:16]} does not lead to stage {self.stage} from this sender")
             return
@@ -296,6 +302,7 @@ class Router:
             self.balancer.on_done(peer, self.clock() - t0)
             self.balancer.on_queue_report(peer, reply.queue_len)
             self.sent_to[key] = peer
+            self.balancer.on_handed(key, peer, self.clock())
             return True
         self.stats.dropped += 1
         log.warning("microbatch dropped step=%d ticket=%d: no next-stage peer took it (tried %s)", step, ticket, sorted(tried))
@@ -307,6 +314,9 @@ class Router:
     async def _on_gradient(self, peer: str, s: FramedStream) -> None:
         msg = await s.receive(Gradient)
         frame, grad = await self._read_tensor(peer, s)
+        if self.blackhole is not None and self.blackhole(msg.step):
+            await s.send(Ack(queue_len=0))
+            return
         route = list(msg.route)
         if len(route) <= self.stage + 1 or route[self.stage] != self.host.peer_id or route[self.stage + 1] != peer:
             await self._refuse(s, peer, "invalid", f"gradient route does not pass through this replica at stage {self.stage} from this sender")
@@ -321,6 +331,7 @@ class Router:
         got = await self._received(peer, s, "bwd", msg, frame, grad)
         if got is None:
             return
+        self.balancer.on_returned((msg.step, msg.ticket), self.clock())
         await s.send(Ack(queue_len=self.queue_len))
         if self.integrity is not None:
             self.integrity.keep_received(msg.step, msg.ticket, "grad", frame)

@@ -92,6 +92,9 @@ def _start(
     ban_on_evidence: Annotated[bool, typer.Option(
         "--ban-on-evidence", help="Ban a member at once when a report proves it signed two contradicting statements (off by default).",
     )] = False,
+    lease_s: Annotated[float | None, typer.Option(
+        "--lease-s", help="Ticket lease term in seconds (tests and benchmarks shrink it; default 20).", hidden=True,
+    )] = None,
 ) -> None:
     """Start the coordinator and print the address nodes join with."""
     import trio
@@ -105,6 +108,8 @@ def _start(
 
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"--log-level={log_level!r} is not one of debug, info, warning, error")
+    if lease_s is not None and not lease_s > 0:
+        raise ConfigError(f"--lease-s={lease_s} must be a positive number of seconds")
     if metrics_port is not None and not 0 <= metrics_port < 65536:
         raise ConfigError(f"--metrics-port={metrics_port} is not a TCP port (0-65535)")
     setup_logging(log_level)
@@ -128,7 +133,8 @@ def _start(
                 return await nursery.start(
                     lambda task_status: serve(
                         run, data_dir, listen_on, metrics_port=metrics_port, metrics_host=metrics_host,
-                        settings=CoordinatorSettings(ban_on_evidence=ban_on_evidence), task_status=task_status,
+                        settings=CoordinatorSettings(ban_on_evidence=ban_on_evidence, **({} if lease_s is None else {"lease_s": lease_s})),
+                        task_status=task_status,
                     )
                 )
             except PortInUse as err:

@@ -1,0 +1,267 @@
+"""Bench ``blackhole`` (issue 11): a swarm's throughput with one node that accepts work and never delivers.
+
+:func:`measure` runs the same local swarm twice on the same machine, one run after the other: honest
+(``num_nodes`` nodes), then with node 0 started as ``--adversary blackhole:FROM_STEP``. Each is a
+coordinator and nodes started through the CLI, as ``protolearn demo`` does, with a short ``--lease-s``
+so that a quick run fits in a minute. Times are the coordinator's step-close times (its loss history), so
+start-up is excluded:
+
+- ``honest_tokens_per_s``: steps after ``warmup`` of the honest run;
+- ``blackhole_tokens_per_s``: steps that closed after the blackhole was banned (after its 20th lease
+  if it never was);
+- ``ratio`` = blackhole / honest (the goal is >= 0.9). These three come from the median interval
+  between step closes (a step stalled by other load on a shared machine does not count); the
+  ``*_mean`` keys are the plain span means;
+- ``leases_until_ban``: the leases it sat on until the ban (from the ban reason), and
+  ``steps_until_ban``: steps closed from its first blackholed step (``blackhole_from_step``: FROM_STEP,
+  or the step it joined at when a loaded machine started it later) to the ban;
+- ``banned_reason``, ``honest_banned`` (must be empty), ``blackhole_wall_s`` / ``honest_wall_s``.
+
+``python scripts/bench_blackhole.py [--quick]`` prints the dict as JSON; ``scripts/bench.py`` may call
+:func:`measure`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+STARTUP_S = 90.0
+POLL_S = 0.25
+
+
+# The e2e tests' tiny run (tests/e2e/test_swarm.py): a step takes a fraction of a second on a CPU.
+TINY = """
+name = "tiny"
+seed = 0
+steps = {steps}
+codec = "none"
+[model]
+vocab_size = 259
+d_model = 64
+n_layers = 2
+n_heads = 4
+d_ff = 128
+max_seq_len = 64
+[stages]
+num_stages = {stages}
+[batch]
+microbatches_per_step = {microbatches}
+microbatch_size = 4
+seq_len = 32
+[optim]
+warmup_steps = 2
+total_steps = {steps}
+[data]
+max_bytes = 200000
+"""
+
+
+def _run_toml(stages: int, steps: int, microbatches: int = 6) -> str:
+    return TINY.format(steps=steps, stages=stages, microbatches=microbatches)
+
+
+@dataclass
+class Outcome:
+    wall_s: float
+    history: list[Any]  # LossPoint: step, loss, num_tickets, closed_at
+    bans: list[Any]  # BanView: peer_id, reason, at
+    node_peers: dict[int, str]
+    # (open step when it joined, wall time of its first applied step: from then on it trains)
+    joined: dict[int, tuple[int, float]]
+    exit_codes: dict[int, int | None]
+    tokens_per_step: int
+
+
+def _swarm_run(
+    workdir: Path, *, stages: int, steps: int, num_nodes: int, lease_s: float, hole: str | None, deadline_s: float, hole_stage: int = 0,
+) -> Outcome:
+    import trio
+    from protolearn.cli.demo import LocalSwarm
+    from protolearn.stages.config import RunConfig
+
+    run_toml = _run_toml(stages, steps)
+    tokens_per_step = RunConfig.from_toml_text(run_toml).batch.tokens_per_step
+
+    class Swarm(LocalSwarm):
+        def start_coordinator(self, listen: str = "/ip4/127.0.0.1/tcp/0") -> None:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            config = self.workdir / "run.toml"
+            config.write_text(self.run_toml, encoding="utf-8")
+            self.coordinator = self._popen(
+                ["coordinator", "start", "--config", str(config), "--listen", listen, "--data-dir", str(self.workdir / "coordinator"),
+                 "--log-level", "info", "--lease-s", str(lease_s)], "coordinator")
+
+        def _node_args(self, k: int) -> list[str]:
+            args = super()._node_args(k)
+            return args + ["--adversary", hole] if (k == 0 and hole) else args
+
+    os.environ["PROTOLEARN_ALLOW_ADVERSARY"] = "1"  # inherited by the nodes; only node 0 gets --adversary
+    swarm = Swarm(workdir, run_toml, num_nodes, threads=1)
+    t0 = time.monotonic()
+
+    async def follow() -> Any:
+        from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
+        from protolearn.protocol.errors import ProtocolError
+        from protolearn.protocol.identity import Identity
+        from protolearn.protocol.transport import open_host
+
+        with trio.fail_after(STARTUP_S):
+            while not swarm.poll_address():
+                await trio.sleep(0.1)
+        # All at once (node 0 first); the timed windows start once every node joined (a loaded machine
+        # starts some seconds apart). With hole_stage 1, an honest node joins first and takes stage 0.
+        procs: dict[int, Any] = {}
+        for k in ([1, 0] if hole_stage == 1 else []):
+            procs[k] = swarm._popen(swarm._node_args(k), f"node{k}")
+            log = workdir / f"node{k}" / "node.jsonl"
+            with trio.fail_after(STARTUP_S):
+                while not (log.exists() and '"joined"' in log.read_text(errors="replace")):
+                    if procs[k].poll() is not None:
+                        raise RuntimeError(f"node{k} exited with {procs[k].returncode}: {swarm.tail(f'node{k}')}")
+                    await trio.sleep(0.1)
+        for k in range(num_nodes):
+            if k not in procs:
+                procs[k] = swarm._popen(swarm._node_args(k), f"node{k}")
+        swarm.nodes.extend(procs[k] for k in range(num_nodes))
+        last = None
+        async with open_host(Identity.generate()) as host:
+            link = CoordinatorLink(host, swarm.address, retry=RetryPolicy(retry_for_s=5.0, request_timeout_s=5.0))
+            with trio.move_on_after(deadline_s):
+                while True:
+                    try:
+                        last = await link.status(loss_history=10_000)
+                    except ProtocolError:
+                        pass
+                    # Done when every honest node exited (a banned blackhole exits, or is stopped below).
+                    if all(p.poll() is not None for k, p in enumerate(swarm.nodes) if not (k == 0 and hole)):
+                        with trio.move_on_after(10):
+                            last = await link.status(loss_history=10_000)
+                        return last
+                    await trio.sleep(POLL_S)
+        return last
+
+    try:
+        swarm.start_coordinator()
+        status = trio.run(follow)
+        codes = {k: p.poll() for k, p in enumerate(swarm.nodes)}
+    finally:
+        swarm.stop()
+    peers, joined = {}, {}
+    for k in range(num_nodes):
+        path = workdir / f"node{k}" / "node.jsonl"
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if d.get("event") == "start" and d.get("peer_id"):
+                peers[k] = d["peer_id"]
+            if d.get("event") == "joined":
+                joined[k] = (int(d.get("step", 0)), math.inf)
+            if d.get("event") == "step" and k in joined:  # its first applied step: it trains now
+                joined[k] = (joined[k][0], float(d["t"]))
+                break
+    history = list(status.loss_history) if status is not None else []
+    bans = list(status.bans) if status is not None else []
+    return Outcome(time.monotonic() - t0, history, bans, peers, joined, codes, tokens_per_step)
+
+
+def _tokens_per_s(history: list[Any], after: float, tokens_per_step: int) -> tuple[float | None, float | None]:
+    """Tokens/s over the steps that closed after ``after``: (mean over the span, from the median step
+    interval). Other load on a shared machine stalls a step now and then; the median ignores that."""
+    times = sorted(p.closed_at for p in history if p.closed_at > after)
+    if len(times) < 3:
+        return None, None
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    return tokens_per_step * (len(times) - 1) / (times[-1] - times[0]), tokens_per_step / gaps[len(gaps) // 2]
+
+
+def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: int | None = None, from_step: int = 2,
+            lease_s: float | None = None, warmup: int = 2, hole_stage: int = 0, workdir: Path | None = None) -> dict:
+    """Run the honest and the blackhole swarm back to back and compare their tokens/s (module docstring)."""
+    steps = steps or (40 if quick else 80)
+    lease_s = lease_s or (2.0 if quick else 4.0)
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="protolearn-bench-blackhole-"))
+    deadline = 120.0 if quick else 600.0
+    if hole_stage not in (0, 1) or (hole_stage == 1 and (stages < 2 or num_nodes < 4)):
+        raise ValueError(f"hole_stage {hole_stage}: 0, or 1 with >= 2 stages and >= 4 nodes (so stage 1 keeps a replica after the ban)")
+    honest = _swarm_run(workdir / "honest", stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s, hole=None, deadline_s=deadline,
+                        hole_stage=hole_stage)
+    hole = _swarm_run(workdir / "blackhole", stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s,
+                      hole=f"blackhole:{from_step}", deadline_s=deadline, hole_stage=hole_stage)
+    h_hist = sorted(honest.history, key=lambda p: p.step)
+    # The honest window: from the warmup-th step closed after the last node started training.
+    all_in = max((at for _, at in honest.joined.values()), default=0.0)
+    after = [p.closed_at for p in h_hist if p.closed_at > all_in]
+    honest_tps = _tokens_per_s(h_hist, after[warmup - 1] if len(after) >= warmup else all_in, honest.tokens_per_step)
+    hole_peer = hole.node_peers.get(0)
+    ban = next((b for b in hole.bans if b.peer_id == hole_peer), None)
+    b_hist = sorted(hole.history, key=lambda p: p.step)
+    leases = None
+    if ban is not None:
+        m = re.search(r"held (\d+) leases", ban.reason)
+        leases = int(m.group(1)) if m else None
+        start = max(ban.at, max((at for _, at in hole.joined.values()), default=0.0))
+    else:
+        start = b_hist[min(len(b_hist) - 1, from_step + 20)].closed_at if b_hist else 0.0
+    hole_tps = _tokens_per_s(b_hist, start, hole.tokens_per_step)
+    # Steps closed from the first one it blackholed (from_step, or the step it joined at if later) to the ban.
+    first_bad = max(from_step, hole.joined.get(0, (0, 0.0))[0])
+    steps_until_ban = sum(1 for p in b_hist if p.step >= first_bad and p.closed_at <= ban.at) if ban is not None else None
+    (honest_mean, honest_tps), (hole_mean, hole_tps) = honest_tps, hole_tps
+    return {
+        "honest_tokens_per_s": honest_tps,
+        "blackhole_tokens_per_s": hole_tps,
+        "ratio": (hole_tps / honest_tps) if honest_tps and hole_tps else None,
+        "honest_tokens_per_s_mean": honest_mean,
+        "blackhole_tokens_per_s_mean": hole_mean,
+        "ratio_mean": (hole_mean / honest_mean) if honest_mean and hole_mean else None,
+        "banned": ban is not None,
+        "banned_reason": ban.reason if ban is not None else None,
+        "leases_until_ban": leases,
+        "steps_until_ban": steps_until_ban,
+        "blackhole_from_step": first_bad,
+        "honest_banned": [b.peer_id for b in hole.bans + honest.bans if b.peer_id != hole_peer],
+        "steps_closed": [len(honest.history), len(hole.history)],
+        "steps": steps,
+        "lease_s": lease_s,
+        "stages": stages,
+        "hole_stage": hole_stage,
+        "num_nodes": num_nodes,
+        "nodes_joined": [len(honest.joined), len(hole.joined)],
+        "honest_wall_s": honest.wall_s,
+        "blackhole_wall_s": hole.wall_s,
+        "exit_codes": {"honest": honest.exit_codes, "blackhole": hole.exit_codes},
+        "workdir": str(workdir),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bench_blackhole.py")
+    parser.add_argument("--quick", action="store_true", help="a small run (under a minute)")
+    parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--from-step", type=int, default=2)
+    parser.add_argument("--lease-s", type=float, default=None)
+    parser.add_argument("--hole-stage", type=int, default=0, help="1: the blackhole serves stage 1 (needs --stages 2 --nodes 4)")
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args(argv)
+    out = measure(quick=args.quick, stages=args.stages, num_nodes=args.nodes, steps=args.steps, from_step=args.from_step,
+                  lease_s=args.lease_s, hole_stage=args.hole_stage, workdir=Path(args.workdir) if args.workdir else None)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

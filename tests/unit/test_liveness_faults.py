@@ -1,0 +1,318 @@
+"""Issue 11, liveness faults: nodes that accept work and never deliver are expelled; slow ones are not.
+
+Sans-IO: a real :class:`CoordinatorCore` driven with a fake clock by a tiny swarm loop (every tick the
+coordinator does its housekeeping and each stage-0 replica acts its part), as in
+``test_attacks_ledger.py``; and the verdict policy for reports of lost microbatches on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.core import CoordinatorCore
+from protolearn.coordinator.errors import Refusal
+from protolearn.coordinator.verdicts import VerdictPolicy
+from protolearn.node.balancer import Balancer
+from protolearn.protocol import coordination as cm
+
+from tests.unit.test_attacks_ledger import SETTINGS, Swarm, make_core
+
+TICK = SETTINGS.housekeeping_interval_s
+LATE_S = SETTINGS.lease_late_fraction * SETTINGS.lease_s
+
+
+@dataclass
+class Part:
+    """How one stage-0 replica behaves: ``delay`` after its lease it completes a ticket (None: never)."""
+
+    delay: float | None = 0.0
+    leased: int = 0
+    held: dict[tuple[int, int], float] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)
+
+
+def run(
+    core: CoordinatorCore, swarm: Swarm, parts: dict[str, Part], *, until: float, hook: Callable[[float], None] | None = None,
+) -> list[tuple[int, float]]:
+    """Tick the swarm until ``until`` (``hook(now)`` first each tick); returns (step, closed_at) of every step that closed."""
+    closed: list[tuple[int, float]] = []
+    s1 = swarm.stages[1]
+    t = 0.0
+    while t < until:
+        t += TICK
+        core.housekeeping(t)
+        if hook is not None:
+            hook(t)
+        for peer, part in parts.items():
+            if core.verdicts.is_banned(peer):
+                continue
+            step = core.ledger.step
+            got = core.handle(peer, cm.Lease(max_tickets=4), t).indices
+            part.leased += len(got)
+            part.held.update({(step, i): t for i in got})
+            if part.delay is None:
+                continue
+            for (st, i), at in sorted(part.held.items()):
+                if t - at >= part.delay:
+                    del part.held[(st, i)]
+                    try:
+                        swarm.complete(peer, st, i, [peer, s1[i % len(s1)]], 3.0, t)
+                    except Refusal as err:
+                        part.refused.append(err.code)
+            if core.ledger.step != step:
+                closed.append((step, t))
+                for stage, peers in swarm.stages.items():
+                    for p in peers:
+                        if not core.verdicts.is_banned(p):
+                            swarm.averaged(p, step, f"h{stage}", t)
+    return closed
+
+
+def test_a_stage0_blackhole_is_expelled_within_20_leases_and_steps_then_close_at_the_honest_pace() -> None:
+    core = make_core()
+    swarm = Swarm(core, per_stage=3)
+    hole, *honest = swarm.stages[0]
+    parts = {p: Part() for p in honest} | {hole: Part(delay=None)}
+    closed = run(core, swarm, parts, until=60.0)
+
+    ban = core.verdicts.bans.get(hole)
+    assert ban is not None and ban.reason.startswith("liveness: held "), core.verdicts.bans
+    assert f"past {LATE_S:g} s without completing any" in ban.reason
+    assert parts[hole].leased <= 20, parts[hole].leased
+    assert not any(core.verdicts.is_banned(p) for p in honest)
+    # Visible in swarm status before the ban: its late-lease strikes.
+    (flag,) = core.verdicts.flags_of(hole)
+    assert flag.startswith("late_leases:") and int(flag.split(":")[1]) >= SETTINGS.expel_after_strikes
+    # Each strike ends its leases at once, so the ban comes about one late window per strike.
+    assert ban.at <= SETTINGS.expel_after_strikes * (LATE_S + 2 * TICK) + 1.0, ban.at
+    after = [at for _, at in closed if at > ban.at]
+    # With the blackhole gone, a step closes every tick (the honest pace of this loop).
+    assert len(after) >= 0.9 * (60.0 - ban.at) / TICK - 2, (len(after), ban.at)
+
+
+def test_a_slow_honest_replica_is_never_expelled_even_when_its_tickets_go_to_others() -> None:
+    core = make_core()
+    swarm = Swarm(core, per_stage=3)
+    slow, *honest = swarm.stages[0]
+    # It completes every ticket at 1.5 late windows: always late, struck, its leases ended early and
+    # re-issued; its completions are then refused (not the leaseholder) but prove it works.
+    parts = {p: Part() for p in honest} | {slow: Part(delay=1.5 * LATE_S)}
+    run(core, swarm, parts, until=120.0)
+    assert core.verdicts.bans == {}
+    assert core.verdicts.flags_of(slow)  # flagged, share shrunk
+    assert parts[slow].refused and set(parts[slow].refused) <= {"not_leaseholder", "duplicate", "step_closed"}
+
+
+def test_a_slow_replica_that_completes_its_own_late_leases_is_never_expelled() -> None:
+    core = make_core(CoordinatorSettings(**(SETTINGS.model_dump() | {"expel_after_strikes": 2})))
+    swarm = Swarm(core, per_stage=2)
+    slow, honest = swarm.stages[0]
+    parts = {honest: Part(), slow: Part(delay=LATE_S + 1.0)}
+    run(core, swarm, parts, until=120.0)
+    assert core.verdicts.bans == {}
+
+
+def test_fake_late_completions_of_tickets_it_never_held_do_not_save_a_blackhole() -> None:
+    core = make_core()
+    swarm = Swarm(core, per_stage=3)
+    hole, *honest = swarm.stages[0]
+    s1 = swarm.stages[1][0]
+
+    def claim_others_work(t: float) -> None:
+        """It claims tickets other replicas completed: refused, and nothing shows it ever worked on them."""
+        if core.verdicts.is_banned(hole):
+            return
+        for i, tk in enumerate(core.ledger.tickets):
+            if tk.done and tk.holder != hole:
+                try:
+                    swarm.complete(hole, core.ledger.step, i, [hole, s1], 3.0, t)
+                except Refusal:
+                    pass
+
+    run(core, swarm, {p: Part() for p in honest} | {hole: Part(delay=None)}, until=60.0, hook=claim_others_work)
+    assert core.verdicts.is_banned(hole) and core.verdicts.bans[hole].reason.startswith("liveness: held ")
+
+
+def test_no_stage0_replica_is_expelled_when_none_completes_anything() -> None:
+    """Every stage-0 replica sits: the fault is further down (a dead or blackholed stage 1), not theirs."""
+    core = make_core()
+    swarm = Swarm(core, per_stage=2)
+    parts = {p: Part(delay=None) for p in swarm.stages[0]}
+    run(core, swarm, parts, until=60.0)
+    assert core.verdicts.bans == {}
+    assert all(core.verdicts.flags_of(p) for p in swarm.stages[0])
+
+
+def test_expel_after_strikes_none_only_flags() -> None:
+    core = make_core(CoordinatorSettings(**(SETTINGS.model_dump() | {"expel_after_strikes": None})))
+    swarm = Swarm(core, per_stage=3)
+    hole, *honest = swarm.stages[0]
+    run(core, swarm, {p: Part() for p in honest} | {hole: Part(delay=None)}, until=40.0)
+    assert core.verdicts.bans == {} and core.verdicts.flags_of(hole)
+
+
+# -- reports of lost microbatches against later stages ----------------------------------------------------
+def _policy(**kw: object) -> VerdictPolicy:
+    return VerdictPolicy(CoordinatorSettings(**kw))
+
+
+def test_one_reporter_only_flags_a_later_stage_peer() -> None:
+    v = _policy()
+    d = v.liveness_report("a", "x", "liveness: 3 lost", target_stage=1, upstream=["a", "b"], now=1.0)
+    assert not d.ban and "1 of the 2" in d.reason
+    assert v.flags_of("x") == ["lost_microbatches:1"]
+    d = v.liveness_report("a", "x", "liveness: 3 lost", target_stage=1, upstream=["a", "b"], now=2.0)
+    assert not d.ban  # the same reporter twice is still one
+
+
+def test_two_upstream_reporters_that_are_a_majority_ban() -> None:
+    v = _policy()
+    v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b", "c"], now=1.0)
+    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b", "c"], now=2.0)
+    assert d.ban and v.bans["x"].reason.startswith("liveness: 2 of 3 live stage-0 replicas")
+
+
+def test_reporters_outside_the_upstream_stage_or_a_minority_do_not_ban() -> None:
+    v = _policy()
+    up = ["a", "b", "c", "d"]
+    for r in ("a", "b", "sybil1", "sybil2"):  # sybils are not live replicas of the stage before
+        d = v.liveness_report(r, "x", "liveness: lost", target_stage=1, upstream=up, now=1.0)
+    assert not d.ban and "2 of the 4" in d.reason  # 2 of 4 is no strict majority
+    d = v.liveness_report("c", "x", "liveness: lost", target_stage=1, upstream=up, now=2.0)
+    assert d.ban
+
+
+def test_reports_expire_after_the_window() -> None:
+    v = _policy(report_window_s=10.0)
+    v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=0.0)
+    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=20.0)
+    assert not d.ban
+
+
+def test_a_peer_that_itself_lost_microbatches_downstream_is_only_flagged() -> None:
+    """In a 3-stage run a stage-2 blackhole starves stage 1 too; stage 0 then blames the stage-1 victim."""
+    v = _policy()
+    v.liveness_report("x", "z", "liveness: lost", target_stage=2, upstream=["x"], now=0.5)  # x blames z
+    v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0)
+    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0)
+    assert not d.ban and "victim" in d.reason
+
+
+def test_the_only_serving_replica_of_a_stage_is_flagged_not_banned() -> None:
+    v = _policy()
+    for r in ("a", "b"):
+        d = v.liveness_report(r, "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0, replicas=1)
+    assert not d.ban and "only serving replica" in d.reason
+
+
+def test_stage0_targets_and_a_disabled_policy_never_ban() -> None:
+    v = _policy()
+    for r in ("a", "b", "c"):
+        d = v.liveness_report(r, "x", "liveness: lost", target_stage=0, upstream=[], now=1.0)
+    assert not d.ban
+    v = _policy(expel_on_liveness_reports=False)
+    for r in ("a", "b"):
+        d = v.liveness_report(r, "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0)
+    assert not d.ban and v.flags_of("x") == ["lost_microbatches:2"]
+
+
+def test_the_core_routes_liveness_reports_to_the_stage_majority_rule() -> None:
+    core = make_core()
+    swarm = Swarm(core, per_stage=2)
+    a, b = swarm.stages[0]
+    x, y = swarm.stages[1]
+    r = core.handle(a, cm.Report(target=x, reason="liveness: 4 microbatches got no gradient back"), 1.0)
+    assert isinstance(r, cm.ReportReply) and not r.banned
+    r = core.handle(y, cm.Report(target=x, reason="liveness: 4 microbatches got no gradient back"), 1.0)
+    assert not r.banned  # y is x's fellow replica, not upstream
+    r = core.handle(b, cm.Report(target=x, reason="liveness: 4 microbatches got no gradient back"), 1.0)
+    assert r.banned and core.verdicts.is_banned(x) and not core.registry.is_live(x)
+    # A plain report (any other reason) still never bans.
+    for p in (a, b):
+        r = core.handle(p, cm.Report(target=y, reason="it looks slow"), 2.0)
+    assert not r.banned
+
+
+# -- the node's balancer: microbatches acknowledged and never answered ------------------------------------
+def test_the_balancer_gives_up_on_unanswered_microbatches_and_stops_choosing_their_peer() -> None:
+    b = Balancer()
+    # Honest round trips of about 0.3 s set the deadline to 4x that, but at least 2 s.
+    for i in range(4):
+        b.on_handed((0, i), "good", 0.0)
+        b.on_returned((0, i), 0.3)
+    assert b.deadline_s(cap_s=60.0) == 2.0
+    b.on_handed((1, 0), "hole", 1.0)
+    b.on_handed((1, 1), "good", 1.0)
+    assert b.overdue(2.5, cap_s=60.0) == []
+    b.on_returned((1, 1), 1.4)
+    assert b.overdue(3.5, cap_s=60.0) == [((1, 0), "hole")]
+    assert b.lost("hole") == 1 and b.lost("good") == 0
+    assert b.choose(["good", "hole"], 3.5).peer == "good"
+    # Losses in a row double the penalty; one returned microbatch resets the count.
+    for i in range(2, 5):
+        b.on_handed((1, i), "hole", 4.0)
+    assert len(b.overdue(10.0, cap_s=60.0)) == 3 and b.lost("hole") == 4
+    assert b.expected_finish_s("hole", 10.0) > 8 * b.failure_penalty_s
+    b.on_handed((2, 0), "hole", 10.0)
+    b.on_returned((2, 0), 10.1)
+    assert b.lost("hole") == 0
+
+
+def test_the_overdue_deadline_follows_slow_round_trips_and_is_capped() -> None:
+    b = Balancer()
+    assert b.deadline_s(cap_s=7.0) == 7.0  # nothing measured yet: the caller's cap
+    b.on_handed((0, 0), "p", 0.0)
+    b.on_returned((0, 0), 5.0)  # a slow (loaded) round trip raises the deadline at once
+    assert b.deadline_s(cap_s=60.0) == 20.0 and b.deadline_s(cap_s=7.0) == 7.0
+    b.on_handed((0, 1), "p", 5.0)
+    assert b.overdue(20.0, cap_s=60.0) == []
+    b.forget("p")
+    assert b.overdue(1e9, cap_s=60.0) == []
+
+
+def test_stage0_restarts_overdue_tickets_elsewhere_and_reports_a_peer_that_keeps_losing_them() -> None:
+    """The driver's liveness pass (node/driver.py) with the real lease core and balancer and a fake link."""
+    from types import SimpleNamespace
+
+    import trio
+    from protolearn.node import leasing as lc
+    from protolearn.node.driver import REPORT_AFTER_LOST, TicketDriver
+
+    reports: list[tuple[str, str]] = []
+
+    class Link:
+        async def report(self, target: str, reason: str) -> cm.ReportReply:
+            reports.append((target, reason))
+            return cm.ReportReply(banned=False, reason="flagged")
+
+    class Progress:
+        def event(self, *a: object, **kw: object) -> None: ...
+
+    config = SimpleNamespace(max_in_flight=8, lease_block=4, request_timeout_s=30.0)
+    run_ = SimpleNamespace(stages=SimpleNamespace(num_stages=2))
+    now = [0.0]
+    d = TicketDriver(config, run_, Link(), Progress(), clock=lambda: now[0])  # type: ignore[arg-type]
+    router = SimpleNamespace(balancer=Balancer(), sent_to={})
+    d.router = router  # type: ignore[assignment]
+    d.core.begin(5, [], 0.0)
+    d.core.handle(lc.Leased(5, [0, 1, 2, 3]), 0.0)
+    for t in range(4):
+        peer = "hole" if t < REPORT_AFTER_LOST else "good"
+        router.sent_to[(5, t)] = peer
+        router.balancer.on_handed((5, t), peer, 0.0)
+    router.balancer.on_returned((5, 3), 0.5)  # the good peer answers: round trips of 0.5 s
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            d._nursery = nursery
+            now[0] = 3.0  # past the 2 s floor, well before stall_s (60 s) and any lease expiry
+            d._check_overdue(5, now[0])
+            restarted = [a.ticket for a in d.core.poll(now[0], in_flight=0, has_next_stage=True) if isinstance(a, lc.StartTicket)]
+            assert restarted == [0, 1, 2]
+            d._nursery = None
+
+    trio.run(main)
+    assert [t for t, _ in reports] == ["hole"] and reports[0][1].startswith("liveness: 3 microbatches")
+    assert router.balancer.choose(["good", "hole"], 3.0).peer == "good"
