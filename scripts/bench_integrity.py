@@ -163,9 +163,25 @@ def scenario(
     return out
 
 
+def _blackhole(workdir: Path) -> dict:
+    """A blackhole among 3 stage-0 nodes, against the honest swarm in the same invocation (bench_blackhole.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("protolearn_bench_blackhole", Path(__file__).with_name("bench_blackhole.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    r = module.measure(quick=True, workdir=workdir)
+    return {
+        **r, "kind": "blackhole", "detected": bool(r["banned"]), "false_positives": len(r["honest_banned"]),
+        "microbatches_to_ban": r["leases_until_ban"], "throughput_ratio_after_ban": r["ratio"],
+    }
+
+
 def run(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(prog="bench.py integrity")
-    parser.add_argument("--kinds", default=",".join(k for k in KINDS if k not in ("reducer", "blackhole")), help="adversary kinds, comma-separated")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="adversary kinds, comma-separated")
+    parser.add_argument("--honest-seeds", type=int, default=1, help="honest runs with seeds 0..N-1 (the last one with the int8 codec when N > 1)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--from-step", type=int, default=0)
     parser.add_argument("--rate", type=float, default=0.25, help="spot-check rate p of the adversary runs")
@@ -175,18 +191,29 @@ def run(argv: list[str]) -> dict:
     args = parser.parse_args(argv)
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="protolearn-bench-integrity-"))
     kinds = [k for k in args.kinds.split(",") if k]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise SystemExit(f"error: unknown adversary kinds {unknown}; choose from {', '.join(KINDS)}")
     honest = scenario(root / "honest", steps=args.steps, seed=args.seed, rate=args.rate)
     per_kind = {}
     for kind in kinds:
+        if kind == "blackhole":  # a liveness fault: measured by throughput, scripts/bench_blackhole.py
+            per_kind[kind] = _blackhole(root / kind)
+            continue
         r = scenario(root / kind, kind=kind, from_step=args.from_step, steps=args.steps, seed=args.seed, rate=args.rate)
         if r["final_loss"] and honest["final_loss"]:
             r["loss_ratio"] = r["final_loss"] / honest["final_loss"]
         per_kind[kind] = r
+    honest_runs = [honest]
+    for seed in range(1, args.honest_seeds):
+        codec = "int8" if seed == args.honest_seeds - 1 else "none"
+        honest_runs.append(scenario(root / f"honest-{seed}-{codec}", steps=args.steps, seed=seed, codec=codec, rate=args.rate))
     out: dict = {
         "honest": honest,
         "kinds": per_kind,
         "detection_rate": {k: float(r["detected"]) for k, r in per_kind.items()},
-        "false_positives": {k: r["false_positives"] for k, r in per_kind.items()} | {"honest": honest["false_positives"]},
+        "false_positives": {k: r["false_positives"] for k, r in per_kind.items()} | {"honest": sum(h["false_positives"] for h in honest_runs)},
+        "honest_runs": [{"seed": s, "workdir": h["workdir"], "bans": h["bans"], "final_loss": h["final_loss"]} for s, h in enumerate(honest_runs)],
         "max_microbatches_to_ban": {k: r["microbatches_to_ban"] for k, r in per_kind.items()},
     }
     if not args.no_overhead:
