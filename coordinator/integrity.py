@@ -156,15 +156,7 @@ class IntegrityDesk:
             )
         except ProtocolError as err:
             raise IntegrityRefused("bad_evidence", err.reason) from None
-        digest = hashlib.sha256(encode(ev)).hexdigest()
-        if not self.enabled:
-            self.verdicts.flag(target, "integrity", why, now)
-            self._record(EvidenceRecord(now, reporter, target, ev.step, "flag", why, digest))
-            return False, f"{target} convicted, but integrity bans are off: {why}"
-        ban = self.verdicts.ban(target, f"integrity: {why} (reported by {reporter[-8:]})", now)
-        self._record(EvidenceRecord(now, reporter, target, ev.step, "ban", why, digest))
-        log.warning("integrity conviction peer=%s reporter=%s step=%d reason=%s", target, reporter, ev.step, why)
-        return True, ban.reason
+        return self._convict(reporter, target, ev.step, why, hashlib.sha256(encode(ev)).hexdigest(), now)
 
     def _reducer_fault(self, reporter: str, me, msg: cm.IntegrityReport, stages: set[int], now: float) -> tuple[bool, str]:
         """A replica of the reporter's own stage signed a wrong reduced part: checked by recomputing it."""
@@ -182,15 +174,18 @@ class IntegrityDesk:
         ok, why = verify_reducer_fault(ev, peer_id_public_key, aggregation_cfg=self.run)
         if not ok:
             raise IntegrityRefused("bad_evidence", why)
-        digest = hashlib.sha256(encode(ev)).hexdigest()
         why = f"collective: it signed part {ev.part} of round {ev.round} with bytes that are not the reduction of the slices it was sent ({why})"
+        return self._convict(reporter, target, ev.round, why, hashlib.sha256(encode(ev)).hexdigest(), now)
+
+    def _convict(self, reporter: str, target: str, step: int, why: str, digest: str, now: float) -> tuple[bool, str]:
+        """Verified evidence: ban ``target`` (or only flag it where integrity bans are off) and record it."""
         if not self.enabled:
             self.verdicts.flag(target, "integrity", why, now)
-            self._record(EvidenceRecord(now, reporter, target, ev.round, "flag", why, digest))
+            self._record(EvidenceRecord(now, reporter, target, step, "flag", why, digest))
             return False, f"{target} convicted, but integrity bans are off: {why}"
         ban = self.verdicts.ban(target, f"integrity: {why} (reported by {reporter[-8:]})", now)
-        self._record(EvidenceRecord(now, reporter, target, ev.round, "ban", why, digest))
-        log.warning("integrity conviction peer=%s reporter=%s round=%d reason=%s", target, reporter, ev.round, why)
+        self._record(EvidenceRecord(now, reporter, target, step, "ban", why, digest))
+        log.warning("integrity conviction peer=%s reporter=%s step=%d reason=%s", target, reporter, step, why)
         return True, ban.reason
 
     def _record(self, r: EvidenceRecord) -> None:
