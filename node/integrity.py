@@ -391,11 +391,11 @@ class Integrity:
 
     async def _on_check(self, peer: str, s: FramedStream) -> None:
         req = await s.receive(CheckRequest)
-        frames = [await s.receive_tensor(limits=self.limits) for _ in range(req.inputs)]
-        why = self._check_refusal(peer, req)
+        why = self._check_refusal(peer, req)  # before any input frame is read
         if why:
             await s.send(Refuse(code="invalid", reason=why))
             return
+        frames = [await s.receive_tensor(limits=self.limits) for _ in range(req.inputs)]
         try:
             tensors = [decode(f, peer=peer, shape=self.shape, dtype=torch.float32, limits=self.limits) for f in frames]
             if req.direction == "fwd" and self.stage == 0:
@@ -405,8 +405,6 @@ class Integrity:
             if req.direction == "bwd" and self.worker.last:
                 assert self.corpus is not None
                 targets = microbatch(self.run, self.corpus, req.step, req.ticket)[1]
-            if len(tensors) != (1 if req.direction == "fwd" or self.worker.last else 2):
-                raise ValueError(f"{len(tensors)} input tensors for a {req.direction} check of stage {self.stage}")
             out = await trio.to_thread.run_sync(self.worker.recompute, req.step, req.direction, tensors, targets, limiter=self.compute)
         except (ValueError, ProtocolError) as err:
             await s.send(Refuse(code="stale", reason=str(err)[:400]))
@@ -422,6 +420,9 @@ class Integrity:
     def _check_refusal(self, peer: str, req: CheckRequest) -> str:
         if req.stage != self.stage:
             return f"this replica serves stage {self.stage}, not {req.stage}"
+        want_inputs = 0 if req.direction == "fwd" and self.stage == 0 else (1 if req.direction == "fwd" or self.worker.last else 2)
+        if req.inputs != want_inputs:
+            return f"a {req.direction} check of stage {self.stage} takes {want_inputs} input tensors, not {req.inputs}"
         asker = self.stage_of(peer)
         want = self.stage + 1 if req.direction == "fwd" else self.stage - 1
         if asker != want:
