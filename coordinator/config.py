@@ -35,6 +35,9 @@ class CoordinatorSettings(BaseModel):
     # Integrity evidence the coordinator checks itself (a spot check's three signed outputs of the same
     # inputs, or a signed tensor with NaN/Inf: coordinator/integrity.py) bans the convicted peer.
     integrity_bans: bool = True
+    # For this long after a ban the banned peer's requests are refused with the ban's reason (so the node
+    # can tell its user why); after it, its connections are refused outright.
+    ban_notice_s: float = Field(30.0, ge=0)
     # Reports without such evidence are claims: by default (None) they are counted and shown, never a ban,
     # since f Sybil identities are f "distinct" reporters. A number N bans on N distinct reporters (a
     # swarm that trusts its members, e.g. one operator's machines).

@@ -137,8 +137,11 @@ class _Service:
         return led.step, closed.revision if closed is not None else 0, led.committed_through
 
     def sync_bans(self) -> None:
+        """Refuse banned peers at connection time once their ban is ``ban_notice_s`` old. Until then each
+        request of theirs is refused with the ban's reason, so a banned node can say why it stopped."""
+        now = self.clock()
         for peer, ban in self.core.verdicts.bans.items():
-            if not self.host.is_banned(peer):
+            if now - ban.at >= self.core.settings.ban_notice_s and not self.host.is_banned(peer):
                 self.host.ban(peer, ban.reason)
 
     def commit(self, *, soft: bool = False) -> None:

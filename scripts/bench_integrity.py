@@ -152,6 +152,7 @@ def scenario(
         "bans": bans, "wall_s": round(wall, 1),
         "tokens_per_s": tokens_per_step * (len(closed) - 2) / span if len(closed) > 2 else 0.0,
         "adversary_rc": swarm.nodes[ADVERSARY].returncode if kind else None,
+        "adversary_said": swarm.tail(f"node{ADVERSARY}") if kind else None,
         "microbatches_to_ban": (sent[-1]["sent"] if sent else 0) if kind else None,
         "workdir": str(workdir),
     }

@@ -41,6 +41,8 @@ def test_one_adversary_among_three_replicas_is_banned_and_training_goes_on(kind:
     assert r["stages"][3] == 0, r  # the adversary joined stage 0, as the third of its replicas
     assert r["detected"], r
     assert "integrity" in r["bans"]["node3"], r
+    # The banned node stops with one line that says so (its requests are refused with the reason).
+    assert r["adversary_rc"] == 1 and "the coordinator banned this node" in r["adversary_said"], r
     assert r["false_positives"] == 0, r
     assert r["microbatches_to_ban"] <= 20, r
     assert r["steps_closed"] == STEPS, r

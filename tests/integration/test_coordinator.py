@@ -9,11 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.service import Running, serve
-from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
+from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused, RetryPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.errors import Refused
@@ -26,6 +27,7 @@ FAST = CoordinatorSettings(
     housekeeping_interval_s=0.05,
     rate_per_s=500,
     rate_burst=500,
+    ban_notice_s=0.5,
 )
 RETRY = RetryPolicy(retry_for_s=5.0, request_timeout_s=5.0)
 
@@ -265,8 +267,13 @@ def test_coordinator_refuses_abuse_and_keeps_serving(open_hosts, run_trio, tmp_p
                 assert codes and set(codes) == {"rate_limited"}
                 assert isinstance(await lg.heartbeat(cm.Heartbeat(state="training")), cm.HeartbeatReply)
 
-                # a ban: the gate refuses the banned peer's heartbeats at connection time
+                # a ban: for ban_notice_s the banned peer's requests are refused with the reason (so the
+                # node can say why it stopped), then the gate refuses it at connection time
                 core.ban(accused.peer_id, "test ban", time.time())
+                with pytest.raises(CoordinatorRefused, match="test ban") as refusal:
+                    await lacc.heartbeat(cm.Heartbeat(state="training"))
+                assert refusal.value.code == "banned"
+                await trio.sleep(0.6)
                 await lg.heartbeat(cm.Heartbeat(state="training"))  # commits and gates the ban
                 try:
                     await lacc.heartbeat(cm.Heartbeat(state="training"))
