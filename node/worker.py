@@ -87,6 +87,8 @@ class StageWorker:
         with self._ctx():
             loss = self.module(key, inputs, targets)
         grad = self._isolated(key, lambda: self.module.backward(key, None, loss_scale=1.0 / self.run.batch.microbatches_per_step))
+        if self._stale is not None and not self.first:  # testing only: the gradient it sends comes from old weights
+            grad = self._input_grad(self._stale, inputs, targets, None)
         return float(loss), (None if grad is None else grad.float().cpu())
 
     def backward(self, key: Hashable, grad_output: torch.Tensor) -> torch.Tensor | None:
@@ -145,15 +147,20 @@ class StageWorker:
                 return self.module.infer(inputs[0]).float().cpu()
         if self.first:
             raise ValueError("stage 0 sends no gradients")
-        leaf = inputs[0].detach().to(self.device).requires_grad_(True)
-        # autograd.grad with an explicit input computes that gradient only: parameter .grad stays untouched.
+        return self._input_grad(self.module, inputs[0], targets, None if self.last else inputs[1]).float().cpu()
+
+    def _input_grad(self, module: StageModule, hidden: torch.Tensor, targets: torch.Tensor | None, grad_output: torch.Tensor | None) -> torch.Tensor:
+        """``module``'s gradient wrt its input hidden: of the loss scaled by 1/B on the last stage, else the
+        vector-Jacobian product with ``grad_output``. autograd.grad with an explicit input computes that
+        gradient only: parameter .grad stays untouched."""
+        leaf = hidden.detach().to(self.device).requires_grad_(True)
         with torch.enable_grad(), self._ctx():
-            out = self.module._compute(leaf, leaf, targets)
-            if self.last:
+            out = module._compute(leaf, leaf, targets)
+            if grad_output is None:
                 (grad,) = torch.autograd.grad(out * (1.0 / self.run.batch.microbatches_per_step), [leaf])
             else:
-                (grad,) = torch.autograd.grad(out, [leaf], grad_outputs=inputs[1].to(self.device))
-        return grad.float().cpu()
+                (grad,) = torch.autograd.grad(out, [leaf], grad_outputs=grad_output.to(self.device))
+        return grad
 
     # -- averaging and the step ------------------------------------------------------------------
     def held_tickets(self, step: int) -> list[int]:

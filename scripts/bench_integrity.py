@@ -1,11 +1,12 @@
 """Bench suite ``integrity``: do monitors and spot checks find and shut out a lying replica, and at what cost?
 
-Every scenario is a real local swarm (a coordinator and 4 nodes as CLI subprocesses on 127.0.0.1, as
-``protolearn demo`` runs it) on a tiny 2-stage run whose stage 0 holds 3 of the 4 layers, so the
-coordinator gives stage 0 three replicas and stage 1 one. Three nodes start together (two take stage
-0, one stage 1) and train; once all three have built their stage, the fourth, ``node3``, joins: the
-coordinator puts it on stage 0, it syncs its state from the others and, in an adversary run, attacks
-as ``--adversary KIND:FROM_STEP`` says (node/adversary.py), as a newcomer on probation.
+Every scenario is a real local swarm (a coordinator and 5 nodes as CLI subprocesses on 127.0.0.1, as
+``protolearn demo`` runs it) on a tiny 2-stage run of 2 + 2 layers. Four nodes start together (two per
+stage) and train; once all four have built their stage, the fifth, ``node4``, joins mid-run: the
+coordinator puts it on the stage with less throughput per share, which then has 3 replicas. It syncs
+its state from the others and, in an adversary run, attacks as ``--adversary KIND:FROM_STEP`` says
+(node/adversary.py), as a newcomer on probation: on stage 0 it corrupts the activations it sends, on
+stage 1 (the last) the gradients.
 
 Per kind it reports whether the adversary was banned (``detected``), the microbatches it corrupted
 before the ban (counted by the adversary itself: ``microbatches_to_ban``), whether an honest node was
@@ -41,7 +42,7 @@ d_ff = 128
 max_seq_len = 64
 [stages]
 num_stages = 2
-layers = [3, 1]
+layers = [2, 2]
 [batch]
 microbatches_per_step = 6
 microbatch_size = 4
@@ -56,8 +57,8 @@ monitors = {monitors}
 spot_check_rate = {rate}
 """
 
-NODES = 4
-ADVERSARY = 3  # joins last, mid-run: stage 0 is then short of its share, so it goes there
+NODES = 5
+ADVERSARY = 4  # joins last, mid-run, as the third replica of a stage
 START_S = 90.0
 
 
@@ -105,7 +106,7 @@ async def _watch(swarm, timeout_s: float, may_fail: set[int]):
 
 
 def scenario(
-    workdir: Path, *, kind: str | None = None, from_step: int = 0, steps: int = 40, seed: int = 0, codec: str = "none",
+    workdir: Path, *, kind: str | None = None, from_step: int = 0, steps: int = 30, seed: int = 0, codec: str = "none",
     rate: float = 0.25, monitors: bool = True, timeout_s: float = 300.0,
 ) -> dict:
     """One swarm run; ``kind`` None is the honest run. See the module docstring for what it returns."""
@@ -183,7 +184,7 @@ def run(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(prog="bench.py integrity")
     parser.add_argument("--kinds", default=",".join(KINDS), help="adversary kinds, comma-separated")
     parser.add_argument("--honest-seeds", type=int, default=1, help="honest runs with seeds 0..N-1 (the last one with the int8 codec when N > 1)")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--from-step", type=int, default=0)
     parser.add_argument("--rate", type=float, default=0.25, help="spot-check rate p of the adversary runs")
     parser.add_argument("--seed", type=int, default=0)
