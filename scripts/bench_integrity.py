@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -172,6 +173,7 @@ def _blackhole(workdir: Path) -> dict:
     spec = importlib.util.spec_from_file_location("protolearn_bench_blackhole", Path(__file__).with_name("bench_blackhole.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     r = module.measure(quick=True, workdir=workdir)
     return {
