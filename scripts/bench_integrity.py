@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -153,6 +154,11 @@ def scenario(
         "kind": kind or "honest", "stages": stages, "steps_closed": len(history), "final_loss": history[-1].loss if history else None,
         "bans": bans, "wall_s": round(wall, 1),
         "tokens_per_s": tokens_per_step * (len(closed) - 2) / span if len(closed) > 2 else 0.0,
+        # From the median interval between step closes after the 5th: a step stalled by other load on a
+        # shared machine does not count, nor the start-up while nodes join.
+        "tokens_per_s_median": tokens_per_step / statistics.median(intervals) if (intervals := [b - a for a, b in zip(closed[5:], closed[6:])]) else 0.0,
+        # The same over the last third of the steps (newcomers' probation has decayed towards p by then).
+        "tokens_per_s_late": tokens_per_step / statistics.median(late) if (late := intervals[-len(intervals) // 3:]) else 0.0,
         "adversary_rc": swarm.nodes[ADVERSARY].returncode if kind else None,
         "adversary_said": swarm.tail(f"node{ADVERSARY}") if kind else None,
         "microbatches_to_ban": (sent[-1]["sent"] if sent else 0) if kind else None,
@@ -190,14 +196,18 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--from-step", type=int, default=0)
     parser.add_argument("--rate", type=float, default=0.25, help="spot-check rate p of the adversary runs")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-overhead", action="store_true", help="skip the overhead pair of honest runs")
+    parser.add_argument("--no-overhead", action="store_true", help="skip the overhead runs")
+    parser.add_argument("--overhead-only", action="store_true", help="only the overhead runs")
+    parser.add_argument("--overhead-steps", type=int, default=60, help="steps of each overhead run")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="protolearn-bench-integrity-"))
-    kinds = [k for k in args.kinds.split(",") if k]
+    kinds = [k for k in args.kinds.split(",") if k] if not args.overhead_only else []
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise SystemExit(f"error: unknown adversary kinds {unknown}; choose from {', '.join(KINDS)}")
+    if args.overhead_only:
+        return {"overhead": _overhead(root, args.overhead_steps, args.seed), "workdir": str(root)}
     honest = scenario(root / "honest", steps=args.steps, seed=args.seed, rate=args.rate)
     per_kind = {}
     for kind in kinds:
@@ -221,14 +231,25 @@ def run(argv: list[str]) -> dict:
         "max_microbatches_to_ban": {k: r["microbatches_to_ban"] for k, r in per_kind.items()},
     }
     if not args.no_overhead:
-        # Side by side: checks off, then monitors + spot checks at p = 0.05, then off again (machine drift).
-        off1 = scenario(root / "off1", steps=args.steps, seed=args.seed, rate=0.0, monitors=False)
-        on = scenario(root / "on", steps=args.steps, seed=args.seed, rate=0.05, monitors=True)
-        off2 = scenario(root / "off2", steps=args.steps, seed=args.seed, rate=0.0, monitors=False)
-        off_tps = (off1["tokens_per_s"] + off2["tokens_per_s"]) / 2
-        out["overhead"] = {
-            "tokens_per_s_off": [off1["tokens_per_s"], off2["tokens_per_s"]], "tokens_per_s_on": on["tokens_per_s"],
-            "overhead": 1.0 - on["tokens_per_s"] / off_tps if off_tps else None,
-        }
+        out["overhead"] = _overhead(root, args.overhead_steps, args.seed)
     out["workdir"] = str(root)
     return out
+
+
+def _overhead(root: Path, steps: int, seed: int) -> dict:
+    """Honest swarms side by side, alternating: checks off (no monitors, no spot checks, probation
+    included) and on (monitors + spot checks at p = 0.05, newcomers at 1.0 on probation), twice each."""
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    for k, mode in enumerate(["off", "on", "off", "on"]):
+        runs[mode].append(scenario(root / f"overhead-{k}-{mode}", steps=steps, seed=seed, rate=0.05 if mode == "on" else 0.0, monitors=mode == "on"))
+
+    def cost(key: str) -> float | None:
+        off, on = (statistics.mean(r[key] for r in runs[m]) for m in ("off", "on"))
+        return 1.0 - on / off if off else None
+
+    return {
+        "tokens_per_s_off": [r["tokens_per_s_median"] for r in runs["off"]], "tokens_per_s_on": [r["tokens_per_s_median"] for r in runs["on"]],
+        "overhead": cost("tokens_per_s_median"),
+        "tokens_per_s_off_late": [r["tokens_per_s_late"] for r in runs["off"]], "tokens_per_s_on_late": [r["tokens_per_s_late"] for r in runs["on"]],
+        "overhead_late": cost("tokens_per_s_late"), "steps": steps,
+    }
