@@ -29,8 +29,9 @@ class CoordinatorSettings(BaseModel):
     rate_per_s: float = Field(200.0, gt=0)
     rate_burst: float = Field(400.0, ge=1)
     # Ban policy: verified evidence (two statements the accused signed that contradict each other) bans at
-    # once when set. Off until the integrity checks' verdict policy lands (issue 11): a proof of
-    # equivocation is then one input among several, and a single report never bans on its own word.
+    # once when set. Off by default (the operator opts in with --ban-on-evidence): an equivocation shows a
+    # peer said two things, not which was wrong, while integrity evidence (below) is checked against two
+    # other replicas' recomputations. A report without either never bans on its own word.
     ban_on_evidence: bool = False
     # Integrity evidence the coordinator checks itself (a spot check's three signed outputs of the same
     # inputs, or a signed tensor with NaN/Inf: coordinator/integrity.py) bans the convicted peer.
