@@ -145,6 +145,7 @@ class IntegrityDesk:
             if out.signer != target and self.verdicts.is_banned(out.signer):
                 raise IntegrityRefused("bad_evidence", f"signer {out.signer[-8:]} is banned: its output counts for nothing")
         from protolearn.protocol.boundary import verify_evidence  # loads torch: only when evidence comes
+        from protolearn.subspace import make_subspace
 
         n = 1
         for d in self.run.boundary_shape:
@@ -153,6 +154,7 @@ class IntegrityDesk:
             why = verify_evidence(
                 ev, run_hash=self.run.run_hash, codec=self.run.codec, check_tolerance=self.run.check_tolerance,
                 shape=list(self.run.boundary_shape), verify=verify_peer, limits=TensorLimits(max_elements=n, max_bytes=8 * n + 4096),
+                subspace=None if self.run.subspace is None else make_subspace(*self.run.subspace),
             )
         except ProtocolError as err:
             raise IntegrityRefused("bad_evidence", err.reason) from None

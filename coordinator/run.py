@@ -32,6 +32,9 @@ class RunInfo:
     trim_fraction: float = 0.25
     clip_tau: float = 1.0
     clip_iters: int = 3
+    # The run's subspace (protolearn/subspace.py) as (seed, vocab_size, d_model, rank, init_std), None
+    # without one: what decodes a ``subspace`` frame in evidence.
+    subspace: tuple[int, int, int, int, float] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -56,4 +59,7 @@ class RunInfo:
             trim_fraction=run.integrity.trim_fraction,
             clip_tau=run.integrity.clip_tau,
             clip_iters=run.integrity.clip_iters,
+            subspace=None if run.subspace.rank is None else (
+                run.seed, run.model.vocab_size, run.model.d_model, run.subspace.rank, run.model.init_std,
+            ),
         )

@@ -41,7 +41,7 @@ from protolearn.protocol.boundary import (
     inputs_digest,
     tolerance,
 )
-from protolearn.protocol.codecs import decode, make_encoder
+from protolearn.protocol.codecs import CodecContext, decode, make_encoder
 from protolearn.protocol.coordination import MAX_PEER_CHECKS, PeerCheck
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.frames import TensorFrame
@@ -397,7 +397,9 @@ class Integrity:
             return
         frames = [await s.receive_tensor(limits=self.limits) for _ in range(req.inputs)]
         try:
-            tensors = [decode(f, peer=peer, shape=self.shape, dtype=torch.float32, limits=self.limits) for f in frames]
+            # Input frames are in the run's codec; a subspace frame's direction follows from its layout.
+            context = CodecContext(self.worker.module.subspace)
+            tensors = [decode(f, peer=peer, shape=self.shape, dtype=torch.float32, limits=self.limits, context=context) for f in frames]
             if req.direction == "fwd" and self.stage == 0:
                 assert self.corpus is not None
                 tensors = [microbatch(self.run, self.corpus, req.step, req.ticket)[0]]

@@ -31,7 +31,7 @@ from protolearn.node.balancer import Balancer
 from protolearn.node.integrity import Integrity, Received
 from protolearn.node.worker import StageWorker
 from protolearn.protocol.acks import ack_statement
-from protolearn.protocol.codecs import Encoder, decode, make_encoder
+from protolearn.protocol.codecs import CodecContext, Encoder, decode, make_encoder, token_ids
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.frames import TensorFrame
 from protolearn.protocol.pipeline import (
@@ -107,6 +107,10 @@ class Router:
         self.codec = run.codec_spec
         self.run_hash = run.run_hash()
         self._encoders: dict[tuple[str, str], Encoder] = {}
+        # The subspace codec sends the token ids with each activation; a stage keeps them per (step, ticket)
+        # to send them on with its own output.
+        self.subspace = worker.module.subspace
+        self._tokens: dict[tuple[int, int], torch.Tensor] = {}
         b = run.batch
         self.hidden_shape = [b.microbatch_size, b.seq_len, run.model.d_model]  # (mb, T, D)
         n = b.microbatch_size * b.seq_len * run.model.d_model
@@ -149,6 +153,7 @@ class Router:
         applied = self.accounting.applied
         self._routes = {k: v for k, v in self._routes.items() if k[0] >= applied}
         self.sent_to = {k: v for k, v in self.sent_to.items() if k[0] >= applied}
+        self._tokens = {k: v for k, v in self._tokens.items() if k[0] >= applied}
         if self.integrity is not None:
             self.integrity.prune(applied)
         for p in payloads:
@@ -161,6 +166,10 @@ class Router:
             enc = self._encoders[key] = make_encoder(self.codec)
         return enc
 
+    def context(self, direction: str, tokens: torch.Tensor | None = None) -> CodecContext:
+        """What the run's codec needs to encode or decode a tensor crossing this stage's boundaries."""
+        return CodecContext.for_run(self.subspace, self.run.subspace.period, direction, tokens)
+
     async def _run(self, fn, *args):
         self.queue_len += 1
         try:
@@ -168,7 +177,7 @@ class Router:
         finally:
             self.queue_len -= 1
 
-    async def _read_tensor(self, peer: str, s: FramedStream) -> tuple[TensorFrame, torch.Tensor]:
+    async def _read_tensor(self, peer: str, s: FramedStream, direction: str) -> tuple[TensorFrame, torch.Tensor]:
         """The frame as received and its decoded tensor (which may hold NaN or Inf: see :meth:`_received`)."""
         frame = await s.receive_tensor(limits=self._limits)
         try:
@@ -177,7 +186,9 @@ class Router:
             raise ProtocolError(peer, str(err)) from None
         if got.name != self.codec.name:
             raise ProtocolError(peer, f"tensor in codec {frame.codec[:32]!r}, but this run uses {self.run.codec!r}")
-        return frame, decode(frame, peer=peer, shape=self.hidden_shape, dtype=torch.float32, limits=self._limits, require_finite=False)
+        return frame, decode(
+            frame, peer=peer, shape=self.hidden_shape, dtype=torch.float32, limits=self._limits, context=self.context(direction), require_finite=False,
+        )
 
     async def _received(self, peer: str, s: FramedStream, direction: str, msg: Activation | Gradient, frame: TensorFrame, t: torch.Tensor) -> Received | None:
         """Check the sender's signature and finiteness; None (after refusing) when the tensor is unusable."""
@@ -207,6 +218,8 @@ class Router:
         inputs, targets = microbatch(self.run, self.corpus, step, ticket)
         route = [self.host.peer_id]
         self._routes[(step, ticket)] = route
+        if self.codec.name == "subspace":
+            self._tokens[(step, ticket)] = inputs
         if self.worker.last:  # a one-stage run: the whole model is here
             loss, _ = await self._run(self.worker.forward_backward_last, (step, ticket), inputs, targets)
             self._count(loss)
@@ -219,7 +232,7 @@ class Router:
     # -- forward ---------------------------------------------------------------------------------
     async def _on_activation(self, peer: str, s: FramedStream) -> None:
         msg = await s.receive(Activation)
-        frame, hidden = await self._read_tensor(peer, s)
+        frame, hidden = await self._read_tensor(peer, s, "fwd")
         if self.blackhole is not None and self.blackhole(msg.step):
             await s.send(Ack(queue_len=0))
             return
@@ -234,6 +247,9 @@ class Router:
             await self._refuse(s, peer, _code(decision.reason), decision.reason)
             return
         await s.send(Ack(queue_len=self.queue_len))
+        if self.codec.name == "subspace" and not self.worker.last:
+            assert self.subspace is not None
+            self._tokens[(msg.step, msg.ticket)] = token_ids(frame, peer=peer, subspace=self.subspace)
         if self.integrity is not None:
             self.integrity.keep_received(msg.step, msg.ticket, "input", frame)
             self.integrity.observe(got)
@@ -277,7 +293,7 @@ class Router:
                 continue
             peer = choice.peer
             tried.add(peer)
-            frame, _ = self._encoder(peer, "fwd").encode(hidden)
+            frame, _ = self._encoder(peer, "fwd").encode(hidden, context=self.context("fwd", self._tokens.get(key)))
             signature = self.integrity.sign(step, ticket, "fwd", inputs, frame, peer) if self.integrity is not None else b""
             t0 = self.clock()
             self.balancer.on_sent(peer)
@@ -313,7 +329,7 @@ class Router:
     # -- backward --------------------------------------------------------------------------------
     async def _on_gradient(self, peer: str, s: FramedStream) -> None:
         msg = await s.receive(Gradient)
-        frame, grad = await self._read_tensor(peer, s)
+        frame, grad = await self._read_tensor(peer, s, "bwd")
         if self.blackhole is not None and self.blackhole(msg.step):
             await s.send(Ack(queue_len=0))
             return
@@ -365,7 +381,7 @@ class Router:
         peer = route[self.stage - 1]
         if self.tamper is not None:
             grad = self.tamper(grad, step, ticket, "bwd")
-        frame, _ = self._encoder(peer, "bwd").encode(grad)
+        frame, _ = self._encoder(peer, "bwd").encode(grad, context=self.context("bwd"))
         inputs = self.integrity.my_inputs("bwd", step, ticket) if self.integrity is not None else b""
         signature = self.integrity.sign(step, ticket, "bwd", inputs, frame, peer) if self.integrity is not None else b""
         deadline = self.clock() + self.send_timeout_s

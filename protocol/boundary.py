@@ -41,6 +41,8 @@ from protolearn.protocol.wire import Message
 if TYPE_CHECKING:  # torch loads only where tensors are compared: the coordinator starts without it
     import torch
 
+    from protolearn.subspace import Subspace
+
 _STATEMENT = b"protolearn/pipeline/boundary/1\x00"
 DIGEST_BYTES = 32
 # At most two input frames (a middle stage's backward: its activation and the gradient it received).
@@ -50,7 +52,9 @@ Direction = Literal["fwd", "bwd"]
 # Relative L2 error each codec adds on its own (measured on boundary tensors, with room to spare):
 # fp16/bf16 round every value, int8 rounds each row to 1/254 of its largest value, and topk keeps a
 # few percent of the values (with error feedback), so a topk check only catches gross faults.
+# subspace adds its inner codec's error (on the coefficients) and float rounding of the basis change.
 CODEC_TOLERANCE = {"none": 0.0, "fp16": 2e-3, "bf16": 1.6e-2, "int8": 5e-2, "topk": 1.5}
+_SUBSPACE_ROUNDING = 1e-5
 
 
 def frame_digest(frame: TensorFrame) -> bytes:
@@ -87,10 +91,12 @@ def boundary_statement(run_hash: str, step: int, ticket: int, direction: str, st
 def tolerance(codec: str, check_tolerance: float) -> float:
     """The relative L2 distance within which two outputs of the same inputs agree."""
     try:
-        name = parse_codec_spec(codec, field="codec").name
+        spec = parse_codec_spec(codec, field="codec")
     except CodecSpecError:
-        name = "topk"
-    return CODEC_TOLERANCE.get(name, CODEC_TOLERANCE["topk"]) + check_tolerance
+        return CODEC_TOLERANCE["topk"] + check_tolerance
+    if spec.name == "subspace":
+        return CODEC_TOLERANCE[spec.inner or "fp16"] + _SUBSPACE_ROUNDING + check_tolerance
+    return CODEC_TOLERANCE.get(spec.name, CODEC_TOLERANCE["topk"]) + check_tolerance
 
 
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -139,16 +145,17 @@ class Evidence(Message):
 
 def verify_evidence(
     ev: Evidence, *, run_hash: str, codec: str, check_tolerance: float, shape: Sequence[int],
-    verify: Callable[[str, bytes, bytes], None], limits: TensorLimits,
+    verify: Callable[[str, bytes, bytes], None], limits: TensorLimits, subspace: Subspace | None = None,
 ) -> str:
     """Check ``ev`` completely; return the reason to convict ``ev.accused``, or raise ProtocolError.
 
-    ``verify(peer, data, signature)`` raises on a bad signature; ``shape`` is the boundary tensor's.
+    ``verify(peer, data, signature)`` raises on a bad signature; ``shape`` is the boundary tensor's;
+    ``subspace`` is the run's (needed to decode ``subspace`` frames).
     The caller checks who the signers are (live replicas of ``ev.stage``).
     """
     import torch
 
-    from protolearn.protocol.codecs import decode
+    from protolearn.protocol.codecs import CodecContext, decode
 
     signers = [o.signer for o in ev.outputs]
     if len(set(signers)) != len(signers):
@@ -164,7 +171,8 @@ def verify_evidence(
         verify(o.signer, statement, o.signature)
         if o.signer == ev.accused:
             # The accused's frame is in the run's codec; an honest recomputation is sent raw.
-            tensors[o.signer] = decode(frame, peer=o.signer, shape=shape, dtype=torch.float32, limits=limits, require_finite=False)
+            context = CodecContext(subspace, ev.direction)
+            tensors[o.signer] = decode(frame, peer=o.signer, shape=shape, dtype=torch.float32, limits=limits, context=context, require_finite=False)
         else:
             tensors[o.signer] = decode(frame, peer=o.signer, shape=shape, dtype=torch.float32, limits=limits, require_finite=True)
     accused = tensors[ev.accused]

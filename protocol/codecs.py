@@ -15,11 +15,20 @@ fp16       numel float16                            empty
 bf16       numel bfloat16                           empty
 int8       numel int8, row-major (R, C)             R float32 scales; row r is ``q[r] * scale[r]``
 topk:F     k float32 values                         k int32 flat indices, strictly increasing
+subspace:I the inner codec I's ``data`` for the        activations: (B, T) token ids, int16 (int32 when
+           coefficients c, float32 (B, T, k)        the vocabulary exceeds 32768); then I's ``aux``
 =========  =======================================  =============================================
 
 For int8 a row is everything but the last dimension: C = ``shape[-1]`` and R = numel / C (a 0-dim
 tensor is one row of one). For topk, k = ceil(F * numel), and the fraction is part of the codec name
 on the wire (``topk:0.05``) so the receiver knows k exactly.
+
+``subspace`` (Protocol Models; :mod:`protolearn.subspace`) needs a :class:`CodecContext` holding the
+run's :class:`~protolearn.subspace.Subspace` and the direction. An activation h (B, T, D) of a
+subspace-constrained model is E_fixed[tok] + U c, so it travels as c = Uᵀ (h - E_fixed[tok]) (B, T, k)
+plus the token ids, and a gradient (which the receiving stage keeps in span(U)) as c = Uᵀ g alone. The
+receiver rebuilds h = E_fixed[tok] + U c, or g = U c. The encoder refuses a tensor that is not in the
+subspace (an unconstrained model), rather than sending a lossy projection of it.
 
 :func:`decode` checks the codec name, dtype, shape, limits and exact byte counts before it allocates,
 then index ranges and scales, and raises :class:`ProtocolError` naming the peer on any violation.
@@ -45,6 +54,7 @@ from protolearn.codec_spec import (
     parse_codec_spec,
 )
 from protolearn.protocol.errors import ProtocolError
+from protolearn.subspace import Subspace
 from protolearn.protocol.tensors import (
     DEFAULT_LIMITS,
     DTYPE_NAMES,
@@ -56,8 +66,9 @@ from protolearn.protocol.tensors import (
 )
 
 __all__ = [
-    "CODECS", "DEFAULT_TOPK_FRACTION", "FLOAT_DTYPES", "MAX_INT8_SCALE", "MAX_TOPK_RESIDUALS", "CodecContext", "CodecSpec",
-    "CodecSpecError", "ENCODERS", "EncodeStats", "Encoder", "TopKEncoder", "decode", "make_encoder", "parse_codec_spec",
+    "CODECS", "DEFAULT_TOPK_FRACTION", "FLOAT_DTYPES", "MAX_INT8_SCALE", "MAX_SUBSPACE_DRIFT", "MAX_TOPK_RESIDUALS",
+    "CodecContext", "CodecSpec", "CodecSpecError", "ENCODERS", "EncodeStats", "Encoder", "LinkSimulator", "TopKEncoder",
+    "decode", "make_encoder", "parse_codec_spec", "token_ids",
 ]
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -68,19 +79,33 @@ MAX_TOPK_RESIDUALS = 8
 # topk on tensors this large first narrows the candidates with a threshold estimated from a sample.
 _SAMPLED_TOPK_MIN = 1 << 16
 _TOPK_SAMPLE = 1 << 14
+# subspace: the largest part of a tensor (relative L2, measured on h - E_fixed[tok], or on g) that may lie
+# outside span(U). A model projected after every step stays below 1e-5; a model that is not constrained
+# has about sqrt(1 - k/D), close to 1. Between projections (subspace.period > 1) the drift is dropped.
+MAX_SUBSPACE_DRIFT = 0.01
+# subspace: token ids fit int16 up to this vocabulary size, int32 above it.
+_INT16_VOCAB = 1 << 15
 
 
 @dataclass(frozen=True)
 class CodecContext:
-    """Model state a codec may need. The current codecs use none of it.
+    """Model state a codec may need; only ``subspace`` uses it.
 
-    ``subspace`` (a later codec) sends only the token ids and the coefficients of the activation in a
-    fixed basis, so its encoder and decoder need the ids, the basis U (D, k) and the fixed embedding.
+    ``direction`` is ``fwd`` (activations, which carry ``token_ids`` (B, T) int64 when encoded) or
+    ``bwd`` (activation gradients). ``subspace`` is the run's basis and fixed embedding.
     """
 
-    token_ids: torch.Tensor | None = None  # (B, T) int64
-    basis: torch.Tensor | None = None  # (D, k)
-    embedding: torch.Tensor | None = None  # (V, D)
+    subspace: Subspace | None = None
+    direction: str | None = None  # "fwd" | "bwd"
+    token_ids: torch.Tensor | None = None  # (B, T) int64, fwd encode only
+    # The encoder refuses a tensor with more than this part outside span(U). A run that projects its
+    # weights only every few steps (subspace.period > 1) drifts out between projections: pass math.inf.
+    max_drift: float = MAX_SUBSPACE_DRIFT
+
+    @staticmethod
+    def for_run(subspace: Subspace | None, period: int, direction: str, token_ids: torch.Tensor | None = None) -> CodecContext:
+        """The context of a run with this subspace and projection period (1 = exact at every step)."""
+        return CodecContext(subspace, direction, token_ids, MAX_SUBSPACE_DRIFT if period == 1 else math.inf)
 
 
 @dataclass(frozen=True)
@@ -91,11 +116,17 @@ class EncodeStats:
     raw_bytes: int
     wire_bytes: int
     rel_error: float
+    tokens: int = 0  # B * T for a boundary tensor (B, T, D); 0 when not known
 
     @property
     def ratio(self) -> float:
         """Wire bytes per raw byte (0.5 for fp16; smaller is better)."""
         return self.wire_bytes / self.raw_bytes if self.raw_bytes else 1.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Wire bytes per token of a boundary tensor (0.0 when the tensor is not one)."""
+        return self.wire_bytes / self.tokens if self.tokens else 0.0
 
 
 class Encoder(Protocol):
@@ -306,6 +337,137 @@ class TopKEncoder:
         return idx
 
 
+def _ids_bytes(sub: Subspace, tokens: int) -> int:
+    return tokens * (2 if sub.vocab_size <= _INT16_VOCAB else 4)
+
+
+class _SubspaceEncoder:
+    """c = Uᵀ (h - E_fixed[tok]) for activations, c = Uᵀ g for gradients; c goes through the inner codec."""
+
+    def __init__(self, spec: CodecSpec) -> None:
+        self.spec = spec
+        self.inner = make_encoder(spec.inner or "fp16")  # none, fp16, bf16 or int8: all stateless
+
+    def encode(self, t: torch.Tensor, *, context: CodecContext | None = None) -> tuple[TensorFrame, EncodeStats]:
+        x = _float_input(t, "subspace")
+        if context is None or context.subspace is None:
+            raise ProtocolError(
+                "local", "codec subspace needs a subspace-constrained model; set [subspace] rank in the run config, or pick another codec"
+            )
+        sub, direction = context.subspace, context.direction
+        if direction not in ("fwd", "bwd"):
+            raise ProtocolError("local", f"codec subspace needs the direction fwd or bwd, got {direction!r}")
+        u = sub.basis.to(x.device)  # (D, k)
+        if x.dim() != 3 or x.shape[-1] != sub.d_model:
+            raise ProtocolError("local", f"codec subspace encodes (B, T, {sub.d_model}) boundary tensors, got {tuple(x.shape)}")
+        tokens = x.shape[0] * x.shape[1]
+        ids_raw = b""
+        r = x.float()  # (B, T, D)
+        fixed = None
+        if direction == "fwd":
+            ids = context.token_ids if context is not None else None
+            if ids is None or tuple(ids.shape) != tuple(x.shape[:2]) or ids.dtype != torch.int64:
+                raise ProtocolError("local", f"codec subspace needs the int64 token ids {tuple(x.shape[:2])} of an activation")
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= sub.vocab_size):
+                raise ProtocolError("local", f"token ids outside 0..{sub.vocab_size - 1}")
+            fixed = sub.fixed_embedding.to(x.device)[ids]  # (B, T, D)
+            r = r - fixed
+            ids_raw = _raw(ids.to(torch.int16 if sub.vocab_size <= _INT16_VOCAB else torch.int32))
+        c = r @ u  # (B, T, k)
+        inside = c @ u.T  # (B, T, D): r's projection onto span(U)
+        norm = _norm(r)
+        drift = _norm(r - inside) / norm if norm > 0 else 0.0
+        if drift > context.max_drift:  # NaN compares False and passes through, as with the none codec
+            what = "activations" if direction == "fwd" else "gradients"
+            raise ProtocolError(
+                "local",
+                f"{what} lie {drift:.0%} outside the run's subspace: this stage's model is not subspace-constrained "
+                "(a checkpoint from a run without [subspace]?); the subspace codec refuses to drop that part",
+            )
+        inner, _ = self.inner.encode(c.contiguous())
+        # What the receiver rebuilds, to report the true error (the inner codec's and the drift).
+        c_back = decode(inner, peer="local", shape=list(c.shape), require_finite=False)
+        rebuilt = c_back.to(x.device) @ u.T if fixed is None else fixed + c_back.to(x.device) @ u.T
+        err = float(torch.dist(x.float(), rebuilt)) if x.numel() else 0.0
+        frame = TensorFrame(
+            codec=str(self.spec), dtype=DTYPE_NAMES[x.dtype], shape=list(x.shape), data=inner.data, aux=ids_raw + inner.aux
+        )
+        raw = x.numel() * x.element_size()
+        return frame, EncodeStats(frame.codec, raw, frame.nbytes(), _rel_error(x, err), tokens)
+
+
+def _decode_subspace(frame: TensorFrame, spec: CodecSpec, peer: str, out_dtype: torch.dtype, limits: TensorLimits, context: CodecContext | None) -> torch.Tensor:
+    if context is None or context.subspace is None:
+        raise ProtocolError(
+            peer, "sent a subspace frame, but this run has no subspace; set [subspace] rank in the run config, or pick another codec"
+        )
+    sub = context.subspace
+    if len(frame.shape) != 3 or frame.shape[-1] != sub.d_model:
+        raise ProtocolError(peer, f"subspace frame of shape {frame.shape} is not a (B, T, {sub.d_model}) boundary tensor")
+    b, t, _ = frame.shape
+    inner_spec = spec.inner or "fp16"
+    # The inner codec's aux is empty except for int8's row scales; an activation's token ids come first.
+    inner_aux = 4 * b * t if inner_spec == "int8" else 0
+    n_ids = _ids_bytes(sub, b * t)
+    direction = {inner_aux + n_ids: "fwd", inner_aux: "bwd"}.get(len(frame.aux))
+    if direction is None or (context.direction is not None and direction != context.direction):
+        want = {"fwd": inner_aux + n_ids, "bwd": inner_aux}.get(context.direction or "", f"{inner_aux + n_ids} or {inner_aux}")
+        raise ProtocolError(peer, f"subspace frame of shape {frame.shape} needs {want} aux bytes, got {len(frame.aux)}")
+    ids_raw, aux = (frame.aux[:n_ids], frame.aux[n_ids:]) if direction == "fwd" else (b"", frame.aux)
+    inner = TensorFrame(codec=inner_spec, dtype="float32", shape=[b, t, sub.rank], data=frame.data, aux=aux)
+    c = decode(inner, peer=peer, shape=[b, t, sub.rank], limits=limits, require_finite=False)  # checks every size
+    h = c @ sub.basis.T  # (B, T, D)
+    if ids_raw:
+        ids = _buffer(ids_raw, torch.int16 if sub.vocab_size <= _INT16_VOCAB else torch.int32).long()
+        if int(ids.min()) < 0 or int(ids.max()) >= sub.vocab_size:
+            raise ProtocolError(peer, f"subspace token ids must lie in 0..{sub.vocab_size - 1}")
+        h = h + sub.fixed_embedding[ids.reshape(b, t)]
+    return h.to(out_dtype)
+
+
+def token_ids(frame: TensorFrame, *, peer: str, subspace: Subspace) -> torch.Tensor:
+    """The (B, T) int64 token ids a ``subspace`` activation frame carries (already validated by :func:`decode`)."""
+    if len(frame.shape) != 3 or len(frame.aux) < _ids_bytes(subspace, frame.shape[0] * frame.shape[1]):
+        raise ProtocolError(peer, "frame carries no token ids")
+    b, t = frame.shape[0], frame.shape[1]
+    n_ids = _ids_bytes(subspace, b * t)
+    ids = _buffer(frame.aux[:n_ids], torch.int16 if subspace.vocab_size <= _INT16_VOCAB else torch.int32).long()
+    return ids.reshape(b, t)
+
+
+class LinkSimulator:
+    """The swarm's boundary links in one process: encode, then decode, each boundary tensor.
+
+    One encoder per (boundary, direction), as one replica per stage would have, so ``topk`` keeps its
+    error feedback per link. Call it as the reference trainer's ``boundary`` hook; :attr:`wire_bytes`
+    and :attr:`tokens` add up what crossed each direction.
+    """
+
+    def __init__(self, spec: str | CodecSpec, subspace: Subspace | None = None, period: int = 1) -> None:
+        self.spec = spec if isinstance(spec, CodecSpec) else parse_codec_spec(spec)
+        self.subspace = subspace
+        self.period = period
+        self._encoders: dict[tuple[int, str], Encoder] = {}
+        self.wire_bytes = {"fwd": 0, "bwd": 0}
+        self.raw_bytes = {"fwd": 0, "bwd": 0}
+        self.tokens = {"fwd": 0, "bwd": 0}
+
+    def __call__(self, boundary: int, direction: str, t: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        enc = self._encoders.get((boundary, direction))
+        if enc is None:
+            enc = self._encoders[(boundary, direction)] = make_encoder(self.spec)
+        ctx = CodecContext.for_run(self.subspace, self.period, direction, tokens if direction == "fwd" else None)
+        frame, stats = enc.encode(t, context=ctx)
+        self.wire_bytes[direction] += stats.wire_bytes
+        self.raw_bytes[direction] += stats.raw_bytes
+        self.tokens[direction] += t.shape[0] * t.shape[1]
+        return decode(frame, peer="local", shape=list(t.shape), dtype=t.dtype, context=ctx, require_finite=False).to(t.device)
+
+    def bytes_per_token(self) -> float:
+        """Wire bytes per token, both directions together (what one token costs a boundary)."""
+        return sum(self.wire_bytes[d] / self.tokens[d] for d in ("fwd", "bwd") if self.tokens[d])
+
+
 def _mask(indices: torch.Tensor, n: int) -> torch.Tensor:
     # Marking a boolean mask puts the indices in increasing order in O(n): sorting them is 50x slower on CPU.
     mask = torch.zeros(n, dtype=torch.bool, device=indices.device)
@@ -316,6 +478,7 @@ def _mask(indices: torch.Tensor, n: int) -> torch.Tensor:
 # The codec registry: one encoder class per name of the grammar (a unit test holds the two equal).
 ENCODERS: dict[str, Callable[[CodecSpec], Encoder]] = {
     "none": _NoneEncoder, "fp16": _CastEncoder, "bf16": _CastEncoder, "int8": _Int8Encoder, "topk": TopKEncoder,
+    "subspace": _SubspaceEncoder,
 }
 
 
@@ -346,7 +509,8 @@ def decode(
     """Rebuild the tensor a peer encoded, after validating the frame completely.
 
     ``shape`` and ``dtype`` are what the receiver expects (None accepts any within ``limits``); the
-    result has ``frame.dtype``, which then equals ``dtype``. Raises :class:`ProtocolError` (or
+    result has ``frame.dtype``, which then equals ``dtype``. ``subspace`` frames need ``context``
+    (the run's subspace and the direction). Raises :class:`ProtocolError` (or
     :class:`~protolearn.protocol.errors.TooLarge`) naming ``peer``.
     """
     try:
@@ -366,6 +530,8 @@ def decode(
         wire = torch.float16 if spec.name == "fp16" else torch.bfloat16
         _expect_sizes(frame, peer, 2 * n, 0)
         t = _buffer(frame.data, wire).to(out_dtype).reshape(frame.shape)
+    elif spec.name == "subspace":
+        t = _decode_subspace(frame, spec, peer, out_dtype, limits, context)
     elif spec.name == "int8":
         r, c = _rows(frame.shape)
         _expect_sizes(frame, peer, n, 4 * r)

@@ -2,8 +2,12 @@
 
 A codec spec names an activation/gradient codec and its parameter::
 
-    spec     = "none" | "fp16" | "bf16" | "int8" | topk
+    spec     = "none" | "fp16" | "bf16" | "int8" | topk | subspace
     topk     = "topk" [ ":" fraction ]          fraction: a float in (0, 1], default 0.05
+    subspace = "subspace" [ ":" inner ]         inner: none | fp16 | bf16 | int8, default fp16
+
+``subspace`` sends the coefficients of a boundary tensor in the run's fixed basis (``[subspace]`` in the
+run config), themselves encoded with the ``inner`` codec.
 
 It is spelled in two places, the run config's ``codec`` field (``protolearn.stages.config``) and every
 tensor frame's ``codec`` field on the wire (``protolearn.protocol.codecs``), and both go through
@@ -27,11 +31,17 @@ from dataclasses import dataclass
 
 from protolearn.errors import ConfigError
 
-CODECS = ("none", "fp16", "bf16", "int8", "topk")
+CODECS = ("none", "fp16", "bf16", "int8", "topk", "subspace")
 DEFAULT_TOPK_FRACTION = 0.05
+# The codecs ``subspace`` may encode its coefficients with, and the default one.
+SUBSPACE_INNER = ("none", "fp16", "bf16", "int8")
+DEFAULT_SUBSPACE_INNER = "fp16"
 # Specs travel in every tensor frame; a longer one is refused before it is parsed.
 MAX_SPEC_CHARS = 32
-_ALLOWED = f"use one of {', '.join(CODECS)} (or topk:F with 0 < F <= 1, e.g. topk:0.05)"
+_ALLOWED = (
+    f"use one of {', '.join(CODECS)} (or topk:F with 0 < F <= 1, e.g. topk:0.05, "
+    f"or subspace:INNER with INNER one of {', '.join(SUBSPACE_INNER)})"
+)
 
 
 class CodecSpecError(ConfigError, ValueError):
@@ -40,17 +50,21 @@ class CodecSpecError(ConfigError, ValueError):
 
 @dataclass(frozen=True)
 class CodecSpec:
-    """A parsed codec spec. ``str(spec)`` is its canonical wire name (``topk`` reads ``topk:0.05``)."""
+    """A parsed codec spec. ``str(spec)`` is its canonical wire name (``topk`` reads ``topk:0.05``,
+    ``subspace`` reads ``subspace:fp16``)."""
 
     name: str
     fraction: float | None = None
+    inner: str | None = None  # subspace only: the codec of the coefficients
 
     def __str__(self) -> str:
+        if self.inner is not None:
+            return f"{self.name}:{self.inner}"
         return f"{self.name}:{self.fraction!r}" if self.fraction is not None else self.name
 
 
 def parse_codec_spec(spec: object, *, field: str = "codec") -> CodecSpec:
-    """Parse ``none | fp16 | bf16 | int8 | topk | topk:<fraction in (0, 1]>``.
+    """Parse ``none | fp16 | bf16 | int8 | topk | topk:<fraction in (0, 1]> | subspace | subspace:<inner>``.
 
     ``field`` names where the spec came from in the error (``codec``, ``frame codec``, …).
     """
@@ -59,8 +73,13 @@ def parse_codec_spec(spec: object, *, field: str = "codec") -> CodecSpec:
     if len(spec) > MAX_SPEC_CHARS:
         raise CodecSpecError(f"{field}={spec[:MAX_SPEC_CHARS]!r}... is longer than {MAX_SPEC_CHARS} characters; {_ALLOWED}")
     name, sep, arg = spec.partition(":")
-    if name not in CODECS or (sep and name != "topk"):
+    if name not in CODECS or (sep and name not in ("topk", "subspace")):
         raise CodecSpecError(f"{field}={spec!r} is unknown; {_ALLOWED}")
+    if name == "subspace":
+        inner = arg if sep else DEFAULT_SUBSPACE_INNER
+        if inner not in SUBSPACE_INNER:
+            raise CodecSpecError(f"{field}={spec!r}: the subspace inner codec must be one of {', '.join(SUBSPACE_INNER)}")
+        return CodecSpec(name, inner=inner)
     if name != "topk":
         return CodecSpec(name)
     if not sep:

@@ -158,6 +158,22 @@ class IntegrityConfig(_Frozen):
     clip_iters: int = Field(3, ge=1, le=100)
 
 
+class SubspaceConfig(_Frozen):
+    """Subspace-constrained residual stream (DESIGN.md "Compression"; :mod:`protolearn.subspace`).
+
+    ``rank`` k (None = off) confines every weight that writes to the residual stream to a fixed
+    k-dimensional basis, so the ``subspace`` codec can send k numbers per token across a boundary and
+    rebuild the activation exactly. The weights are projected back onto the basis after every
+    ``period``-th optimizer step (between projections the activations drift out of the subspace, and
+    the codec drops the drift). The last ``tail_blocks`` blocks stay unconstrained; they must all sit
+    in the last stage, after the last boundary.
+    """
+
+    rank: int | None = Field(None, ge=1)
+    period: int = Field(1, ge=1, le=1_000_000)
+    tail_blocks: int = Field(0, ge=0)
+
+
 class RunConfig(_Frozen):
     """Everything that fixes a training run. Every node must hold the same one (see :meth:`run_hash`)."""
 
@@ -171,6 +187,7 @@ class RunConfig(_Frozen):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     integrity: IntegrityConfig = Field(default_factory=IntegrityConfig)
+    subspace: SubspaceConfig = Field(default_factory=SubspaceConfig)
 
     @field_validator("codec")
     @classmethod
@@ -194,7 +211,27 @@ class RunConfig(_Frozen):
             raise ValueError(
                 f"batch.seq_len={self.batch.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
+        self._subspace_consistent()
         return self
+
+    def _subspace_consistent(self) -> None:
+        sub, d = self.subspace, self.model.d_model
+        if sub.rank is None:
+            if self.codec_spec.name == "subspace":
+                raise ValueError(
+                    f"field 'codec': codec={self.codec!r} needs a subspace-constrained model; set subspace.rank "
+                    f"(e.g. [subspace] rank = {max(1, d // 32)}) or pick another codec"
+                )
+            return
+        if sub.rank >= d:
+            raise ValueError(f"field 'subspace.rank': rank={sub.rank} must be below model.d_model={d}")
+        # The last stage's layer count (stages/partition.py's even split gives the remainder to the earliest stages).
+        last = self.stages.layers[-1] if self.stages.layers else self.model.n_layers // self.stages.num_stages
+        if sub.tail_blocks > last:
+            raise ValueError(
+                f"field 'subspace.tail_blocks': tail_blocks={sub.tail_blocks} exceeds the {last} block(s) of the last stage; "
+                "an unconstrained block before a stage boundary would make that boundary's activations uncompressible"
+            )
 
     @property
     def codec_spec(self) -> CodecSpec:

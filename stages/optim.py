@@ -51,6 +51,7 @@ def lr_at(step: int, optim: OptimConfig) -> float:
 def apply_step(module: nn.Module, optimizer: torch.optim.Optimizer, step: int, optim: OptimConfig) -> float:
     """Clip this stage's grads (if ``clip_norm``), set the lr of ``step``, step, zero grads.
 
+    Then a module with an ``after_step(step)`` method (a subspace stage) re-imposes its constraint.
     Returns this stage's gradient norm before clipping (0.0 when no parameter has a gradient).
     """
     params = [p for p in module.parameters() if p.grad is not None]
@@ -65,4 +66,7 @@ def apply_step(module: nn.Module, optimizer: torch.optim.Optimizer, step: int, o
         group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    after_step = getattr(module, "after_step", None)  # a stage's subspace projection (stages/stage.py)
+    if after_step is not None:
+        after_step(step)
     return norm

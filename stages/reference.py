@@ -5,7 +5,9 @@ Each stage is built by :func:`~protolearn.stages.stage.build_stage` and has its 
 forward through the stages, last stage ``backward(i, None, loss_scale=1/B)``, then backward through
 the earlier stages, so parameter grads are the mean over microbatches. Then every stage applies
 :func:`~protolearn.stages.optim.apply_step` (per-stage clipping). A swarm without compression or
-faults must reproduce this loss curve (invariant I3).
+faults must reproduce this loss curve (invariant I3). With a ``boundary`` hook (a codec round trip),
+every activation and gradient that would cross a stage boundary goes through it, so the reference
+trains what a swarm with that codec trains (one replica per stage).
 """
 
 from __future__ import annotations
@@ -24,13 +26,19 @@ from protolearn.stages.sampling import microbatch, validation_batches
 from protolearn.stages.stage import StageModule, build_stage
 
 StepRecord = dict[str, Any]
+# (boundary s between stages s and s+1, "fwd" | "bwd", tensor, the microbatch's token ids) -> the tensor
+# the other side receives: a codec round trip (protocol/codecs.py LinkSimulator), or None for none at all.
+BoundaryHook = Callable[[int, str, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class ReferenceTrainer:
     """Trains ``run`` in this process. ``step`` is the number of optimizer steps taken so far."""
 
-    def __init__(self, run: RunConfig, *, device: str | torch.device = "cpu", corpus: Corpus | None = None) -> None:
+    def __init__(
+        self, run: RunConfig, *, device: str | torch.device = "cpu", corpus: Corpus | None = None, boundary: BoundaryHook | None = None,
+    ) -> None:
         self.run = run
+        self.boundary = boundary
         self.plan = PartitionPlan.from_config(run)
         self.corpus = corpus if corpus is not None else load_corpus(run.data)
         self.stages: list[StageModule] = [build_stage(run, s, device) for s in range(self.plan.num_stages)]
@@ -52,12 +60,16 @@ class ReferenceTrainer:
         for i in range(b):
             inputs, targets = microbatch(run, self.corpus, self.step, i)
             x = inputs
-            for stage in self.stages:
+            for s, stage in enumerate(self.stages):
                 x = stage(i, x, targets if stage.last else None)
+                if self.boundary is not None and not stage.last:
+                    x = self.boundary(s, "fwd", x, inputs)
             losses.append(float(x))
             grad = None
-            for stage in reversed(self.stages):
-                grad = stage.backward(i, grad, loss_scale=1.0 / b if stage.last else 1.0)
+            for s in reversed(range(len(self.stages))):
+                grad = self.stages[s].backward(i, grad, loss_scale=1.0 / b if self.stages[s].last else 1.0)
+                if self.boundary is not None and grad is not None:
+                    grad = self.boundary(s - 1, "bwd", grad, inputs)
         norms = [apply_step(m, o, self.step, run.optim) for m, o in zip(self.stages, self.optimizers)]
         elapsed = time.perf_counter() - t0
         tokens = run.batch.tokens_per_step

@@ -21,9 +21,29 @@ import torch
 from torch import Tensor, nn
 
 from protolearn.stages.config import RunConfig
+from protolearn.subspace import Subspace, make_subspace
 from protolearn.stages.errors import MicrobatchStateError, StageInputError
 from protolearn.stages.model import Embed, Head, init_parameters, lm_loss, make_blocks
 from protolearn.stages.partition import PartitionPlan
+
+
+class _ProjectGrad(torch.autograd.Function):
+    """Identity forward; backward projects the gradient onto span(U): g -> (g U) Uᵀ.
+
+    A subspace stage's input depends on the previous stage only through its coordinates in U (the
+    rest is the fixed embedding of the tokens), so this is the exact gradient of the constrained
+    model, and it is what the ``subspace`` codec can send back without loss.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, basis: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(basis)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (basis,) = ctx.saved_tensors
+        return (grad @ basis) @ basis.T, None
 
 
 @dataclass
@@ -49,9 +69,50 @@ class StageModule(nn.Module):
         self.blocks = make_blocks(cfg, self.layers)
         self.head = Head(cfg) if self.last else None
         init_parameters(self, cfg, run.seed)
+        sub = run.subspace
+        self.subspace: Subspace | None = None
+        if sub.rank is not None:
+            self.subspace = make_subspace(run.seed, cfg.vocab_size, cfg.d_model, sub.rank, cfg.init_std)
+            # Not persistent: derived from the seed, so neither checkpoints nor state hashes carry them.
+            self.register_buffer("subspace_basis", self.subspace.basis.clone(), persistent=False)
+            if self.first:
+                self.register_buffer("subspace_fixed", self.subspace.fixed_embedding.clone(), persistent=False)
+            self.constrain_()
         self.to(device)
         self.device = torch.device(device)
         self._in_flight: dict[Hashable, _InFlight] = {}
+
+    # -- the subspace constraint -----------------------------------------------------------------
+
+    def _residual_writers(self) -> list[Tensor]:
+        """The weights of this stage that write to the residual stream and are kept in span(U)."""
+        constrained = self.run_config.model.n_layers - self.run_config.subspace.tail_blocks
+        out = []
+        for name, block in self.blocks.items():
+            if int(name) < constrained:
+                out += [block.attn.wo.weight, block.mlp.w2.weight]  # (D, D), (D, d_ff): columns in span(U)
+        return out
+
+    @torch.no_grad()
+    def constrain_(self) -> None:
+        """Project the residual writers onto span(U): W <- U Uᵀ W; the embedding onto E_fixed + span(U).
+
+        A no-op for a run without a subspace.
+        """
+        if self.subspace is None:
+            return
+        u = self.subspace_basis  # (D, k)
+        for w in self._residual_writers():
+            w.copy_(u @ (u.T @ w))
+        if self.embed is not None:
+            fixed = self.subspace_fixed  # (V, D)
+            e = self.embed.weight
+            e.copy_(fixed + ((e - fixed) @ u) @ u.T)
+
+    def after_step(self, step: int) -> None:
+        """Called once optimizer step ``step`` (0-based) is applied: project every ``period``-th step."""
+        if self.subspace is not None and (step + 1) % self.run_config.subspace.period == 0:
+            self.constrain_()
 
     # -- input checks ----------------------------------------------------------------------------
 
@@ -98,6 +159,8 @@ class StageModule(nn.Module):
 
     def _body(self, inputs: Tensor, leaf: Tensor | None) -> Tensor:
         x = self.embed(inputs.to(self.device)) if self.embed is not None else leaf  # (mb, T, D)
+        if self.subspace is not None and self.embed is None and x.requires_grad:
+            x = _ProjectGrad.apply(x, self.subspace_basis)
         for block in self.blocks.values():
             x = block(x)
         return x

@@ -40,6 +40,9 @@ def _train_local(
     threads: Annotated[int | None, typer.Option("--threads", help="Torch CPU threads (default: 2, or 1 if the other cores are busy).")] = None,
     eval_every: Annotated[int, typer.Option("--eval-every", help="Validation loss every N steps (and at the end).")] = 25,
     init: Annotated[Path | None, typer.Option("--init", help="Start from a model file written by `protolearn export`.")] = None,
+    codec_in_loop: Annotated[bool, typer.Option(
+        "--codec-in-loop", help="Pass every boundary tensor through the run's codec, as a swarm with one node per stage does.",
+    )] = False,
 ) -> None:
     """Train the run locally: all its pipeline stages chained in this process."""
     import torch  # imported here so `protolearn --help` stays fast
@@ -74,8 +77,16 @@ def _train_local(
     except OSError as err:
         raise ConfigError(f"cannot write log file '{log_path}': {err.strerror}; pass --log to a writable path") from None
 
+    links = None
+    if codec_in_loop:
+        from protolearn.protocol.codecs import LinkSimulator
+        from protolearn.subspace import make_subspace
+
+        sub = run.subspace
+        subspace = None if sub.rank is None else make_subspace(run.seed, run.model.vocab_size, run.model.d_model, sub.rank, run.model.init_std)
+        links = LinkSimulator(run.codec_spec, subspace, sub.period)
     with log_file:
-        trainer = ReferenceTrainer(run)
+        trainer = ReferenceTrainer(run, boundary=links)
         if init is not None:
             load_model(init, trainer.stages)
             trainer.step = start_step
@@ -106,6 +117,9 @@ def _train_local(
             "tokens_per_s": sum(r["tokens"] for r in records) / seconds,
             "threads": torch.get_num_threads(),
             "log": str(log_path),
+            "codec": run.codec if links is not None else None,
+            # Wire bytes per token across one boundary, forward and backward together (None: no codec in the loop).
+            "boundary_bytes_per_token": links.bytes_per_token() if links is not None and links.tokens["fwd"] else None,
         }
         _log(log_file, {"event": "end", **summary})
     if json_out:
