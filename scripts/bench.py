@@ -25,6 +25,7 @@ SUITES: dict[str, str] = {
     "restart": "scripts/bench_restart.py",
     "abuse": "scripts/bench_abuse.py",
     "integrity": "scripts/bench_integrity.py",
+    "compression": "scripts/bench_compression.py",
 }
 
 
@@ -34,6 +35,8 @@ def _load(suite: str):  # noqa: ANN202 - returns a module
     if spec is None or spec.loader is None:
         raise SystemExit(f"error: cannot load bench suite '{suite}' from {path}")
     module = importlib.util.module_from_spec(spec)
+    # Registered before it runs: dataclasses (and forked worker processes) look a module up by name.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -263,10 +263,14 @@ def demo_run_toml(config: Path | None, *, stages: int, steps: int, codec: str) -
 
     run = load_run_config(config)
     warmup = min(run.optim.warmup_steps, max(1, steps // 5))
-    return run.replace(**{
+    updates: dict[str, object] = {
         "stages.num_stages": stages, "stages.layers": None, "steps": steps, "codec": codec,
         "optim.total_steps": steps, "optim.warmup_steps": warmup,
-    }).to_toml()
+    }
+    if codec.startswith("subspace") and run.subspace.rank is None:
+        # The subspace codec needs a constrained model: k = D/32, and the last stage (which feeds no boundary) left free.
+        updates |= {"subspace.rank": max(1, run.model.d_model // 32), "subspace.tail_blocks": run.model.n_layers // stages if stages <= run.model.n_layers else 0}
+    return run.replace(**updates).to_toml()
 
 
 INTERRUPTED = object()
@@ -389,7 +393,7 @@ def _demo(
     nodes: Annotated[int, typer.Option("--nodes", help="Node processes to start.")] = 2,
     stages: Annotated[int, typer.Option("--stages", help="Pipeline stages (at most the model's layers).")] = 2,
     steps: Annotated[int, typer.Option("--steps", help="Optimizer steps to train.")] = 40,
-    codec: Annotated[str, typer.Option("--codec", help=f"Activation/gradient codec: {', '.join(CODECS)} (topk:F sends the fraction F).")] = "none",
+    codec: Annotated[str, typer.Option("--codec", help=f"Activation/gradient codec: {', '.join(CODECS)} (topk:F sends the fraction F; subspace constrains the model to rank D/32 unless the config sets [subspace] rank).")] = "none",
     config: Annotated[Path | None, typer.Option("--config", help="Run config TOML (default: the built-in demo run).")] = None,
     workdir: Annotated[Path | None, typer.Option("--workdir", help="Where logs and state go (default: a new temp dir).")] = None,
     threads: Annotated[int, typer.Option("--threads", help="Torch threads per node.")] = 1,

@@ -123,10 +123,10 @@ def swarm(tmp_path: Path):
         s.stop()
 
 
-def reference_losses(config: Path, steps: int, tmp: Path) -> list[float]:
-    log = tmp / "ref.jsonl"
+def reference_losses(config: Path, steps: int, tmp: Path, *extra: str) -> list[float]:
+    log = tmp / f"ref{len(extra)}.jsonl"
     subprocess.run([*CLI, "train-local", "--config", str(config), "--steps", str(steps), "--threads", "1", "--log", str(log),
-                    "--eval-every", "1000"], check=True, capture_output=True, timeout=DEADLINE_S)
+                    "--eval-every", "1000", *extra], check=True, capture_output=True, timeout=DEADLINE_S)
     return [d["loss"] for d in map(json.loads, log.read_text().splitlines()) if d.get("event") == "step"]
 
 
@@ -205,6 +205,30 @@ def test_three_stages_with_int8_codec_lower_the_loss(swarm) -> None:
     losses = [d["loss"] for d in s.events("n0", "step")]
     assert len(losses) == steps
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+def test_three_stages_with_the_subspace_codec_train_what_train_local_trains(swarm, tmp_path: Path) -> None:
+    # Issue 10: activations and gradients cross both boundaries as 8 fp16 coefficients per token (plus the
+    # token id, which the middle stage passes on), and the swarm's loss is train-local's step by step.
+    steps = 6
+    s = swarm(steps=steps, codec="subspace", layers=3, stages=3)
+    s.config.write_text(s.config.read_text() + "[subspace]\nrank = 8\n")
+    addr = s.start_coordinator()
+    names = [f"n{k}" for k in range(3)]
+    for n in names:
+        s.start_node(n, addr)
+    in_loop = reference_losses(s.config, steps, tmp_path, "--codec-in-loop")
+    exact = reference_losses(s.config, steps, tmp_path)
+    s.wait_nodes(names, DEADLINE_S)
+    assert sorted(s.events(n, "built")[0]["stage"] for n in names) == [0, 1, 2]
+    losses = [d["loss"] for d in s.events("n0", "step")]
+    assert len(losses) == steps and losses[-1] < losses[0], losses
+    print(f"swarm {losses}\ntrain-local --codec-in-loop {in_loop}\ntrain-local {exact}")
+    for t in range(steps):
+        # The same arithmetic as the codec in train-local's loop (only the order of summing tickets differs) ...
+        assert abs(losses[t] - in_loop[t]) <= 1e-4 * in_loop[t], f"step {t}: swarm {losses[t]} vs train-local --codec-in-loop {in_loop[t]}"
+        # ... and within fp16 rounding of the coefficients of the model itself, which the reconstruction adds nothing to.
+        assert abs(losses[t] - exact[t]) <= 2e-3 * exact[t], f"step {t}: swarm {losses[t]} vs train-local {exact[t]}"
 
 
 def test_unreachable_coordinator_is_one_line_and_exit_1(tmp_path: Path) -> None:
