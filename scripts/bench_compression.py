@@ -24,6 +24,7 @@ import math
 import multiprocessing
 import os
 import statistics
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -189,7 +190,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     jobs = [(c.model, c.codec, c.rank, s, args.steps, args.microbatches, args.tail) for c in cfgs for s in c.seeds]
     # Longest jobs first so the two workers finish together.
     jobs.sort(key=lambda j: -MODELS[j[0]].get("model.d_model", 256))
-    print(f"bench compression: {len(jobs)} runs of {args.steps} steps on {args.workers} workers", flush=True)
+    print(f"bench compression: {len(jobs)} runs of {args.steps} steps on {args.workers} workers", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("fork")) as pool:
         futures = [pool.submit(_run_one, *j) for j in jobs]
@@ -197,7 +198,7 @@ def run(argv: list[str]) -> dict[str, Any]:
         for f, j in zip(futures, jobs):
             results.append(f.result())
             r = results[-1]
-            print(f"  {j[0]} {j[1]} k={j[2]} seed={j[3]}: val {r['val_loss']:.4f}, {r['bytes_per_token']:.0f} B/token, {r['seconds']:.0f} s", flush=True)
+            print(f"  {j[0]} {j[1]} k={j[2]} seed={j[3]}: val {r['val_loss']:.4f}, {r['bytes_per_token']:.0f} B/token, {r['seconds']:.0f} s", file=sys.stderr, flush=True)
     summary = _summarise(cfgs, results)
     command = "python scripts/bench.py compression --json " + " ".join(argv)
     if args.plot is not None:

@@ -8,12 +8,13 @@ evidence with the coordinator's own check (:func:`~protolearn.protocol.boundary.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import trio
 from protolearn.node.integrity import Integrity, Received
 from protolearn.node.worker import StageWorker
 from protolearn.protocol.boundary import boundary_statement, frame_digest, verify_evidence
-from protolearn.protocol.codecs import make_encoder
+from protolearn.protocol.codecs import CodecContext, make_encoder
 from protolearn.protocol.frames import TensorLimits
 from protolearn.protocol.identity import verify_peer
 from protolearn.protocol.pipeline import CHECK, CheckRequest, Refuse
@@ -27,27 +28,31 @@ RUN = RunConfig.model_validate({
     "integrity": {"spot_check_rate": 1.0},
 })
 SHAPE = [2, 16, 32]
+# The same run with the subspace codec: frames carry 4 fp16 coefficients per token and the token ids.
+SUBSPACE_RUN = RUN.replace(**{"codec": "subspace", "subspace.rank": 4})
 
 
-def _integrity(host, worker, corpus, stages: dict[str, int], reports: list) -> Integrity:
+def _integrity(host, worker, corpus, stages: dict[str, int], reports: list, run: RunConfig = RUN) -> Integrity:
     async def report(accused, reason, ev, fault):
         reports.append((accused, reason, ev))
         return False
 
     return Integrity(
-        host, RUN, worker, corpus, trio.CapacityLimiter(1), replicas=lambda s: sorted(p for p, st in stages.items() if st == s),
+        host, run, worker, corpus, trio.CapacityLimiter(1), replicas=lambda s: sorted(p for p, st in stages.items() if st == s),
         stage_of=stages.get, report=report, timeout_s=10.0, seed=7,
     )
 
 
-def _sent(a_host, tensor: torch.Tensor, step: int, ticket: int) -> tuple:
-    frame, _ = make_encoder("none").encode(tensor)
-    signature = a_host.sign(boundary_statement(RUN.run_hash(), step, ticket, "fwd", 0, b"", frame_digest(frame)))
+def _sent(a_host, tensor: torch.Tensor, step: int, ticket: int, run: RunConfig = RUN, tokens: torch.Tensor | None = None) -> tuple:
+    sub = StageWorker(run, 0).module.subspace if run.subspace.rank else None
+    frame, _ = make_encoder(run.codec).encode(tensor, context=CodecContext(sub, "fwd", tokens))
+    signature = a_host.sign(boundary_statement(run.run_hash(), step, ticket, "fwd", 0, b"", frame_digest(frame)))
     return frame, signature
 
 
-def test_a_lying_replica_is_caught_by_two_recomputations_and_an_honest_one_passes(open_hosts, run_trio) -> None:
-    corpus = load_corpus(RUN.data)
+@pytest.mark.parametrize("run", [RUN, SUBSPACE_RUN], ids=["none", "subspace"])
+def test_a_lying_replica_is_caught_by_two_recomputations_and_an_honest_one_passes(open_hosts, run_trio, run: RunConfig) -> None:
+    corpus = load_corpus(run.data)
 
     async def main() -> None:
         async with open_hosts(4) as (a, b, d, r):
@@ -55,31 +60,35 @@ def test_a_lying_replica_is_caught_by_two_recomputations_and_an_honest_one_passe
             reports: list = []
             async with trio.open_nursery() as nursery:
                 for host in (b, d):  # the replicas that recompute
-                    _integrity(host, StageWorker(RUN, 0), corpus, stages, []).register(nursery)
-                checker = _integrity(r, StageWorker(RUN, 1), corpus, stages, reports)
+                    _integrity(host, StageWorker(run, 0), corpus, stages, [], run).register(nursery)
+                checker = _integrity(r, StageWorker(run, 1), corpus, stages, reports, run)
                 checker.register(nursery)
                 checker.monitor = None  # this test is about spot checks alone
-                honest = StageWorker(RUN, 0).forward((0, 1), microbatch(RUN, corpus, 0, 1)[0])
+                tokens = microbatch(run, corpus, 0, 1)[0]
+                honest = StageWorker(run, 0).forward((0, 1), tokens)
 
                 # An honest output passes: one recomputation agrees.
-                frame, sig = _sent(a, honest, 0, 1)
+                frame, sig = _sent(a, honest, 0, 1, run, tokens)
                 checker.observe(Received(a.peer_id, 0, "fwd", 0, 1, b"", frame, sig, honest))
                 with trio.fail_after(20):
                     while checker.stats.checks_passed < 1:
                         await trio.sleep(0.05)
                 assert not reports and checker.per_peer[a.peer_id] == [1, 0]
 
-                # A flipped output: both recomputations disagree with it, so the evidence convicts A.
-                lie = -honest
-                frame, sig = _sent(a, lie, 0, 1)
+                # A flipped output: both recomputations disagree with it, so the evidence convicts A. (With the
+                # subspace codec the part in span(U) is flipped: a tensor outside it could not be encoded at all.)
+                fixed = 0.0 if run.subspace.rank is None else StageWorker(run, 0).module.subspace.fixed_embedding[tokens]
+                lie = fixed - (honest - fixed)
+                frame, sig = _sent(a, lie, 0, 1, run, tokens)
                 checker.observe(Received(a.peer_id, 0, "fwd", 0, 1, b"", frame, sig, lie))
                 with trio.fail_after(20):
                     while not reports:
                         await trio.sleep(0.05)
                 accused, _, ev = reports[0]
                 assert accused == a.peer_id and ev is not None and len(ev.outputs) == 3
-                why = verify_evidence(ev, run_hash=RUN.run_hash(), codec="none", check_tolerance=1e-3, shape=SHAPE,
-                                      verify=verify_peer, limits=TensorLimits(max_elements=2048, max_bytes=65536))
+                sub = StageWorker(run, 0).module.subspace if run.subspace.rank else None
+                why = verify_evidence(ev, run_hash=run.run_hash(), codec=run.codec, check_tolerance=1e-3, shape=SHAPE,
+                                      verify=verify_peer, limits=TensorLimits(max_elements=2048, max_bytes=65536), subspace=sub)
                 assert "2 other replicas" in why and checker.per_peer[a.peer_id] == [1, 1]
                 nursery.cancel_scope.cancel()
 

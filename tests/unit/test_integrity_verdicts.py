@@ -16,7 +16,7 @@ from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.store import Store
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.boundary import Evidence, SignedOutput, boundary_statement, frame_digest
-from protolearn.protocol.codecs import make_encoder
+from protolearn.protocol.codecs import CodecContext, make_encoder
 from protolearn.protocol.identity import Identity
 
 SHAPE = (2, 4, 8)
@@ -44,8 +44,10 @@ class Swarm:
             self.ids[ident.peer_id] = ident
             self.stage[reply.stage].append(ident.peer_id)
 
-    def output(self, signer: str, t: torch.Tensor, *, step: int = 0, ticket: int = 1, codec: str = "none", inputs: bytes = b"") -> SignedOutput:
-        frame, _ = make_encoder(codec).encode(t)
+    def output(
+        self, signer: str, t: torch.Tensor, *, step: int = 0, ticket: int = 1, codec: str = "none", inputs: bytes = b"", context: CodecContext | None = None,
+    ) -> SignedOutput:
+        frame, _ = make_encoder(codec).encode(t, context=context)
         statement = boundary_statement(self.core.run.run_hash, step, ticket, "fwd", 0, inputs, frame_digest(frame))
         return SignedOutput.of(signer, self.ids[signer].sign(statement), frame)
 
@@ -136,6 +138,28 @@ def test_codec_error_is_not_a_fault_but_a_scaled_output_is() -> None:
     ev = Evidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, y, codec="int8"), sw.output(b, y), sw.output(d, y)])
     assert "no fault" in refused(core, checker, a, ev)
     ev = Evidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, 10 * y, codec="int8"), sw.output(b, y), sw.output(d, y)])
+    assert report(core, checker, a, ev).banned
+
+
+def test_subspace_frames_in_evidence_are_decoded_with_the_runs_subspace() -> None:
+    # The coordinator rebuilds the basis and fixed embedding from the run's seed (protolearn/subspace.py)
+    # to decode the accused's subspace frame, then judges it like any other codec's.
+    from protolearn.subspace import make_subspace
+
+    core = make_core()
+    core.run = RunInfo(**{**core.run.__dict__, "codec": "subspace:fp16", "subspace": (5, 259, SHAPE[2], 3, 0.02)})
+    core.integrity.run = core.run
+    sub = make_subspace(5, 259, SHAPE[2], 3, 0.02)
+    tokens = torch.randint(0, 259, SHAPE[:2], generator=torch.Generator().manual_seed(2))
+    y = sub.fixed_embedding[tokens] + honest(4)[..., :3] @ sub.basis.T  # an activation of a constrained model
+    ctx = CodecContext(sub, "fwd", tokens)
+    sw = Swarm(core)
+    a, b, d = sw.stage[0]
+    checker = sw.stage[1][0]
+    ev = Evidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, y, codec="subspace", context=ctx), sw.output(b, y), sw.output(d, y)])
+    assert "no fault" in refused(core, checker, a, ev)
+    lie = sub.fixed_embedding[tokens] + 3 * (y - sub.fixed_embedding[tokens])  # still in the subspace, three times too far out
+    ev = Evidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, lie, codec="subspace", context=ctx), sw.output(b, y), sw.output(d, y)])
     assert report(core, checker, a, ev).banned
 
 
