@@ -268,8 +268,8 @@ def demo_run_toml(config: Path | None, *, stages: int, steps: int, codec: str) -
         "optim.total_steps": steps, "optim.warmup_steps": warmup,
     }
     if codec.startswith("subspace") and run.subspace.rank is None:
-        # The subspace codec needs a constrained model: k = D/32, and the last stage (which feeds no boundary) left free.
-        updates |= {"subspace.rank": max(1, run.model.d_model // 32), "subspace.tail_blocks": run.model.n_layers // stages if stages <= run.model.n_layers else 0}
+        # The subspace codec needs a constrained model: k = D/32 (README "Compression").
+        updates["subspace.rank"] = max(1, run.model.d_model // 32)
     return run.replace(**updates).to_toml()
 
 

@@ -41,3 +41,21 @@ def test_hivemind_suite_help_and_bad_args_need_no_hivemind() -> None:
     assert out.returncode == 0 and "--timeouts" in out.stdout and "--kill-index" in out.stdout
     bad = subprocess.run([sys.executable, "scripts/bench.py", "hivemind", "--kill-index", "4"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert bad.returncode == 2 and "--kill-index=4 must name one of the 4 peers" in bad.stderr
+
+
+def test_compression_suite_reports_ratio_and_loss_gap_per_codec() -> None:
+    # Two 2-step runs of the demo model (the fp32 baseline and subspace k=7): the numbers are not the
+    # point here, the report is. The full grid and its results are in README "Compression".
+    argv = [sys.executable, "scripts/bench.py", "compression", "--json", "--models", "demo", "--steps", "2", "--seeds", "0",
+            "--workers", "1", "--only", "subspace:fp16 k=7"]
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    demo = result["models"]["demo"]
+    rows = {r["label"]: r for r in demo["codecs"]}
+    assert set(rows) == {"none", "subspace:fp16 k=7"}
+    # fp32: 1024 bytes per token each way; subspace: 7 fp16 coefficients each way plus a 2-byte token id.
+    assert demo["bytes_per_token_none"] == 2048 and rows["subspace:fp16 k=7"]["bytes_per_token"] == 7 * 2 * 2 + 2
+    assert result["ratio"] == demo["ratio"] == 2048 / 30 and demo["headline"] == "subspace:fp16 k=7"
+    assert result["loss_rel_diff"] == (result["loss_subspace"] - result["loss_none"]) / result["loss_none"]
+    assert set(result["goal_met"]) == {"demo"}
