@@ -409,9 +409,11 @@ def _decode_subspace(frame: TensorFrame, spec: CodecSpec, peer: str, out_dtype: 
     # The inner codec's aux is empty except for int8's row scales; an activation's token ids come first.
     inner_aux = 4 * b * t if inner_spec == "int8" else 0
     n_ids = _ids_bytes(sub, b * t)
-    direction = {inner_aux + n_ids: "fwd", inner_aux: "bwd"}.get(len(frame.aux))
-    if direction is None or (context.direction is not None and direction != context.direction):
-        want = {"fwd": inner_aux + n_ids, "bwd": inner_aux}.get(context.direction or "", f"{inner_aux + n_ids} or {inner_aux}")
+    sizes = {"fwd": inner_aux + n_ids, "bwd": inner_aux}
+    wanted = [context.direction] if context.direction in sizes else ["fwd", "bwd"]  # none given: the layout tells
+    direction = next((d for d in wanted if len(frame.aux) == sizes[d]), None)
+    if direction is None:
+        want = " or ".join(str(sizes[d]) for d in wanted)
         raise ProtocolError(peer, f"subspace frame of shape {frame.shape} needs {want} aux bytes, got {len(frame.aux)}")
     ids_raw, aux = (frame.aux[:n_ids], frame.aux[n_ids:]) if direction == "fwd" else (b"", frame.aux)
     inner = TensorFrame(codec=inner_spec, dtype="float32", shape=[b, t, sub.rank], data=frame.data, aux=aux)
@@ -419,7 +421,7 @@ def _decode_subspace(frame: TensorFrame, spec: CodecSpec, peer: str, out_dtype: 
     h = c @ sub.basis.T  # (B, T, D)
     if ids_raw:
         ids = _buffer(ids_raw, torch.int16 if sub.vocab_size <= _INT16_VOCAB else torch.int32).long()
-        if int(ids.min()) < 0 or int(ids.max()) >= sub.vocab_size:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= sub.vocab_size):
             raise ProtocolError(peer, f"subspace token ids must lie in 0..{sub.vocab_size - 1}")
         h = h + sub.fixed_embedding[ids.reshape(b, t)]
     return h.to(out_dtype)

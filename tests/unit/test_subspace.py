@@ -219,6 +219,9 @@ def test_hostile_subspace_frames_are_refused_naming_the_peer(tmp_path: Path) -> 
         with pytest.raises(ProtocolError) as err:
             decode(f, peer="peer-x", shape=None, context=context)
         assert err.value.peer == "peer-x", what
+    # An empty tensor is decoded as one, not a crash.
+    empty, _ = make_encoder("subspace").encode(h[:0], context=CodecContext(sub, "fwd", tokens[:0]))
+    assert decode(empty, peer="peer-x", shape=None, context=recv).shape == (0, 16, 48)
     # A gradient frame where an activation is expected is refused too (its layout has no ids).
     g, _ = make_encoder("subspace").encode(h - sub.fixed_embedding[tokens], context=CodecContext(sub, "bwd"))
     with pytest.raises(ProtocolError, match="aux bytes"):
