@@ -54,7 +54,6 @@ from protolearn.codec_spec import (
     parse_codec_spec,
 )
 from protolearn.protocol.errors import ProtocolError
-from protolearn.subspace import Subspace
 from protolearn.protocol.tensors import (
     DEFAULT_LIMITS,
     DTYPE_NAMES,
@@ -64,6 +63,7 @@ from protolearn.protocol.tensors import (
     from_frame,
     to_frame,
 )
+from protolearn.subspace import Subspace
 
 __all__ = [
     "CODECS", "DEFAULT_TOPK_FRACTION", "FLOAT_DTYPES", "MAX_INT8_SCALE", "MAX_SUBSPACE_DRIFT", "MAX_TOPK_RESIDUALS",

@@ -21,10 +21,10 @@ import torch
 from torch import Tensor, nn
 
 from protolearn.stages.config import RunConfig
-from protolearn.subspace import Subspace, make_subspace
 from protolearn.stages.errors import MicrobatchStateError, StageInputError
 from protolearn.stages.model import Embed, Head, init_parameters, lm_loss, make_blocks
 from protolearn.stages.partition import PartitionPlan
+from protolearn.subspace import Subspace, make_subspace
 
 
 class _ProjectGrad(torch.autograd.Function):
