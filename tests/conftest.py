@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -61,3 +62,15 @@ def test_seed(request: pytest.FixtureRequest) -> int:
 def rng(test_seed: int) -> random.Random:
     """A ``random.Random`` seeded with :func:`test_seed`: take every random choice of a test from it."""
     return random.Random(test_seed)
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Run the test with one torch thread: on tiny models and tensors, thread start-up and spinning cost
+    more than they save on a shared 2-core box. Modules opt in with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

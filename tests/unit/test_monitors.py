@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -57,13 +56,7 @@ EXPECTED: dict[tuple[str, str], dict[str, int | None]] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # Tiny tensors: thread start-up costs more than it saves on a shared 2-core box.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- streams ---------------------------------------------------------------------------------------

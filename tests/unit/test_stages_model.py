@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -13,13 +12,7 @@ from protolearn.stages.model import Transformer
 from protolearn.stages.stage import build_stage
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # Tiny models: thread start-up and spinning cost more than they save on a shared 2-core box.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 SPLITS = [[4], [2, 2], [1, 3], [3, 1], [1, 1, 2], [2, 1, 1], [1, 1, 1, 1]]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,13 +11,7 @@ from protolearn.stages.config import RunConfig
 from protolearn.stages.reference import ReferenceTrainer
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # Tiny models: thread start-up and spinning cost more than they save on a shared 2-core box.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_run(folder: Path, layers: list[int], clip: float | None = None) -> RunConfig:

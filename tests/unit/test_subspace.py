@@ -9,7 +9,6 @@ cannot work is one line naming the field; and hostile frames are refused naming 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,12 +25,7 @@ from protolearn.stages.stage import build_stage
 from protolearn.subspace import make_subspace
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_run(folder: Path, *, layers: list[int], rank: int | None = 6, codec: str = "none", tail: int = 0, period: int = 1, seed: int = 3) -> RunConfig:
