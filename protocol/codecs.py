@@ -337,8 +337,12 @@ class TopKEncoder:
         return idx
 
 
+def _ids_dtype(sub: Subspace) -> torch.dtype:
+    return torch.int16 if sub.vocab_size <= _INT16_VOCAB else torch.int32
+
+
 def _ids_bytes(sub: Subspace, tokens: int) -> int:
-    return tokens * (2 if sub.vocab_size <= _INT16_VOCAB else 4)
+    return tokens * _ids_dtype(sub).itemsize
 
 
 class _SubspaceEncoder:
@@ -365,18 +369,18 @@ class _SubspaceEncoder:
         r = x.float()  # (B, T, D)
         fixed = None
         if direction == "fwd":
-            ids = context.token_ids if context is not None else None
+            ids = context.token_ids
             if ids is None or tuple(ids.shape) != tuple(x.shape[:2]) or ids.dtype != torch.int64:
                 raise ProtocolError("local", f"codec subspace needs the int64 token ids {tuple(x.shape[:2])} of an activation")
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= sub.vocab_size):
                 raise ProtocolError("local", f"token ids outside 0..{sub.vocab_size - 1}")
             fixed = sub.fixed_embedding.to(x.device)[ids]  # (B, T, D)
             r = r - fixed
-            ids_raw = _raw(ids.to(torch.int16 if sub.vocab_size <= _INT16_VOCAB else torch.int32))
+            ids_raw = _raw(ids.to(_ids_dtype(sub)))
         c = r @ u  # (B, T, k)
         inside = c @ u.T  # (B, T, D): r's projection onto span(U)
-        norm = _norm(r)
-        drift = _norm(r - inside) / norm if norm > 0 else 0.0
+        norm, off = _norm(r), _norm(r - inside)
+        drift = off / norm if norm > 0 else 0.0
         if drift > context.max_drift:  # NaN compares False and passes through, as with the none codec
             what = "activations" if direction == "fwd" else "gradients"
             raise ProtocolError(
@@ -384,11 +388,10 @@ class _SubspaceEncoder:
                 f"{what} lie {drift:.0%} outside the run's subspace: this stage's model is not subspace-constrained "
                 "(a checkpoint from a run without [subspace]?); the subspace codec refuses to drop that part",
             )
-        inner, _ = self.inner.encode(c.contiguous())
-        # What the receiver rebuilds, to report the true error (the inner codec's and the drift).
-        c_back = decode(inner, peer="local", shape=list(c.shape), require_finite=False)
-        rebuilt = c_back.to(x.device) @ u.T if fixed is None else fixed + c_back.to(x.device) @ u.T
-        err = float(torch.dist(x.float(), rebuilt)) if x.numel() else 0.0
+        inner, inner_stats = self.inner.encode(c.contiguous())
+        # x - rebuilt = (r - U c) + U (c - c_received): the drift and the inner codec's error, orthogonal to
+        # each other (U has orthonormal columns), so the true error needs no decode here.
+        err = math.hypot(off, inner_stats.rel_error * _norm(c))
         frame = TensorFrame(
             codec=str(self.spec), dtype=DTYPE_NAMES[x.dtype], shape=list(x.shape), data=inner.data, aux=ids_raw + inner.aux
         )
@@ -420,10 +423,10 @@ def _decode_subspace(frame: TensorFrame, spec: CodecSpec, peer: str, out_dtype: 
     c = decode(inner, peer=peer, shape=[b, t, sub.rank], limits=limits, require_finite=False)  # checks every size
     h = c @ sub.basis.T  # (B, T, D)
     if ids_raw:
-        ids = _buffer(ids_raw, torch.int16 if sub.vocab_size <= _INT16_VOCAB else torch.int32).long()
+        ids = _buffer(ids_raw, _ids_dtype(sub)).long().reshape(b, t)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= sub.vocab_size):
             raise ProtocolError(peer, f"subspace token ids must lie in 0..{sub.vocab_size - 1}")
-        h = h + sub.fixed_embedding[ids.reshape(b, t)]
+        h = h + sub.fixed_embedding[ids]
     return h.to(out_dtype)
 
 
@@ -432,9 +435,7 @@ def token_ids(frame: TensorFrame, *, peer: str, subspace: Subspace) -> torch.Ten
     if len(frame.shape) != 3 or len(frame.aux) < _ids_bytes(subspace, frame.shape[0] * frame.shape[1]):
         raise ProtocolError(peer, "frame carries no token ids")
     b, t = frame.shape[0], frame.shape[1]
-    n_ids = _ids_bytes(subspace, b * t)
-    ids = _buffer(frame.aux[:n_ids], torch.int16 if subspace.vocab_size <= _INT16_VOCAB else torch.int32).long()
-    return ids.reshape(b, t)
+    return _buffer(frame.aux[: _ids_bytes(subspace, b * t)], _ids_dtype(subspace)).long().reshape(b, t)
 
 
 class LinkSimulator:
@@ -451,7 +452,6 @@ class LinkSimulator:
         self.period = period
         self._encoders: dict[tuple[int, str], Encoder] = {}
         self.wire_bytes = {"fwd": 0, "bwd": 0}
-        self.raw_bytes = {"fwd": 0, "bwd": 0}
         self.tokens = {"fwd": 0, "bwd": 0}
 
     def __call__(self, boundary: int, direction: str, t: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -461,7 +461,6 @@ class LinkSimulator:
         ctx = CodecContext.for_run(self.subspace, self.period, direction, tokens if direction == "fwd" else None)
         frame, stats = enc.encode(t, context=ctx)
         self.wire_bytes[direction] += stats.wire_bytes
-        self.raw_bytes[direction] += stats.raw_bytes
         self.tokens[direction] += t.shape[0] * t.shape[1]
         return decode(frame, peer="local", shape=list(t.shape), dtype=t.dtype, context=ctx, require_finite=False).to(t.device)
 

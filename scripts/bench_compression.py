@@ -69,6 +69,7 @@ def _run_one(model: str, codec: str, rank: int | None, seed: int, steps: int, mb
     torch.set_num_threads(1)
     from protolearn.protocol.codecs import LinkSimulator
     from protolearn.stages.config import default_run
+    from protolearn.stages.partition import PartitionPlan
     from protolearn.stages.reference import ReferenceTrainer
 
     run = default_run().replace(**{
@@ -78,7 +79,7 @@ def _run_one(model: str, codec: str, rank: int | None, seed: int, steps: int, mb
     if rank is not None:
         # The last stage's blocks feed no boundary, so leaving them unconstrained would cost no bytes; at 60
         # steps on the demo model it trained worse (k=32: val 2.605 with the last stage free, 2.485 without).
-        last = run.stages.layers[-1] if run.stages.layers else run.model.n_layers // run.stages.num_stages
+        last = PartitionPlan.from_config(run).layers[-1]
         run = run.replace(**{"subspace.tail_blocks": last if tail == "last-stage" else int(tail)})
     trainer = ReferenceTrainer(run)
     links = LinkSimulator(run.codec_spec, trainer.stages[0].subspace, run.subspace.period)
