@@ -59,7 +59,5 @@ class RunInfo:
             trim_fraction=run.integrity.trim_fraction,
             clip_tau=run.integrity.clip_tau,
             clip_iters=run.integrity.clip_iters,
-            subspace=None if run.subspace.rank is None else (
-                run.seed, run.model.vocab_size, run.model.d_model, run.subspace.rank, run.model.init_std,
-            ),
+            subspace=run.subspace_key,
         )

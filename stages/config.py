@@ -238,6 +238,13 @@ class RunConfig(_Frozen):
         """The parsed :attr:`codec` (already validated, so this cannot fail)."""
         return parse_codec_spec(self.codec, field="codec")
 
+    @property
+    def subspace_key(self) -> tuple[int, int, int, int, float] | None:
+        """The arguments of :func:`protolearn.subspace.make_subspace` for this run, None without a subspace."""
+        if self.subspace.rank is None:
+            return None
+        return (self.seed, self.model.vocab_size, self.model.d_model, self.subspace.rank, self.model.init_std)
+
     def run_hash(self) -> str:
         """sha256 hex of the canonical JSON form; equal configs hash equally in every process."""
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

@@ -69,10 +69,9 @@ class StageModule(nn.Module):
         self.blocks = make_blocks(cfg, self.layers)
         self.head = Head(cfg) if self.last else None
         init_parameters(self, cfg, run.seed)
-        sub = run.subspace
         self.subspace: Subspace | None = None
-        if sub.rank is not None:
-            self.subspace = make_subspace(run.seed, cfg.vocab_size, cfg.d_model, sub.rank, cfg.init_std)
+        if run.subspace_key is not None:
+            self.subspace = make_subspace(*run.subspace_key)
             # Not persistent: derived from the seed, so neither checkpoints nor state hashes carry them.
             self.register_buffer("subspace_basis", self.subspace.basis.clone(), persistent=False)
             if self.first:

@@ -82,9 +82,8 @@ def _train_local(
         from protolearn.protocol.codecs import LinkSimulator
         from protolearn.subspace import make_subspace
 
-        sub = run.subspace
-        subspace = None if sub.rank is None else make_subspace(run.seed, run.model.vocab_size, run.model.d_model, sub.rank, run.model.init_std)
-        links = LinkSimulator(run.codec_spec, subspace, sub.period)
+        subspace = None if run.subspace_key is None else make_subspace(*run.subspace_key)
+        links = LinkSimulator(run.codec_spec, subspace, run.subspace.period)
     with log_file:
         trainer = ReferenceTrainer(run, boundary=links)
         if init is not None:

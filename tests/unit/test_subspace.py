@@ -97,8 +97,7 @@ class Checker:
     """A reference-trainer boundary hook that round-trips each tensor through ``codec`` and records the error."""
 
     def __init__(self, run: RunConfig, codec: str) -> None:
-        sub = run.subspace
-        self.subspace = make_subspace(run.seed, run.model.vocab_size, run.model.d_model, sub.rank, run.model.init_std)
+        self.subspace = make_subspace(*run.subspace_key)
         self.codec = codec
         self.errors: dict[tuple[int, str], list[float]] = {}
         self.bytes: dict[str, list[int]] = {"fwd": [], "bwd": []}
