@@ -217,6 +217,50 @@ class Host:
             raise Refused(peer, f"peer is banned ({why})")
         return pid
 
+    # -- connections --------------------------------------------------------------------------
+
+    def _live_conns(self, peer_id: str) -> list[INetConn]:
+        try:
+            pid = ID.from_base58(peer_id)
+        except Exception:  # base58 and multihash raise several unrelated types
+            return []
+        return [c for c in self._lp.get_network().get_connections(pid) if not c.is_closed]
+
+    def observed_addr(self, peer_id: str) -> tuple[str, int] | None:
+        """The (ip, port) that ``peer_id``'s live connection comes from, as this host sees it (behind a
+        NAT: the router's address and the port it mapped); None if not connected over TCP."""
+        for conn in self._live_conns(peer_id):
+            sock = _tcp_socket(conn)
+            if sock is not None:
+                try:
+                    ip, port = sock.getpeername()[:2]
+                except OSError:
+                    continue
+                return str(ip), int(port)
+        return None
+
+    def local_port(self, peer_id: str) -> int | None:
+        """This host's own TCP port on its live connection to ``peer_id`` (None if not connected over TCP).
+
+        Compared with the port the peer saw (:meth:`observed_addr` on its side), it tells whether a NAT
+        between them keeps source ports, which TCP hole punching needs."""
+        for conn in self._live_conns(peer_id):
+            sock = _tcp_socket(conn)
+            if sock is not None:
+                try:
+                    return int(sock.getsockname()[1])
+                except OSError:
+                    continue
+        return None
+
+    async def disconnect(self, peer_id: str) -> None:
+        """Close every connection to ``peer_id`` (bounded by ``connect_timeout_s``; errors are logged)."""
+        with trio.move_on_after(self.config.connect_timeout_s):
+            try:
+                await self._lp.disconnect(_parse_peer_id(peer_id))
+            except (BaseLibp2pError, OSError, ProtocolError) as err:
+                log.info("could not close connection peer=%s reason=%s", peer_id, _why(err))
+
     # -- the gate -----------------------------------------------------------------------------
 
     def ban(self, peer_id: str, reason: str) -> None:
@@ -253,11 +297,7 @@ class Host:
     async def _disconnect_service(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async for peer_id in self._disconnect_recv:
-            with trio.move_on_after(self.config.connect_timeout_s):
-                try:
-                    await self._lp.disconnect(_parse_peer_id(peer_id))
-                except (BaseLibp2pError, OSError, ProtocolError) as err:
-                    log.info("could not close connection peer=%s reason=%s", peer_id, _why(err))
+            await self.disconnect(peer_id)
 
     def log_refusal(self, peer: str, name: str, kind: str, reason: str) -> None:
         """Log that this host refused ``peer`` on protocol ``name``: the first time per peer and interval
@@ -586,6 +626,22 @@ def _parse_peer_id(text: str) -> ID:
         return ID.from_base58(text)
     except Exception as err:  # base58 and multihash raise several unrelated types
         raise PeerUnavailable(text[:80], f"invalid peer ID: {err}") from None
+
+
+def _tcp_socket(conn: INetConn) -> Any:
+    """The trio socket under a connection's muxer and security layers, or None (a relayed connection).
+
+    py-libp2p nests it as muxer -> secure session -> (Noise reader/writer ->) raw connection -> trio
+    stream -> socket, under attribute names that differ per layer; a bounded walk finds it."""
+    obj: Any = getattr(conn, "muxed_conn", None)
+    for _ in range(8):
+        if obj is None:
+            return None
+        sock = getattr(obj, "socket", None)
+        if sock is not None and hasattr(sock, "getsockname"):
+            return sock
+        obj = next((getattr(obj, a) for a in ("secured_conn", "conn", "read_writer", "read_write_closer", "stream") if getattr(obj, a, None) is not None), None)
+    return None
 
 
 def _causes(err: BaseException, depth: int = 0) -> Iterator[BaseException]:
