@@ -18,6 +18,11 @@ Public API (other packages code against these names)::
         host.clock -> Clock  # the transport's one clock (rejection log, bulk lane); open_host(..., clock=) fakes it
         host.requests_served -> int; host.active_streams(name, peer=None) -> int
         host.bulk -> BulkLane | None        # None when config.bulk is off; .stats (BulkStats), .ip, .port
+        await host.reserve(relay_addr, timeout=5) -> str   # a relay slot; our "<relay>/p2p-circuit/p2p/<id>" address
+        host.path_to(peer) -> "direct" | "hole-punched" | "relayed" | None
+        host.observed_addr(peer) -> (ip, port) | None; host.local_port(peer) -> int | None; await host.disconnect(peer)
+        host.punch = True; host.public_ip = None   # hole punching after a relayed dial; the IP a punch offers
+    async with open_host(identity, listen, config, relay=RelayLimits()) as relay: ...   # relays for others
 
 ``identity`` is anything with ``private_bytes`` (the 32-byte Ed25519 seed), e.g.
 :class:`protolearn.protocol.identity.Identity`. ``peer`` arguments take a peer ID or a full multiaddr.
@@ -70,13 +75,22 @@ IP, and a tensor payload of at least ``bulk_min_bytes`` goes over a direct AES-G
 whose key is agreed on the Noise-authenticated stream, several times faster than py-libp2p's yamux.
 ``send_tensor``/``receive_tensor`` pick it on their own and fall back to the stream when it cannot
 be dialled, so callers do not change.
+
+Behind a NAT (:mod:`~protolearn.protocol.transport.relay`, :mod:`~protolearn.protocol.transport.holepunch`).
+A node that cannot accept connections reserves a slot on a relay and is known to its peers only by its
+relayed address. ``connect``/``request``/``open_stream`` to such a peer dial through the relay (the
+swarm cannot dial those addresses, and must not dial the private ones the peer's identify reports);
+the side that opened the circuit then tries once, bounded, to punch a direct TCP connection (DCUtR),
+on which later streams run. The bulk lane is used only on plain direct connections: through a relay
+its dial would reach the relay's IP, and a punched hole is open for one port, not the lane's.
 """
 
 from protolearn.protocol.transport.bulk import BulkLane, BulkStats
 from protolearn.protocol.transport.clock import Clock
 from protolearn.protocol.transport.host import Host, TransportConfig, open_host, protocol_id
+from protolearn.protocol.transport.relay import RelayLimits
 from protolearn.protocol.transport.streams import FramedStream, TensorHeader, TensorTrailer
 
 __all__ = [
-    "BulkLane", "BulkStats", "Clock", "FramedStream", "Host", "TensorHeader", "TensorTrailer", "TransportConfig", "open_host", "protocol_id",
+    "BulkLane", "BulkStats", "Clock", "FramedStream", "Host", "RelayLimits", "TensorHeader", "TensorTrailer", "TransportConfig", "open_host", "protocol_id",
 ]

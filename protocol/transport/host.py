@@ -16,6 +16,7 @@ import multiaddr
 import trio
 from libp2p import create_yamux_muxer_option, new_host
 from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
+from libp2p.connection_types import ConnectionType
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.exceptions import BaseLibp2pError
@@ -25,6 +26,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.exceptions import PeerIDMismatchesPubkey
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.tools.anyio_service import background_trio_service
 
 from protolearn.errors import ConfigError, ProtolearnError
 from protolearn.protocol.addresses import advertised, check_port_free, parse_multiaddr, strip_p2p
@@ -42,6 +44,8 @@ from protolearn.protocol.log_digest import LogDigest, Summary
 from protolearn.protocol.transport.bulk import BulkLane, lane_ip
 from protolearn.protocol.transport.clock import MONOTONIC, Clock
 from protolearn.protocol.transport.config import TransportConfig
+from protolearn.protocol.transport.holepunch import HolePuncher
+from protolearn.protocol.transport.relay import Relay, RelayLimits, is_circuit, split_circuit
 from protolearn.protocol.transport.streams import FramedStream
 from protolearn.protocol.wire import ErrorReply, Message
 
@@ -84,10 +88,13 @@ class _BanNotifee(INotifee):
             self._host.on_connection(peer, True)
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        peer = conn.muxed_conn.peer_id
+        # Only the peer's last connection going away means it is gone.
+        still = any(not c.is_closed for c in network.get_connections(peer))
+        if not still:
+            self._host.relay.peer_gone(str(peer))
         if self._host.on_connection is not None:
-            peer = conn.muxed_conn.peer_id
-            # Only the peer's last connection going away means it is gone.
-            self._host.on_connection(str(peer), bool(network.get_connections(peer)))
+            self._host.on_connection(str(peer), still)
 
     async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
         return None
@@ -105,7 +112,7 @@ class _BanNotifee(INotifee):
 class Host:
     """A running libp2p host. Build it with :func:`open_host`; see the module docstring for the API."""
 
-    def __init__(self, lp: IHost, config: TransportConfig, *, clock: Clock = MONOTONIC) -> None:
+    def __init__(self, lp: IHost, config: TransportConfig, *, clock: Clock = MONOTONIC, relay: RelayLimits | None = None) -> None:
         self._lp = lp
         self.config = config
         # The transport's one clock (protocol/transport/clock.py): the rejection log's intervals and
@@ -140,6 +147,16 @@ class Host:
         # identify replaces our peerstore entry with what it advertises, which for a 0.0.0.0 listener
         # is /ip4/0.0.0.0/..., useless from another machine; a redial goes back to these.
         self._dial_addrs: dict[str, list[multiaddr.Multiaddr]] = {}
+        # Relayed addresses (<relay>/p2p/<relay id>/p2p-circuit/p2p/<id>) we were given for a peer: the
+        # swarm cannot dial them, so a peer with only these is dialled through its relay (relay.py).
+        self._circuit_addrs: dict[str, list[str]] = {}
+        # The relay protocol: always its client side, the relaying side when ``relay`` limits are given.
+        self.relay = Relay(self, relay)
+        # DCUtR (holepunch.py); set by open_host. ``punch``: try to punch after opening a circuit (a
+        # node whose NAT rewrites ports turns it off); ``public_ip``: the address a punch offers.
+        self.puncher: HolePuncher | None = None
+        self.punch = True
+        self._nursery: trio.Nursery | None = None
         # Bans are decided synchronously; closing the connection is async, so a service task does it.
         self._disconnect_send, self._disconnect_recv = trio.open_memory_channel[str](1024)
         # Told (peer, connected) when a peer connects or its last connection closes (e.g. it died);
@@ -152,12 +169,42 @@ class Host:
         """Full multiaddrs with ``/p2p/<id>``, 127.0.0.1 first (see :func:`addresses.advertised`)."""
         return advertised([str(a) for a in self._lp.get_addrs()], self.peer_id)
 
+    @property
+    def libp2p(self) -> IHost:
+        """The py-libp2p host underneath (for the relay protocol, which speaks libp2p's own messages)."""
+        return self._lp
+
+    @property
+    def relaying(self) -> bool:
+        """Whether this host relays for others (``open_host(..., relay=RelayLimits())``)."""
+        return self.relay.relaying
+
+    @property
+    def public_ip(self) -> str | None:
+        """The IP this host is seen at from outside (told by the coordinator); offered in hole punches."""
+        return None if self.puncher is None else self.puncher.public_ip
+
+    @public_ip.setter
+    def public_ip(self, ip: str | None) -> None:
+        if self.puncher is not None:
+            self.puncher.public_ip = ip
+
+    async def reserve(self, relay_addr: str, *, timeout: float) -> str:
+        """Reserve a slot on the relay at ``relay_addr``; this host's circuit address through it, which
+        peers can dial. Renewed in the background while the host runs. PeerUnavailable or Refused if not."""
+        return await self.relay.reserve(relay_addr, timeout=timeout)
+
     def add_peer_addrs(self, peer_id: str, addrs: Sequence[str]) -> None:
-        """Remember where ``peer_id`` listens, so requests can dial it by ID."""
+        """Remember where ``peer_id`` listens, so requests can dial it by ID (relayed addresses too)."""
         pid = _parse_peer_id(peer_id)
-        maddrs = [strip_p2p(parse_multiaddr(a, peer_id)) for a in addrs]
+        circuits = [a for a in addrs if is_circuit(a)]
+        for a in circuits:
+            split_circuit(a, peer_id)  # a malformed one raises here, naming the peer
+        maddrs = [strip_p2p(parse_multiaddr(a, peer_id)) for a in addrs if not is_circuit(a)]
         self._dial_addrs[str(pid)] = maddrs
-        self._lp.get_peerstore().add_addrs(pid, maddrs, ADDR_TTL_S)
+        self._circuit_addrs[str(pid)] = circuits
+        if maddrs:
+            self._lp.get_peerstore().add_addrs(pid, maddrs, ADDR_TTL_S)
 
     async def connect(self, addr: str, *, timeout: float | None = None) -> str:
         """Dial ``addr`` (which must end in ``/p2p/<id>``) and return the peer ID.
@@ -165,6 +212,8 @@ class Host:
         Noise authenticates the remote; a remote whose key does not match the ``/p2p/`` part raises
         :class:`WrongPeer` (nobody listening, or a failed dial, raises :class:`PeerUnavailable`).
         """
+        if is_circuit(addr):
+            return await self._connect_circuit(addr, timeout)
         maddr = parse_multiaddr(addr, "unknown")
         try:
             info = info_from_p2p_addr(maddr)
@@ -187,6 +236,41 @@ class Host:
             raise PeerUnavailable(peer, f"could not connect to {addr}: {_why(err)}") from None
         return peer
 
+    async def _connect_circuit(self, addr: str, timeout: float | None) -> str:
+        """Dial the peer behind relayed address ``addr`` through its relay, then (once, in the
+        background, if ``punch``) try to replace that connection by a hole-punched direct one."""
+        _, peer = split_circuit(addr, "unknown")
+        if (why := self.ban_reason(peer)) is not None:
+            raise Refused(peer, f"not connecting: peer is banned ({why})")
+        self._circuit_addrs.setdefault(peer, [])
+        if addr not in self._circuit_addrs[peer]:
+            self._circuit_addrs[peer].insert(0, addr)
+        if self.path_to(peer) is not None:
+            return peer
+        await self.relay.dial(addr, timeout=self.config.connect_timeout_s if timeout is None else timeout)
+        if self.punch and self.puncher is not None and self._nursery is not None:
+            self._nursery.start_soon(self.puncher.punch, peer)
+        return peer
+
+    async def _dial_relayed(self, pid: ID) -> bool:
+        """If ``pid`` is known only by relayed addresses and not connected, dial it through a relay.
+
+        The swarm cannot dial those addresses, and it would otherwise dial the private addresses the
+        peer's identify put in the peerstore (unreachable behind its NAT, a stall until the deadline)."""
+        peer = str(pid)
+        circuits = self._circuit_addrs.get(peer)
+        if not circuits or self._dial_addrs.get(peer) or self.path_to(peer) is not None:
+            return False
+        self._lp.get_peerstore().clear_addrs(pid)
+        why = "no relayed address"
+        for addr in list(circuits):
+            try:
+                await self._connect_circuit(addr, None)
+                return True
+            except ProtocolError as err:
+                why = err.reason
+        raise PeerUnavailable(peer, f"could not reach it through any relay: {why}")
+
     async def _prepare_dial(self, pid: ID) -> None:
         """Undo what py-libp2p remembers about a peer that would stop a redial after it restarted.
 
@@ -204,6 +288,8 @@ class Host:
             await net.close_peer(pid)
             conns = []
         known = self._dial_addrs.get(str(pid))
+        if not conns and await self._dial_relayed(pid):
+            return
         if not conns and known:
             store = self._lp.get_peerstore()
             store.clear_addrs(pid)
@@ -225,6 +311,35 @@ class Host:
         except Exception:  # base58 and multihash raise several unrelated types
             return []
         return [c for c in self._lp.get_network().get_connections(pid) if not c.is_closed]
+
+    def path_to(self, peer_id: str) -> str | None:
+        """How this host reaches ``peer_id`` now: "direct", "hole-punched" (a direct connection a DCUtR
+        punch made), "relayed" (only through a relay), or None when not connected."""
+        conns = self._live_conns(peer_id)
+        if not conns:
+            return None
+        if all(_is_relayed(c) for c in conns):
+            return "relayed"
+        if self.puncher is not None and peer_id in self.puncher.punched:
+            return "hole-punched"
+        return "direct"
+
+    async def open_raw_stream(self, peer: str, proto: str) -> INetStream:
+        """A raw libp2p stream of ``proto`` to a connected ``peer`` (the relay protocols' own framing)."""
+        try:
+            return await self._lp.new_stream(_parse_peer_id(peer), [proto])  # type: ignore[list-item]
+        except (BaseLibp2pError, OSError) as err:
+            raise PeerUnavailable(peer, f"could not open {proto}: {_why(err)}") from None
+
+    async def close_raw(self, raw: INetStream, *, reset: bool = False) -> None:
+        if reset:
+            await reset_quietly(raw, self.config.chunk_timeout_s)
+            return
+        with trio.move_on_after(self.config.chunk_timeout_s):
+            try:
+                await raw.close()
+            except (BaseLibp2pError, OSError):
+                pass
 
     def observed_addr(self, peer_id: str) -> tuple[str, int] | None:
         """The (ip, port) that ``peer_id``'s live connection comes from, as this host sees it (behind a
@@ -399,6 +514,20 @@ class Host:
         self, name: str, handler: StreamHandler, max_inbound: int | None, max_inbound_per_peer: int | None = None,
         known: Callable[[str], bool] | None = None, max_inbound_unknown: int | None = None,
     ) -> None:
+        async def framed(peer: str, raw: INetStream) -> None:
+            await self._run_handler(handler, peer, name, self._wrap(raw, peer, name))
+
+        self.serve_raw(protocol_id(name), name, framed, max_inbound=max_inbound, max_inbound_per_peer=max_inbound_per_peer,
+                       known=known, max_inbound_unknown=max_inbound_unknown)
+
+    def serve_raw(
+        self, pid: str, name: str, handler: Callable[[str, INetStream], Awaitable[None]], *, max_inbound: int | None = None,
+        max_inbound_per_peer: int | None = None, known: Callable[[str], bool] | None = None, max_inbound_unknown: int | None = None,
+    ) -> None:
+        """Hand each inbound stream of libp2p protocol ``pid`` to ``handler(peer_id, raw stream)`` once the
+        gate admits it (counted under ``name``). For protocols whose messages are not protolearn's (the
+        relay's HOP and STOP): banned peers and peers over their stream limits are refused the same way.
+        The handler owns the stream and catches its own errors."""
         limit = self.config.max_inbound_streams if max_inbound is None else max_inbound
         peer_limit = min(limit, self.config.max_inbound_streams_per_peer if max_inbound_per_peer is None else max_inbound_per_peer)
         if limit <= 0 or peer_limit <= 0:
@@ -406,22 +535,21 @@ class Host:
 
         async def on_raw_stream(raw: INetStream) -> None:
             peer = str(raw.muxed_conn.peer_id)
-            s = self._wrap(raw, peer, name)
             outsider = known is not None and not known(peer)
             rejection = self.gate.admit_stream(
                 peer, name, limit=limit, peer_limit=peer_limit, now=self.clock(), outsider=outsider, outsider_limit=max_inbound_unknown,
             )
             if rejection is not None:
-                await s.reset()
+                await reset_quietly(raw, self.config.chunk_timeout_s)
                 if self.ban_reason(peer) is not None:
                     self._schedule_disconnect(peer)
                 return
             try:
-                await self._run_handler(handler, peer, name, s)
+                await handler(peer, raw)
             finally:
                 self.gate.release_stream(peer, name)
 
-        self._lp.set_stream_handler(protocol_id(name), on_raw_stream)  # type: ignore[arg-type]
+        self._lp.set_stream_handler(pid, on_raw_stream)  # type: ignore[arg-type]
 
     async def _run_handler(self, handler: StreamHandler, peer: str, name: str, s: FramedStream) -> None:
         # The one broad catch: a handler failure must never take the host down.
@@ -451,7 +579,9 @@ class Host:
             limits=c.tensor_limits,
             message_deadline_s=c.message_deadline_s,
             min_rate=c.min_rate_bytes_per_s,
-            bulk=self.bulk if self.bulk is not None and self.bulk.port else None,
+            # The lane dials the peer's IP at another port: only a plain direct connection says where
+            # that is. Through a relay the IP is the relay's, and a punched hole is open for one port.
+            bulk=self.bulk if self.bulk is not None and self.bulk.port and self.path_to(peer) == "direct" else None,
         )
 
     # -- calling ------------------------------------------------------------------------------
@@ -524,6 +654,7 @@ async def open_host(
     config: TransportConfig | None = None,
     *,
     clock: Clock = MONOTONIC,
+    relay: RelayLimits | None = None,
 ) -> AsyncIterator[Host]:
     """Build, start and yield a :class:`Host` listening on ``listen``; close everything on exit.
 
@@ -546,7 +677,9 @@ async def open_host(
         enable_mDNS=False,
         enable_upnp=False,
     )
-    host = Host(lp, cfg, clock=clock)
+    host = Host(lp, cfg, clock=clock, relay=relay)
+    host.puncher = HolePuncher(lp)
+    host.relay.install()
     lp.get_network().register_notifee(_BanNotifee(host))
     # The swarm and the host's services run in a task of their own under a shield, so a cancel from
     # outside (a signal stopping the node) reaches the body but not them: the body's cleanup (a
@@ -594,6 +727,10 @@ async def _run_services(
                 await lp.get_network().auto_connector.stop()
                 await nursery.start(host._disconnect_service)
                 await nursery.start(host._rejection_log_service)
+                await nursery.start(host.relay.renew)
+                if host.puncher is not None:
+                    await nursery.start(_run_libp2p_service, host.puncher)
+                host._nursery = nursery
                 ip = lane_ip([str(a) for a in listen_addrs])
                 if host.bulk is not None and ip is not None:
                     await nursery.start(host.bulk.serve, ip)
@@ -604,6 +741,22 @@ async def _run_services(
                 # Close connections explicitly: cancelling the swarm alone leaves sockets to the GC.
                 with trio.CancelScope(shield=True), trio.move_on_after(host.config.connect_timeout_s):
                     await lp.close()
+
+
+async def _run_libp2p_service(service: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """Run a py-libp2p ``Service`` (DCUtR) until cancelled."""
+    async with background_trio_service(service):
+        task_status.started()
+        await trio.sleep_forever()
+
+
+def _is_relayed(conn: INetConn) -> bool:
+    muxed = getattr(conn, "muxed_conn", None)
+    try:
+        kind = muxed.get_connection_type() if muxed is not None else conn.get_connection_type()
+    except (BaseLibp2pError, AttributeError):
+        kind = None
+    return kind == ConnectionType.RELAYED or _tcp_socket(conn) is None
 
 
 def _log_refusal_summaries(summaries: list[Summary[tuple[str, str]]]) -> None:
@@ -626,6 +779,15 @@ def _parse_peer_id(text: str) -> ID:
         return ID.from_base58(text)
     except Exception as err:  # base58 and multihash raise several unrelated types
         raise PeerUnavailable(text[:80], f"invalid peer ID: {err}") from None
+
+
+async def reset_quietly(raw: INetStream, timeout: float) -> None:
+    """Abort ``raw`` in both directions, best effort and bounded: the connection may already be gone."""
+    with trio.move_on_after(timeout):
+        try:
+            await raw.reset()
+        except (BaseLibp2pError, OSError):
+            pass
 
 
 def _tcp_socket(conn: INetConn) -> Any:

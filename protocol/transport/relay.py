@@ -1,0 +1,483 @@
+"""Circuit relay v2: a relay's bookkeeping (sans-IO :class:`RelayBook`) and both ends of the protocol.
+
+A node behind a NAT cannot accept connections, so it *reserves* a slot on a relay (a coordinator
+started with ``--relay``, or a public node joined with ``--relay``) and advertises
+``<relay addr>/p2p-circuit/p2p/<its id>``. A peer that dials that address asks the relay to
+``CONNECT``; the relay opens a ``STOP`` stream to the reserved node and copies bytes between the two
+streams. Noise and yamux then run end to end over that pair of streams, so the relay sees only
+ciphertext, and both ends still authenticate each other's peer IDs.
+
+The wire format is libp2p's (``/libp2p/circuit/relay/0.2.0/hop`` and ``.../stop``, protobufs from
+py-libp2p), so other libp2p implementations interoperate. The protocol *handling* is our own rather
+than py-libp2p's ``CircuitV2Protocol``, because a relay is a service that strangers use and its
+limits are the point:
+
+- py-libp2p keys its running circuits by peer, so a second circuit from one source overwrote the
+  first one's entry and the first circuit to end closed the other's streams; it trusts the
+  ``peer`` field of a RESERVE (one peer can reserve in another's name); its circuit duration is
+  checked only when bytes flow, its per-circuit rate limit is never applied, and reservations of
+  peers that left keep their slot until they expire (an hour by default), so four departed nodes
+  filled its default relay.
+- Its client makes a reservation on every relay it dials *through*, so every dialer also takes a
+  slot, and its relay discovery rescans only every 300 s.
+
+Here :class:`RelayBook` decides (reservations per relay, circuits in total, per source and per
+destination, bytes and time per circuit), :class:`Relay` does the IO, and every refusal or cut is
+counted against the peer in the host's gate (:mod:`protolearn.protocol.gate`), so a peer that keeps
+pushing past its limits is banned for a while and everyone else keeps being served. Both ends'
+streams pass the gate before a byte is read, and every read and dial has a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import multiaddr
+import trio
+from libp2p.abc import INetStream
+from libp2p.connection_types import ConnectionType
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, Limit, PeerId, Reservation, StopMessage
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
+from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID as STOP_PROTOCOL
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
+from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
+from pydantic import BaseModel, ConfigDict, Field
+
+from protolearn.protocol.errors import PeerUnavailable, ProtocolError, Refused
+from protolearn.protocol.gate import OVER_LIMIT
+
+
+
+class RelayHost(Protocol):
+    """What :class:`Relay` needs of :class:`~protolearn.protocol.transport.host.Host` (which owns it)."""
+
+    peer_id: str
+    config: Any
+    gate: Any
+    libp2p: Any
+
+    def clock(self) -> float: ...
+    def path_to(self, peer_id: str) -> str | None: ...
+    async def connect(self, addr: str, *, timeout: float | None = None) -> str: ...
+    async def open_raw_stream(self, peer: str, proto: str) -> INetStream: ...
+    async def close_raw(self, raw: INetStream, *, reset: bool = False) -> None: ...
+    def serve_raw(self, pid: str, name: str, handler: Any, *, max_inbound: int | None = None, max_inbound_per_peer: int | None = None) -> None: ...
+
+log = logging.getLogger("protolearn.protocol")
+
+CIRCUIT = "/p2p-circuit"
+# Relay control messages carry a peer ID, a few addresses and a status: 4 KiB is plenty.
+MAX_CONTROL_BYTES = 4096
+PUMP_CHUNK = 64 * 1024
+# Names under which the gate counts the relay protocols' streams and rejections.
+HOP = "relay-hop"
+STOP = "relay-stop"
+
+
+class RelayLimits(BaseModel):
+    """What one relay gives away. Frozen; every value must be positive."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_reservations: int = Field(default=64, gt=0)
+    # Circuits one peer may have open at once, as their source and, separately, as their destination.
+    max_circuits_per_peer: int = Field(default=8, gt=0)
+    max_circuits: int = Field(default=256, gt=0)
+    max_circuit_bytes: int = Field(default=1 << 30, gt=0)  # both directions together
+    max_circuit_duration_s: float = Field(default=3600.0, gt=0)
+    # A reservation lapses unless renewed within this time (a client renews at half of it); one whose
+    # holder has disconnected frees its slot at once.
+    reservation_ttl_s: float = Field(default=600.0, gt=0)
+
+
+@dataclass(eq=False)
+class Circuit:
+    """One relayed connection: ``src`` dialled ``dst`` through this relay."""
+
+    src: str
+    dst: str
+    opened_at: float
+    bytes: int = 0
+
+
+@dataclass
+class RelayBook:
+    """Who holds a reservation and which circuits run, against :class:`RelayLimits` (no IO, no clock).
+
+    Every method that can refuse returns the reason as a string, which the relay sends back and
+    counts against the peer.
+    """
+
+    limits: RelayLimits
+    _expiry: dict[str, float] = field(default_factory=dict)
+    _circuits: set[Circuit] = field(default_factory=set)
+    _by_src: Counter[str] = field(default_factory=Counter)
+    _by_dst: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def num_reservations(self) -> int:
+        return len(self._expiry)
+
+    @property
+    def num_circuits(self) -> int:
+        return len(self._circuits)
+
+    def reserve(self, peer: str, now: float, connected: Callable[[str], bool]) -> float | str:
+        """Grant or renew ``peer``'s reservation: its expiry time, or why not.
+
+        Slots of lapsed reservations and of holders no longer connected are freed first, so peers
+        that left never keep a newcomer out."""
+        if peer not in self._expiry:
+            for other in [p for p, t in self._expiry.items() if t <= now or not connected(p)]:
+                del self._expiry[other]
+            if len(self._expiry) >= self.limits.max_reservations:
+                return f"the relay is full ({self.limits.max_reservations} reservations)"
+        self._expiry[peer] = now + self.limits.reservation_ttl_s
+        return self._expiry[peer]
+
+    def holds(self, peer: str, now: float) -> bool:
+        return self._expiry.get(peer, 0.0) > now
+
+    def release(self, peer: str) -> None:
+        """``peer`` disconnected: its slot is free."""
+        self._expiry.pop(peer, None)
+
+    def open(self, src: str, dst: str, now: float) -> Circuit | str:
+        """Admit a circuit from ``src`` to ``dst``, or say why not."""
+        if not self.holds(dst, now):
+            return "the destination holds no reservation on this relay"
+        if src == dst:
+            return "a peer cannot relay to itself"
+        if len(self._circuits) >= self.limits.max_circuits:
+            return f"the relay carries its maximum of {self.limits.max_circuits} circuits"
+        if self._by_src[src] >= self.limits.max_circuits_per_peer:
+            return f"the source already has {self.limits.max_circuits_per_peer} circuits open on this relay"
+        if self._by_dst[dst] >= self.limits.max_circuits_per_peer:
+            return f"the destination already has {self.limits.max_circuits_per_peer} circuits open on this relay"
+        c = Circuit(src, dst, now)
+        self._circuits.add(c)
+        self._by_src[src] += 1
+        self._by_dst[dst] += 1
+        return c
+
+    def charge(self, c: Circuit, num_bytes: int) -> str | None:
+        """Count ``num_bytes`` more through ``c``; the reason to cut it once it is over its byte limit."""
+        c.bytes += num_bytes
+        if c.bytes > self.limits.max_circuit_bytes:
+            return f"the circuit carried more than its limit of {self.limits.max_circuit_bytes} bytes"
+        return None
+
+    def close(self, c: Circuit) -> None:
+        if c in self._circuits:
+            self._circuits.remove(c)
+            self._by_src[c.src] -= 1
+            self._by_dst[c.dst] -= 1
+            for counts, key in ((self._by_src, c.src), (self._by_dst, c.dst)):
+                if counts[key] <= 0:
+                    del counts[key]
+
+
+def is_circuit(addr: str) -> bool:
+    return f"{CIRCUIT}/" in addr or addr.endswith(CIRCUIT)
+
+
+def split_circuit(addr: str, peer: str) -> tuple[str, str]:
+    """``<relay addr>/p2p/<relay>/p2p-circuit/p2p/<dest>`` -> (relay's full address, dest peer ID).
+
+    Raises PeerUnavailable (naming ``peer``, who gave us the address) for anything else."""
+    relay, sep, rest = addr.partition(CIRCUIT)
+    dest = rest.removeprefix("/p2p/")
+    if not sep or "/p2p/" not in relay or not rest.startswith("/p2p/") or not dest or "/" in dest:
+        raise PeerUnavailable(peer, f"not a relayed address (<relay addr>/p2p/<relay id>/p2p-circuit/p2p/<id>): {addr[:200]!r}")
+    return relay, dest
+
+
+class Relay:
+    """The relay protocol on one host: the STOP side (accepting circuits from relays this host reserved
+    on, and dialling through them) always, the HOP side (relaying for others) when given limits."""
+
+    def __init__(self, host: RelayHost, limits: RelayLimits | None) -> None:
+        self.host = host
+        self.book = None if limits is None else RelayBook(limits)
+        # relay peer -> (its address as we dialled it, our circuit address through it, renew at)
+        self.reservations: dict[str, tuple[str, str, float]] = {}
+        self.cut = 0  # circuits this relay cut for going over a limit
+        self.refused = 0  # reservations and circuits it refused
+
+    @property
+    def relaying(self) -> bool:
+        return self.book is not None
+
+    def install(self) -> None:
+        cfg = self.host.config
+        # STOP streams come only from relays this host reserved on, one per circuit they open to it.
+        self.host.serve_raw(STOP_PROTOCOL, STOP, self._on_stop, max_inbound=cfg.max_inbound_streams, max_inbound_per_peer=cfg.max_inbound_streams)
+        if self.book is not None:
+            lim = self.book.limits
+            # A CONNECT's handler runs as long as its circuit: the gate's stream limits bound circuits too.
+            self.host.serve_raw(
+                HOP_PROTOCOL, HOP, self._on_hop, max_inbound=lim.max_circuits + lim.max_reservations,
+                max_inbound_per_peer=lim.max_circuits_per_peer + 2,
+            )
+
+    def peer_gone(self, peer: str) -> None:
+        if self.book is not None:
+            self.book.release(peer)
+
+    # -- client: reserving and dialling through a relay -------------------------------------
+
+    async def reserve(self, relay_addr: str, *, timeout: float) -> str:
+        """Reserve a slot on the relay at ``relay_addr`` (a full address); our circuit address through it."""
+        host = self.host
+        try:
+            with trio.fail_after(timeout):
+                relay = await host.connect(relay_addr, timeout=timeout)
+                raw = await host.open_raw_stream(relay, HOP_PROTOCOL)
+                try:
+                    await _write(raw, HopMessage(type=HopMessage.RESERVE))
+                    reply = await _read(raw, HopMessage, relay)
+                finally:
+                    await host.close_raw(raw)
+        except trio.TooSlowError:
+            raise PeerUnavailable(relay_addr, f"the relay did not answer a reservation within {timeout:g} s") from None
+        if reply.type != HopMessage.STATUS or reply.status != StatusCode.OK:
+            raise Refused(relay, f"the relay refused a reservation ({_status_name(reply.status)})")
+        relay_base = relay_addr.rsplit("/p2p/", 1)[0]
+        circuit = f"{relay_base}/p2p/{relay}{CIRCUIT}/p2p/{host.peer_id}"
+        ttl = max(reply.reservation.expire - _wall(), 10.0) if reply.HasField("reservation") and reply.reservation.expire else 60.0
+        self.reservations[relay] = (relay_addr, circuit, trio.current_time() + ttl / 2)
+        log.info("reserved a relay slot relay=%s circuit=%s", relay, circuit)
+        return circuit
+
+    async def renew(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep reservations alive: renew each at half its lifetime, and at once after its relay
+        connection dropped (a relay that restarted has forgotten us)."""
+        task_status.started()
+        while True:
+            await trio.sleep(2.0)
+            for relay, (addr, _, due) in list(self.reservations.items()):
+                if trio.current_time() < due and self.host.path_to(relay) is not None:
+                    continue
+                try:
+                    await self.reserve(addr, timeout=self.host.config.connect_timeout_s)
+                except ProtocolError as err:
+                    log.warning("could not renew the relay reservation relay=%s reason=%s", relay, err.reason)
+
+    async def dial(self, addr: str, *, timeout: float) -> str:
+        """Open a relayed connection to the peer behind circuit address ``addr``; its peer ID."""
+        host = self.host
+        relay_addr, dest = split_circuit(addr, "unknown")
+        try:
+            dest_id = ID.from_base58(dest)
+        except Exception:  # base58 and multihash raise several unrelated types
+            raise PeerUnavailable(dest[:80], f"invalid peer ID in relayed address {addr[:200]!r}") from None
+        try:
+            with trio.fail_after(timeout):
+                relay = await host.connect(relay_addr, timeout=timeout)
+                raw = await host.open_raw_stream(relay, HOP_PROTOCOL)
+                try:
+                    await _write(raw, HopMessage(type=HopMessage.CONNECT, peer=PeerId(id=dest_id.to_bytes())))
+                    reply = await _read(raw, HopMessage, relay)
+                    if reply.type != HopMessage.STATUS or reply.status != StatusCode.OK:
+                        raise Refused(dest, f"relay {relay[-8:]} would not connect us ({_status_name(reply.status)})")
+                    conn = RawConnection(stream=raw, initiator=True, connection_type=ConnectionType.RELAYED, addresses=[multiaddr.Multiaddr(addr)])
+                    await host.libp2p.upgrade_outbound_connection(conn, dest_id)
+                except BaseException:
+                    await host.close_raw(raw, reset=True)
+                    raise
+        except trio.TooSlowError:
+            raise PeerUnavailable(dest, f"could not connect through the relay within {timeout:g} s") from None
+        except (BaseLibp2pError, OSError) as err:
+            raise PeerUnavailable(dest, f"the relayed connection failed: {err}") from None
+        return dest
+
+    # -- the reserved node's side: a relay brings us a circuit ------------------------------
+
+    async def _on_stop(self, relay: str, raw: INetStream) -> None:
+        if relay not in self.reservations:
+            self.host.gate.reject(relay, STOP, "Refused", "a circuit from a peer this node holds no reservation on", self.host.clock())
+            await self.host.close_raw(raw, reset=True)
+            return
+        try:
+            with trio.fail_after(self.host.config.chunk_timeout_s):
+                msg = await _read(raw, StopMessage, relay)
+                if msg.type != StopMessage.CONNECT:
+                    raise ProtocolError(relay, "expected a STOP CONNECT")
+                src = ID(msg.peer.id)
+                await _write(raw, StopMessage(type=StopMessage.STATUS, status=StatusCode.OK))
+            ma = multiaddr.Multiaddr(f"/p2p/{relay}{CIRCUIT}/p2p/{src}")
+            conn = RawConnection(stream=raw, initiator=False, connection_type=ConnectionType.RELAYED, addresses=[ma])
+            # Noise authenticates ``src`` during this upgrade; from then on the swarm owns the stream.
+            await self.host.libp2p.upgrade_inbound_connection(conn, ma)
+        except (trio.TooSlowError, ProtocolError, BaseLibp2pError, OSError, ValueError) as err:
+            why = "timed out" if isinstance(err, trio.TooSlowError) else getattr(err, "reason", None) or str(err) or type(err).__name__
+            log.info("relayed connection from relay=%s failed: %s", relay, why)
+            await self.host.close_raw(raw, reset=True)
+
+    # -- the relay's side ----------------------------------------------------------------------
+
+    async def _on_hop(self, peer: str, raw: INetStream) -> None:
+        host, book = self.host, self.book
+        assert book is not None
+        try:
+            if host.path_to(peer) == "relayed":
+                raise _Deny(StatusCode.PERMISSION_DENIED, "relay requests over a relayed connection are not served")
+            with trio.fail_after(host.config.chunk_timeout_s):
+                msg = await _read(raw, HopMessage, peer)
+            if msg.type == HopMessage.RESERVE:
+                # The reservation is for the connection's peer, whatever the message's optional peer field says.
+                granted = book.reserve(peer, host.clock(), lambda p: host.path_to(p) is not None)
+                if isinstance(granted, str):
+                    raise _Deny(StatusCode.RESERVATION_REFUSED, granted)
+                reply = HopMessage(
+                    type=HopMessage.STATUS, status=StatusCode.OK,
+                    reservation=Reservation(expire=int(_wall() + granted - host.clock())), limit=self._limit(),
+                )
+                with trio.fail_after(host.config.chunk_timeout_s):
+                    await _write(raw, reply)
+                await host.close_raw(raw)
+            elif msg.type == HopMessage.CONNECT:
+                await self._connect(peer, raw, msg)
+            else:
+                raise _Deny(StatusCode.UNEXPECTED_MESSAGE, "expected RESERVE or CONNECT")
+        except _Deny as deny:
+            self.refused += 1
+            host.gate.reject(peer, HOP, OVER_LIMIT, deny.reason, host.clock())
+            await self._answer(raw, deny.code)
+        except (trio.TooSlowError, ProtocolError, BaseLibp2pError, OSError, ValueError) as err:
+            why = "timed out" if isinstance(err, trio.TooSlowError) else getattr(err, "reason", None) or str(err) or type(err).__name__
+            host.gate.reject(peer, HOP, "ProtocolError", why, host.clock())
+            await host.close_raw(raw, reset=True)
+
+    def _limit(self) -> Limit:
+        assert self.book is not None
+        lim = self.book.limits
+        return Limit(duration=int(lim.max_circuit_duration_s), data=lim.max_circuit_bytes)
+
+    async def _answer(self, raw: INetStream, code: StatusCode) -> None:
+        """Tell the peer why not, then close (not reset: a reset can overtake the answer)."""
+        with trio.move_on_after(1.0):
+            try:
+                await _write(raw, HopMessage(type=HopMessage.STATUS, status=code))
+            except (BaseLibp2pError, OSError):
+                pass
+        await self.host.close_raw(raw)
+
+    async def _connect(self, src: str, raw: INetStream | None, msg: HopMessage) -> None:
+        host, book = self.host, self.book
+        assert book is not None
+        try:
+            dst = str(ID(msg.peer.id))
+        except Exception:  # an ID from bytes raises several types
+            raise _Deny(StatusCode.MALFORMED_MESSAGE, "the CONNECT names no valid peer") from None
+        circuit = book.open(src, dst, host.clock())
+        if isinstance(circuit, str):
+            raise _Deny(StatusCode.NO_RESERVATION if "no reservation" in circuit else StatusCode.RESOURCE_LIMIT_EXCEEDED, circuit)
+        out: INetStream | None = None
+        try:
+            try:
+                with trio.fail_after(host.config.chunk_timeout_s):
+                    out = await host.open_raw_stream(dst, STOP_PROTOCOL)
+                    await _write(out, StopMessage(type=StopMessage.CONNECT, peer=PeerId(id=ID.from_base58(src).to_bytes()), limit=self._limit()))
+                    answer = await _read(out, StopMessage, dst)
+                if answer.type != StopMessage.STATUS or answer.status != StatusCode.OK:
+                    raise ProtocolError(dst, f"the destination declined the circuit ({_status_name(answer.status)})")
+                with trio.fail_after(host.config.chunk_timeout_s):
+                    await _write(raw, HopMessage(type=HopMessage.STATUS, status=StatusCode.OK, limit=self._limit()))
+            except (trio.TooSlowError, ProtocolError, BaseLibp2pError, OSError) as err:
+                why = "timed out" if isinstance(err, trio.TooSlowError) else getattr(err, "reason", None) or str(err) or type(err).__name__
+                log.info("relay could not reach src=%s dst=%s: %s", src, dst, why)
+                await self._answer(raw, StatusCode.CONNECTION_FAILED)
+                raw = None
+                return
+            why = await self._pump(circuit, raw, out)
+            if why is not None:
+                self.cut += 1
+                host.gate.reject(src, HOP, OVER_LIMIT, why, host.clock())
+                log.info("relay cut a circuit src=%s dst=%s bytes=%d reason=%s", src, dst, circuit.bytes, why)
+        finally:
+            book.close(circuit)
+            if raw is not None:
+                await host.close_raw(raw, reset=True)
+            if out is not None:
+                await host.close_raw(out, reset=True)
+
+    async def _pump(self, c: Circuit, a: INetStream, b: INetStream) -> str | None:
+        """Copy both ways until both sides finished, the circuit ran out of time, or over its bytes
+        (both directions count together); the reason it was cut, if it was."""
+        assert self.book is not None
+        book = self.book
+        cut: list[str] = []
+
+        async def copy(src: INetStream, dst: INetStream, scope: trio.CancelScope) -> None:
+            try:
+                while True:
+                    data = await src.read(PUMP_CHUNK)
+                    if not data:
+                        break
+                    why = book.charge(c, len(data))
+                    if why is not None:
+                        cut.append(why)
+                        scope.cancel()
+                        return
+                    await dst.write(data)
+            except (BaseLibp2pError, OSError):
+                pass  # this direction ended (EOF, reset or error); the other may still be sending
+            try:
+                await dst.close()  # half-close: the far end sees EOF
+            except (BaseLibp2pError, OSError):
+                pass
+
+        with trio.move_on_after(book.limits.max_circuit_duration_s) as timer:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(copy, a, b, nursery.cancel_scope)
+                nursery.start_soon(copy, b, a, nursery.cancel_scope)
+        if timer.cancelled_caught:
+            return f"the circuit was open longer than its limit of {book.limits.max_circuit_duration_s:g} s"
+        return cut[0] if cut else None
+
+
+class _Deny(Exception):
+    def __init__(self, code: StatusCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+def _wall() -> float:
+    return time.time()
+
+
+def _status_name(status: int) -> str:
+    try:
+        return StatusCode(status).name
+    except ValueError:
+        return f"status {status}"
+
+
+async def _write(raw: INetStream, msg: HopMessage | StopMessage) -> None:
+    await raw.write(encode_varint_prefixed(msg.SerializeToString()))
+
+
+async def _read(raw: INetStream, kind: type[HopMessage] | type[StopMessage], peer: str) -> HopMessage | StopMessage:
+    """One length-prefixed control message of at most MAX_CONTROL_BYTES; ProtocolError naming ``peer`` otherwise."""
+    try:
+        data = await read_varint_prefixed_bytes_limited(raw, MAX_CONTROL_BYTES)
+        msg = kind()
+        msg.ParseFromString(data)
+    except (BaseLibp2pError, OSError) as err:
+        raise PeerUnavailable(peer, f"the relay stream ended: {err or type(err).__name__}") from None
+    except Exception as err:  # protobuf and varint decoding raise several unrelated types
+        raise ProtocolError(peer, f"malformed relay message: {type(err).__name__}: {err}") from None
+    return msg
+
+
+__all__ = ["CIRCUIT", "Circuit", "Relay", "RelayBook", "RelayLimits", "is_circuit", "split_circuit"]

@@ -1,0 +1,68 @@
+"""The relay's bookkeeping (protocol/transport/relay.py RelayBook): reservations and circuits against
+the limits, with no IO and no clock of its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from protolearn.protocol.errors import PeerUnavailable
+from protolearn.protocol.transport.relay import Circuit, RelayBook, RelayLimits, is_circuit, split_circuit
+
+RELAY = "12D3KooWRelayRelayRelayRelayRelayRelayRelayRelayRe"
+DEST = "12D3KooWDestDestDestDestDestDestDestDestDestDestDe"
+
+
+def connected(*peers: str):
+    return lambda p: p in peers
+
+
+def test_reservations_fill_up_and_departed_holders_free_their_slot() -> None:
+    book = RelayBook(RelayLimits(max_reservations=2, reservation_ttl_s=100))
+    assert book.reserve("a", 0.0, connected("a")) == 100.0
+    assert book.reserve("b", 0.0, connected("a", "b")) == 100.0
+    assert "full (2 reservations)" in str(book.reserve("c", 1.0, connected("a", "b", "c")))
+    # Renewing one's own slot is never refused, and extends it.
+    assert book.reserve("a", 50.0, connected("a", "b")) == 150.0
+    # b left: its slot goes to c at once, before b's reservation would have lapsed.
+    assert book.reserve("c", 51.0, connected("a", "c")) == 151.0
+    assert not book.holds("b", 51.0) and book.holds("c", 51.0)
+    # a lapses at 150 even though still connected.
+    assert book.reserve("d", 150.0, connected("a", "c", "d")) == 250.0
+    assert not book.holds("a", 150.0)
+
+
+def test_circuits_are_limited_per_source_per_destination_and_in_total() -> None:
+    book = RelayBook(RelayLimits(max_circuits_per_peer=2, max_circuits=4))
+    for d in ("d1", "d2", "d3"):
+        book.reserve(d, 0.0, connected("d1", "d2", "d3"))
+    assert "no reservation" in str(book.open("s", "nobody", 1.0))
+    assert "to itself" in str(book.open("d1", "d1", 1.0))
+    c1 = book.open("s", "d1", 1.0)
+    assert isinstance(c1, Circuit) and isinstance(book.open("s", "d2", 1.0), Circuit)
+    assert "source already has 2 circuits" in str(book.open("s", "d3", 1.0))
+    assert isinstance(book.open("t", "d1", 1.0), Circuit)
+    assert "destination already has 2 circuits" in str(book.open("v", "d1", 1.0))
+    assert isinstance(book.open("u", "d3", 1.0), Circuit)
+    assert "maximum of 4 circuits" in str(book.open("w", "d2", 1.0))
+    book.close(c1)
+    book.close(c1)  # closing twice is harmless
+    assert isinstance(book.open("s", "d3", 1.0), Circuit)
+    assert book.num_circuits == 4
+
+
+def test_a_circuit_is_charged_for_both_directions_until_its_byte_limit() -> None:
+    book = RelayBook(RelayLimits(max_circuit_bytes=1000))
+    book.reserve("d", 0.0, connected())
+    c = book.open("s", "d", 0.0)
+    assert isinstance(c, Circuit)
+    assert book.charge(c, 600) is None
+    assert "more than its limit of 1000 bytes" in str(book.charge(c, 401))
+
+
+def test_relayed_addresses_are_parsed_strictly() -> None:
+    addr = f"/ip4/198.18.0.1/tcp/4001/p2p/{RELAY}/p2p-circuit/p2p/{DEST}"
+    assert is_circuit(addr) and not is_circuit(f"/ip4/198.18.0.1/tcp/4001/p2p/{RELAY}")
+    assert split_circuit(addr, "x") == (f"/ip4/198.18.0.1/tcp/4001/p2p/{RELAY}", DEST)
+    for bad in (f"/ip4/1.2.3.4/tcp/1/p2p-circuit/p2p/{DEST}", f"/ip4/1.2.3.4/tcp/1/p2p/{RELAY}/p2p-circuit", f"{addr}/tcp/1"):
+        with pytest.raises(PeerUnavailable, match="not a relayed address"):
+            split_circuit(bad, "x")
