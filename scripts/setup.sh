@@ -23,6 +23,14 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; th
     exit 1
 fi
 
+# iptables, for the NAT end-to-end test: tests/e2e/netns.py builds home routers in network namespaces.
+# Best effort and only as root with apt-get: nothing else needs it, and without it that test skips.
+if ! command -v iptables >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    if ! { timeout 600 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq --no-install-recommends iptables; } >/dev/null 2>&1; then
+        echo "setup: could not install iptables; the NAT e2e test (tests/e2e/test_netns_topology.py) will skip"
+    fi
+fi
+
 if [ ! -x .venv/bin/python ]; then
     if "$PY" -c 'import torch' 2>/dev/null; then
         echo "setup: keeping the installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
