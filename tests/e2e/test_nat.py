@@ -1,0 +1,173 @@
+"""Nodes behind real NATs train together: coordinator and relay in a "public" network namespace, one
+node in each of two "home" namespaces behind routers that masquerade and drop unsolicited packets
+(tests/e2e/netns.py), everything started through the CLI as a user would.
+
+Two kinds of NAT: one that keeps source ports (most home routers), where the nodes' relayed
+connection may be upgraded by a hole punch, and one that randomises them (``--random-fully``, a
+symmetric NAT), where punching cannot work and the relay must carry the stage traffic. Either way
+``swarm status`` must show both nodes as private, each reached through a relay or a punched hole,
+and the loss must fall. A node with no way in at all (no relay offered) must fail in one clear line.
+
+Skips only where network namespaces cannot be made here (not root, or no ``ip``/``iptables``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.netns import NatTopology, nat_topology, netns_unavailable
+
+pytestmark = pytest.mark.timeout(300)
+
+UNAVAILABLE = netns_unavailable()
+CLI = [sys.executable, "-m", "protolearn.cli.main"]
+STEPS = 8
+COORD_PORT = 4001
+
+RUN = f"""
+name = "nat"
+seed = 0
+steps = {STEPS}
+[model]
+vocab_size = 259
+d_model = 64
+n_layers = 2
+n_heads = 4
+d_ff = 128
+max_seq_len = 64
+[stages]
+num_stages = 2
+[batch]
+microbatches_per_step = 4
+microbatch_size = 4
+seq_len = 32
+[optim]
+warmup_steps = 2
+total_steps = {STEPS}
+[data]
+max_bytes = 200000
+"""
+
+
+class NatSwarm:
+    """CLI processes started inside the topology's namespaces; all of them are stopped at the end."""
+
+    def __init__(self, topo: NatTopology, tmp: Path) -> None:
+        self.topo = topo
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def spawn(self, ns: str, name: str, *args: str) -> subprocess.Popen:
+        with (self.tmp / f"{name}.out").open("w") as out, (self.tmp / f"{name}.err").open("w") as err:
+            p = self.topo.popen(ns, [*CLI, *args], stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.procs[name] = p
+        return p
+
+    def start_coordinator(self, *extra: str) -> str:
+        config = self.tmp / "run.toml"
+        config.write_text(RUN)
+        self.spawn(self.topo.public, "coord", "coordinator", "start", "--config", str(config),
+                   "--listen", f"/ip4/{self.topo.public_ip}/tcp/{COORD_PORT}", "--data-dir", str(self.tmp / "coord"),
+                   "--log-level", "warning", *extra)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            text = (self.tmp / "coord.out").read_text()
+            if text.endswith("\n"):
+                return text.splitlines()[0]
+            assert self.procs["coord"].poll() is None, self.err("coord")
+            time.sleep(0.1)
+        raise AssertionError("the coordinator did not print its address in 90 s")
+
+    def start_node(self, ns: str, name: str, coordinator: str) -> subprocess.Popen:
+        return self.spawn(ns, name, "node", "join", "--coordinator", coordinator, "--listen", "/ip4/0.0.0.0/tcp/4002",
+                          "--data-dir", str(self.tmp / name), "--name", name, "--device", "cpu", "--threads", "1")
+
+    def status(self, coordinator: str) -> dict | None:
+        r = self.topo.run(self.topo.public, [*CLI, "swarm", "status", "--coordinator", coordinator, "--json", "--timeout", "5"],
+                          timeout=30, capture_output=True, text=True)
+        return json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else None
+
+    def err(self, name: str) -> str:
+        return (self.tmp / f"{name}.err").read_text(errors="replace")[-3000:]
+
+    def events(self, name: str, event: str) -> list[dict]:
+        path = self.tmp / name / "node.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [d for d in map(json.loads, lines) if d["event"] == event]
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")
+@pytest.mark.parametrize("random_fully", [False, True], ids=["port-keeping-nat", "port-randomising-nat"])
+def test_two_nodes_behind_nats_train_through_a_relay_or_a_punched_hole(tmp_path: Path, random_fully: bool) -> None:
+    with nat_topology(random_fully=random_fully) as topo:
+        swarm = NatSwarm(topo, tmp_path)
+        try:
+            coordinator = swarm.start_coordinator("--relay")
+            a = swarm.start_node(topo.home_a, "a", coordinator)
+            b = swarm.start_node(topo.home_b, "b", coordinator)
+            # Watch the swarm from outside while it trains; keep the last view in which both nodes had
+            # reported the path their peers reach them by.
+            seen: dict | None = None
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and (a.poll() is None or b.poll() is None):
+                st = swarm.status(coordinator)
+                nodes = [] if st is None else [n for n in st["nodes"] if n["state"] != "gone"]
+                if len(nodes) == 2 and all(n["path"] for n in nodes):
+                    seen = st
+                time.sleep(1.0)
+            for name, p in (("a", a), ("b", b)):
+                assert p.wait(timeout=30) == 0, f"{name} exited {p.returncode}: {swarm.err(name)}"
+            assert seen is not None, f"swarm status never showed both nodes with a path: {swarm.err('coord')}"
+            paths = {n["name"]: (n["reachability"], n["path"]) for n in seen["nodes"]}
+            print(f"random_fully={random_fully} status paths: {paths}")
+            for reach, path in paths.values():
+                assert reach == "private"
+                assert path in ("relayed", "hole-punched")
+            if random_fully:
+                # A port-randomising NAT cannot be punched: the relay carries everything.
+                assert all(path == "relayed" for _, path in paths.values())
+            for name in ("a", "b"):
+                reach = swarm.events(name, "reachability")
+                assert reach and reach[-1]["verdict"] == "private", reach
+            losses = [e["loss"] for e in swarm.events("a", "step") if e.get("loss") is not None]
+            assert len(losses) >= 2, swarm.events("a", "step")
+            print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+            assert losses[-1] < losses[0]
+        finally:
+            swarm.stop()
+
+
+@pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")
+def test_a_node_with_no_way_in_says_so_in_one_line(tmp_path: Path) -> None:
+    with nat_topology() as topo:
+        swarm = NatSwarm(topo, tmp_path)
+        try:
+            coordinator = swarm.start_coordinator()  # no --relay: nothing offers the node a slot
+            node = swarm.start_node(topo.home_a, "a", coordinator)
+            assert node.wait(timeout=90) == 1, swarm.err("a")
+            lines = [line for line in swarm.err("a").splitlines() if line.strip()]
+            assert lines[-1].startswith("error: this node cannot be reached from the internet"), lines
+            assert "TCP port 4002" in lines[-1] and "--relay-via" in lines[-1]
+            assert "Traceback" not in swarm.err("a")
+        finally:
+            swarm.stop()
