@@ -106,6 +106,8 @@ async def join_coordinator(
     reach = await establish(host, link.peer, config, say=on_wait)
     # It relays for others only where they can reach it (the transport relays once opened with relay=).
     relay = config.relay and reach.verdict == "public"
+    if config.relay and not relay:
+        log.warning("--relay: not offering to relay, since the coordinator did not find this node reachable (%s)", reach.verdict)
     try:
         joined = await link.join(cm.Join(addrs=reach.addrs, device=device, name=config.name, reachability=reach.verdict, relay=relay))
     except Refused as err:
