@@ -38,7 +38,7 @@ def _join(
     checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="A stage checkpoint to restore a stage that lost all its replicas.")] = None,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Write the stage to <data-dir>/checkpoints every N steps (0: only at leave).")] = 10,
     relay: Annotated[bool, typer.Option("--relay", help="Relay traffic for nodes behind NATs, if the coordinator finds this node reachable from the internet.")] = False,
-    relay_via: Annotated[list[str] | None, typer.Option("--relay-via", help="A relay's multiaddr (ending in /p2p/<peer id>) to reserve a slot on first if this node is behind a NAT; repeatable.")] = None,
+    relay_via: Annotated[list[str] | None, typer.Option("--relay-via", metavar="MULTIADDR", help="A relay's multiaddr (ending in /p2p/<peer id>) to reserve a slot on first if this node is behind a NAT; repeatable.")] = None,
     adversary: Annotated[str | None, typer.Option("--adversary", help="Testing only: KIND[:from_step] makes this node attack the swarm (needs PROTOLEARN_ALLOW_ADVERSARY=1).", hidden=True)] = None,
 ) -> None:
     """Join the swarm at COORDINATOR and train the stage it assigns until the run ends."""
