@@ -41,6 +41,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from protolearn.coordinator.integrity import EvidenceRecord, IntegrityDesk, IntegrityRefused
 from protolearn.coordinator.assignment import shares_from_layers
@@ -48,7 +49,7 @@ from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.corpus import decide_corpus
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.ratelimit import RateLimiter
-from protolearn.coordinator.reachability import MAX_MEMBER_RELAYS, ReachabilityDesk, Verdict, offered_relays
+from protolearn.coordinator.reachability import MAX_MEMBER_RELAYS, ReachabilityDesk, Verdict, offered_relays, usable_from
 from protolearn.coordinator.registry import LIVE, HeartbeatInfo, JoinInfo, Member, Registry
 from protolearn.coordinator.run import RunInfo
 from protolearn.coordinator.status import build_status
@@ -253,8 +254,9 @@ class CoordinatorCore:
     def reachability_reply(self, peer: str, verdict: Verdict, observed: tuple[str, int] | None, own_relays: list[str]) -> cm.ReachabilityReply:
         """The answer to ``peer``'s check: the verdict, what the coordinator saw, and relays to try
         (``own_relays``, the coordinator's addresses when it relays, first)."""
-        relays = offered_relays(own_relays, self.registry.relays(peer, MAX_MEMBER_RELAYS))
         ip, port = observed if observed is not None else ("", 0)
+        usable = partial(usable_from, observed_ip=ip)
+        relays = offered_relays(usable(own_relays), self.registry.relays(peer, MAX_MEMBER_RELAYS, usable))
         return cm.ReachabilityReply(
             verdict=verdict.verdict, reason=verdict.reason[: cm.MAX_TEXT], observed_ip=ip[:64], observed_port=port,
             reachable=[a for a in verdict.reachable if len(a) <= cm.MAX_ADDR][: cm.MAX_ADDRS],

@@ -105,6 +105,18 @@ def _port_text(target: str) -> str:
     return str(_tcp_port(target) or "?")
 
 
+def _loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("::1", "localhost", "0.0.0.0")
+
+
+def usable_from(addrs: Iterable[str], observed_ip: str) -> list[str]:
+    """``addrs`` a requester at ``observed_ip`` can dial: a loopback address only for a requester on
+    this machine (a coordinator listening on 0.0.0.0 lists 127.0.0.1 first, useless to anyone else)."""
+    if _loopback(observed_ip):
+        return list(addrs)
+    return [a for a in addrs if not _loopback(_host_of(a))]
+
+
 def offered_relays(own: Sequence[str], members: Iterable[str]) -> list[str]:
     """The relays to offer: ``own`` (the coordinator's addresses, when it relays) first, then members'
     addresses (public relay-offering members, one address each), at most MAX_RELAYS in all."""

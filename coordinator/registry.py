@@ -34,7 +34,7 @@ and restarts) visit every member.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from protolearn.coordinator.assignment import MIN_THROUGHPUT, Choice, Move, StageLoad, ThroughputClaims, choose_stage, propose_move
@@ -391,16 +391,16 @@ class Registry:
         self._count(m, 1)
         self.dirty.add(peer_id)
 
-    def relays(self, exclude: str, limit: int) -> list[str]:
-        """The first address of up to ``limit`` live, public members that offered to relay (not ``exclude``);
-        O(limit), not O(members)."""
+    def relays(self, exclude: str, limit: int, usable: Callable[[list[str]], list[str]] = list) -> list[str]:
+        """The first ``usable`` address of up to ``limit`` live, public members that offered to relay (not
+        ``exclude``); O(limit), not O(members), but for members with no usable address."""
         out: list[str] = []
         for p in self._relays:
             if len(out) >= limit:
                 break
-            m = self.members[p]
-            if p != exclude and m.addrs:
-                out.append(m.addrs[0])
+            addrs = usable(self.members[p].addrs) if p != exclude else []
+            if addrs:
+                out.append(addrs[0])
         return out
 
     def vote_corpus(self, peer_id: str, fingerprint: str) -> None:

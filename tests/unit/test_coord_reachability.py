@@ -188,3 +188,14 @@ def test_a_store_row_from_before_reachability_loads_as_unknown(tmp_path: Path) -
     again = make_core()
     again.restore(**store.load(), now=1.0)
     assert again.registry.members["a"].reachability == "unknown" and not again.registry.members["a"].relay
+
+
+def test_loopback_relay_addresses_are_offered_only_to_a_requester_on_this_machine() -> None:
+    core = make_core()
+    own = ["/ip4/127.0.0.1/tcp/7700/p2p/coord", "/ip4/192.0.2.1/tcp/7700/p2p/coord"]
+    _check(core, "r", PUBLIC)
+    core.handle("r", cm.Join(addrs=["/ip4/127.0.0.1/tcp/1/p2p/r", "/ip4/198.51.100.2/tcp/1/p2p/r"], relay=True), 0.0)
+    remote = core.reachability_reply("x", PRIVATE, ("203.0.113.9", 5), own).relays
+    assert remote == ["/ip4/192.0.2.1/tcp/7700/p2p/coord", "/ip4/198.51.100.2/tcp/1/p2p/r"]
+    local = core.reachability_reply("x", PRIVATE, ("127.0.0.1", 5), own).relays
+    assert local == [*own, "/ip4/127.0.0.1/tcp/1/p2p/r"]
