@@ -57,6 +57,10 @@ SOFT_PERSIST_S = 5.0
 UNKNOWN_STREAMS = 256
 # Where the reachability checker listens: it only dials out, and nobody needs to reach it.
 CHECKER_LISTEN = "/ip4/127.0.0.1/tcp/0"
+# Checker connections waiting to be closed after their check replied (past that, a check closes its own).
+HANG_UP_QUEUE = 256
+# Hanging up at once cuts libp2p's identify exchange short, and libp2p logs each such cut as an ERROR.
+HANG_UP_DELAY_S = 0.5
 
 REQUEST_TYPES: tuple[type[Message], ...] = (
     cm.Join,
@@ -143,6 +147,9 @@ class _Service:
         self.checker = checker
         self.relay = relay
         self._check_slots = trio.Semaphore(MAX_CHECKS)
+        # Closing a libp2p connection takes ~200 ms (yamux), far longer than the dial: the checker drops
+        # its connections after the reply, in :meth:`checker_cleanup`.
+        self._hang_up, self._hang_ups = trio.open_memory_channel[tuple[str, float]](HANG_UP_QUEUE)
         self._changed = trio.Event()
         self._seen = self._progress()
         self._waiting = 0
@@ -256,9 +263,34 @@ class _Service:
                 for t in targets:
                     nursery.start_soon(dial, t)
         finally:
-            with trio.CancelScope(shield=True):
-                await checker.disconnect(peer)
+            try:
+                self._hang_up.send_nowait((peer, trio.current_time() + HANG_UP_DELAY_S))
+            except trio.WouldBlock:  # a backlog of hang-ups: this one waits its turn here
+                with trio.CancelScope(shield=True):
+                    await checker.disconnect(peer)
         return reached
+
+    async def checker_cleanup(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Close the checker's connection to each node it dialled back, HANG_UP_DELAY_S after the check
+        (each close bounded by the checker's connect timeout, at most MAX_CHECKS at once)."""
+        task_status.started()
+        checker = self.checker
+        if checker is None:
+            return
+        limit = trio.CapacityLimiter(MAX_CHECKS)
+
+        async def hang_up(peer: str, token: object) -> None:
+            try:
+                await checker.disconnect(peer)
+            finally:
+                limit.release_on_behalf_of(token)
+
+        async with trio.open_nursery() as nursery:
+            async for peer, due in self._hang_ups:
+                await trio.sleep_until(due)
+                token = object()  # one per hang-up: the same peer may be queued twice
+                await limit.acquire_on_behalf_of(token)
+                nursery.start_soon(hang_up, peer, token)
 
     def flush_refusal_log(self, *, everything: bool = False) -> None:
         """Write the refusal summaries of the intervals that are over (all of them with ``everything``)."""
@@ -343,6 +375,7 @@ async def serve(
             )
             async with trio.open_nursery() as nursery:
                 await nursery.start(svc.housekeeping)
+                await nursery.start(svc.checker_cleanup)
                 # Checking integrity evidence needs torch; loading it (seconds) in the first request's
                 # handler would stall every heartbeat meanwhile, so it loads in a thread at start-up.
                 nursery.start_soon(partial(trio.to_thread.run_sync, _load_evidence_checks, abandon_on_cancel=True))

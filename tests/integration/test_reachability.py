@@ -51,6 +51,11 @@ def test_a_listening_node_is_public_and_was_dialled_on_a_fresh_connection(tmp_pa
                 assert coord.checker.peer_id in inbound
                 assert coord.core.reachability.verdict_of(node.peer_id) == "public"
                 assert took < 2.0, f"a loopback check took {took:.2f} s"
+                # The checker hangs up soon after it replied; the node's own connection stays.
+                with trio.fail_after(5):
+                    while node.observed_addr(coord.checker.peer_id) is not None:
+                        await trio.sleep(0.05)
+                assert node.observed_addr(coord.peer_id) is not None
             nursery.cancel_scope.cancel()
 
     run_trio(main, timeout=60)
