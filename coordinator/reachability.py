@@ -34,8 +34,11 @@ from protolearn.protocol import coordination as cm
 MAX_DIAL_PORTS = 4
 DIAL_TIMEOUT_S = 3.0
 MAX_CHECKS = 8
-# How long a request waits for one of the MAX_CHECKS slots before it is answered "unknown" (busy).
+# How long a request waits for one of the MAX_CHECKS slots before it is answered "unknown" (busy), and how
+# many may wait at once (past that, busy at once): checks of Sybils pointed at a port that drops SYNs must
+# not hold the stream slots that joiners and status readers share.
 SLOT_WAIT_S = 10.0
+MAX_CHECK_WAITERS = 32
 # Verdicts remembered, oldest dropped: enough for every member of a large swarm plus joiners.
 MAX_VERDICTS = 4096
 # Members offered as relays besides the coordinator itself.

@@ -40,7 +40,7 @@ from protolearn.coordinator.core import CoordinatorCore
 from protolearn.coordinator.run import RunInfo
 from protolearn.coordinator.errors import Refusal, RunMismatch
 from protolearn.coordinator.metrics import metrics_registry, serve_metrics
-from protolearn.coordinator.reachability import BUSY, DIAL_TIMEOUT_S, MAX_CHECKS, SLOT_WAIT_S, decide, dial_targets
+from protolearn.coordinator.reachability import BUSY, DIAL_TIMEOUT_S, MAX_CHECK_WAITERS, MAX_CHECKS, SLOT_WAIT_S, decide, dial_targets
 from protolearn.coordinator.store import Store
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
@@ -147,6 +147,7 @@ class _Service:
         self.checker = checker
         self.relay = relay
         self._check_slots = trio.Semaphore(MAX_CHECKS)
+        self._checks_queued = 0  # running or waiting for a slot
         # Closing a libp2p connection takes ~200 ms (yamux), far longer than the dial: the checker drops
         # its connections after the reply, in :meth:`checker_cleanup`.
         self._hang_up, self._hang_ups = trio.open_memory_channel[tuple[str, float]](HANG_UP_QUEUE)
@@ -218,7 +219,8 @@ class _Service:
             self._waiting -= 1
 
     async def _check_reachability(self, peer: str, msg: cm.ReachabilityRequest) -> cm.ReachabilityReply:
-        """Dial ``peer`` back (see the module docstring); at most MAX_CHECKS at once, one per peer."""
+        """Dial ``peer`` back (see the module docstring): one check per peer, MAX_CHECKS at once, and at most
+        MAX_CHECK_WAITERS more waiting (for at most SLOT_WAIT_S) for a slot; past those, "unknown" (busy)."""
         self.core.begin_reachability(peer, self.clock())
         verdict = None
         busy = False
@@ -227,13 +229,17 @@ class _Service:
             targets = dial_targets(observed, msg.addrs, peer)
             if self.checker is None or not targets:
                 verdict = decide(targets, (), checker_up=self.checker is not None)
-            else:
-                with trio.move_on_after(SLOT_WAIT_S):
-                    async with self._check_slots:
-                        verdict = decide(targets, await self._dial_back(self.checker, peer, targets))
-                if verdict is None:  # no slot in time: no verdict on the node, and none is recorded
-                    busy = True
-                    verdict = BUSY
+            elif self._checks_queued < MAX_CHECKS + MAX_CHECK_WAITERS:
+                self._checks_queued += 1
+                try:
+                    with trio.move_on_after(SLOT_WAIT_S):
+                        async with self._check_slots:
+                            verdict = decide(targets, await self._dial_back(self.checker, peer, targets))
+                finally:
+                    self._checks_queued -= 1
+            if verdict is None:  # no slot (in time): no verdict on the node, and none is recorded
+                busy = True
+                verdict = BUSY
             log.info("reachability peer=%s verdict=%s reason=%s", peer, verdict.verdict, verdict.reason)
             own = self.host.addrs() if self.relay else []
             return self.core.reachability_reply(peer, verdict, observed, own)

@@ -182,3 +182,34 @@ def test_a_public_member_that_offers_to_relay_is_offered_to_private_joiners(tmp_
             nursery.cancel_scope.cancel()
 
     run_trio(main, timeout=60)
+
+
+def test_checks_past_the_slots_and_the_waiting_room_are_answered_busy_at_once(tmp_path: Path, run_trio: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from protolearn.coordinator import service
+
+    monkeypatch.setattr(service, "MAX_CHECKS", 1)
+    monkeypatch.setattr(service, "MAX_CHECK_WAITERS", 0)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            coord = await start(nursery, tmp_path / "c")
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            silent_port = listeners[0].socket.getsockname()[1]
+            nursery.start_soon(trio.serve_listeners, _hold, listeners)
+            async with open_host(Identity.generate(), config=FAST_CONFIG) as a, open_host(Identity.generate(), config=FAST_CONFIG) as b:
+                await a.connect(coord.addrs[0])
+                await b.connect(coord.addrs[0])
+                async with trio.open_nursery() as checks:
+                    checks.start_soon(ask, a, coord.peer_id, [f"/ip4/127.0.0.1/tcp/{silent_port}"])
+                    with trio.fail_after(5):
+                        while not coord.core.reachability.running(a.peer_id):
+                            await trio.sleep(0.01)
+                    t0 = trio.current_time()
+                    reply = await ask(b, coord.peer_id, b.addrs())
+                    assert reply.verdict == "unknown" and "busy" in reply.reason
+                    assert trio.current_time() - t0 < 1.0
+                assert coord.core.reachability.verdict_of(b.peer_id) == "unknown"  # busy is no verdict on b
+                assert (await ask(b, coord.peer_id, b.addrs())).verdict == "public"  # once the slot is free
+            nursery.cancel_scope.cancel()
+
+    run_trio(main, timeout=60)
