@@ -41,6 +41,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from protolearn.coordinator.integrity import EvidenceRecord, IntegrityDesk, IntegrityRefused
 from protolearn.coordinator.assignment import shares_from_layers
@@ -48,6 +49,7 @@ from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.corpus import decide_corpus
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.ratelimit import RateLimiter
+from protolearn.coordinator.reachability import MAX_MEMBER_RELAYS, ReachabilityDesk, Verdict, offered_relays, usable_from
 from protolearn.coordinator.registry import LIVE, HeartbeatInfo, JoinInfo, Member, Registry
 from protolearn.coordinator.run import RunInfo
 from protolearn.coordinator.status import build_status
@@ -151,6 +153,8 @@ class CoordinatorCore:
         self._ended_early: dict[str, set[tuple[int, int]]] = {}
         # When each stage-0 peer last completed a ticket (not pruned by time, unlike _last_completed).
         self._progress_at: dict[str, float] = {}
+        # Reachability checks running and the verdicts (coordinator/reachability.py); the service dials.
+        self.reachability = ReachabilityDesk()
 
     # -- restore ------------------------------------------------------------------------------
 
@@ -233,6 +237,32 @@ class CoordinatorCore:
         if msg.step > self.ledger.step:
             raise self.refuse("bad_step", f"step {msg.step} is beyond the open step {self.ledger.step}")
 
+    def begin_reachability(self, peer: str, now: float) -> None:
+        """Admit ``peer``'s reachability check (rate limit, bans, one running per peer) before the
+        service dials it back; every begun check ends with :meth:`end_reachability`."""
+        self.admit(peer, now)
+        if not self.reachability.begin(peer):
+            raise self.refuse("check_running", "a reachability check is already running for this node; wait for its reply")
+
+    def end_reachability(self, peer: str, verdict: Verdict | None) -> None:
+        """``peer``'s check is over; with a verdict, it is what the registry keeps for it from now on."""
+        self.reachability.end(peer)
+        if verdict is not None:
+            self.reachability.record(peer, verdict)
+            self.registry.set_reachability(peer, verdict.verdict)
+
+    def reachability_reply(self, peer: str, verdict: Verdict, observed: tuple[str, int] | None, own_relays: list[str]) -> cm.ReachabilityReply:
+        """The answer to ``peer``'s check: the verdict, what the coordinator saw, and relays to try
+        (``own_relays``, the coordinator's addresses when it relays, first)."""
+        ip, port = observed if observed is not None else ("", 0)
+        usable = partial(usable_from, observed_ip=ip)
+        relays = offered_relays(usable(own_relays), self.registry.relays(peer, MAX_MEMBER_RELAYS, usable))
+        return cm.ReachabilityReply(
+            verdict=verdict.verdict, reason=verdict.reason[: cm.MAX_TEXT], observed_ip=ip[:64], observed_port=port,
+            reachable=[a for a in verdict.reachable if len(a) <= cm.MAX_ADDR][: cm.MAX_ADDRS],
+            relays=[a for a in relays if len(a) <= cm.MAX_ADDR][: cm.MAX_RELAYS],
+        )
+
     def _live_member(self, peer: str) -> Member:
         m = self.registry.members.get(peer)
         if m is None or m.status != LIVE:
@@ -246,8 +276,13 @@ class CoordinatorCore:
         if self.verdicts.is_banned(peer):
             raise self.refuse("banned", "banned")
         old = self.registry.members.get(peer)
+        # The coordinator's own verdict, never the node's claim (msg.reachability); a rejoiner it has
+        # forgotten keeps the verdict it had.
+        reach = self.reachability.verdict_of(peer)
+        if reach == "unknown" and old is not None:
+            reach = old.reachability
         d = self.registry.join(
-            peer, JoinInfo(list(msg.addrs), msg.device, msg.memory_gb, msg.throughput, msg.name), now
+            peer, JoinInfo(list(msg.addrs), msg.device, msg.memory_gb, msg.throughput, msg.name, reach, msg.relay), now
         )
         if not d.accepted:
             raise self.refuse(d.code, d.reason)
@@ -295,6 +330,7 @@ class CoordinatorCore:
     def _heartbeat(self, peer: str, msg: cm.Heartbeat, now: float) -> cm.HeartbeatReply:
         info = HeartbeatInfo(
             msg.state, msg.throughput, msg.queue_len, msg.step, msg.param_hash, msg.loss, msg.stage, tuple((r.step, r.hash) for r in msg.recent),
+            msg.path,
         )
         d = self.registry.heartbeat(peer, info, now, frontier=self.ledger.frontier)
         if not d.accepted:

@@ -34,7 +34,7 @@ and restarts) visit every member.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from protolearn.coordinator.assignment import MIN_THROUGHPUT, Choice, Move, StageLoad, ThroughputClaims, choose_stage, propose_move
@@ -84,6 +84,11 @@ class Member:
     shown_at: float | None = None
     # The corpus fingerprint it reported (CorpusCheck); a vote while it is a live stage-0 member.
     corpus: str = ""
+    # The coordinator's own reachability verdict on it (coordinator/reachability.py), whether it offered
+    # to relay for others, and how its stage peers reach it (its last heartbeat's word; "" until then).
+    reachability: str = "unknown"
+    relay: bool = False
+    path: str = ""
 
     def __post_init__(self) -> None:
         self.state = NodeState(self.state)  # the store keeps it as its string value
@@ -96,6 +101,9 @@ class JoinInfo:
     memory_gb: float = 0.0
     throughput: float = 0.0
     name: str = ""
+    # The coordinator's verdict (never the node's claim) and the node's offer to relay.
+    reachability: str = "unknown"
+    relay: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,7 @@ class HeartbeatInfo:
     stage: int = -1  # the stage the node serves now (-1: not said)
     # (step, hash) after its last few applied steps (protocol/coordination.py HASH_HISTORY), oldest first.
     recent: tuple[tuple[int, str], ...] = ()
+    path: str = ""  # how its stage peers reach it ("": not said)
 
 
 @dataclass(frozen=True)
@@ -147,6 +156,9 @@ class Registry:
     _throughput: list[int] = field(init=False)
     _claims: ThroughputClaims = field(init=False)
     _corpus_votes: Counter[str] = field(init=False)
+    # Live members that offered to relay and that the coordinator found public, in join order (a dict as
+    # an ordered set): the relays a reachability reply offers, found without scanning the members.
+    _relays: dict[str, None] = field(init=False)
     # What nodes are told about the live members (see view.py), kept in step by _touch.
     view: SwarmView = field(init=False)
 
@@ -165,6 +177,7 @@ class Registry:
         self._throughput = [0] * self.num_stages
         self._claims = ThroughputClaims()
         self._corpus_votes = Counter()
+        self._relays = {}
         for m in self.members.values():
             self._count(m, 1)
 
@@ -175,6 +188,11 @@ class Registry:
             return
         self._num_live += sign
         self._claims.add(m.throughput, sign)
+        if m.relay and m.reachability == "public":
+            if sign > 0:
+                self._relays[m.peer_id] = None
+            else:
+                self._relays.pop(m.peer_id, None)
         s = m.stage
         if s == 0 and m.corpus:
             self._corpus_votes[m.corpus] += sign
@@ -289,6 +307,8 @@ class Registry:
             last_seen=now,
             name=info.name,
             moved_at=now,
+            reachability=info.reachability,
+            relay=info.relay,
         )
         if old is not None:
             m.step, m.param_hash = old.step, old.param_hash
@@ -344,6 +364,8 @@ class Registry:
             self._recent[peer_id] = tuple(sorted(recent.items()))
         if hb.loss is not None:
             m.loss = hb.loss
+        if hb.path:
+            m.path = hb.path
         self._count(m, 1)
         m.last_seen = now
         shown = self.view.get(peer_id)
@@ -358,6 +380,28 @@ class Registry:
             self.soft.add(peer_id)
         reason, m.move_reason = m.move_reason, ""
         return Decision(True, "ok", reason, m.stage)
+
+    def set_reachability(self, peer_id: str, verdict: str) -> None:
+        """The coordinator checked ``peer_id`` again: a live member's verdict (and its relay offer) follows."""
+        m = self.members.get(peer_id)
+        if m is None or m.status != LIVE or m.reachability == verdict:
+            return
+        self._count(m, -1)
+        m.reachability = verdict
+        self._count(m, 1)
+        self.dirty.add(peer_id)
+
+    def relays(self, exclude: str, limit: int, usable: Callable[[list[str]], list[str]] = list) -> list[str]:
+        """The first ``usable`` address of up to ``limit`` live, public members that offered to relay (not
+        ``exclude``); O(limit), not O(members), but for members with no usable address."""
+        out: list[str] = []
+        for p in self._relays:
+            if len(out) >= limit:
+                break
+            addrs = usable(self.members[p].addrs) if p != exclude else []
+            if addrs:
+                out.append(addrs[0])
+        return out
 
     def vote_corpus(self, peer_id: str, fingerprint: str) -> None:
         """Record the corpus fingerprint ``peer_id`` reported (a vote while it is a live stage-0 member)."""

@@ -15,6 +15,13 @@ the request's timeout (≤ 30 s). A housekeeping task expires members and leases
 host tells the core when a member's connection closes, so a dead member's leases end after a short
 grace instead of at their expiry. Banned peers are handed to the host's gate, which refuses them at
 connection time.
+
+Reachability (``coordinator/reachability.py`` decides): a ``ReachabilityRequest`` is dialled back from
+a second host, the *checker* (a throwaway identity on 127.0.0.1, opened at start-up), never over the
+connection the node opened, since that one reaches the node whatever its NAT does. The dials run in
+the request's own handler task under a semaphore of ``MAX_CHECKS``, so heartbeats are served
+meanwhile; each dial has its own deadline and the checker drops its connection to the node after.
+With ``relay=True`` the main host also relays for private nodes and offers itself as their relay.
 """
 
 from __future__ import annotations
@@ -33,9 +40,11 @@ from protolearn.coordinator.core import CoordinatorCore
 from protolearn.coordinator.run import RunInfo
 from protolearn.coordinator.errors import Refusal, RunMismatch
 from protolearn.coordinator.metrics import metrics_registry, serve_metrics
+from protolearn.coordinator.reachability import BUSY, DIAL_TIMEOUT_S, MAX_CHECK_WAITERS, MAX_CHECKS, SLOT_WAIT_S, decide, dial_targets
 from protolearn.coordinator.store import Store
 from protolearn.protocol import coordination as cm
-from protolearn.protocol.identity import load_or_create_identity
+from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.identity import Identity, load_or_create_identity
 from protolearn.protocol.log_digest import LogDigest, Summary
 from protolearn.protocol.transport import Host, TransportConfig, open_host
 from protolearn.protocol.wire import Message
@@ -46,6 +55,12 @@ log = logging.getLogger("protolearn.coordinator")
 SOFT_PERSIST_S = 5.0
 # Streams open at once from peers that are not live members (joins, status readers), shared by all of them.
 UNKNOWN_STREAMS = 256
+# Where the reachability checker listens: it only dials out, and nobody needs to reach it.
+CHECKER_LISTEN = "/ip4/127.0.0.1/tcp/0"
+# Checker connections waiting to be closed after their check replied (past that, a check closes its own).
+HANG_UP_QUEUE = 256
+# Hanging up at once cuts libp2p's identify exchange short, and libp2p logs each such cut as an ERROR.
+HANG_UP_DELAY_S = 0.5
 
 REQUEST_TYPES: tuple[type[Message], ...] = (
     cm.Join,
@@ -63,6 +78,7 @@ REQUEST_TYPES: tuple[type[Message], ...] = (
     cm.StatusRequest,
     cm.StageHashesRequest,
     cm.MembersRequest,
+    cm.ReachabilityRequest,
 )
 
 
@@ -78,6 +94,8 @@ class Running:
     data_dir: Path
     resumed: bool = False
     events: list[str] = field(default_factory=list)
+    # The host that dials reachability checks back (its peer ID is not the coordinator's).
+    checker: Host | None = None
 
 
 def open_state(run: Any, data_dir: Path, settings: CoordinatorSettings, now: float) -> tuple[Store, CoordinatorCore, bool]:
@@ -116,11 +134,23 @@ def persisted_run_toml(data_dir: Path) -> str | None:
 
 
 class _Service:
-    def __init__(self, core: CoordinatorCore, store: Store, host: Host, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, core: CoordinatorCore, store: Store, host: Host, clock: Callable[[], float],
+        *, checker: Host | None = None, relay: bool = False,
+    ) -> None:
         self.core = core
         self.store = store
         self.host = host
         self.clock = clock
+        # The host that dials reachability checks back (None: every check is "unknown"), and whether the
+        # main host relays (then it is the first relay offered).
+        self.checker = checker
+        self.relay = relay
+        self._check_slots = trio.Semaphore(MAX_CHECKS)
+        self._checks_queued = 0  # running or waiting for a slot
+        # Closing a libp2p connection takes ~200 ms (yamux), far longer than the dial: the checker drops
+        # its connections after the reply, in :meth:`checker_cleanup`.
+        self._hang_up, self._hang_ups = trio.open_memory_channel[tuple[str, float]](HANG_UP_QUEUE)
         self._changed = trio.Event()
         self._seen = self._progress()
         self._waiting = 0
@@ -158,7 +188,10 @@ class _Service:
         try:
             if isinstance(msg, cm.WaitStep):
                 return await self._wait(peer, msg)
-            reply = self.core.handle(peer, msg, self.clock())
+            if isinstance(msg, cm.ReachabilityRequest):
+                reply: Message = await self._check_reachability(peer, msg)
+            else:
+                reply = self.core.handle(peer, msg, self.clock())
         except Refusal as r:
             write, due = self._refusals.note(peer, r.code, (msg.KIND, r.code, r.reason), self.host.clock())
             _log_refusal_summaries(due)
@@ -184,6 +217,86 @@ class _Service:
             return self.core.step_info(msg.step, msg.min_revision)
         finally:
             self._waiting -= 1
+
+    async def _check_reachability(self, peer: str, msg: cm.ReachabilityRequest) -> cm.ReachabilityReply:
+        """Dial ``peer`` back (see the module docstring): one check per peer, MAX_CHECKS at once, and at most
+        MAX_CHECK_WAITERS more waiting (for at most SLOT_WAIT_S) for a slot; past those, "unknown" (busy)."""
+        self.core.begin_reachability(peer, self.clock())
+        verdict = None
+        busy = False
+        try:
+            observed = self.host.observed_addr(peer)
+            targets = dial_targets(observed, msg.addrs, peer)
+            if self.checker is None or not targets:
+                verdict = decide(targets, (), checker_up=self.checker is not None)
+            elif self._checks_queued < MAX_CHECKS + MAX_CHECK_WAITERS:
+                self._checks_queued += 1
+                try:
+                    with trio.move_on_after(SLOT_WAIT_S):
+                        async with self._check_slots:
+                            verdict = decide(targets, await self._dial_back(self.checker, peer, targets))
+                finally:
+                    self._checks_queued -= 1
+            if verdict is None:  # no slot (in time): no verdict on the node, and none is recorded
+                busy = True
+                verdict = BUSY
+            log.info("reachability peer=%s verdict=%s reason=%s", peer, verdict.verdict, verdict.reason)
+            own = self.host.addrs() if self.relay else []
+            return self.core.reachability_reply(peer, verdict, observed, own)
+        finally:
+            self.core.end_reachability(peer, None if busy else verdict)
+
+    async def _dial_back(self, checker: Host, peer: str, targets: list[str]) -> list[str]:
+        """Dial every target in parallel from ``checker`` on a fresh connection; the ones that reached ``peer``.
+
+        A dial counts only if the checker's connection to ``peer`` ends at that target's port: with one
+        connection per peer, a parallel dial may return on another target's connection."""
+        reached: list[str] = []
+        await checker.disconnect(peer)  # never reuse a connection (e.g. one the node opened to the checker)
+
+        async def dial(target: str) -> None:
+            try:
+                await checker.connect(target, timeout=DIAL_TIMEOUT_S)
+            except ProtocolError as err:
+                log.info("reachability dial failed peer=%s addr=%s reason=%s", peer, target, err.reason)
+                return
+            seen = checker.observed_addr(peer)
+            if seen is not None and str(seen[1]) == target.split("/")[4]:
+                reached.append(target)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for t in targets:
+                    nursery.start_soon(dial, t)
+        finally:
+            try:
+                self._hang_up.send_nowait((peer, trio.current_time() + HANG_UP_DELAY_S))
+            except trio.WouldBlock:  # a backlog of hang-ups: this one waits its turn here
+                with trio.CancelScope(shield=True):
+                    await checker.disconnect(peer)
+        return reached
+
+    async def checker_cleanup(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Close the checker's connection to each node it dialled back, HANG_UP_DELAY_S after the check
+        (each close bounded by the checker's connect timeout, at most MAX_CHECKS at once)."""
+        task_status.started()
+        checker = self.checker
+        if checker is None:
+            return
+        limit = trio.CapacityLimiter(MAX_CHECKS)
+
+        async def hang_up(peer: str, token: object) -> None:
+            try:
+                await checker.disconnect(peer)
+            finally:
+                limit.release_on_behalf_of(token)
+
+        async with trio.open_nursery() as nursery:
+            async for peer, due in self._hang_ups:
+                await trio.sleep_until(due)
+                token = object()  # one per hang-up: the same peer may be queued twice
+                await limit.acquire_on_behalf_of(token)
+                nursery.start_soon(hang_up, peer, token)
 
     def flush_refusal_log(self, *, everything: bool = False) -> None:
         """Write the refusal summaries of the intervals that are over (all of them with ``everything``)."""
@@ -230,9 +343,11 @@ async def serve(
     settings: CoordinatorSettings | None = None,
     transport: TransportConfig | None = None,
     clock: Callable[[], float] = time.time,
+    relay: bool = False,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the coordinator for ``run`` (a RunConfig) until cancelled."""
+    """Run the coordinator for ``run`` (a RunConfig) until cancelled; ``relay``: its host also relays for
+    nodes behind NATs (and offers itself to them as their relay)."""
     settings = settings or CoordinatorSettings()
     listen = [listen] if isinstance(listen, str) else list(listen)
     data_dir = Path(data_dir)
@@ -241,9 +356,18 @@ async def serve(
     # A long poll holds a stream for up to MAX_WAIT_S, so requests need a longer deadline than that.
     transport = transport or TransportConfig(request_timeout_s=cm.MAX_WAIT_S + 5.0)
     svc: _Service | None = None
+    relay_opts: dict[str, Any] = {}
+    if relay:
+        from protolearn.protocol.transport import RelayLimits  # type: ignore[attr-defined]  # the relay transport
+
+        relay_opts["relay"] = RelayLimits()
     try:
-        async with open_host(identity, listen, transport) as host:
-            svc = _Service(core, store, host, clock)
+        async with (
+            open_host(identity, listen, transport, **relay_opts) as host,
+            # The reachability checker: its own throwaway identity, so its dials are fresh connections.
+            open_host(Identity.generate(), [CHECKER_LISTEN], TransportConfig(connect_timeout_s=DIAL_TIMEOUT_S, bulk=False)) as checker,
+        ):
+            svc = _Service(core, store, host, clock, checker=checker, relay=relay)
             host.on_connection = lambda peer, up: core.connection_changed(peer, up, clock())
             host.serve(
                 cm.COORDINATOR,
@@ -257,6 +381,7 @@ async def serve(
             )
             async with trio.open_nursery() as nursery:
                 await nursery.start(svc.housekeeping)
+                await nursery.start(svc.checker_cleanup)
                 # Checking integrity evidence needs torch; loading it (seconds) in the first request's
                 # handler would stall every heartbeat meanwhile, so it loads in a thread at start-up.
                 nursery.start_soon(partial(trio.to_thread.run_sync, _load_evidence_checks, abandon_on_cancel=True))
@@ -267,7 +392,7 @@ async def serve(
                     "coordinator peer=%s run=%s step=%d members=%d resumed=%s",
                     host.peer_id, core.run.name, core.ledger.step, sum(1 for _ in core.registry.live()), resumed,
                 )
-                task_status.started(Running(host.peer_id, host.addrs(), port, core, host, data_dir, resumed))
+                task_status.started(Running(host.peer_id, host.addrs(), port, core, host, data_dir, resumed, checker=checker))
     finally:
         if svc is not None:
             svc.flush_refusal_log(everything=True)  # no count is lost at shutdown

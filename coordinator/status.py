@@ -17,6 +17,10 @@ its stage's majority at the same step), ``behind`` (it reports an older step tha
 ``no-throughput`` (it has not measured any yet), and the verdict policy's conduct flags as
 ``kind:strikes`` (``redo_storm``, ``result_mismatch``, ``late_leases``, ``lost_microbatches``, ``integrity``; see ``verdicts.py``).
 
+NAT traversal (schema 3, ``coordinator/reachability.py``): each node's ``reachability`` is the
+coordinator's own verdict from dialling it back (``public``, ``private`` or ``unknown``), and ``path``
+how its stage peers reach it (``direct``, ``relayed``, ``hole-punched``) as its last heartbeat says.
+
 Integrity (schema 2, ``coordinator/integrity.py``): each node's ``integrity`` is the median of the
 boundary-monitor scores its checkers report in their heartbeats, ``probation`` their majority state,
 ``checks_passed``/``checks_failed`` the spot checks they ran on it, and ``evidence`` the integrity
@@ -39,7 +43,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any, Protocol, get_args
 
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.registry import Member, Registry
@@ -50,7 +54,8 @@ from protolearn.protocol import coordination as cm
 from protolearn.protocol.coordination import majority_state
 
 # 2: nodes carry integrity, probation, checks_passed, checks_failed and evidence (issue 11).
-SCHEMA_VERSION = 2
+# 3: nodes carry reachability and path (issue 14, NAT traversal).
+SCHEMA_VERSION = 3
 # tokens/s is measured over this many of the most recent closed steps.
 RATE_WINDOW = 10
 # No step closed for this long (and this many average step times) while not halted: degraded.
@@ -60,6 +65,9 @@ STALL_STEPS = 5.0
 MAX_STATUS_NODES = 8192
 MAX_STATUS_HASHES = 4096
 
+# A persisted member's text is checked against the wire's choices, so a bad row cannot break the status.
+_REACH = frozenset(get_args(cm.Reachability))
+_PATHS = frozenset(get_args(cm.NodePath))
 _NUM = {"type": "number"}
 _INT = {"type": "integer"}
 _STR = {"type": "string"}
@@ -72,7 +80,7 @@ def _obj(props: dict[str, Any]) -> dict[str, Any]:
 STATUS_JSON_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "protolearn swarm status",
-    "description": "Output of `protolearn swarm status --json` (schema_version 2).",
+    "description": "Output of `protolearn swarm status --json` (schema_version 3).",
     **_obj(
         {
             "schema_version": {"const": SCHEMA_VERSION},
@@ -138,6 +146,14 @@ STATUS_JSON_SCHEMA: dict[str, Any] = {
                         "checks_passed": _INT,
                         "checks_failed": _INT,
                         "evidence": {**_INT, "description": "integrity reports against it that reached a verdict"},
+                        "reachability": {
+                            "enum": list(get_args(cm.Reachability)),
+                            "description": "the coordinator's verdict from dialling it back: public, private (behind a NAT) or unknown",
+                        },
+                        "path": {
+                            "enum": list(get_args(cm.NodePath)),
+                            "description": "how its stage peers reach it, from its last heartbeat; empty until it said",
+                        },
                     }
                 ),
             },
@@ -245,6 +261,8 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.S
                 loss=None if m.loss is None else float(m.loss), flags=f,
                 integrity=score, probation=probation, checks_passed=passed, checks_failed=failed,
                 evidence=core.integrity.against.get(m.peer_id, 0),
+                reachability=m.reachability if m.reachability in _REACH else "unknown",
+                path=m.path if m.path in _PATHS else "",
             )
         )
 

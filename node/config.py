@@ -11,6 +11,9 @@ from typing import Literal
 import multiaddr
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from protolearn.protocol.addresses import parse_multiaddr
+from protolearn.protocol.errors import PeerUnavailable
+
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
 
 
@@ -45,6 +48,10 @@ class NodeConfig(BaseModel):
     # Testing only: "KIND[:from_step]" makes this node attack the swarm (node/adversary.py), if the
     # environment allows it. Parsed by the CLI; None: an honest node.
     adversary: str | None = Field(default=None, max_length=64)
+    # NAT traversal: relay for nodes behind NATs when this node is public (``--relay``), and relays to
+    # reserve a slot on first when it is private (``--relay-via``, full multiaddrs ending in /p2p/<id>).
+    relay: bool = False
+    relay_via: list[str] = Field(default_factory=list, max_length=16)
 
     @field_validator("coordinator")
     @classmethod
@@ -56,6 +63,18 @@ class NodeConfig(BaseModel):
         except Exception as err:  # multiaddr raises several unrelated types for bad text
             why = str(err).split(": ", 1)[-1].split(" (string:")[0]  # its text repeats the address twice
             raise ValueError(f"{v!r} is not a valid multiaddr ({why}); copy the line `protolearn coordinator start` prints") from None
+        return v
+
+    @field_validator("relay_via")
+    @classmethod
+    def _relays_parse(cls, v: list[str]) -> list[str]:
+        for addr in v:
+            try:  # a typo must fail now, not after the reachability check
+                parsed = parse_multiaddr(addr, "--relay-via")
+            except PeerUnavailable:
+                raise ValueError(f"{addr!r} is not a valid multiaddr; give a relay's full address, e.g. /ip4/1.2.3.4/tcp/4001/p2p/<peer id>") from None
+            if not parsed.get_peer_id() or "/p2p-circuit" in addr:
+                raise ValueError(f"{addr!r} must be a relay's direct multiaddr ending in /p2p/<peer id>, as the relay prints it")
         return v
 
     @property

@@ -9,6 +9,9 @@ most :data:`MAX_RETRY_S` (with jitter, so a swarm's nodes do not dial in lockste
 announced as ``waiting for the coordinator at <addr> (attempt N, retry in S s)``. When the time is up
 the node fails with the one line it always did. A coordinator that answers with another peer ID is
 a wrong address, not a restart, and fails at once.
+
+Once connected, the node asks the coordinator whether the internet can reach it and joins with the
+addresses that follow from the answer (see :mod:`protolearn.node.reachability`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from protolearn.errors import ConfigError
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
 from protolearn.node.errors import JoinError
+from protolearn.node.reachability import Reachability, establish
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError, Refused, WrongPeer
 from protolearn.protocol.transport import Host
@@ -93,16 +97,19 @@ async def wait_for_coordinator(
 
 async def join_coordinator(
     host: Host, config: NodeConfig, *, on_wait: Callable[[str], None] | None = None,
-) -> tuple[CoordinatorLink, cm.JoinReply, RunConfig]:
-    """Dial (waiting for it, see :func:`wait_for_coordinator`) and join the coordinator; check its
-    run. Every failure is one JoinError line."""
+) -> tuple[CoordinatorLink, cm.JoinReply, RunConfig, Reachability]:
+    """Dial (waiting for it, see :func:`wait_for_coordinator`), check this node's reachability and join
+    the coordinator; check its run. Every failure is one JoinError line."""
     await wait_for_coordinator(host, config, on_wait=on_wait)
     link = CoordinatorLink(host, config.coordinator, retry=RetryPolicy(request_timeout_s=config.request_timeout_s))
     device = resolve_device(config.device)
-    # The coordinator keeps a few short addresses per member (every view entry carries them).
-    addrs = [a for a in host.addrs() if len(a) <= cm.MAX_ADDR][: cm.MAX_ADDRS]
+    reach = await establish(host, link.peer, config, say=on_wait)
+    # It relays for others only where they can reach it (the transport relays once opened with relay=).
+    relay = config.relay and reach.verdict == "public"
+    if config.relay and not relay:
+        log.warning("--relay: not offering to relay, since the coordinator did not find this node reachable (%s)", reach.verdict)
     try:
-        joined = await link.join(cm.Join(addrs=addrs, device=device, name=config.name))
+        joined = await link.join(cm.Join(addrs=reach.addrs, device=device, name=config.name, reachability=reach.verdict, relay=relay))
     except Refused as err:
         raise JoinError(f"the coordinator refused to let this node join: {err.reason}") from None
     except ProtocolError as err:
@@ -112,4 +119,4 @@ async def join_coordinator(
     run = RunConfig.from_toml_text(joined.run_toml, source="the coordinator's run config")
     if run.run_hash() != joined.run_hash:
         raise JoinError(f"the coordinator's run hash {joined.run_hash[:12]} does not match its run config ({run.run_hash()[:12]}); the coordinator and this node run different protolearn versions")
-    return link, joined, run
+    return link, joined, run, reach

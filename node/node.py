@@ -39,6 +39,7 @@ from protolearn.node.integrity import Integrity
 from protolearn.node.join import join_coordinator, resolve_device
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
+from protolearn.node.reachability import Reachability, heartbeat_path
 from protolearn.node.router import Router
 from protolearn.node.state_sync import Snapshot, StateServer
 from protolearn.node.syncing import StageSync
@@ -117,6 +118,8 @@ class Node:
         self.blackhole = self.adversary.active if self.adversary is not None and self.adversary.kind == "blackhole" else None
         self.driver.blackhole = self.blackhole
         self.adversary_sent = 0  # corrupted tensors sent (the integrity benchmark counts them to the ban)
+        # What the reachability check found (run_node sets it after the join), and so the heartbeat's path.
+        self.reachability = Reachability("unknown", "not checked", [])
         self.worker: StageWorker
         self.router: Router
         self.averager: Averager
@@ -309,8 +312,9 @@ class Node:
 
     # -- heartbeat ---------------------------------------------------------------------------
     def make_heartbeat(self) -> cm.Heartbeat:
+        path = self.path()
         if self.core is None:  # heartbeats start before the stage is built, so a slow start never expires
-            return cm.Heartbeat(state=self.state, view_version=self.view.version)
+            return cm.Heartbeat(state=self.state, view_version=self.view.version, path=path)
         applied = self.core.applied
         if self.router.stats.first_at is not None and not self._first_logged:
             self._first_logged = True
@@ -327,7 +331,15 @@ class Node:
             checks=self.integrity.peer_checks(),
             loss=self.last_loss if self.last_loss is not None and math.isfinite(self.last_loss) else None,
             view_version=self.view.version,
+            path=path,
         )
+
+    def path(self) -> str:
+        """How this node's stage peers reach it now (see :func:`~protolearn.node.reachability.heartbeat_path`):
+        the peers it exchanges tensors with are the live members of the adjacent stages."""
+        verdict = self.reachability.verdict
+        peers = [] if verdict != "private" else self.view.stage_peers(self.stage - 1) + self.view.stage_peers(self.stage + 1)
+        return heartbeat_path(verdict, self.host, peers)
 
     def _elapsed(self) -> float:
         return max(1e-9, self.clock() - self.router.stats.started)
@@ -465,12 +477,22 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
     if config.threads:
         torch.set_num_threads(config.threads)
     tconfig = TransportConfig(request_timeout_s=config.request_timeout_s)
-    async with open_host(identity, [config.listen], tconfig) as host:
+    relay_opts: dict[str, object] = {}
+    if config.relay:  # decided before the host opens; it announces the relay only if it turns out public
+        from protolearn.protocol.transport import RelayLimits  # type: ignore[attr-defined]  # the relay transport
+
+        relay_opts["relay"] = RelayLimits()
+    async with open_host(identity, [config.listen], tconfig, **relay_opts) as host:  # type: ignore[arg-type]
         progress.event("start", peer_id=host.peer_id, addrs=host.addrs(), pid=os.getpid())
-        link, joined, run = await join_coordinator(host, config, on_wait=progress.say)
+        link, joined, run, reach = await join_coordinator(host, config, on_wait=progress.say)
+        progress.event(
+            "reachability", verdict=reach.verdict, relay=reach.relay, reason=reach.reason, addrs=reach.addrs,
+            observed_port=reach.observed_port, local_port=reach.local_port, rewrites_ports=reach.rewrites_ports,
+        )
         progress.say(f"joined {link.peer[-8:]}: run {run.name} ({run.run_hash()[:12]}), stage {joined.stage}, step {joined.step}; peer id {host.peer_id}")
         progress.event("joined", stage=joined.stage, step=joined.step, run_hash=joined.run_hash, reason=joined.reason, members=len(joined.members))
         node = Node(config, host, link, joined, run, progress)
+        node.reachability = reach
         if joined.step >= node.target_steps:
             progress.say(f"run {run.name} is already at step {joined.step} of {node.target_steps}: nothing left to train")
             progress.event("finished", applied=0, reason="the run had finished before this node joined")

@@ -6,6 +6,10 @@ and bounded here: a peer cannot make the coordinator allocate without bound (I4)
 
 Request → reply:
 
+- :class:`ReachabilityRequest` → :class:`ReachabilityReply`: before it joins, a node asks whether the
+  internet can reach it. The coordinator dials it back from a second host, on a fresh connection, at
+  the node's own observed IP only (see ``coordinator/reachability.py``), and offers relays to a
+  private node.
 - :class:`Join` → :class:`JoinReply`: the run config (TOML) and its hash, the assigned stage, the
   membership view and the bans.
 - :class:`Heartbeat` → :class:`HeartbeatReply`: the node's state in, the current step, bans, the
@@ -51,10 +55,11 @@ from pydantic import BaseModel, ConfigDict, Field
 COORDINATOR = "coordinator"
 
 # Bounds on every variable-size field. A peer ID is ~52 characters; multiaddrs are short. A member's
-# addresses travel in every view reply, so they are few and short: 4 of 128 characters keep a view
-# entry under ~0.7 KiB (a full /ip4/…/tcp/…/p2p/<peer id> is ~90 characters).
+# addresses travel in every view reply, so they are few and short: 4 of 256 characters keep a view
+# entry under ~1.2 KiB. A full /ip4/…/tcp/…/p2p/<peer id> is ~90 characters; a relayed node's circuit
+# address (relay address + /p2p-circuit/p2p/<its id>) is ~170.
 MAX_PEER_ID = 128
-MAX_ADDR = 128
+MAX_ADDR = 256
 MAX_ADDRS = 4
 MAX_TEXT = 512
 MAX_STAGES = 1024
@@ -85,6 +90,12 @@ Step = Annotated[int, Field(ge=0, lt=2**62)]
 Index = Annotated[int, Field(ge=0, lt=2**31)]
 Rate = Annotated[float, Field(ge=0.0, le=1e15, allow_inf_nan=False)]
 Hash = Annotated[str, Field(max_length=MAX_HASH)]
+# The coordinator's verdict on whether a node can be dialled from the internet (coordinator/reachability.py).
+Reachability = Literal["public", "private", "unknown"]
+# How a node's stage peers reach it now: "" until it says.
+NodePath = Literal["", "direct", "relayed", "hole-punched"]
+# Relay addresses a ReachabilityReply offers: the coordinator's own (with --relay) and a few public members'.
+MAX_RELAYS = 4
 
 
 class _Part(BaseModel):
@@ -104,6 +115,29 @@ class MemberView(_Part):
     queue_len: int
 
 
+class ReachabilityRequest(Message):
+    """Can the internet dial this node? ``addrs`` are its own listen addresses: the coordinator takes only
+    their TCP ports from them and dials those at the IP it sees the request come from, never elsewhere."""
+
+    KIND: ClassVar[str] = "coord.reachability_request"
+    addrs: list[Addr] = Field(max_length=MAX_ADDRS)
+
+
+class ReachabilityReply(Message):
+    KIND: ClassVar[str] = "coord.reachability_reply"
+    # public: a dial-back reached it; private: every dial failed; unknown: nothing could be dialled.
+    verdict: Reachability
+    reason: Text
+    # The (ip, port) the coordinator sees the node's connection come from (0: unknown). A port other than
+    # the node's own local port means its NAT rewrites ports, and hole punching is not worth trying.
+    observed_ip: Annotated[str, Field(max_length=64)] = ""
+    observed_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    # The addresses the dial-back reached: the node advertises these first.
+    reachable: list[Addr] = Field(default_factory=list, max_length=MAX_ADDRS)
+    # Relays a private node may reserve a slot on, in order of preference.
+    relays: list[Addr] = Field(default_factory=list, max_length=MAX_RELAYS)
+
+
 class Join(Message):
     KIND: ClassVar[str] = "coord.join"
     addrs: list[Addr] = Field(max_length=MAX_ADDRS)
@@ -112,6 +146,10 @@ class Join(Message):
     # Measured throughput in layer-tokens per second (stage independent: the node has no stage yet).
     throughput: Rate = 0.0
     name: Annotated[str, Field(max_length=64)] = ""
+    # What the node believes of its own reachability: shown in its log only; the coordinator keeps its own verdict.
+    reachability: Reachability = "unknown"
+    # The node offers to relay for private nodes (the coordinator offers it only once its verdict is public).
+    relay: bool = False
 
 
 class JoinReply(Message):
@@ -170,6 +208,8 @@ class Heartbeat(Message):
     recent: list[RecentHash] = Field(default_factory=list, max_length=HASH_HISTORY)
     # Its integrity checks of the peers it receives tensors from (the most recently seen first).
     checks: list[PeerCheck] = Field(default_factory=list, max_length=MAX_PEER_CHECKS)
+    # How its stage peers reach it now ("": not said).
+    path: NodePath = ""
 
 
 class HeartbeatReply(Message):
@@ -440,6 +480,9 @@ class NodeView(_Part):
     checks_passed: int = 0
     checks_failed: int = 0
     evidence: int = 0
+    # NAT (schema 3): the coordinator's reachability verdict, and how its stage peers reach it ("": not said yet).
+    reachability: Reachability = "unknown"
+    path: NodePath = ""
 
 
 class LossPoint(_Part):

@@ -92,6 +92,9 @@ def _start(
     ban_on_evidence: Annotated[bool, typer.Option(
         "--ban-on-evidence", help="Ban a member at once when a report proves it signed two contradicting statements (off by default).",
     )] = False,
+    relay: Annotated[bool, typer.Option(
+        "--relay", help="Also relay traffic for nodes behind NATs (circuit relay v2) and offer this coordinator to them as their relay.",
+    )] = False,
     lease_s: Annotated[float | None, typer.Option(
         "--lease-s", help="Ticket lease term in seconds (tests and benchmarks shrink it; default 20).", hidden=True,
     )] = None,
@@ -134,7 +137,7 @@ def _start(
                     lambda task_status: serve(
                         run, data_dir, listen_on, metrics_port=metrics_port, metrics_host=metrics_host,
                         settings=CoordinatorSettings(ban_on_evidence=ban_on_evidence, **({} if lease_s is None else {"lease_s": lease_s})),
-                        task_status=task_status,
+                        relay=relay, task_status=task_status,
                     )
                 )
             except PortInUse as err:

@@ -37,6 +37,8 @@ def _join(
     max_in_flight: Annotated[int, typer.Option("--max-in-flight", help="Microbatches holding activations at once.")] = 8,
     checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="A stage checkpoint to restore a stage that lost all its replicas.")] = None,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Write the stage to <data-dir>/checkpoints every N steps (0: only at leave).")] = 10,
+    relay: Annotated[bool, typer.Option("--relay", help="Relay traffic for nodes behind NATs, if the coordinator finds this node reachable from the internet.")] = False,
+    relay_via: Annotated[list[str] | None, typer.Option("--relay-via", metavar="MULTIADDR", help="A relay's multiaddr (ending in /p2p/<peer id>) to reserve a slot on first if this node is behind a NAT; repeatable.")] = None,
     adversary: Annotated[str | None, typer.Option("--adversary", help="Testing only: KIND[:from_step] makes this node attack the swarm (needs PROTOLEARN_ALLOW_ADVERSARY=1).", hidden=True)] = None,
 ) -> None:
     """Join the swarm at COORDINATOR and train the stage it assigns until the run ends."""
@@ -52,11 +54,11 @@ def _join(
         config = NodeConfig(
             coordinator=coordinator, coordinator_wait_s=coordinator_wait, device=device,
             data_dir=data_dir or default_data_dir(name), listen=listen, threads=threads, name=name, bf16=bf16, max_steps=max_steps, max_in_flight=max_in_flight,
-            checkpoint=checkpoint, checkpoint_every=checkpoint_every, adversary=adversary,
+            checkpoint=checkpoint, checkpoint_every=checkpoint_every, adversary=adversary, relay=relay, relay_via=relay_via or [],
         )
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
-        field = ".".join(str(p) for p in first["loc"]).removesuffix("_s").replace("_", "-")  # coordinator_wait_s: --coordinator-wait
+        field = str(first["loc"][0]).removesuffix("_s").replace("_", "-")  # coordinator_wait_s: --coordinator-wait; relay_via.0: --relay-via
         raise ConfigError(f"--{field}: {first['msg'].removeprefix('Value error, ')}") from None
     if config.adversary is not None:
         from protolearn.node.adversary import parse_adversary

@@ -80,13 +80,13 @@ def render(st: cm.Status) -> Any:
         )
 
     nodes = Table(title="nodes", title_justify="left", expand=False)
-    for col in ("peer", "stage", "state", "last seen", "throughput", "queue", "step", "integrity", "checks", "flags"):
+    for col in ("peer", "stage", "state", "last seen", "throughput", "queue", "step", "integrity", "checks", "reach", "path", "flags"):
         nodes.add_column(col)
     for n in st.nodes:
         nodes.add_row(
             short(n.peer_id), str(n.stage), n.state, f"{n.last_seen_s:.1f}s", f"{n.throughput:,.0f}",
             str(n.queue_len), str(n.step), _integrity(n), f"{n.checks_passed}/{n.checks_failed}" + (f" ev:{n.evidence}" if n.evidence else ""),
-            ",".join(n.flags), style="yellow" if n.flags or n.probation == "failed" else "",
+            n.reachability, n.path or "-", ",".join(n.flags), style="yellow" if n.flags or n.probation == "failed" else "",
         )
     parts: list[Any] = [head, verdict, progress, stages, nodes]
     if st.bans:

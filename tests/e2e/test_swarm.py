@@ -240,3 +240,31 @@ def test_unreachable_coordinator_is_one_line_and_exit_1(tmp_path: Path) -> None:
     assert r.stderr.strip().splitlines()[-1].startswith("error: cannot reach the coordinator")
     bad = subprocess.run([*CLI, "node", "join", "--coordinator", "localhost:7700"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "must be a full multiaddr" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_swarm_status_shows_each_nodes_reachability_and_path(swarm) -> None:
+    """On loopback the coordinator dials every node back, so each is public and reached directly (issue 14)."""
+    s = swarm(steps=10_000, codec="none", layers=1, stages=1)
+    addr = s.start_coordinator()
+    s.start_node("n0", addr)
+    env = {**os.environ, "COLUMNS": "250"}
+    deadline = time.monotonic() + 120
+    while True:
+        out = subprocess.run([*CLI, "swarm", "status", "--coordinator", addr, "--json"], capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        st = json.loads(out.stdout)
+        if st["nodes"] and st["nodes"][0]["path"]:
+            break
+        assert time.monotonic() < deadline, f"no node reported its path in 120 s: {st['nodes']} {s.err('n0')}"
+        assert s.procs["n0"].poll() is None, s.err("n0")
+        time.sleep(0.5)
+    assert st["schema_version"] == 3
+    assert (st["nodes"][0]["reachability"], st["nodes"][0]["path"]) == ("public", "direct")
+    (reach,) = s.events("n0", "reachability")
+    assert reach["verdict"] == "public" and reach["addrs"][0].startswith("/ip4/127.0.0.1/") and reach["relay"] == ""
+    table = subprocess.run([*CLI, "swarm", "status", "--coordinator", addr], capture_output=True, text=True, timeout=60, env=env)
+    assert table.returncode == 0, table.stderr[-2000:]
+    header = next(line for line in table.stdout.splitlines() if "peer" in line and "stage" in line and "flags" in line)
+    assert "reach" in header and "path" in header
+    row = next(line for line in table.stdout.splitlines() if st["nodes"][0]["peer_id"][-8:] in line)
+    assert "public" in row and "direct" in row

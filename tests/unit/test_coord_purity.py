@@ -18,6 +18,7 @@ CORES = [
     "protolearn.coordinator.verdicts",
     "protolearn.coordinator.corpus",
     "protolearn.coordinator.ratelimit",
+    "protolearn.coordinator.reachability",
     "protolearn.coordinator.core",
     "protolearn.coordinator.status",
     "protolearn.coordinator.store",

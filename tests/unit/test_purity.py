@@ -20,6 +20,7 @@ PURE_PACKAGES = ("protolearn.protocol", "protolearn.stages")
 PURE_MODULES = (
     "protolearn.codec_spec", "protolearn.node.checkpoint", "protolearn.node.export",
     "protolearn.node.core", "protolearn.node.early_parts", "protolearn.node.events", "protolearn.node.leasing", "protolearn.node.accounting",
+    "protolearn.node.reachability",
 )
 # Module name prefixes of the adapter that binds the wire protocol to libp2p streams.
 ADAPTERS = ("protolearn.protocol.transport",)  # the one adapter package, with its submodules

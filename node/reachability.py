@@ -1,0 +1,157 @@
+"""Is this node reachable from the internet? Ask the coordinator, then advertise what peers can dial.
+
+Before it joins, a node sends its listen addresses in a
+:class:`~protolearn.protocol.coordination.ReachabilityRequest`; the coordinator dials it back on a fresh
+connection (see ``coordinator/reachability.py``) and answers with a verdict:
+
+- ``public``: the addresses the dial-back reached are advertised first, then the node's own. With
+  ``--relay`` the node also offers to relay for private nodes.
+- ``private`` (behind a NAT): the node's own addresses would make every peer's dial stall until its
+  deadline, so it reserves a slot on a relay instead (``--relay-via`` first, then the ones the
+  coordinator offers, in order) and advertises only the circuit address the relay gave it. Its stage
+  peers then reach it through the relay, or directly once hole punching (DCUtR) upgraded their link.
+  With no slot anywhere the node cannot train, so it stops with one line that says what to do.
+- ``unknown`` (an older coordinator, an error, nothing to dial): carry on as before, with one warning.
+
+The coordinator also says which (ip, port) it saw the node's connection come from; a port other than
+the node's own local port on that connection means its NAT rewrites ports, which hole punching cannot
+get through. That is kept on :class:`Reachability` for the transport and the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from protolearn.node.config import NodeConfig
+from protolearn.node.errors import JoinError
+from protolearn.protocol import coordination as cm
+from protolearn.protocol.errors import ProtocolError
+
+log = logging.getLogger("protolearn.node")
+
+# The coordinator dials back within a few seconds (and may wait for a free check slot first).
+REACHABILITY_TIMEOUT_S = 15.0
+# One relay reservation's deadline.
+RESERVE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Reachability:
+    """What this node learnt about itself, and what it advertises because of it."""
+
+    verdict: cm.Reachability
+    reason: str
+    # The addresses the node joins with (what its peers dial).
+    addrs: list[str]
+    # The relay it holds a slot on (private nodes), "" for none.
+    relay: str = ""
+    # What the coordinator saw: the (ip, port) the node's connection came from (0: unknown) ...
+    observed_ip: str = ""
+    observed_port: int = 0
+    # ... and the node's own port on that connection (None: unknown).
+    local_port: int | None = None
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def rewrites_ports(self) -> bool | None:
+        """Whether a NAT between the node and the coordinator changes its source port (None: unknown)."""
+        if not self.observed_port or self.local_port is None:
+            return None
+        return self.observed_port != self.local_port
+
+
+def joinable(addrs: Iterable[str]) -> list[str]:
+    """``addrs`` without duplicates and too-long entries, at most what a Join carries."""
+    out: list[str] = []
+    for a in addrs:
+        if len(a) <= cm.MAX_ADDR and a not in out:
+            out.append(a)
+    return out[: cm.MAX_ADDRS]
+
+
+def relay_candidates(relay_via: Sequence[str], offered: Sequence[str]) -> list[str]:
+    """The relays to try, in order: the user's ``--relay-via`` first, then the coordinator's offers."""
+    return list(dict.fromkeys([*relay_via, *offered]))
+
+
+def short_peer(addr: str) -> str:
+    """The last 8 characters of the peer ID an address ends in (the address itself without one)."""
+    _, sep, peer = addr.rpartition("/p2p/")
+    return peer[-8:] if sep and peer else addr
+
+
+def tcp_ports(addrs: Iterable[str]) -> list[int]:
+    """The distinct TCP ports of direct addresses (what the coordinator dials back)."""
+    out: list[int] = []
+    for a in addrs:
+        parts = a.split("/")
+        if "/p2p-circuit" in a or len(parts) < 5 or parts[3] != "tcp" or not parts[4].isdigit():
+            continue
+        if int(parts[4]) not in out:
+            out.append(int(parts[4]))
+    return out
+
+
+def unreachable_error(ports: Sequence[int], failures: Sequence[str]) -> JoinError:
+    """The one line a private node with no relay slot stops with."""
+    port = ", ".join(map(str, ports)) or "?"
+    tried = "; ".join(failures) if failures else "none was offered"
+    return JoinError(
+        f"this node cannot be reached from the internet (the coordinator could not dial back TCP port {port}) and no relay "
+        f"gave it a slot ({tried}): open or forward TCP port {port} to this machine, or pass --relay-via MULTIADDR of a relay "
+        "(a coordinator started with --relay, or a public node joined with --relay)"
+    )
+
+
+def heartbeat_path(verdict: str, host: Any, peers: Iterable[str]) -> str:
+    """How this node's stage peers reach it now: ``direct`` when it is public; when it is private,
+    ``hole-punched`` once the link to any of ``peers`` (those it exchanges tensors with) was upgraded
+    by hole punching, else ``relayed``; "" when nobody knows (an ``unknown`` verdict)."""
+    if verdict == "public":
+        return "direct"
+    if verdict != "private":
+        return ""
+    return "hole-punched" if any(host.path_to(p) == "hole-punched" for p in peers) else "relayed"
+
+
+async def ask_reachability(host: Any, coordinator: str, addrs: list[str], *, timeout: float) -> cm.ReachabilityReply:
+    """Ask the coordinator (peer ID ``coordinator``, already connected) to dial this node back.
+
+    Any failure, including a coordinator too old to know the request, is an ``unknown`` verdict."""
+    try:
+        return await host.request(
+            coordinator, cm.COORDINATOR, cm.ReachabilityRequest(addrs=joinable(addrs)), cm.ReachabilityReply, timeout=timeout,
+        )
+    except ProtocolError as err:
+        return cm.ReachabilityReply(verdict="unknown", reason=f"the reachability check failed: {err.reason}"[: cm.MAX_TEXT])
+
+
+async def establish(
+    host: Any, coordinator: str, config: NodeConfig, *, say: Callable[[str], None] | None = None,
+) -> Reachability:
+    """Check this node's reachability and decide what it advertises (see the module docstring);
+    a private node without a relay slot raises one JoinError line."""
+    say = say or log.warning
+    own = list(host.addrs())
+    timeout = min(REACHABILITY_TIMEOUT_S, config.request_timeout_s)
+    reply = await ask_reachability(host, coordinator, own, timeout=timeout)
+    seen = {"observed_ip": reply.observed_ip, "observed_port": reply.observed_port, "local_port": host.local_port(coordinator)}
+    if reply.verdict == "public":
+        return Reachability("public", reply.reason, joinable([*reply.reachable, *own]), **seen)
+    if reply.verdict == "unknown":
+        log.warning("could not tell whether this node is reachable from the internet (%s); advertising its own addresses", reply.reason)
+        return Reachability("unknown", reply.reason, joinable(own), **seen)
+    failures: list[str] = []
+    for relay in relay_candidates(config.relay_via, reply.relays):
+        try:
+            circuit = await host.reserve(relay, timeout=RESERVE_TIMEOUT_S)
+        except ProtocolError as err:
+            failures.append(f"{short_peer(relay)}: {err.reason}")
+            log.info("relay reservation failed relay=%s reason=%s", relay, err.reason)
+            continue
+        say(f"this node is behind a NAT (private): reachable through relay {short_peer(relay)}")
+        return Reachability("private", reply.reason, joinable([circuit]), relay=relay, failures=failures, **seen)
+    raise unreachable_error(tcp_ports(own), failures)
