@@ -46,7 +46,7 @@ from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import Identity, load_or_create_identity
 from protolearn.protocol.log_digest import LogDigest, Summary
-from protolearn.protocol.transport import Host, TransportConfig, open_host
+from protolearn.protocol.transport import Host, RelayLimits, TransportConfig, open_host
 from protolearn.protocol.wire import Message
 
 log = logging.getLogger("protolearn.coordinator")
@@ -356,14 +356,9 @@ async def serve(
     # A long poll holds a stream for up to MAX_WAIT_S, so requests need a longer deadline than that.
     transport = transport or TransportConfig(request_timeout_s=cm.MAX_WAIT_S + 5.0)
     svc: _Service | None = None
-    relay_opts: dict[str, Any] = {}
-    if relay:
-        from protolearn.protocol.transport import RelayLimits  # type: ignore[attr-defined]  # the relay transport
-
-        relay_opts["relay"] = RelayLimits()
     try:
         async with (
-            open_host(identity, listen, transport, **relay_opts) as host,
+            open_host(identity, listen, transport, relay=RelayLimits() if relay else None) as host,
             # The reachability checker: its own throwaway identity, so its dials are fresh connections.
             open_host(Identity.generate(), [CHECKER_LISTEN], TransportConfig(connect_timeout_s=DIAL_TIMEOUT_S, bulk=False)) as checker,
         ):

@@ -51,7 +51,7 @@ from protolearn.protocol.robust import Aggregation
 from protolearn.protocol.states import NodeState
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import Identity
-from protolearn.protocol.transport import Host, TransportConfig, open_host
+from protolearn.protocol.transport import Host, RelayLimits, TransportConfig, open_host
 from protolearn.stages.config import RunConfig
 from protolearn.stages.corpus import load_corpus
 
@@ -120,6 +120,7 @@ class Node:
         self.adversary_sent = 0  # corrupted tensors sent (the integrity benchmark counts them to the ban)
         # What the reachability check found (run_node sets it after the join), and so the heartbeat's path.
         self.reachability = Reachability("unknown", "not checked", [])
+        self._last_path = ""  # the last path reported, to log each change once
         self.worker: StageWorker
         self.router: Router
         self.averager: Averager
@@ -313,6 +314,10 @@ class Node:
     # -- heartbeat ---------------------------------------------------------------------------
     def make_heartbeat(self) -> cm.Heartbeat:
         path = self.path()
+        if path != self._last_path:
+            self._last_path = path
+            peers = self.view.stage_peers(self.stage - 1) + self.view.stage_peers(self.stage + 1)
+            self.progress.event("path", path=path, peers={p: self.host.path_to(p) for p in peers})
         if self.core is None:  # heartbeats start before the stage is built, so a slow start never expires
             return cm.Heartbeat(state=self.state, view_version=self.view.version, path=path)
         applied = self.core.applied
@@ -477,12 +482,9 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
     if config.threads:
         torch.set_num_threads(config.threads)
     tconfig = TransportConfig(request_timeout_s=config.request_timeout_s)
-    relay_opts: dict[str, object] = {}
-    if config.relay:  # decided before the host opens; it announces the relay only if it turns out public
-        from protolearn.protocol.transport import RelayLimits  # type: ignore[attr-defined]  # the relay transport
-
-        relay_opts["relay"] = RelayLimits()
-    async with open_host(identity, [config.listen], tconfig, **relay_opts) as host:  # type: ignore[arg-type]
+    # Whether to relay is decided before the host opens; the node announces it only if it turns out public.
+    relay = RelayLimits() if config.relay else None
+    async with open_host(identity, [config.listen], tconfig, relay=relay) as host:
         progress.event("start", peer_id=host.peer_id, addrs=host.addrs(), pid=os.getpid())
         link, joined, run, reach = await join_coordinator(host, config, on_wait=progress.say)
         progress.event(

@@ -107,14 +107,17 @@ def unreachable_error(ports: Sequence[int], failures: Sequence[str]) -> JoinErro
 
 
 def heartbeat_path(verdict: str, host: Any, peers: Iterable[str]) -> str:
-    """How this node's stage peers reach it now: ``direct`` when it is public; when it is private,
-    ``hole-punched`` once the link to any of ``peers`` (those it exchanges tensors with) was upgraded
-    by hole punching, else ``relayed``; "" when nobody knows (an ``unknown`` verdict)."""
+    """How this node's stage peers reach it now: ``direct`` when it is public; when it is private, the
+    best path it has to any of ``peers`` (those it exchanges tensors with): ``hole-punched`` once a link
+    was upgraded by hole punching, ``direct`` to a public peer it dialled, else ``relayed``; "" when
+    nobody knows (an ``unknown`` verdict)."""
     if verdict == "public":
         return "direct"
     if verdict != "private":
         return ""
-    return "hole-punched" if any(host.path_to(p) == "hole-punched" for p in peers) else "relayed"
+    paths = {host.path_to(p) for p in peers}
+    # The best path any of them has: a private node dials public peers directly, and a punch upgrades.
+    return next((p for p in ("hole-punched", "direct") if p in paths), "relayed")
 
 
 async def ask_reachability(host: Any, coordinator: str, addrs: list[str], *, timeout: float) -> cm.ReachabilityReply:
@@ -153,5 +156,12 @@ async def establish(
             log.info("relay reservation failed relay=%s reason=%s", relay, err.reason)
             continue
         say(f"this node is behind a NAT (private): reachable through relay {short_peer(relay)}")
-        return Reachability("private", reply.reason, joinable([circuit]), relay=relay, failures=failures, **seen)
+        found = Reachability("private", reply.reason, joinable([circuit]), relay=relay, failures=failures, **seen)
+        # Hole punching offers the address the coordinator saw (public IP) at the listen port, which a
+        # NAT that rewrites source ports does not keep: such a node leaves its circuits relayed.
+        host.public_ip = reply.observed_ip or None
+        host.punch = found.rewrites_ports is not True
+        if not host.punch:
+            log.info("this node's NAT rewrites source ports (%s seen as %d): no hole punching, peers stay relayed", found.local_port, found.observed_port)
+        return found
     raise unreachable_error(tcp_ports(own), failures)

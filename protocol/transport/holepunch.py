@@ -84,8 +84,11 @@ class HolePuncher(DCUtRProtocol):
         return False
 
     def on_peer_disconnected(self, peer_id: Any) -> None:
+        """py-libp2p calls this when *any* connection to the peer closes, also the relayed one it closes
+        itself a while after a successful punch; the punched connection may well live on."""
         super().on_peer_disconnected(peer_id)
-        self.punched.discard(str(peer_id))
+        if not any(not c.is_closed for c in self.host.get_network().get_connections(peer_id)):
+            self.punched.discard(str(peer_id))
 
 
 __all__ = ["PUNCH_DEADLINE_S", "HolePuncher"]

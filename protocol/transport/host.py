@@ -52,6 +52,8 @@ from protolearn.protocol.wire import ErrorReply, Message
 PROTOCOL_PREFIX = "/protolearn/"
 PROTOCOL_VERSION = "1.0.0"
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+# Peers whose dial addresses a host keeps (see Host._remember).
+MAX_KNOWN_PEERS = 16384
 # How long a peer's address stays in the peerstore after connect/add_peer_addrs (seconds).
 ADDR_TTL_S = 3600
 
@@ -201,8 +203,7 @@ class Host:
         for a in circuits:
             split_circuit(a, peer_id)  # a malformed one raises here, naming the peer
         maddrs = [strip_p2p(parse_multiaddr(a, peer_id)) for a in addrs if not is_circuit(a)]
-        self._dial_addrs[str(pid)] = maddrs
-        self._circuit_addrs[str(pid)] = circuits
+        self._remember(str(pid), maddrs, circuits)
         if maddrs:
             self._lp.get_peerstore().add_addrs(pid, maddrs, ADDR_TTL_S)
 
@@ -223,7 +224,7 @@ class Host:
         if (why := self.ban_reason(peer)) is not None:
             raise Refused(peer, f"not connecting: peer is banned ({why})")
         limit = self.config.connect_timeout_s if timeout is None else timeout
-        self._dial_addrs[peer] = [strip_p2p(maddr)]
+        self._remember(peer, [strip_p2p(maddr)], self._circuit_addrs.get(peer, []))
         try:
             with trio.fail_after(limit):
                 await self._prepare_dial(info.peer_id)
@@ -236,15 +237,24 @@ class Host:
             raise PeerUnavailable(peer, f"could not connect to {addr}: {_why(err)}") from None
         return peer
 
+    def _remember(self, peer: str, direct: list[multiaddr.Multiaddr], circuits: list[str]) -> None:
+        """Keep where ``peer`` can be dialled, for at most MAX_KNOWN_PEERS peers (the least recently told
+        forgotten first): a coordinator's reachability checker dials every joiner once."""
+        for table, value in ((self._dial_addrs, direct), (self._circuit_addrs, circuits)):
+            table.pop(peer, None)  # re-insert at the end: dicts keep insertion order
+            table[peer] = value  # type: ignore[index]
+            while len(table) > MAX_KNOWN_PEERS:
+                del table[next(iter(table))]
+
     async def _connect_circuit(self, addr: str, timeout: float | None) -> str:
         """Dial the peer behind relayed address ``addr`` through its relay, then (once, in the
         background, if ``punch``) try to replace that connection by a hole-punched direct one."""
         _, peer = split_circuit(addr, "unknown")
         if (why := self.ban_reason(peer)) is not None:
             raise Refused(peer, f"not connecting: peer is banned ({why})")
-        self._circuit_addrs.setdefault(peer, [])
-        if addr not in self._circuit_addrs[peer]:
-            self._circuit_addrs[peer].insert(0, addr)
+        known = self._circuit_addrs.get(peer, [])
+        if addr not in known:
+            self._remember(peer, self._dial_addrs.get(peer, []), [addr, *known])
         if self.path_to(peer) is not None:
             return peer
         await self.relay.dial(addr, timeout=self.config.connect_timeout_s if timeout is None else timeout)

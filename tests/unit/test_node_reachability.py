@@ -112,6 +112,8 @@ def test_heartbeat_path() -> None:
     host.paths = {"a": "relayed", "b": "hole-punched"}
     assert heartbeat_path("private", host, ["a"]) == "relayed"
     assert heartbeat_path("private", host, ["a", "b"]) == "hole-punched"
+    host.paths = {"a": "relayed", "c": "direct"}  # a private node dials a public peer directly
+    assert heartbeat_path("private", host, ["a", "c"]) == "direct"
     assert cm.Heartbeat(state="training", path="hole-punched").path == "hole-punched"
     with pytest.raises(ValidationError):
         cm.Heartbeat(state="training", path="teleported")
