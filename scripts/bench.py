@@ -26,6 +26,7 @@ SUITES: dict[str, str] = {
     "abuse": "scripts/bench_abuse.py",
     "integrity": "scripts/bench_integrity.py",
     "compression": "scripts/bench_compression.py",
+    "nat": "scripts/bench_nat.py",
 }
 
 

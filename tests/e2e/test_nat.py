@@ -172,7 +172,8 @@ def test_a_node_with_no_way_in_says_so_in_one_line(tmp_path: Path) -> None:
             assert node.wait(timeout=90) == 1, swarm.err("a")
             lines = [line for line in swarm.err("a").splitlines() if line.strip()]
             assert lines[-1].startswith("error: this node cannot be reached from the internet"), lines
-            assert "TCP port 4002" in lines[-1] and "--relay-via" in lines[-1]
+            assert "TCP port 4002" in lines[-1] and "no relay gave it a slot (none was offered)" in lines[-1]
+            assert "--relay-via MULTIADDR" in lines[-1]
             assert "Traceback" not in swarm.err("a")
         finally:
             swarm.stop()
