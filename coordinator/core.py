@@ -251,6 +251,17 @@ class CoordinatorCore:
             self.reachability.record(peer, verdict)
             self.registry.set_reachability(peer, verdict.verdict)
 
+    def may_reserve(self, peer: str) -> str | None:
+        """Why ``peer`` may not reserve a slot on this coordinator's relay, or None: the relay is for nodes
+        behind NATs, which its reachability check found private (the verdict in memory, or, after a
+        restart, the one persisted with the member), not for any identity that asks."""
+        if self.verdicts.is_banned(peer):
+            return "banned"
+        m = self.registry.members.get(peer)
+        if self.reachability.verdict_of(peer) == "private" or (m is not None and m.reachability == "private"):
+            return None
+        return "this relay serves nodes that the coordinator's reachability check found behind a NAT"
+
     def reachability_reply(self, peer: str, verdict: Verdict, observed: tuple[str, int] | None, own_relays: list[str]) -> cm.ReachabilityReply:
         """The answer to ``peer``'s check: the verdict, what the coordinator saw, and relays to try
         (``own_relays``, the coordinator's addresses when it relays, first)."""

@@ -363,6 +363,7 @@ async def serve(
             open_host(Identity.generate(), [CHECKER_LISTEN], TransportConfig(connect_timeout_s=DIAL_TIMEOUT_S, bulk=False)) as checker,
         ):
             svc = _Service(core, store, host, clock, checker=checker, relay=relay)
+            host.relay.admit = core.may_reserve
             host.on_connection = lambda peer, up: core.connection_changed(peer, up, clock())
             host.serve(
                 cm.COORDINATOR,

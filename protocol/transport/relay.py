@@ -66,6 +66,7 @@ class RelayHost(Protocol):
 
     def clock(self) -> float: ...
     def path_to(self, peer_id: str) -> str | None: ...
+    def observed_addr(self, peer_id: str) -> tuple[str, int] | None: ...
     async def connect(self, addr: str, *, timeout: float | None = None) -> str: ...
     async def open_raw_stream(self, peer: str, proto: str) -> INetStream: ...
     async def close_raw(self, raw: INetStream, *, reset: bool = False) -> None: ...
@@ -88,6 +89,9 @@ class RelayLimits(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_reservations: int = Field(default=64, gt=0)
+    # Reservations from one IP address: a household shares one, and Sybil identities cost nothing but
+    # addresses do, so they cannot take every slot.
+    max_reservations_per_ip: int = Field(default=8, gt=0)
     # Circuits one peer may have open at once, as their source and, separately, as their destination.
     max_circuits_per_peer: int = Field(default=8, gt=0)
     max_circuits: int = Field(default=256, gt=0)
@@ -118,6 +122,7 @@ class RelayBook:
 
     limits: RelayLimits
     _expiry: dict[str, float] = field(default_factory=dict)
+    _ip: dict[str, str] = field(default_factory=dict)  # each holder's IP
     _circuits: set[Circuit] = field(default_factory=set)
     _by_src: Counter[str] = field(default_factory=Counter)
     _by_dst: Counter[str] = field(default_factory=Counter)
@@ -130,17 +135,20 @@ class RelayBook:
     def num_circuits(self) -> int:
         return len(self._circuits)
 
-    def reserve(self, peer: str, now: float, connected: Callable[[str], bool]) -> float | str:
-        """Grant or renew ``peer``'s reservation: its expiry time, or why not.
+    def reserve(self, peer: str, ip: str, now: float, connected: Callable[[str], bool]) -> float | str:
+        """Grant or renew the reservation of ``peer`` (connected from ``ip``): its expiry time, or why not.
 
         Slots of lapsed reservations and of holders no longer connected are freed first, so peers
         that left never keep a newcomer out."""
         if peer not in self._expiry:
             for other in [p for p, t in self._expiry.items() if t <= now or not connected(p)]:
-                del self._expiry[other]
+                self.release(other)
             if len(self._expiry) >= self.limits.max_reservations:
                 return f"the relay is full ({self.limits.max_reservations} reservations)"
+            if sum(1 for p in self._expiry if self._ip.get(p) == ip) >= self.limits.max_reservations_per_ip:
+                return f"{ip} already holds {self.limits.max_reservations_per_ip} reservations on this relay"
         self._expiry[peer] = now + self.limits.reservation_ttl_s
+        self._ip[peer] = ip
         return self._expiry[peer]
 
     def holds(self, peer: str, now: float) -> bool:
@@ -149,6 +157,7 @@ class RelayBook:
     def release(self, peer: str) -> None:
         """``peer`` disconnected: its slot is free."""
         self._expiry.pop(peer, None)
+        self._ip.pop(peer, None)
 
     def open(self, src: str, dst: str, now: float) -> Circuit | str:
         """Admit a circuit from ``src`` to ``dst``, or say why not."""
@@ -207,6 +216,9 @@ class Relay:
     def __init__(self, host: RelayHost, limits: RelayLimits | None) -> None:
         self.host = host
         self.book = None if limits is None else RelayBook(limits)
+        # Who may reserve, besides the limits: None, or a check that returns why ``peer`` may not (the
+        # coordinator admits only nodes its reachability check found private).
+        self.admit: Callable[[str], str | None] | None = None
         # relay peer -> (its address as we dialled it, our circuit address through it, renew at)
         self.reservations: dict[str, tuple[str, str, float]] = {}
         self.cut = 0  # circuits this relay cut for going over a limit
@@ -334,7 +346,11 @@ class Relay:
                 msg = await _read(raw, HopMessage, peer)
             if msg.type == HopMessage.RESERVE:
                 # The reservation is for the connection's peer, whatever the message's optional peer field says.
-                granted = book.reserve(peer, host.clock(), lambda p: host.path_to(p) is not None)
+                refusal = None if self.admit is None else self.admit(peer)
+                if refusal is not None:
+                    raise _Deny(StatusCode.PERMISSION_DENIED, refusal)
+                ip = (host.observed_addr(peer) or ("?", 0))[0]
+                granted = book.reserve(peer, ip, host.clock(), lambda p: host.path_to(p) is not None)
                 if isinstance(granted, str):
                     raise _Deny(StatusCode.RESERVATION_REFUSED, granted)
                 reply = HopMessage(

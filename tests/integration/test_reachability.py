@@ -14,11 +14,10 @@ from protolearn.node.join import join_coordinator
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import Refused
 from protolearn.protocol.identity import Identity
-from protolearn.protocol.transport import Host, open_host
+from protolearn.protocol.transport import Host, RelayLimits, open_host
 from tests.integration.conftest import FAST_CONFIG
 from tests.integration.test_coordinator import RETRY, start
 
-NEEDS_RELAY = pytest.mark.skipif(not hasattr(Host, "reserve"), reason="needs the relay transport (merging)")
 
 
 def free_port() -> int:
@@ -143,32 +142,31 @@ def test_a_joining_node_is_checked_and_registered_with_the_coordinators_verdict(
     run_trio(main, timeout=60)
 
 
-@NEEDS_RELAY
 def test_a_relaying_coordinator_offers_itself_and_gives_a_private_node_a_slot(tmp_path: Path, run_trio: Any) -> None:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             coord = await start(nursery, tmp_path / "c", relay=True)
-            assert coord.host.relaying  # type: ignore[attr-defined]
-            async with open_host(Identity.generate(), config=FAST_CONFIG) as node:
+            assert coord.host.relaying
+            async with open_host(Identity.generate(), config=FAST_CONFIG) as node, open_host(Identity.generate(), config=FAST_CONFIG) as stranger:
+                # Only nodes its check found private may reserve: an identity that never asked is refused.
+                with pytest.raises(Refused, match="PERMISSION_DENIED"):
+                    await stranger.reserve(coord.addrs[0], timeout=5)
                 await node.connect(coord.addrs[0])
                 reply = await ask(node, coord.peer_id, [f"/ip4/127.0.0.1/tcp/{free_port()}"])
                 assert reply.verdict == "private" and reply.relays[0] == coord.addrs[0]
-                circuit = await node.reserve(reply.relays[0], timeout=5)  # type: ignore[attr-defined]
+                circuit = await node.reserve(reply.relays[0], timeout=5)
                 assert circuit == f"{coord.addrs[0]}/p2p-circuit/p2p/{node.peer_id}"
             nursery.cancel_scope.cancel()
 
     run_trio(main, timeout=60)
 
 
-@NEEDS_RELAY
 def test_a_public_member_that_offers_to_relay_is_offered_to_private_joiners(tmp_path: Path, run_trio: Any) -> None:
     async def main() -> None:
-        from protolearn.protocol.transport import RelayLimits  # type: ignore[attr-defined]
-
         async with trio.open_nursery() as nursery:
             coord = await start(nursery, tmp_path / "c")
             async with (
-                open_host(Identity.generate(), config=FAST_CONFIG, relay=RelayLimits()) as relay,  # type: ignore[call-arg]
+                open_host(Identity.generate(), config=FAST_CONFIG, relay=RelayLimits()) as relay,
                 open_host(Identity.generate(), config=FAST_CONFIG) as node,
             ):
                 config = NodeConfig(coordinator=coord.addrs[0], data_dir=tmp_path / "r", device="cpu", relay=True)
@@ -177,7 +175,7 @@ def test_a_public_member_that_offers_to_relay_is_offered_to_private_joiners(tmp_
                 await node.connect(coord.addrs[0])
                 reply = await ask(node, coord.peer_id, [f"/ip4/127.0.0.1/tcp/{free_port()}"])
                 assert reply.verdict == "private" and reply.relays == [reach.addrs[0]]
-                circuit = await node.reserve(reply.relays[0], timeout=5)  # type: ignore[attr-defined]
+                circuit = await node.reserve(reply.relays[0], timeout=5)
                 assert circuit.endswith(f"/p2p-circuit/p2p/{node.peer_id}")
             nursery.cancel_scope.cancel()
 

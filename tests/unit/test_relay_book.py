@@ -18,23 +18,34 @@ def connected(*peers: str):
 
 def test_reservations_fill_up_and_departed_holders_free_their_slot() -> None:
     book = RelayBook(RelayLimits(max_reservations=2, reservation_ttl_s=100))
-    assert book.reserve("a", 0.0, connected("a")) == 100.0
-    assert book.reserve("b", 0.0, connected("a", "b")) == 100.0
-    assert "full (2 reservations)" in str(book.reserve("c", 1.0, connected("a", "b", "c")))
+    assert book.reserve("a", "1.1.1.1", 0.0, connected("a")) == 100.0
+    assert book.reserve("b", "2.2.2.2", 0.0, connected("a", "b")) == 100.0
+    assert "full (2 reservations)" in str(book.reserve("c", "3.3.3.3", 1.0, connected("a", "b", "c")))
     # Renewing one's own slot is never refused, and extends it.
-    assert book.reserve("a", 50.0, connected("a", "b")) == 150.0
+    assert book.reserve("a", "1.1.1.1", 50.0, connected("a", "b")) == 150.0
     # b left: its slot goes to c at once, before b's reservation would have lapsed.
-    assert book.reserve("c", 51.0, connected("a", "c")) == 151.0
+    assert book.reserve("c", "3.3.3.3", 51.0, connected("a", "c")) == 151.0
     assert not book.holds("b", 51.0) and book.holds("c", 51.0)
     # a lapses at 150 even though still connected.
-    assert book.reserve("d", 150.0, connected("a", "c", "d")) == 250.0
+    assert book.reserve("d", "4.4.4.4", 150.0, connected("a", "c", "d")) == 250.0
     assert not book.holds("a", 150.0)
+
+
+def test_one_ip_holds_at_most_its_share_of_reservations() -> None:
+    book = RelayBook(RelayLimits(max_reservations=10, max_reservations_per_ip=2))
+    everyone = lambda p: True  # noqa: E731
+    assert isinstance(book.reserve("s1", "6.6.6.6", 0.0, everyone), float)
+    assert isinstance(book.reserve("s2", "6.6.6.6", 0.0, everyone), float)
+    assert "6.6.6.6 already holds 2 reservations" in str(book.reserve("s3", "6.6.6.6", 0.0, everyone))
+    assert isinstance(book.reserve("h", "7.7.7.7", 0.0, everyone), float)  # another address is not affected
+    book.release("s1")
+    assert isinstance(book.reserve("s3", "6.6.6.6", 0.0, everyone), float)
 
 
 def test_circuits_are_limited_per_source_per_destination_and_in_total() -> None:
     book = RelayBook(RelayLimits(max_circuits_per_peer=2, max_circuits=4))
     for d in ("d1", "d2", "d3"):
-        book.reserve(d, 0.0, connected("d1", "d2", "d3"))
+        book.reserve(d, "1.1.1.1", 0.0, connected("d1", "d2", "d3"))
     assert "no reservation" in str(book.open("s", "nobody", 1.0))
     assert "to itself" in str(book.open("d1", "d1", 1.0))
     c1 = book.open("s", "d1", 1.0)
@@ -52,7 +63,7 @@ def test_circuits_are_limited_per_source_per_destination_and_in_total() -> None:
 
 def test_a_circuit_is_charged_for_both_directions_until_its_byte_limit() -> None:
     book = RelayBook(RelayLimits(max_circuit_bytes=1000))
-    book.reserve("d", 0.0, connected())
+    book.reserve("d", "1.1.1.1", 0.0, connected())
     c = book.open("s", "d", 0.0)
     assert isinstance(c, Circuit)
     assert book.charge(c, 600) is None
