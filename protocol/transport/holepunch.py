@@ -13,6 +13,9 @@ were measured to go wrong across real NATs (see ``LIBP2P-NOTES.md``):
 - **No "unilateral upgrade" first**: it dials the peer's private addresses, which stalls 10 s.
 - **The address offered is the coordinator's view** of this node (public IP + listen port, set by
   the node in ``Host.public_ip``) rather than whatever identify observed.
+- **Punches are offered only over relayed connections, through the gate**, and the addresses a peer
+  asks us to dial are cut to a few public TCP ones: py-libp2p answers any peer's DCUtR stream and dials
+  whatever addresses it names, which would make every host a port scanner for hire.
 - A node whose NAT rewrites source ports (the coordinator saw another port than the one it dialled
   from) cannot be punched to: such a node sets ``Host.punch = False``, and its circuits stay relayed
   without spending the ~21 s a failed punch costs.
@@ -22,12 +25,14 @@ A punch that succeeds is remembered, so ``Host.path_to`` can say "hole-punched" 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from typing import Any
 
 import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR_PROTOCOL
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol, _local_tcp_listen_addrs
 from multiaddr import Multiaddr
 
@@ -38,6 +43,9 @@ PUNCH_DEADLINE_S = 8.0
 # The deadlines of one DCUtR exchange's reads, writes and dials (py-libp2p defaults: 30, 30, 10 s).
 EXCHANGE_TIMEOUT_S = 5
 DIAL_TIMEOUT_S = 3
+# Addresses of a peer a punch dials at most (the peer names them), and the gate's name for the protocol.
+MAX_PUNCH_ADDRS = 4
+DCUTR = "dcutr"
 
 
 class HolePuncher(DCUtRProtocol):
@@ -49,6 +57,39 @@ class HolePuncher(DCUtRProtocol):
         self.punched: set[str] = set()
         self.attempts = 0
         self.successes = 0
+
+    def install(self, host: Any) -> None:
+        """Serve DCUtR through ``host``'s gate (a Host), over relayed connections only. Call it after the
+        service started: that replaces the ungated handler py-libp2p registers in ``run``."""
+
+        async def on_stream(peer: str, raw: Any) -> None:
+            if host.path_to(peer) != "relayed":
+                host.gate.reject(peer, DCUTR, "Refused", "hole punching is offered only over a relayed connection", host.clock())
+                await host.close_raw(raw, reset=True)
+                return
+            await self._handle_dcutr_stream(raw)
+
+        host.serve_raw(DCUTR_PROTOCOL, DCUTR, on_stream, max_inbound=16, max_inbound_per_peer=1)
+
+    def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list[Multiaddr]:
+        """At most MAX_PUNCH_ADDRS of the peer's addresses, TCP to a routable IP only: never link-local,
+        multicast or a private (RFC 1918) range of the network we are in, and loopback only for a host
+        that itself listens on loopback alone (a swarm on one machine)."""
+        listen = [ipaddress.ip_address(ip) for _, ip, _ in _local_tcp_listen_addrs(self.host)]
+        one_machine = bool(listen) and all(ip.is_loopback for ip in listen)
+        out: list[Multiaddr] = []
+        for addr in super()._decode_observed_addrs(addr_bytes[: 4 * MAX_PUNCH_ADDRS]):
+            parts = str(addr).split("/")
+            if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
+                continue
+            try:
+                ip = ipaddress.ip_address(parts[2])
+            except ValueError:
+                continue
+            if (ip.is_loopback and not one_machine) or ip.is_link_local or ip.is_multicast or ip.is_unspecified or any(ip in net for net in _LOCAL_NETS):
+                continue
+            out.append(addr)
+        return out[:MAX_PUNCH_ADDRS]
 
     async def _auto_drive_loop(self) -> None:
         return None  # only the circuit's opener punches, and only when asked
@@ -89,6 +130,9 @@ class HolePuncher(DCUtRProtocol):
         super().on_peer_disconnected(peer_id)
         if not any(not c.is_closed for c in self.host.get_network().get_connections(peer_id)):
             self.punched.discard(str(peer_id))
+
+
+_LOCAL_NETS = [ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7")]
 
 
 __all__ = ["PUNCH_DEADLINE_S", "HolePuncher"]

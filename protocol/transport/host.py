@@ -740,6 +740,7 @@ async def _run_services(
                 await nursery.start(host.relay.renew)
                 if host.puncher is not None:
                     await nursery.start(_run_libp2p_service, host.puncher)
+                    host.puncher.install(host)
                 host._nursery = nursery
                 ip = lane_ip([str(a) for a in listen_addrs])
                 if host.bulk is not None and ip is not None:

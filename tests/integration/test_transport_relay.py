@@ -1,12 +1,15 @@
-"""Circuit relay v2 and DCUtR between real hosts on 127.0.0.1: reservations, relayed requests, the
-relay's limits (a peer over them is cut off, others keep being served) and a hole punch.
+"""Circuit relay v2 between real hosts on 127.0.0.1: reservations, relayed requests, the relay's
+limits (a peer over them is cut off, others keep being served), and who may open circuits and punches.
 
 Loopback has no NAT, so here a "private" node is simply one whose peers were given only its relayed
-address; tests/e2e/test_nat.py runs the same code across real NATs in network namespaces.
+address. Hole punching itself is tested across real NATs in network namespaces (tests/e2e/test_nat.py):
+on loopback both sides' simultaneous dials use the same four-tuple (127.0.0.1:a <-> 127.0.0.1:b), so
+one of them fails with EADDRNOTAVAIL and whether the punch works depends on which dial wins.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 
@@ -14,10 +17,11 @@ import pytest
 import torch
 import trio
 
-from protolearn.protocol.errors import ProtocolError, Refused
+from protolearn.protocol.errors import PeerUnavailable, ProtocolError, Refused
 from protolearn.protocol.identity import Identity
 from protolearn.protocol.tensors import to_frame
 from protolearn.protocol.transport import FramedStream, Host, TransportConfig, open_host
+from protolearn.protocol.transport.holepunch import DCUTR, DCUTR_PROTOCOL
 from protolearn.protocol.transport.relay import HOP, STOP, STOP_PROTOCOL, RelayLimits
 from protolearn.protocol.wire import Message
 
@@ -151,31 +155,21 @@ def test_circuits_per_peer_and_duration_are_limited(run_trio: Callable[..., obje
     run_trio(main)
 
 
-def test_hole_punch_moves_new_streams_to_a_direct_connection(run_trio: Callable[..., object]) -> None:
-    async def main() -> None:
-        async with AsyncExitStack() as stack:
-            relay, (a, b) = await open_swarm(stack, RelayLimits(), 2)
-            b.punch = True  # b opens the circuit, so b (only) punches
-            circuit = await a.reserve(relay.addrs()[0], timeout=5)
-            serve_ping(a)
-            b.add_peer_addrs(a.peer_id, [circuit])
-            assert (await b.request(a.peer_id, "ping", Ping(n=1), Pong)).n == 2
-            await wait_for(lambda: b.path_to(a.peer_id) == "hole-punched", "the hole punch", timeout=12)
-            assert (await b.request(a.peer_id, "ping", Ping(n=2), Pong)).n == 3
-            assert a.puncher is not None and b.puncher is not None
-            assert b.puncher.successes + a.puncher.successes >= 1
-
-    run_trio(main, timeout=40)
-
-
 def test_a_stranger_cannot_open_circuits_into_a_node(run_trio: Callable[..., object]) -> None:
     async def main() -> None:
         async with AsyncExitStack() as stack:
             _, (a, mallory) = await open_swarm(stack, RelayLimits(), 2)
             # mallory pretends to be a relay of a's: a accepts circuits only from relays it reserved on.
             await mallory.connect(a.addrs()[0])
-            await mallory.open_raw_stream(a.peer_id, STOP_PROTOCOL)  # a refuses before reading a byte
+            # a refuses before reading a byte (the reset may even overtake the protocol negotiation)
+            with contextlib.suppress(PeerUnavailable):
+                await mallory.open_raw_stream(a.peer_id, STOP_PROTOCOL)
             await wait_for(lambda: any(r.protocol == STOP for r in a.gate.recent), "a to refuse the STOP stream")
+            # Nor can it make a dial addresses of its choosing: hole punching runs over relayed connections only.
+            with contextlib.suppress(PeerUnavailable):
+                await mallory.open_raw_stream(a.peer_id, DCUTR_PROTOCOL)
+            await wait_for(lambda: any(r.protocol == DCUTR for r in a.gate.recent), "a to refuse the DCUtR stream")
+            assert a.puncher is not None and a.puncher.attempts == 0
             assert a.path_to(mallory.peer_id) == "direct"  # no relayed connection came of it
 
     run_trio(main)

@@ -77,3 +77,32 @@ def test_relayed_addresses_are_parsed_strictly() -> None:
     for bad in (f"/ip4/1.2.3.4/tcp/1/p2p-circuit/p2p/{DEST}", f"/ip4/1.2.3.4/tcp/1/p2p/{RELAY}/p2p-circuit", f"{addr}/tcp/1"):
         with pytest.raises(PeerUnavailable, match="not a relayed address"):
             split_circuit(bad, "x")
+
+
+class _ListeningOn:
+    """Just what HolePuncher reads of a py-libp2p host: its listen addresses."""
+
+    def __init__(self, *addrs: str) -> None:
+        from multiaddr import Multiaddr
+
+        self._addrs = [Multiaddr(a) for a in addrs]
+
+    def get_addrs(self) -> list:
+        return self._addrs
+
+
+def test_a_punch_dials_only_a_few_routable_tcp_addresses_the_peer_names() -> None:
+    from multiaddr import Multiaddr
+
+    from protolearn.protocol.transport.holepunch import MAX_PUNCH_ADDRS, HolePuncher
+
+    named = ["/ip4/10.0.0.5/tcp/22", "/ip4/192.168.1.1/tcp/80", "/ip4/127.0.0.1/tcp/4001", "/ip4/169.254.1.1/tcp/1",
+             "/ip4/198.18.0.2/udp/4001", "/ip4/203.0.113.7/tcp/4001"] + [f"/ip4/198.18.0.{i}/tcp/4001" for i in range(2, 10)]
+    raw = [Multiaddr(a).to_bytes() for a in named]
+    public = HolePuncher(_ListeningOn("/ip4/0.0.0.0/tcp/4002"))  # type: ignore[arg-type]
+    kept = [str(a) for a in public._decode_observed_addrs(raw)]
+    assert kept == ["/ip4/203.0.113.7/tcp/4001", "/ip4/198.18.0.2/tcp/4001", "/ip4/198.18.0.3/tcp/4001", "/ip4/198.18.0.4/tcp/4001"]
+    assert len(kept) == MAX_PUNCH_ADDRS
+    # A host that listens on loopback only is in a swarm on one machine: loopback is what its peers are at.
+    local = HolePuncher(_ListeningOn("/ip4/127.0.0.1/tcp/4002"))  # type: ignore[arg-type]
+    assert "/ip4/127.0.0.1/tcp/4001" in [str(a) for a in local._decode_observed_addrs(raw)]
