@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.netns import NatTopology, nat_topology, netns_unavailable
+from tests.e2e.test_swarm import TINY, Swarm
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,88 +32,39 @@ CLI = [sys.executable, "-m", "protolearn.cli.main"]
 STEPS = 40
 COORD_PORT = 4001
 
-RUN = f"""
-name = "nat"
-seed = 0
-steps = {STEPS}
-[model]
-vocab_size = 259
-d_model = 64
-n_layers = 2
-n_heads = 4
-d_ff = 128
-max_seq_len = 64
-[stages]
-num_stages = 2
-[batch]
-microbatches_per_step = 4
-microbatch_size = 4
-seq_len = 32
-[optim]
-warmup_steps = 2
-total_steps = {STEPS}
-[data]
-max_bytes = 200000
-"""
+RUN = TINY.format(steps=STEPS, codec="none", layers=2, stages=2)
 
 
-class NatSwarm:
-    """CLI processes started inside the topology's namespaces; all of them are stopped at the end."""
+class NatSwarm(Swarm):
+    """test_swarm's CLI swarm, its processes started inside the topology's namespaces."""
 
     def __init__(self, topo: NatTopology, tmp: Path) -> None:
+        config = tmp / "run.toml"
+        config.write_text(RUN)
+        super().__init__(tmp, config)
         self.topo = topo
-        self.tmp = tmp
-        self.procs: dict[str, subprocess.Popen] = {}
 
-    def spawn(self, ns: str, name: str, *args: str) -> subprocess.Popen:
+    def spawn_in(self, ns: str, name: str, *args: str) -> subprocess.Popen:
         with (self.tmp / f"{name}.out").open("w") as out, (self.tmp / f"{name}.err").open("w") as err:
             p = self.topo.popen(ns, [*CLI, *args], stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.procs[name] = p
         return p
 
-    def start_coordinator(self, *extra: str) -> str:
-        config = self.tmp / "run.toml"
-        config.write_text(RUN)
-        self.spawn(self.topo.public, "coord", "coordinator", "start", "--config", str(config),
-                   "--listen", f"/ip4/{self.topo.public_ip}/tcp/{COORD_PORT}", "--data-dir", str(self.tmp / "coord"),
-                   "--log-level", "warning", *extra)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            text = (self.tmp / "coord.out").read_text()
-            if text.endswith("\n"):
-                return text.splitlines()[0]
-            assert self.procs["coord"].poll() is None, self.err("coord")
-            time.sleep(0.1)
-        raise AssertionError("the coordinator did not print its address in 90 s")
+    def start_coordinator_in_public(self, *extra: str) -> str:
+        self.spawn_in(self.topo.public, "coord", "coordinator", "start", "--config", str(self.config),
+                      "--listen", f"/ip4/{self.topo.public_ip}/tcp/{COORD_PORT}", "--data-dir", str(self.tmp / "coord"),
+                      "--log-level", "warning", *extra)
+        return self.wait_address("coord")
 
-    def start_node(self, ns: str, name: str, coordinator: str) -> subprocess.Popen:
-        return self.spawn(ns, name, "node", "join", "--coordinator", coordinator, "--listen", "/ip4/0.0.0.0/tcp/4002",
-                          "--data-dir", str(self.tmp / name), "--name", name, "--device", "cpu", "--threads", "1")
+    def start_node_in(self, ns: str, name: str, coordinator: str) -> subprocess.Popen:
+        return self.spawn_in(ns, name, "node", "join", "--coordinator", coordinator, "--listen", "/ip4/0.0.0.0/tcp/4002",
+                             "--data-dir", str(self.tmp / name), "--name", name, "--device", "cpu", "--threads", "1")
 
     def status(self, coordinator: str) -> dict | None:
         r = self.topo.run(self.topo.public, [*CLI, "swarm", "status", "--coordinator", coordinator, "--json", "--timeout", "5"],
                           timeout=30, capture_output=True, text=True)
         return json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else None
-
-    def err(self, name: str) -> str:
-        return (self.tmp / f"{name}.err").read_text(errors="replace")[-3000:]
-
-    def events(self, name: str, event: str) -> list[dict]:
-        path = self.tmp / name / "node.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [d for d in map(json.loads, lines) if d["event"] == event]
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 @pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")
@@ -122,9 +73,9 @@ def test_two_nodes_behind_nats_train_through_a_relay_or_a_punched_hole(tmp_path:
     with nat_topology(random_fully=random_fully) as topo:
         swarm = NatSwarm(topo, tmp_path)
         try:
-            coordinator = swarm.start_coordinator("--relay")
-            a = swarm.start_node(topo.home_a, "a", coordinator)
-            b = swarm.start_node(topo.home_b, "b", coordinator)
+            coordinator = swarm.start_coordinator_in_public("--relay")
+            a = swarm.start_node_in(topo.home_a, "a", coordinator)
+            b = swarm.start_node_in(topo.home_b, "b", coordinator)
             # Watch the swarm from outside while it trains; keep the last view in which both nodes had
             # reported the path their peers reach them by.
             seen: dict | None = None
@@ -167,8 +118,8 @@ def test_a_node_with_no_way_in_says_so_in_one_line(tmp_path: Path) -> None:
     with nat_topology() as topo:
         swarm = NatSwarm(topo, tmp_path)
         try:
-            coordinator = swarm.start_coordinator()  # no --relay: nothing offers the node a slot
-            node = swarm.start_node(topo.home_a, "a", coordinator)
+            coordinator = swarm.start_coordinator_in_public()  # no --relay: nothing offers the node a slot
+            node = swarm.start_node_in(topo.home_a, "a", coordinator)
             assert node.wait(timeout=90) == 1, swarm.err("a")
             lines = [line for line in swarm.err("a").splitlines() if line.strip()]
             assert lines[-1].startswith("error: this node cannot be reached from the internet"), lines

@@ -66,14 +66,18 @@ class Swarm:
     def start_coordinator(self) -> str:
         self.spawn("coord", "coordinator", "start", "--config", str(self.config), "--listen", "/ip4/127.0.0.1/tcp/0",
                    "--data-dir", str(self.tmp / "coord"), "--log-level", "warning")
+        return self.wait_address("coord")
+
+    def wait_address(self, name: str) -> str:
+        """The first line process ``name`` prints (a coordinator prints its address), within 90 s."""
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
-            text = (self.tmp / "coord.out").read_text()
+            text = (self.tmp / f"{name}.out").read_text()
             if text.endswith("\n"):
                 return text.splitlines()[0]
-            assert self.procs["coord"].poll() is None, self.err("coord")
+            assert self.procs[name].poll() is None, self.err(name)
             time.sleep(0.1)
-        raise AssertionError("the coordinator did not print its address in 90 s")
+        raise AssertionError(f"{name} did not print its address in 90 s")
 
     def start_node(self, name: str, addr: str, *extra: str) -> subprocess.Popen:
         return self.spawn(name, "node", "join", "--coordinator", addr, "--data-dir", str(self.tmp / name), "--name", name,
