@@ -755,8 +755,10 @@ async def _run_services(
 
 
 async def _run_libp2p_service(service: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    """Run a py-libp2p ``Service`` (DCUtR) until cancelled."""
+    """Run a py-libp2p ``Service`` (DCUtR) until cancelled; started once its ``run`` has registered its
+    stream handlers (which :meth:`HolePuncher.install` then replaces with gated ones)."""
     async with background_trio_service(service):
+        await service.event_started.wait()
         task_status.started()
         await trio.sleep_forever()
 
