@@ -341,7 +341,7 @@ class CoordinatorCore:
     def _heartbeat(self, peer: str, msg: cm.Heartbeat, now: float) -> cm.HeartbeatReply:
         info = HeartbeatInfo(
             msg.state, msg.throughput, msg.queue_len, msg.step, msg.param_hash, msg.loss, msg.stage, tuple((r.step, r.hash) for r in msg.recent),
-            msg.path,
+            msg.path, tuple(msg.addrs),
         )
         d = self.registry.heartbeat(peer, info, now, frontier=self.ledger.frontier)
         if not d.accepted:

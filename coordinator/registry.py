@@ -118,6 +118,7 @@ class HeartbeatInfo:
     # (step, hash) after its last few applied steps (protocol/coordination.py HASH_HISTORY), oldest first.
     recent: tuple[tuple[int, str], ...] = ()
     path: str = ""  # how its stage peers reach it ("": not said)
+    addrs: tuple[str, ...] = ()  # where it is to be dialled now, if that changed since it joined (): unchanged)
 
 
 @dataclass(frozen=True)
@@ -366,10 +367,14 @@ class Registry:
             m.loss = hb.loss
         if hb.path:
             m.path = hb.path
+        moved = bool(hb.addrs) and list(hb.addrs) != m.addrs
+        if moved:
+            m.addrs = list(hb.addrs)
         self._count(m, 1)
         m.last_seen = now
         shown = self.view.get(peer_id)
-        structural = shown is not None and _visible(shown.state, state) and (
+        # New addresses go into the view at once: its peers cannot reach it at the old ones.
+        structural = moved or shown is not None and _visible(shown.state, state) and (
             m.shown_at is None or now - m.shown_at >= self.settings.view_state_interval_s
         )
         if structural:

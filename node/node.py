@@ -39,7 +39,7 @@ from protolearn.node.integrity import Integrity
 from protolearn.node.join import join_coordinator, resolve_device
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
-from protolearn.node.reachability import Reachability, heartbeat_path
+from protolearn.node.reachability import RELAY_CHECK_S, RELAY_LOST_CHECKS, Reachability, establish, heartbeat_path, relay_peer
 from protolearn.node.router import Router
 from protolearn.node.state_sync import Snapshot, StateServer
 from protolearn.node.syncing import StageSync
@@ -121,6 +121,7 @@ class Node:
         # What the reachability check found (run_node sets it after the join), and so the heartbeat's path.
         self.reachability = Reachability("unknown", "not checked", [])
         self._last_path = ""  # the last path reported, to log each change once
+        self._moved = False  # its addresses changed since it joined (it moved to another relay)
         self.worker: StageWorker
         self.router: Router
         self.averager: Averager
@@ -319,7 +320,7 @@ class Node:
             peers = self.view.stage_peers(self.stage - 1) + self.view.stage_peers(self.stage + 1)
             self.progress.event("path", path=path, peers={p: self.host.path_to(p) for p in peers})
         if self.core is None:  # heartbeats start before the stage is built, so a slow start never expires
-            return cm.Heartbeat(state=self.state, view_version=self.view.version, path=path)
+            return cm.Heartbeat(state=self.state, view_version=self.view.version, path=path, addrs=self._moved_addrs())
         applied = self.core.applied
         if self.router.stats.first_at is not None and not self._first_logged:
             self._first_logged = True
@@ -337,6 +338,7 @@ class Node:
             loss=self.last_loss if self.last_loss is not None and math.isfinite(self.last_loss) else None,
             view_version=self.view.version,
             path=path,
+            addrs=self._moved_addrs(),
         )
 
     def path(self) -> str:
@@ -345,6 +347,39 @@ class Node:
         verdict = self.reachability.verdict
         peers = [] if verdict != "private" else self.view.stage_peers(self.stage - 1) + self.view.stage_peers(self.stage + 1)
         return heartbeat_path(verdict, self.host, peers)
+
+    def _moved_addrs(self) -> list[str]:
+        """The addresses a heartbeat carries: the current ones once they changed since the join, else none."""
+        return list(self.reachability.addrs) if self._moved else []
+
+    async def relay_watch_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """A node behind a NAT is reachable only through its relay. When it has had no connection to
+        that relay for RELAY_LOST_CHECKS checks in a row (the relay left or died, and the transport's
+        renewals failed), it asks the coordinator again, reserves on another relay, and from then on
+        its heartbeats carry the new address, which the coordinator puts in the view for its peers."""
+        task_status.started()
+        misses = 0
+        while True:
+            await trio.sleep(RELAY_CHECK_S)
+            reach = self.reachability
+            if reach.verdict != "private" or not reach.relay or self.host.path_to(relay_peer(reach.relay)) is not None:
+                misses = 0
+                continue
+            misses += 1
+            if misses < RELAY_LOST_CHECKS:
+                continue
+            misses = 0
+            self.progress.say(f"lost the relay {relay_peer(reach.relay)[-8:]}; looking for another")
+            try:
+                found = await establish(self.host, self.link.peer, self.config, say=self.progress.say, avoid=reach.relay)
+            except JoinError as err:
+                log.warning("no other relay yet: %s", err)
+                self.progress.event("relay_lost", relay=reach.relay, reason=str(err))
+                continue
+            self.host.relay.forget(relay_peer(reach.relay))
+            self.reachability = found
+            self._moved = True
+            self.progress.event("relay_changed", old=reach.relay, relay=found.relay, verdict=found.verdict, addrs=found.addrs)
 
     def _elapsed(self) -> float:
         return max(1e-9, self.clock() - self.router.stats.started)
@@ -504,6 +539,7 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
             async with trio.open_nursery() as nursery:
                 await nursery.start(link.heartbeat_loop, node.make_heartbeat, node.on_heartbeat)
                 await nursery.start(node.hash_check_loop)
+                await nursery.start(node.relay_watch_loop)
                 stage, open_step = joined.stage, joined.step
                 while True:
                     await node.build(stage)

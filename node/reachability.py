@@ -36,6 +36,10 @@ log = logging.getLogger("protolearn.node")
 REACHABILITY_TIMEOUT_S = 15.0
 # One relay reservation's deadline.
 RESERVE_TIMEOUT_S = 5.0
+# A private node checks this often whether it is still connected to its relay, and looks for another
+# after this many failed checks in a row (the transport retries the relay itself every 2 s meanwhile).
+RELAY_CHECK_S = 3.0
+RELAY_LOST_CHECKS = 3
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,11 @@ def joinable(addrs: Iterable[str]) -> list[str]:
 def relay_candidates(relay_via: Sequence[str], offered: Sequence[str]) -> list[str]:
     """The relays to try, in order: the user's ``--relay-via`` first, then the coordinator's offers."""
     return list(dict.fromkeys([*relay_via, *offered]))
+
+
+def relay_peer(addr: str) -> str:
+    """The peer ID a relay's full address ends in."""
+    return addr.rpartition("/p2p/")[2]
 
 
 def short_peer(addr: str) -> str:
@@ -133,7 +142,7 @@ async def ask_reachability(host: Any, coordinator: str, addrs: list[str], *, tim
 
 
 async def establish(
-    host: Any, coordinator: str, config: NodeConfig, *, say: Callable[[str], None] | None = None,
+    host: Any, coordinator: str, config: NodeConfig, *, say: Callable[[str], None] | None = None, avoid: str = "",
 ) -> Reachability:
     """Check this node's reachability and decide what it advertises (see the module docstring);
     a private node without a relay slot raises one JoinError line."""
@@ -148,7 +157,7 @@ async def establish(
         log.warning("could not tell whether this node is reachable from the internet (%s); advertising its own addresses", reply.reason)
         return Reachability("unknown", reply.reason, joinable(own), **seen)
     failures: list[str] = []
-    for relay in relay_candidates(config.relay_via, reply.relays):
+    for relay in [r for r in relay_candidates(config.relay_via, reply.relays) if r != avoid]:
         try:
             circuit = await host.reserve(relay, timeout=RESERVE_TIMEOUT_S)
         except ProtocolError as err:

@@ -210,6 +210,9 @@ class Heartbeat(Message):
     checks: list[PeerCheck] = Field(default_factory=list, max_length=MAX_PEER_CHECKS)
     # How its stage peers reach it now ("": not said).
     path: NodePath = ""
+    # The addresses peers should dial it at now, when they changed since it joined (a node behind a NAT
+    # whose relay went away reserved on another); empty: unchanged.
+    addrs: list[Addr] = Field(default_factory=list, max_length=MAX_ADDRS)
 
 
 class HeartbeatReply(Message):

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RELAY_PORT, A_PORT, B_PORT, SINK_PORT = 4001, 4002, 4003, 4004
+RELAY_PORT, A_PORT, B_PORT, SINK_PORT = 4005, 4002, 4003, 4004
 FRAME_MIB = 4
 PUNCH_WAIT_S = 12.0
 

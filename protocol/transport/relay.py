@@ -240,6 +240,10 @@ class Relay:
                 max_inbound_per_peer=lim.max_circuits_per_peer + 2,
             )
 
+    def forget(self, relay: str) -> None:
+        """Stop renewing the reservation on ``relay`` (its peer ID): the node moved to another relay."""
+        self.reservations.pop(relay, None)
+
     def peer_gone(self, peer: str) -> None:
         if self.book is not None:
             self.book.release(peer)

@@ -31,16 +31,16 @@ UNAVAILABLE = netns_unavailable()
 CLI = [sys.executable, "-m", "protolearn.cli.main"]
 STEPS = 40
 COORD_PORT = 4001
+BENCH_NAT = Path(__file__).resolve().parents[2] / "scripts" / "bench_nat.py"
 
-RUN = TINY.format(steps=STEPS, codec="none", layers=2, stages=2)
 
 
 class NatSwarm(Swarm):
     """test_swarm's CLI swarm, its processes started inside the topology's namespaces."""
 
-    def __init__(self, topo: NatTopology, tmp: Path) -> None:
+    def __init__(self, topo: NatTopology, tmp: Path, steps: int = STEPS) -> None:
         config = tmp / "run.toml"
-        config.write_text(RUN)
+        config.write_text(TINY.format(steps=steps, codec="none", layers=2, stages=2))
         super().__init__(tmp, config)
         self.topo = topo
 
@@ -57,9 +57,13 @@ class NatSwarm(Swarm):
                       "--log-level", "warning", *extra)
         return self.wait_address("coord")
 
-    def start_node_in(self, ns: str, name: str, coordinator: str) -> subprocess.Popen:
+    def start_node_in(self, ns: str, name: str, coordinator: str, *extra: str) -> subprocess.Popen:
         return self.spawn_in(ns, name, "node", "join", "--coordinator", coordinator, "--listen", "/ip4/0.0.0.0/tcp/4002",
-                             "--data-dir", str(self.tmp / name), "--name", name, "--device", "cpu", "--threads", "1")
+                             "--data-dir", str(self.tmp / name), "--name", name, "--device", "cpu", "--threads", "1", *extra)
+
+    def events(self, name: str, event: str) -> list[dict]:
+        """As test_swarm's, and none yet while the node has not started its log."""
+        return super().events(name, event) if (self.tmp / name / "node.jsonl").exists() else []
 
     def status(self, coordinator: str) -> dict | None:
         r = self.topo.run(self.topo.public, [*CLI, "swarm", "status", "--coordinator", coordinator, "--json", "--timeout", "5"],
@@ -127,4 +131,48 @@ def test_a_node_with_no_way_in_says_so_in_one_line(tmp_path: Path) -> None:
             assert "--relay-via MULTIADDR" in lines[-1]
             assert "Traceback" not in swarm.err("a")
         finally:
+            swarm.stop()
+
+
+@pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")
+def test_a_node_whose_relay_dies_moves_to_another_and_training_goes_on(tmp_path: Path) -> None:
+    # Port-randomising NATs: nothing is punched, so the relays carry all the traffic between the nodes.
+    with nat_topology(random_fully=True) as topo:
+        # Long enough to train on for a while after the relay died: finding that out takes about 10 s.
+        steps = 150
+        swarm = NatSwarm(topo, tmp_path, steps)
+        relay: subprocess.Popen | None = None
+        try:
+            coordinator = swarm.start_coordinator_in_public("--relay")
+            # A second relay in "public" (a plain relaying host, as scripts/bench_nat.py runs it), which a
+            # names first: it holds a's slot until it dies.
+            relay = topo.popen(topo.public, [sys.executable, str(BENCH_NAT), "--role", "relay", topo.public_ip],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            assert relay.stdout is not None
+            relay_addr = json.loads(relay.stdout.readline())["addr"]
+            a = swarm.start_node_in(topo.home_a, "a", coordinator, "--relay-via", relay_addr)
+            b = swarm.start_node_in(topo.home_b, "b", coordinator)
+            deadline = time.monotonic() + 120
+            while len(swarm.events("a", "step")) < 5:
+                assert a.poll() is None and b.poll() is None, swarm.err("a") + swarm.err("b")
+                assert time.monotonic() < deadline, "a did not train 5 steps"
+                time.sleep(0.2)
+            assert swarm.events("a", "reachability")[-1]["relay"] == relay_addr
+            relay.kill()
+            relay.wait(timeout=10)
+            for name, p in (("a", a), ("b", b)):
+                assert p.wait(timeout=240) == 0, f"{name} exited {p.returncode}: {swarm.err(name)}"
+            (moved,) = swarm.events("a", "relay_changed")
+            assert moved["old"] == relay_addr and moved["relay"] == coordinator and moved["verdict"] == "private"
+            for name in ("a", "b"):
+                assert len(swarm.events(name, "step")) == steps
+            losses = [e["loss"] for e in swarm.events("a", "step")]
+            assert losses[-1] < losses[0]
+        finally:
+            if relay is not None:
+                if relay.poll() is None:
+                    relay.kill()
+                    relay.wait(timeout=10)
+                if relay.stdout is not None:
+                    relay.stdout.close()
             swarm.stop()

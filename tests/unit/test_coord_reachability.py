@@ -199,3 +199,20 @@ def test_loopback_relay_addresses_are_offered_only_to_a_requester_on_this_machin
     assert remote == ["/ip4/192.0.2.1/tcp/7700/p2p/coord", "/ip4/198.51.100.2/tcp/1/p2p/r"]
     local = core.reachability_reply("x", PRIVATE, ("127.0.0.1", 5), own).relays
     assert local == [*own, "/ip4/127.0.0.1/tcp/1/p2p/r"]
+
+
+def test_a_heartbeat_with_new_addresses_puts_them_in_the_view_at_once() -> None:
+    core = make_core()
+    old = "/ip4/198.18.0.1/tcp/4001/p2p/12D3KooWRelayOne/p2p-circuit/p2p/n"
+    new = "/ip4/198.18.0.1/tcp/4009/p2p/12D3KooWRelayTwo/p2p-circuit/p2p/n"
+    core.handle("n", cm.Join(addrs=[old]), 0.0)
+    core.handle("n", cm.Heartbeat(state="training"), 1.0)  # no addresses: unchanged
+    assert core.registry.members["n"].addrs == [old]
+    before = core.registry.view_version
+    core.handle("n", cm.Heartbeat(state="training", addrs=[old]), 1.5)  # the same ones: nothing to show
+    assert core.registry.view_version == before
+    core.handle("n", cm.Heartbeat(state="training", addrs=[new]), 2.0)
+    assert core.registry.members["n"].addrs == [new]
+    entry = core.registry.view.get("n")
+    assert entry is not None and entry.addrs == [new]
+    assert core.registry.view_version > before  # its peers learn it with their next heartbeat
