@@ -6,7 +6,8 @@ Two kinds of NAT: one that keeps source ports (most home routers), where the nod
 connection may be upgraded by a hole punch, and one that randomises them (``--random-fully``, a
 symmetric NAT), where punching cannot work and the relay must carry the stage traffic. Either way
 ``swarm status`` must show both nodes as private, each reached through a relay or a punched hole,
-and the loss must fall. A node with no way in at all (no relay offered) must fail in one clear line.
+and the loss must fall. A node with no way in at all (no relay offered) must fail in one clear line,
+and a node whose relay dies mid-run must move to another relay while the swarm trains on.
 
 Skips only where network namespaces cannot be made here (not root, or no ``ip``/``iptables``).
 """
