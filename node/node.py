@@ -39,7 +39,7 @@ from protolearn.node.integrity import Integrity
 from protolearn.node.join import join_coordinator, resolve_device
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
-from protolearn.node.reachability import RELAY_CHECK_S, RELAY_LOST_CHECKS, Reachability, establish, heartbeat_path, relay_peer
+from protolearn.node.reachability import RELAY_CHECK_S, RELAY_LOST_CHECKS, Reachability, establish, heartbeat_path, move_relay, relay_peer
 from protolearn.node.router import Router
 from protolearn.node.state_sync import Snapshot, StateServer
 from protolearn.node.syncing import StageSync
@@ -370,11 +370,18 @@ class Node:
                 continue
             misses = 0
             self.progress.say(f"lost the relay {relay_peer(reach.relay)[-8:]}; looking for another")
-            try:
-                found = await establish(self.host, self.link.peer, self.config, say=self.progress.say, avoid=reach.relay)
-            except JoinError as err:
-                log.warning("no other relay yet: %s", err)
-                self.progress.event("relay_lost", relay=reach.relay, reason=str(err))
+            # The relays it already knows first; only when none has a slot, ask the coordinator for new offers.
+            found = await move_relay(self.host, self.config, reach, say=self.progress.say)
+            if found is None:
+                try:
+                    found = await establish(self.host, self.link.peer, self.config, say=self.progress.say, avoid=reach.relay)
+                except JoinError as err:
+                    found = Reachability("unknown", str(err), [])
+            if found.verdict == "unknown":
+                # No answer (the check failed, or no relay had a slot): it is no less private than
+                # before, so it keeps its address and tries again at the next round.
+                log.warning("no other relay yet: %s", found.reason)
+                self.progress.event("relay_lost", relay=reach.relay, reason=found.reason)
                 continue
             self.host.relay.forget(relay_peer(reach.relay))
             self.reachability = found

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from protolearn.node.config import NodeConfig
@@ -58,6 +58,8 @@ class Reachability:
     # ... and the node's own port on that connection (None: unknown).
     local_port: int | None = None
     failures: list[str] = field(default_factory=list)
+    # The relays the coordinator offered at this check (a private node moves to one if its relay goes).
+    offered: tuple[str, ...] = ()
 
     @property
     def rewrites_ports(self) -> bool | None:
@@ -129,6 +131,21 @@ def heartbeat_path(verdict: str, host: Any, peers: Iterable[str]) -> str:
     return next((p for p in ("hole-punched", "direct") if p in paths), "relayed")
 
 
+async def move_relay(host: Any, config: NodeConfig, reach: Reachability, *, say: Callable[[str], None]) -> Reachability | None:
+    """Reserve on another relay this node knows (``--relay-via``, then those offered at its last check),
+    not ``reach.relay``: ``reach`` with the new relay and circuit address, or None when none had a slot.
+    No new check is needed for that: the node is as private as it was."""
+    for relay in [r for r in relay_candidates(config.relay_via, reach.offered) if r != reach.relay]:
+        try:
+            circuit = await host.reserve(relay, timeout=RESERVE_TIMEOUT_S)
+        except ProtocolError as err:
+            log.info("relay reservation failed relay=%s reason=%s", relay, err.reason)
+            continue
+        say(f"this node is behind a NAT (private): reachable through relay {short_peer(relay)}")
+        return replace(reach, addrs=joinable([circuit]), relay=relay)
+    return None
+
+
 async def ask_reachability(host: Any, coordinator: str, addrs: list[str], *, timeout: float) -> cm.ReachabilityReply:
     """Ask the coordinator (peer ID ``coordinator``, already connected) to dial this node back.
 
@@ -165,7 +182,7 @@ async def establish(
             log.info("relay reservation failed relay=%s reason=%s", relay, err.reason)
             continue
         say(f"this node is behind a NAT (private): reachable through relay {short_peer(relay)}")
-        found = Reachability("private", reply.reason, joinable([circuit]), relay=relay, failures=failures, **seen)
+        found = Reachability("private", reply.reason, joinable([circuit]), relay=relay, failures=failures, offered=tuple(reply.relays), **seen)
         # Hole punching offers the address the coordinator saw (public IP) at the listen port, which a
         # NAT that rewrites source ports does not keep: such a node leaves its circuits relayed.
         host.public_ip = reply.observed_ip or None

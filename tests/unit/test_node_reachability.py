@@ -144,3 +144,19 @@ def test_cli_rejects_a_bad_relay_via_in_one_line(tmp_path: Path) -> None:
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --relay-via: ") and "/p2p/<peer id>" in lines[0], out.stderr
+
+
+def test_a_node_whose_relay_went_moves_to_another_it_knows_without_a_new_check(tmp_path: Path) -> None:
+    from protolearn.node.reachability import move_relay
+
+    host = FakeHost(cm.ReachabilityReply(verdict="private", reason="no", relays=[RELAY_A, RELAY_B]), grants={RELAY_A, RELAY_B})
+    cfg = config(tmp_path)
+    reach = run(host, cfg)
+    assert reach.relay == RELAY_A and reach.offered == (RELAY_A, RELAY_B)
+    lines: list[str] = []
+    moved = trio.run(lambda: move_relay(host, cfg, reach, say=lines.append))
+    assert moved is not None and moved.relay == RELAY_B and moved.verdict == "private"
+    assert moved.addrs == [f"{RELAY_B}/p2p-circuit/p2p/{SELF}"] and "reachable through relay" in lines[-1]
+    assert host.reserved == [RELAY_A, RELAY_B]  # the lost relay is not tried again
+    host.grants = set()
+    assert trio.run(lambda: move_relay(host, cfg, moved, say=lines.append)) is None  # then it asks the coordinator again
