@@ -44,6 +44,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
+from protolearn.protocol.majority import strict_majority
+
 
 @dataclass(frozen=True)
 class AveragedDecision:
@@ -146,12 +148,7 @@ class CommitBarrier:
         votes: dict[str, int] = {}
         reports = self._reports[stage]
         if live:
-            for p in live:
-                h = reports.get(p)
-                if h is not None:
-                    votes[h] = votes.get(h, 0) + 1
-            best = max(votes.items(), key=lambda kv: kv[1], default=None)
-            return best[0] if best is not None and 2 * best[1] > len(live) else None
+            return strict_majority((reports[p] for p in live if p in reports), len(live))
         for h in reports.values():
             votes[h] = votes.get(h, 0) + 1
         ranked = sorted(votes.values(), reverse=True)

@@ -6,6 +6,7 @@ config. Defaults suit a local demo and a small internet swarm; tests shrink the 
 
 from __future__ import annotations
 
+from protolearn.protocol.rounds import REVISIONS_PER_STEP
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -52,8 +53,8 @@ class CoordinatorSettings(BaseModel):
     departed_retention_s: float = Field(24 * 3600.0, ge=0)
     max_members: int = Field(100_000, ge=1)
     # Step accounting under attack (issue 12). A closed step reopens at most this many times; a redo past
-    # it is refused (``revision_cap``) and the last revision stands. Well below the node's 4096 round ids.
-    max_revisions: int = Field(32, ge=1, le=4096)
+    # it is refused (``revision_cap``) and the last revision stands. At most the round ids a step has.
+    max_revisions: int = Field(32, ge=1, le=REVISIONS_PER_STEP)
     # Redos of other peers' work one peer may have granted per step; past it the peer is flagged
     # (``redo_storm``) and its further redos of that step are refused (``redo_limit``).
     max_redos_per_peer: int = Field(8, ge=1)

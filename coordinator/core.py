@@ -53,7 +53,7 @@ from protolearn.coordinator.reachability import MAX_MEMBER_RELAYS, ReachabilityD
 from protolearn.coordinator.registry import LIVE, HeartbeatInfo, JoinInfo, Member, Registry
 from protolearn.coordinator.run import RunInfo
 from protolearn.coordinator.status import build_status
-from protolearn.coordinator.tickets import ClosedStep, LossPoint, Ticket, TicketLedger
+from protolearn.coordinator.tickets import ClosedStep, LossRecord, Ticket, TicketLedger
 from protolearn.coordinator.verdicts import LIVENESS_REASON, Ban, VerdictPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement
@@ -129,7 +129,7 @@ class CoordinatorCore:
         self.verdicts = VerdictPolicy(settings)
         self.integrity = IntegrityDesk(self.registry, self.verdicts, run, enabled=settings.integrity_bans)
         self.limiter = RateLimiter(settings.rate_per_s, settings.rate_burst, max_peers=settings.max_members * 2)
-        self.history: deque[LossPoint] = deque(maxlen=KEEP_HISTORY)
+        self.history: deque[LossRecord] = deque(maxlen=KEEP_HISTORY)
         self._new_closed: list[ClosedStep] = []
         self._last_rebalance = started_at
         # Counters for metrics.
@@ -165,7 +165,7 @@ class CoordinatorCore:
         step: int,
         tickets: list[Ticket],
         closed: list[ClosedStep],
-        history: list[LossPoint],
+        history: list[LossRecord],
         bans: list[Ban],
         now: float,
         committed: int | None = None,
@@ -412,7 +412,7 @@ class CoordinatorCore:
         self._new_closed.append(closed)
         while self.history and self.history[-1].step >= closed.step:
             self.history.pop()  # a reopened step closes again: replace its point
-        self.history.append(LossPoint(closed.step, closed.loss, closed.num_tickets, closed.closed_at))
+        self.history.append(LossRecord(closed.step, closed.loss, closed.num_tickets, closed.closed_at))
 
     def _credit_late_work(self, peer: str, msg: cm.Complete) -> None:
         """A struck peer finished a ticket whose lease a strike ended and that went to another replica

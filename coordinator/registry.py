@@ -122,7 +122,7 @@ class HeartbeatInfo:
 
 
 @dataclass(frozen=True)
-class Decision:
+class MemberDecision:
     accepted: bool
     code: str
     reason: str
@@ -282,14 +282,14 @@ class Registry:
             else:
                 self.view.drop(m.peer_id)
 
-    def join(self, peer_id: str, info: JoinInfo, now: float) -> Decision:
+    def join(self, peer_id: str, info: JoinInfo, now: float) -> MemberDecision:
         old = self.members.get(peer_id)
         if old is not None and old.status == LIVE:
-            return Decision(False, "already_joined", f"{peer_id} is already a live member (stage {old.stage}); leave first")
+            return MemberDecision(False, "already_joined", f"{peer_id} is already a live member (stage {old.stage}); leave first")
         if old is not None and old.status == BANNED:
-            return Decision(False, "banned", f"{peer_id} is banned")
+            return MemberDecision(False, "banned", f"{peer_id} is banned")
         if old is None and self._num_live >= self.settings.max_members:
-            return Decision(False, "full", f"the swarm is at its limit of {self.settings.max_members} members")
+            return MemberDecision(False, "full", f"the swarm is at its limit of {self.settings.max_members} members")
         loads = self.loads()
         choice = choose_stage(loads, self.shares)
         rejoined = old is not None
@@ -317,7 +317,7 @@ class Registry:
         self._count(m, 1)
         self.removed.discard(peer_id)
         self._touch(m, True)
-        return Decision(True, "ok", choice.reason, choice.stage, rejoined)
+        return MemberDecision(True, "ok", choice.reason, choice.stage, rejoined)
 
     def unjoin(self, peer_id: str, old: Member | None) -> None:
         """Take back the join of ``peer_id`` that could not be answered: ``old`` is its entry before (None:
@@ -335,14 +335,14 @@ class Registry:
             self._count(old, 1)
         self.view.drop(peer_id)
 
-    def heartbeat(self, peer_id: str, hb: HeartbeatInfo, now: float, *, frontier: int | None = None) -> Decision:
+    def heartbeat(self, peer_id: str, hb: HeartbeatInfo, now: float, *, frontier: int | None = None) -> MemberDecision:
         """Record ``peer_id``'s heartbeat, each field bounded (see the module docstring); ``frontier``: the
         first step not yet committed (None: not checked), which no replica can have applied."""
         m = self.members.get(peer_id)
         if m is None:
-            return Decision(False, "not_member", f"{peer_id} has not joined; join first")
+            return MemberDecision(False, "not_member", f"{peer_id} has not joined; join first")
         if m.status != LIVE:
-            return Decision(False, "not_member", f"{peer_id} is {m.status}; join again")
+            return MemberDecision(False, "not_member", f"{peer_id} is {m.status}; join again")
         state = NodeState(hb.state)
         step, param_hash = hb.step, hb.param_hash
         if frontier is not None and step >= frontier:
@@ -384,7 +384,7 @@ class Registry:
         else:
             self.soft.add(peer_id)
         reason, m.move_reason = m.move_reason, ""
-        return Decision(True, "ok", reason, m.stage)
+        return MemberDecision(True, "ok", reason, m.stage)
 
     def set_reachability(self, peer_id: str, verdict: str) -> None:
         """The coordinator checked ``peer_id`` again: a live member's verdict (and its relay offer) follows."""
@@ -420,14 +420,14 @@ class Registry:
         """How many live stage-0 members reported ``fingerprint``."""
         return self._corpus_votes.get(fingerprint, 0)
 
-    def leave(self, peer_id: str, now: float) -> Decision:
+    def leave(self, peer_id: str, now: float) -> MemberDecision:
         m = self.members.get(peer_id)
         if m is None or m.status != LIVE:
-            return Decision(False, "not_member", f"{peer_id} is not a live member")
+            return MemberDecision(False, "not_member", f"{peer_id} is not a live member")
         self._count(m, -1)
         m.status, m.left_at = LEFT, now
         self._touch(m, True)
-        return Decision(True, "ok", f"{peer_id} left stage {m.stage}", m.stage)
+        return MemberDecision(True, "ok", f"{peer_id} left stage {m.stage}", m.stage)
 
     def expire(self, now: float) -> list[Member]:
         """Expire silent members; forget departed ones past retention. Returns the newly expired."""

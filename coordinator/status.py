@@ -48,7 +48,7 @@ from typing import Any, Protocol, get_args
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.registry import Member, Registry
 from protolearn.coordinator.run import RunInfo
-from protolearn.coordinator.tickets import LossPoint, TicketLedger
+from protolearn.coordinator.tickets import LossRecord, TicketLedger
 from protolearn.coordinator.verdicts import VerdictPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.coordination import majority_state
@@ -195,7 +195,7 @@ class StatusSource(Protocol):
     @property
     def verdicts(self) -> VerdictPolicy: ...
     @property
-    def history(self) -> Iterable[LossPoint]: ...
+    def history(self) -> Iterable[LossRecord]: ...
 
 
 def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.Status:

@@ -22,7 +22,7 @@ from protolearn.coordinator.core import KEEP_CLOSED, KEEP_HISTORY, Changes
 from protolearn.coordinator.errors import StoreError
 from protolearn.coordinator.integrity import EvidenceRecord
 from protolearn.coordinator.registry import Member
-from protolearn.coordinator.tickets import ClosedStep, LossPoint, Ticket
+from protolearn.coordinator.tickets import ClosedStep, LossRecord, Ticket
 from protolearn.coordinator.verdicts import Ban
 
 # Evidence records loaded after a restart (the newest; counts in status start from them).
@@ -151,7 +151,7 @@ class Store:
             ClosedStep(s, r, loss, at, tuple(tuple(x) for x in json.loads(routes)), tuple(json.loads(losses)))
             for s, r, loss, at, routes, losses in rows[-KEEP_CLOSED:]
         ]
-        history = [LossPoint(s, loss, len(json.loads(losses)), at) for s, _r, loss, at, _routes, losses in rows]
+        history = [LossRecord(s, loss, len(json.loads(losses)), at) for s, _r, loss, at, _routes, losses in rows]
         bans = [Ban(p, r, at) for p, r, at in db.execute("SELECT peer_id, reason, at FROM bans ORDER BY at")]
         evidence = [
             EvidenceRecord(at, rep, acc, step, verdict, reason, digest)

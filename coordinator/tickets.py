@@ -93,7 +93,7 @@ class ClosedStep:
 
 
 @dataclass(frozen=True)
-class LossPoint:
+class LossRecord:
     """A closed step in brief: the history behind `swarm status` and tokens/s (routes are in :class:`ClosedStep`)."""
 
     step: int

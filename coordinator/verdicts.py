@@ -42,6 +42,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.protocol.majority import majority_size
 
 # Bound on remembered reports per target (more distinct reporters than this changes no decision).
 _MAX_REPORTS_PER_TARGET = 1024
@@ -175,7 +176,7 @@ class VerdictPolicy:
             return Verdict(False, f"{target} is a stage-0 replica: its liveness is judged by its leases, not by reports")
         live = set(upstream)
         agree = sorted(r for r in by if r in live)
-        need = max(2, len(live) // 2 + 1)
+        need = max(2, majority_size(len(live)))
         if len(agree) < need:
             return Verdict(False, f"{target} reported for lost microbatches by {len(agree)} of the {len(live)} live stage-{target_stage - 1} "
                                   f"replicas; {need} needed for a ban")

@@ -26,7 +26,7 @@ Key = tuple[int, int]  # (step, ticket)
 
 
 @dataclass(frozen=True)
-class Decision:
+class Admission:
     action: Literal["process", "defer", "refuse"]
     reason: str
 
@@ -65,40 +65,40 @@ class Accounting:
         return ""
 
     # -- admission -------------------------------------------------------------------------------
-    def admit_forward(self, step: int, ticket: int, payload: Any = None) -> Decision:
+    def admit_forward(self, step: int, ticket: int, payload: Any = None) -> Admission:
         """An activation for (step, ticket) arrived, or stage 0 wants to start that ticket."""
         bad = self._check_ticket(step, ticket)
         if bad:
-            return Decision("refuse", bad)
+            return Admission("refuse", bad)
         key = (step, ticket)
         if step < self.applied:
-            return Decision("refuse", f"stale step {step}: this replica has already applied it (now at step {self.applied})")
+            return Admission("refuse", f"stale step {step}: this replica has already applied it (now at step {self.applied})")
         if step > self.applied + 1:
-            return Decision("refuse", f"step {step} is ahead: this replica is at step {self.applied}")
+            return Admission("refuse", f"step {step} is ahead: this replica is at step {self.applied}")
         if any(k == key for k, _ in self._deferred):
-            return Decision("refuse", f"duplicate microbatch (step {step}, ticket {ticket}) already held for the next step")
+            return Admission("refuse", f"duplicate microbatch (step {step}, ticket {ticket}) already held for the next step")
         if key in self._in_flight:
-            return Decision("process", f"redo of step {step} ticket {ticket}: replaces the attempt in flight here")
+            return Admission("process", f"redo of step {step} ticket {ticket}: replaces the attempt in flight here")
         if step == self.applied + 1:
             if len(self._deferred) >= self.max_deferred:
-                return Decision("refuse", f"busy: {len(self._deferred)} next-step microbatches already waiting")
+                return Admission("refuse", f"busy: {len(self._deferred)} next-step microbatches already waiting")
             self._deferred.append((key, payload))
-            return Decision("defer", f"held until step {self.applied} is applied")
+            return Admission("defer", f"held until step {self.applied} is applied")
         if len(self._in_flight) >= self.max_in_flight:
-            return Decision("refuse", f"busy: {len(self._in_flight)} microbatches in flight (limit {self.max_in_flight})")
+            return Admission("refuse", f"busy: {len(self._in_flight)} microbatches in flight (limit {self.max_in_flight})")
         self._in_flight.add(key)
         if ticket in self._accumulated.get(step, ()):
-            return Decision("process", f"redo of step {step} ticket {ticket}: replaces its earlier gradients here")
-        return Decision("process", f"step {step} ticket {ticket} accepted")
+            return Admission("process", f"redo of step {step} ticket {ticket}: replaces its earlier gradients here")
+        return Admission("process", f"step {step} ticket {ticket} accepted")
 
-    def admit_backward(self, step: int, ticket: int) -> Decision:
+    def admit_backward(self, step: int, ticket: int) -> Admission:
         """A gradient for (step, ticket) arrived from the next stage."""
         if (step, ticket) not in self._in_flight:
-            return Decision("refuse", f"unknown microbatch (step {step}, ticket {ticket}): no forward pass of it is held here")
+            return Admission("refuse", f"unknown microbatch (step {step}, ticket {ticket}): no forward pass of it is held here")
         if (step, ticket) in self._backward_pending:
-            return Decision("refuse", f"unknown attempt: a gradient for (step {step}, ticket {ticket}) is already being applied here")
+            return Admission("refuse", f"unknown attempt: a gradient for (step {step}, ticket {ticket}) is already being applied here")
         self._backward_pending.add((step, ticket))
-        return Decision("process", f"gradient for step {step} ticket {ticket}")
+        return Admission("process", f"gradient for step {step} ticket {ticket}")
 
     # -- completion ------------------------------------------------------------------------------
     def backward_done(self, step: int, ticket: int) -> None:

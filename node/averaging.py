@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 import trio
-from protolearn.node.core import REVISIONS_PER_STEP
+from protolearn.protocol.rounds import REVISIONS_PER_STEP
 from protolearn.node.early_parts import EarlyParts
 from protolearn.node.errors import NodeError
 from protolearn.protocol.reducer_check import ReducerFault
@@ -50,7 +50,7 @@ from protolearn.protocol.collective import (
     Probe,
     Rejected,
     Send,
-    Tamper,
+    PartFilter,
 )
 from protolearn.protocol.errors import OverLimit, ProtocolError
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse, ResultRequest
@@ -98,7 +98,7 @@ class Averager:
         window: Callable[[], int] | None = None, first_round: int = 0, clock: Callable[[], float] = trio.current_time,
         sign: Sign | None = None, verify: Verify = verify_ed25519, max_liars: int = 1,
         members: Callable[[], Collection[str]] | None = None, aggregation: Aggregation | None = None,
-        cross_check: bool = False, tamper: Tamper | None = None,
+        cross_check: bool = False, part_filter: PartFilter | None = None,
     ) -> None:
         """``window``: the round this replica takes part in next, from its owner (the node core, which
         knows whether a step may still reopen). Without one, the averager counts its own rounds from
@@ -109,8 +109,8 @@ class Averager:
         (None: every sender is treated as a possible member; the per-peer bounds hold either way).
         ``aggregation``: the run's rule (``Aggregation.from_config(run.integrity)``; None: the mean).
         ``cross_check``: every part's owner is checked by its successor (scatter traffic doubles); every
-        replica of a stage must use the same setting. ``tamper``: the ``reducer`` test adversary, applied to
-        the parts this replica reduces before it signs them (None in real use)."""
+        replica of a stage must use the same setting. ``part_filter``: applied to the parts this replica
+        reduces before it signs them (injected by integrity tests; None in real use)."""
         self.host = host
         self.stage = stage
         self.numel = numel
@@ -122,7 +122,7 @@ class Averager:
         self.max_liars = max_liars
         self.aggregation = aggregation if aggregation is not None else Aggregation()
         self.cross_check = cross_check
-        self.tamper = tamper
+        self.part_filter = part_filter
         self._window = window
         self._own_next = first_round
         # Receive-rate EMA across rounds: the per-wait deadlines scale with it.
@@ -321,7 +321,7 @@ class Averager:
         r = CollectiveRound(
             round_id, self.host.peer_id, weights, self.numel, op="sum", timeout_s=self.timeout_s,
             bandwidth=self.bandwidth, floor_s=self.floor_s, max_liars=self.max_liars, aggregation=self.aggregation,
-            cross_check=self.cross_check, sign=self.sign, verify=self.verify, tamper=self.tamper,
+            cross_check=self.cross_check, sign=self.sign, verify=self.verify, part_filter=self.part_filter,
         )
         # Unbounded in principle, bounded in fact: the machine emits at most a few sends per peer and part.
         send, recv = trio.open_memory_channel[Send | Probe](16 * len(weights) ** 2 + 64)

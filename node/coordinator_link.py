@@ -28,7 +28,7 @@ from typing import Any, Literal, TypeVar
 import trio
 from protolearn.node.errors import Banned
 from protolearn.protocol import coordination as cm
-from protolearn.protocol.boundary import Evidence as BoundaryEvidence
+from protolearn.protocol.boundary import OutputEvidence
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused
 from protolearn.protocol.wire import Message
@@ -307,7 +307,7 @@ class CoordinatorLink:
         return reply
 
     async def report(
-        self, target: str, reason: str, evidence: cm.Evidence | None = None, conflicting: cm.Evidence | None = None,
+        self, target: str, reason: str, evidence: cm.StatementEvidence | None = None, conflicting: cm.StatementEvidence | None = None,
     ) -> cm.ReportReply:
         """Report ``target``; only two statements it signed that contradict each other can ban it."""
         msg = cm.Report(target=target, reason=reason[: cm.MAX_TEXT], evidence=evidence, conflicting=conflicting)
@@ -315,7 +315,7 @@ class CoordinatorLink:
         return reply
 
     async def integrity_report(
-        self, target: str, reason: str, evidence: BoundaryEvidence | None, fault: ReducerFault | None = None,
+        self, target: str, reason: str, evidence: OutputEvidence | None, fault: ReducerFault | None = None,
     ) -> cm.ReportReply:
         """Report a stage that failed a check; only evidence the coordinator verifies itself can ban it."""
         msg = cm.IntegrityReport(target=target, reason=reason[: cm.MAX_TEXT], evidence=evidence, reducer_fault=fault)

@@ -68,25 +68,14 @@ from protolearn.node.events import (
     WaitClosed,
     WaitCommit,
 )
+from protolearn.protocol.rounds import REVISIONS_PER_STEP, round_id
 from protolearn.protocol.states import NodeState
 
-# Round ids per step: revision r of step t averages in round t * REVISIONS_PER_STEP + r - 1. The
-# coordinator caps revisions far below this (its max_revisions, 32 by default, at most this); a step past
-# it is not averaged here (see ``Closed``) but resynced.
-REVISIONS_PER_STEP = 1 << 12
 # A replica the accounting left out asks the participants for the step's result this long before it
 # checks whether the step reopened, or whether every participant is gone and the step must be redone.
 FETCH_TRY_S = 3.0
 # A coordinator error while asking whether the step reopened: ask again after this long.
 ASK_AGAIN_S = 1.0
-
-
-def round_id(step: int, revision: int = 1) -> int:
-    """The collective round of ``step``'s accounting at ``revision`` (a reopened step closes again at a
-    higher revision, and its replicas average again in a fresh round)."""
-    if not 1 <= revision <= REVISIONS_PER_STEP:
-        raise ValueError(f"step {step} revision {revision} is outside 1..{REVISIONS_PER_STEP}")
-    return step * REVISIONS_PER_STEP + revision - 1
 
 
 class Phase(Enum):

@@ -33,7 +33,7 @@ import torch
 import trio
 
 from protolearn.protocol.boundary import (
-    Evidence,
+    OutputEvidence,
     SignedOutput,
     boundary_statement,
     distance,
@@ -68,7 +68,7 @@ CLAIM_INTERVAL_S = 10.0
 
 Key = tuple[int, int]
 # (accused, reason, evidence or None, a reducer's fault or None) → whether the coordinator banned the accused.
-Report = Callable[[str, str, Evidence | None, ReducerFault | None], Awaitable[bool]]
+Report = Callable[[str, str, OutputEvidence | None, ReducerFault | None], Awaitable[bool]]
 
 
 @dataclass
@@ -194,7 +194,7 @@ class Integrity:
 
     def nonfinite(self, got: Received) -> None:
         """A signed tensor with NaN or Inf convicts its sender on its own: send the evidence."""
-        ev = Evidence(
+        ev = OutputEvidence(
             accused=got.peer, step=got.step, ticket=got.ticket, direction=got.direction, stage=got.stage, inputs=got.inputs,
             outputs=[SignedOutput.of(got.peer, got.signature, got.frame)],
         )
@@ -272,7 +272,7 @@ class Integrity:
             self.stats.checks_inconclusive += 1
             return
         self._count(got.peer, passed=accused != got.peer)
-        ev = Evidence(
+        ev = OutputEvidence(
             accused=accused, step=got.step, ticket=got.ticket, direction=got.direction, stage=got.stage, inputs=got.inputs,
             outputs=list(outputs.values()),
         )
@@ -357,7 +357,7 @@ class Integrity:
         """The collective caught a reducer of this stage signing a wrong part: send the proof."""
         self._spawn(self._send_evidence, fault.reducer, f"collective round {fault.round}: a wrong reduced part", None, fault)
 
-    async def _send_evidence(self, accused: str, reason: str, ev: Evidence | None, fault: ReducerFault | None = None) -> None:
+    async def _send_evidence(self, accused: str, reason: str, ev: OutputEvidence | None, fault: ReducerFault | None = None) -> None:
         if accused in self._reporting or accused in self.convicted:
             return
         now = trio.current_time()

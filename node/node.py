@@ -45,7 +45,7 @@ from protolearn.node.state_sync import Snapshot, StateServer
 from protolearn.node.syncing import StageSync
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
-from protolearn.protocol.boundary import Evidence as BoundaryEvidence
+from protolearn.protocol.boundary import OutputEvidence
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.robust import Aggregation
 from protolearn.protocol.states import NodeState
@@ -222,7 +222,7 @@ class Node:
     def _stage_of(self, peer: str) -> int | None:
         return next((m.stage for m in self.view.members if m.peer_id == peer), None)
 
-    async def _integrity_report(self, target: str, reason: str, evidence: BoundaryEvidence | None, fault: ReducerFault | None = None) -> bool:
+    async def _integrity_report(self, target: str, reason: str, evidence: OutputEvidence | None, fault: ReducerFault | None = None) -> bool:
         """Send an integrity report; True when the coordinator banned ``target`` (this node then shuts
         it out at once, without waiting for the next heartbeat's ban list)."""
         try:
@@ -259,7 +259,7 @@ class Node:
                 self.progress.event("adversary", kind=adv.kind, part=part, sent=self.adversary_sent)
                 return data + 1.0
 
-            self.averager.tamper = corrupt_part
+            self.averager.part_filter = corrupt_part
         elif adv.kind == "stale":
             self.worker.stale_from = adv.from_step
 

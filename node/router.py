@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import trio
 from protolearn.codec_spec import CodecSpecError, parse_codec_spec
-from protolearn.node.accounting import Accounting, Decision
+from protolearn.node.accounting import Accounting, Admission
 from protolearn.node.balancer import Balancer
 from protolearn.node.integrity import Integrity, Received
 from protolearn.node.worker import StageWorker
@@ -340,7 +340,7 @@ class Router:
         decision = self.accounting.admit_backward(msg.step, msg.ticket)
         held = self._routes.get((msg.step, msg.ticket))
         if decision.action == "process" and held is not None and route[: self.stage + 1] != held:
-            decision = Decision("refuse", f"unknown attempt of (step {msg.step}, ticket {msg.ticket}): it was redone along another route")
+            decision = Admission("refuse", f"unknown attempt of (step {msg.step}, ticket {msg.ticket}): it was redone along another route")
         if decision.action != "process":
             await self._refuse(s, peer, "unknown", decision.reason)
             return

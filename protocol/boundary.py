@@ -129,7 +129,7 @@ class SignedOutput(Message):
         return TensorFrame(codec=self.codec, dtype=self.dtype, shape=list(self.shape), data=self.data, aux=self.aux)
 
 
-class Evidence(Message):
+class OutputEvidence(Message):
     """Outputs of one stage's replicas for the same (step, ticket, direction, inputs); ``accused`` is
     the odd one out. One output alone is evidence when its frame holds NaN or Inf."""
 
@@ -144,7 +144,7 @@ class Evidence(Message):
 
 
 def verify_evidence(
-    ev: Evidence, *, run_hash: str, codec: str, check_tolerance: float, shape: Sequence[int],
+    ev: OutputEvidence, *, run_hash: str, codec: str, check_tolerance: float, shape: Sequence[int],
     verify: Callable[[str, bytes, bytes], None], limits: TensorLimits, subspace: Subspace | None = None,
 ) -> str:
     """Check ``ev`` completely; return the reason to convict ``ev.accused``, or raise ProtocolError.

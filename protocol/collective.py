@@ -29,7 +29,7 @@ How it works
   than this replica's owner of ``j`` (every peer before the signer is out here) and (b) every
   contributor that ``S`` leaves out is out here. Until then it is held, not used. Two counting parts of
   ``(j, S)`` with different hashes fail the round; if one signer signed both, the two statements are
-  the :class:`~.statements.Evidence` in :class:`Failed`.
+  the :class:`~.statements.SignedStatement` in :class:`Failed`.
 * Each replica keeps ``C`` = the intersection of the sets of every part that counts (initially all
   contributors). An owner whose part was reduced over more than ``C`` reduces it again over ``C`` (it
   keeps the raw slices; if a member of ``C`` is missing and out, over less, shrinking ``C``). A replica
@@ -172,7 +172,7 @@ from protolearn.protocol.robust import Aggregation, robust_reduce
 from protolearn.protocol.statements import (
     HASH_BYTES,
     SIGNATURE_BYTES,
-    Evidence,
+    SignedStatement,
     Sign,
     Verify,
     fin_statement,
@@ -192,8 +192,8 @@ from pydantic import Field
 # The liveness names stay importable from here: the adapter and the tests know the collective only.
 __all__ = [
     "DEFAULT_FACTOR", "DEFAULT_FLOOR_S", "DEFAULT_TIMEOUT_S", "EMA_ALPHA", "INITIAL_BYTES_PER_S", "MAX_PARTICIPANTS",
-    "MAX_VERSIONS_PER_SIGNER", "STUCK_FACTOR", "Action", "Aggregation", "Bandwidth", "CollectiveRound", "Done", "Evidence",
-    "Failed", "PartHeader", "Probe", "ReducerFault", "Rejected", "Send", "Tamper",
+    "MAX_VERSIONS_PER_SIGNER", "STUCK_FACTOR", "Action", "Aggregation", "Bandwidth", "CollectiveRound", "Done", "SignedStatement",
+    "Failed", "PartHeader", "Probe", "ReducerFault", "Rejected", "PartFilter", "Send",
 ]
 
 # A round's parts travel on the protocol named protocol/pipeline.py's COLLECTIVE, next to the rest of that
@@ -207,8 +207,9 @@ MAX_PARTICIPANTS = 1024
 MAX_STATEMENT_BYTES = 64 + HASH_BYTES + 6 + MAX_PARTICIPANTS // 8 + 2 * HASH_BYTES
 
 Phase = Literal["scatter", "gather", "fin"]
-# A test adversary: rewrites a part this replica reduced (part index, bytes) before it signs it.
-Tamper = Callable[[int, torch.Tensor], torch.Tensor]
+# Rewrites a part this replica reduced (part index, data) before it signs it: injected from outside
+# to test that the reducer cross-check catches a wrong part; None in real use.
+PartFilter = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class PartHeader(Message):
@@ -293,7 +294,7 @@ class Failed:
 
     missing: list[str]
     reason: str
-    evidence: tuple[Evidence, ...] = ()
+    evidence: tuple[SignedStatement, ...] = ()
     reducer_faults: tuple[ReducerFault, ...] = ()
 
 
@@ -317,8 +318,8 @@ class CollectiveRound:
     peer's. ``max_liars``: how many lying participants a claim must outnumber to count (see the docstring).
     ``aggregation``: how a part combines its contributors (:mod:`.robust`; the mean by default).
     ``cross_check``: contributors also send (signed) slices to each part's checker, which recomputes the
-    owner's part and vetoes the round if it differs (see "Reducer cross-check"). ``tamper``: a test
-    adversary applied to the parts this replica reduces, before it signs them. All participants must use
+    owner's part and vetoes the round if it differs (see "Reducer cross-check"). ``part_filter``: applied to
+    the parts this replica reduces before it signs them (injected by integrity tests; None in real use). All participants must use
     the same ``aggregation`` and ``cross_check`` (both are bound into every statement).
     """
 
@@ -336,7 +337,7 @@ class CollectiveRound:
     cross_check: bool = False
     sign: Sign = field(kw_only=True, repr=False)
     verify: Verify = field(kw_only=True, repr=False)
-    tamper: Tamper | None = field(default=None, kw_only=True, repr=False)
+    part_filter: PartFilter | None = field(default=None, kw_only=True, repr=False)
     peers: list[str] = field(init=False)
     bounds: list[tuple[int, int]] = field(init=False)
     suspects: set[str] = field(init=False, default_factory=set)
@@ -608,8 +609,8 @@ class CollectiveRound:
     def _mask(self, members: frozenset[str] | set[str] | tuple[str, ...] | list[str]) -> bytes:
         return members_mask(self.peers, members)
 
-    def _fin_evidence(self, peer: str, fin: _Fin) -> Evidence:
-        return Evidence(peer, fin_statement(self._round_digest, self._mask(fin.members), fin.digest), fin.signature,
+    def _fin_evidence(self, peer: str, fin: _Fin) -> SignedStatement:
+        return SignedStatement(peer, fin_statement(self._round_digest, self._mask(fin.members), fin.digest), fin.signature,
                         f"fin of round {self.round_id}")
 
     def _owner_with(self, part: int, extra: set[str]) -> str:
@@ -724,9 +725,9 @@ class CollectiveRound:
             # count such a set only when the first owner signed it.
             members = frozenset(c for c in self._C if c in held and (c != self.peers[j] or c == self.me))
             data = self._reduce(held, members, j)
-            if self.tamper is not None:
+            if self.part_filter is not None:
                 a, b = self.bounds[j]
-                data = self.tamper(j, data).detach().to(torch.float32).contiguous().reshape(-1)[: b - a]
+                data = self.part_filter(j, data).detach().to(torch.float32).contiguous().reshape(-1)[: b - a]
             digest = part_hash(data)
             inputs = self._inputs(j, members)
             signature = self.sign(self._ledger.statement(j, members, digest, inputs))
@@ -752,7 +753,7 @@ class CollectiveRound:
             return [key[1]] if key[1] not in self._dead else []
         return [key[-1]] if key[-1] not in self.suspects else []
 
-    def _fail(self, missing: list[str], reason: str, evidence: tuple[Evidence, ...] = ()) -> list[Action]:
+    def _fail(self, missing: list[str], reason: str, evidence: tuple[SignedStatement, ...] = ()) -> list[Action]:
         self._finished = Failed(missing, reason, evidence)
         return [self._finished]
 

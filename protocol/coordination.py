@@ -41,11 +41,11 @@ Request → reply:
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 from typing import Annotated, ClassVar, Literal
 
-from protolearn.protocol.boundary import Evidence as BoundaryEvidence
+from protolearn.protocol.boundary import OutputEvidence
+from protolearn.protocol.majority import strict_majority
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.states import NodeState
 from protolearn.protocol.wire import Message
@@ -357,7 +357,7 @@ class CorpusCheckReply(Message):
     first: bool
 
 
-class Evidence(_Part):
+class StatementEvidence(_Part):
     """A statement the *accused* signed with its node key. Two of them that contradict each other
     (:func:`protolearn.protocol.statements.contradiction`) prove that it lied; nothing the reporter
     signs can, since a reporter can sign anything."""
@@ -371,8 +371,8 @@ class Report(Message):
     target: PeerId
     reason: Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
     # With ``conflicting``: two statements the target signed that cannot both be honest.
-    evidence: Evidence | None = None
-    conflicting: Evidence | None = None
+    evidence: StatementEvidence | None = None
+    conflicting: StatementEvidence | None = None
 
 
 class IntegrityReport(Message):
@@ -383,7 +383,7 @@ class IntegrityReport(Message):
     KIND: ClassVar[str] = "coord.integrity_report"
     target: PeerId
     reason: Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
-    evidence: BoundaryEvidence | None = None
+    evidence: OutputEvidence | None = None
     # Or: a collective reducer of the reporter's own stage signed a wrong part (protocol/reducer_check.py).
     reducer_fault: ReducerFault | None = None
 
@@ -533,12 +533,7 @@ def majority_state(reported: Iterable[tuple[int, str]]) -> tuple[int, str] | Non
     stage with a single reporting replica has that replica as its majority: nobody else can vouch for
     or against it.
     """
-    votes = Counter((step, h) for step, h in reported if h)
-    total = sum(votes.values())
-    if not total:
-        return None
-    ((best, count),) = votes.most_common(1)
-    return best if 2 * count > total else None
+    return strict_majority((step, h) for step, h in reported if h)
 
 
 StageView.model_rebuild()

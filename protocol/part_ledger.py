@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from protolearn.protocol.statements import HASH_BYTES, SIGNATURE_BYTES, Evidence, Verify, members_mask, part_statement
+from protolearn.protocol.statements import HASH_BYTES, SIGNATURE_BYTES, SignedStatement, Verify, members_mask, part_statement
 
 # Parts of one part index one signer may have here at once (over different sets). An honest owner signs
 # a new one each time C shrinks under it, so this bounds what a liar can make a replica hold to a few
@@ -53,7 +53,7 @@ class Conflict(NamedTuple):
 
     culprits: list[str]
     reason: str
-    evidence: tuple[Evidence, ...] = ()
+    evidence: tuple[SignedStatement, ...] = ()
 
 
 @dataclass
@@ -144,5 +144,5 @@ class PartLedger:
                 del by_set[members]
                 self._counted.get(j, {}).pop(members, None)
 
-    def evidence(self, part: int, members: Collection[str], p: SignedPart) -> Evidence:
-        return Evidence(p.signer, self.statement(part, members, p.digest, p.inputs), p.signature, f"part {part} of round {self.round_id}")
+    def evidence(self, part: int, members: Collection[str], p: SignedPart) -> SignedStatement:
+        return SignedStatement(p.signer, self.statement(part, members, p.digest, p.inputs), p.signature, f"part {part} of round {self.round_id}")

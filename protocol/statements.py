@@ -26,7 +26,7 @@ and :func:`result_hash` of the concatenated part hashes, which binds the whole r
 hash of its bytes would, without hashing them twice).
 
 Two signatures of one peer over different hashes for the same (round, part, set), or over two different
-fins of one round, prove that it lied to someone: :class:`Evidence` keeps such a statement with its
+fins of one round, prove that it lied to someone: :class:`SignedStatement` keeps such a statement with its
 signature, so that a third party (the coordinator) can check it with :func:`verify_ed25519` alone.
 
 The signing key stays outside: a round gets a ``sign(data) -> signature`` and a
@@ -67,7 +67,7 @@ Sign = Callable[[bytes], bytes]
 Verify = Callable[[str, bytes, bytes], bool]
 
 __all__ = [
-    "HASH_BYTES", "SIGNATURE_BYTES", "Evidence", "Sign", "Verify", "contradiction", "fin_statement", "inputs_digest",
+    "HASH_BYTES", "SIGNATURE_BYTES", "SignedStatement", "Sign", "Verify", "contradiction", "fin_statement", "inputs_digest",
     "is_part_statement", "members_mask", "op_tag", "part_hash", "part_statement", "result_hash", "round_digest", "slice_statement", "verify_ed25519",
     "veto_digest",
 ]
@@ -159,7 +159,7 @@ def contradiction(a: bytes, b: bytes) -> str:
 
 
 @dataclass(frozen=True)
-class Evidence:
+class SignedStatement:
     """A statement ``peer`` signed: with another one of the same peer, proof that it told two stories."""
 
     peer: str

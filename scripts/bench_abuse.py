@@ -73,7 +73,7 @@ async def _target(data_dir: str, numel: int) -> None:
 
     from protolearn.coordinator.service import serve
     from protolearn.node.averaging import Averager
-    from protolearn.node.core import REVISIONS_PER_STEP
+    from protolearn.protocol.rounds import REVISIONS_PER_STEP
     from protolearn.protocol.identity import Identity
     from protolearn.protocol.pipeline import Ack
     from protolearn.protocol.tensors import from_frame

@@ -74,7 +74,7 @@ def _run_toml(stages: int, steps: int, microbatches: int = 6) -> str:
 @dataclass
 class Outcome:
     wall_s: float
-    history: list[Any]  # LossPoint: step, loss, num_tickets, closed_at
+    history: list[Any]  # LossRecord: step, loss, num_tickets, closed_at
     bans: list[Any]  # BanView: peer_id, reason, at
     node_peers: dict[int, str]
     # (open step when it joined, wall time of its first applied step: from then on it trains)

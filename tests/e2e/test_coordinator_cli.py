@@ -103,7 +103,7 @@ def test_coordinator_survives_kill_9_with_members_step_leases_and_bans(tmp_path:
             # two results of one round that d signed are proof (this coordinator bans on evidence)
             round_dig = bytes(32)
             told = [fin_statement(round_dig, b"\x03", bytes([n]) * 32) for n in (1, 2)]
-            proof = [cm.Evidence(data=t, signature=d.host.sign(t)) for t in told]
+            proof = [cm.StatementEvidence(data=t, signature=d.host.sign(t)) for t in told]
             verdict = await a.report(d.host.peer_id, "equivocated in a round", proof[0], proof[1])
             assert verdict.banned
 

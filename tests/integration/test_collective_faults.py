@@ -279,7 +279,7 @@ def test_a_tampering_reducer_is_vetoed_with_evidence_over_real_hosts(run_trio, t
                     if other is not h:
                         h.add_peer_addrs(other.peer_id, other.addrs())
             avgs = [Averager(h, STAGE, numel, timeout_s=20.0, first_round=ROUND, sign=i.sign, aggregation=agg, cross_check=True,
-                             tamper=(lambda j, part: part + 1.0) if k == tamperer else None)
+                             part_filter=(lambda j, part: part + 1.0) if k == tamperer else None)
                     for k, (h, i) in enumerate(zip(hosts, ids))]
             for a in avgs:
                 a.register()

@@ -53,7 +53,7 @@ class CheckedNet(Net):
         self.rounds = {
             i.peer_id: CollectiveRound(7, i.peer_id, self.weights, numel, op=op, floor_s=1.0, bandwidth=Bandwidth(1e9),
                                        aggregation=agg, cross_check=cross_check, sign=i.sign, verify=verify_ed25519,
-                                       tamper=add_one if i.peer_id in self.tamperers else None)
+                                       part_filter=add_one if i.peer_id in self.tamperers else None)
             for i in ids
         }
 
@@ -257,7 +257,7 @@ def cross_checked_schedules(monkeypatch: pytest.MonkeyPatch):
         its statements carry the inputs digest a cross-checked round requires."""
 
         def __init__(self, *a, **kw) -> None:
-            super().__init__(*a, cross_check=True, tamper=add_one, **kw)
+            super().__init__(*a, cross_check=True, part_filter=add_one, **kw)
 
     monkeypatch.setattr(tc, "ForgingRound", CheckedForgingRound)
     return tc

@@ -116,12 +116,12 @@ def test_expiry_in_housekeeping_and_heartbeat_refused_after() -> None:
     assert join(core, "b", 4.0).rejoined
 
 
-def _equivocation(ident: Identity) -> tuple[cm.Evidence, cm.Evidence]:
+def _equivocation(ident: Identity) -> tuple[cm.StatementEvidence, cm.StatementEvidence]:
     """Two fins of one collective round that ``ident`` signed with different result hashes."""
     round_dig = statements.round_digest(7, {ident.peer_id: 1.0, "x": 1.0}, 10, "sum")
     mask = statements.members_mask(sorted([ident.peer_id, "x"]), [ident.peer_id, "x"])
     a, b = (statements.fin_statement(round_dig, mask, bytes([k]) * 32) for k in (1, 2))
-    return cm.Evidence(data=a, signature=ident.sign(a)), cm.Evidence(data=b, signature=ident.sign(b))
+    return cm.StatementEvidence(data=a, signature=ident.sign(a)), cm.StatementEvidence(data=b, signature=ident.sign(b))
 
 
 def test_one_member_cannot_ban_others_with_evidence_it_signed_itself() -> None:
@@ -134,7 +134,7 @@ def test_one_member_cannot_ban_others_with_evidence_it_signed_itself() -> None:
     with pytest.raises(Refusal, match="unknown_peer"):
         core.handle(attacker.peer_id, cm.Report(target="nobody", reason="x"), 0.0)
     for victim in ids[1:]:
-        own = cm.Evidence(data=b"output digest", signature=attacker.sign(b"output digest"))
+        own = cm.StatementEvidence(data=b"output digest", signature=attacker.sign(b"output digest"))
         for ev, other in ((own, None), (own, own)):
             with pytest.raises(Refusal, match="bad_evidence"):
                 core.handle(attacker.peer_id, cm.Report(target=victim.peer_id, reason="x", evidence=ev, conflicting=other), 0.0)

@@ -15,7 +15,7 @@ from protolearn.coordinator.core import CoordinatorCore, RunInfo
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.store import Store
 from protolearn.protocol import coordination as cm
-from protolearn.protocol.boundary import Evidence, SignedOutput, boundary_statement, frame_digest
+from protolearn.protocol.boundary import OutputEvidence, SignedOutput, boundary_statement, frame_digest
 from protolearn.protocol.codecs import CodecContext, make_encoder
 from protolearn.protocol.identity import Identity
 
@@ -56,11 +56,11 @@ def honest(seed: int = 0) -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
 
 
-def report(core: CoordinatorCore, reporter: str, target: str, ev: Evidence | None, now: float = 1.0) -> cm.ReportReply:
+def report(core: CoordinatorCore, reporter: str, target: str, ev: OutputEvidence | None, now: float = 1.0) -> cm.ReportReply:
     return core.handle(reporter, cm.IntegrityReport(target=target, reason="spot check", evidence=ev), now)
 
 
-def refused(core: CoordinatorCore, reporter: str, target: str, ev: Evidence | None) -> str:
+def refused(core: CoordinatorCore, reporter: str, target: str, ev: OutputEvidence | None) -> str:
     with pytest.raises(Refusal) as err:
         report(core, reporter, target, ev)
     return err.value.reason
@@ -72,7 +72,7 @@ def test_two_agreeing_recomputations_convict_the_odd_replica_and_the_ban_persist
     liar, b, d = sw.stage[0]
     checker = sw.stage[1][0]
     y = honest()
-    ev = Evidence(accused=liar, step=0, ticket=1, direction="fwd", stage=0, inputs=b"",
+    ev = OutputEvidence(accused=liar, step=0, ticket=1, direction="fwd", stage=0, inputs=b"",
                   outputs=[sw.output(liar, -y), sw.output(b, y), sw.output(d, y)])
     reply = report(core, checker, liar, ev)
     assert reply.banned and "spot check" in reply.reason and "2 other replicas" in reply.reason
@@ -95,7 +95,7 @@ def test_a_signed_nan_convicts_its_signer_alone() -> None:
     liar = sw.stage[0][0]
     bad = honest()
     bad[0, 0, 0] = float("nan")
-    ev = Evidence(accused=liar, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(liar, bad)])
+    ev = OutputEvidence(accused=liar, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(liar, bad)])
     reply = report(core, sw.stage[1][0], liar, ev)
     assert reply.banned and "NaN" in reply.reason
 
@@ -108,20 +108,20 @@ def test_no_single_peer_can_frame_an_honest_replica() -> None:
     y = honest()
     # The checker alters the accused's output: the accused's signature no longer holds.
     forged = sw.output(a, y).model_copy(update={"data": (-y).numpy().tobytes()})
-    ev = Evidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[forged, sw.output(b, y), sw.output(d, y)])
+    ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[forged, sw.output(b, y), sw.output(d, y)])
     assert "signature" in refused(core, checker, a, ev)
     # One lying recomputation against two honest outputs: the two others disagree, no majority.
-    ev = Evidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, y), sw.output(b, -y), sw.output(d, y)])
+    ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, y), sw.output(b, -y), sw.output(d, y)])
     assert "no majority" in refused(core, checker, a, ev)
     # Outputs of different inputs: the statements do not match (the accused signed other inputs).
     other = sw.output(b, y, inputs=b"\x01" * 32)
-    ev = Evidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, -y), other, sw.output(d, y)])
+    ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, -y), other, sw.output(d, y)])
     assert "signature" in refused(core, checker, a, ev)
     # A recomputation by a peer that is not a replica of the stage counts for nothing.
-    ev = Evidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, -y), sw.output(b, y), sw.output(checker, y)])
+    ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, -y), sw.output(b, y), sw.output(checker, y)])
     assert "not a replica" in refused(core, checker, a, ev)
     # Only a neighbouring stage receives a stage's outputs, so only it reports them.
-    ev = Evidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, -y), sw.output(b, y), sw.output(d, y)])
+    ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, -y), sw.output(b, y), sw.output(d, y)])
     assert "next to" in refused(core, b, a, ev)
     assert not any(core.verdicts.is_banned(p) for p in sw.ids)
 
@@ -135,9 +135,9 @@ def test_codec_error_is_not_a_fault_but_a_scaled_output_is() -> None:
     checker = sw.stage[1][0]
     y = honest(3)
     # An honest int8 frame against raw recomputations: within the codec's tolerance, refused as no fault.
-    ev = Evidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, y, codec="int8"), sw.output(b, y), sw.output(d, y)])
+    ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, y, codec="int8"), sw.output(b, y), sw.output(d, y)])
     assert "no fault" in refused(core, checker, a, ev)
-    ev = Evidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, 10 * y, codec="int8"), sw.output(b, y), sw.output(d, y)])
+    ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, 10 * y, codec="int8"), sw.output(b, y), sw.output(d, y)])
     assert report(core, checker, a, ev).banned
 
 
@@ -156,10 +156,10 @@ def test_subspace_frames_in_evidence_are_decoded_with_the_runs_subspace() -> Non
     sw = Swarm(core)
     a, b, d = sw.stage[0]
     checker = sw.stage[1][0]
-    ev = Evidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, y, codec="subspace", context=ctx), sw.output(b, y), sw.output(d, y)])
+    ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, y, codec="subspace", context=ctx), sw.output(b, y), sw.output(d, y)])
     assert "no fault" in refused(core, checker, a, ev)
     lie = sub.fixed_embedding[tokens] + 3 * (y - sub.fixed_embedding[tokens])  # still in the subspace, three times too far out
-    ev = Evidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, lie, codec="subspace", context=ctx), sw.output(b, y), sw.output(d, y)])
+    ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, lie, codec="subspace", context=ctx), sw.output(b, y), sw.output(d, y)])
     assert report(core, checker, a, ev).banned
 
 
