@@ -33,8 +33,8 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, gener
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from protolearn.coordinator.core import CoordinatorCore
-from protolearn.coordinator.status import build_status
+from protolearn.coordinator.core.dispatch import CoordinatorCore
+from protolearn.coordinator.core.status import build_status
 
 MAX_REQUEST_BYTES = 8192
 READ_TIMEOUT_S = 5.0

@@ -16,7 +16,7 @@ host tells the core when a member's connection closes, so a dead member's leases
 grace instead of at their expiry. Banned peers are handed to the host's gate, which refuses them at
 connection time.
 
-Reachability (``coordinator/reachability.py`` decides): a ``ReachabilityRequest`` is dialled back from
+Reachability (``coordinator/core/reachability.py`` decides): a ``ReachabilityRequest`` is dialled back from
 a second host, the *checker* (a throwaway identity on 127.0.0.1, opened at start-up), never over the
 connection the node opened, since that one reaches the node whatever its NAT does. The dials run in
 the request's own handler task under a semaphore of ``MAX_CHECKS``, so heartbeats are served
@@ -36,11 +36,11 @@ from typing import Any
 
 import trio
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.core import CoordinatorCore
-from protolearn.coordinator.run import RunInfo
+from protolearn.coordinator.core.dispatch import CoordinatorCore
+from protolearn.coordinator.core.reachability import BUSY, DIAL_TIMEOUT_S, MAX_CHECK_WAITERS, MAX_CHECKS, SLOT_WAIT_S, decide, dial_targets
+from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.errors import Refusal, RunMismatch
 from protolearn.coordinator.metrics import metrics_registry, serve_metrics
-from protolearn.coordinator.reachability import BUSY, DIAL_TIMEOUT_S, MAX_CHECK_WAITERS, MAX_CHECKS, SLOT_WAIT_S, decide, dial_targets
 from protolearn.coordinator.store import Store
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError

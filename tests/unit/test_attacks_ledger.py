@@ -11,15 +11,16 @@ import math
 
 import pytest
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.core import CoordinatorCore, RunInfo
+from protolearn.coordinator.core.dispatch import CoordinatorCore
+from protolearn.coordinator.core.run import RunInfo
+from protolearn.coordinator.core.tickets import TicketLedger
 from protolearn.coordinator.errors import Refusal
-from protolearn.coordinator.tickets import TicketLedger
 from protolearn.node import events as ev
 from protolearn.node.core import CoreConfig, NodeCore, Phase
-from protolearn.protocol.rounds import REVISIONS_PER_STEP, round_id
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.identity import Identity
+from protolearn.protocol.rounds import REVISIONS_PER_STEP, round_id
 from pydantic import ValidationError
 
 B = 8

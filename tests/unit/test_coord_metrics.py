@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
-from protolearn.coordinator.core import CoordinatorCore
+from protolearn.coordinator.core.dispatch import CoordinatorCore
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.metrics import CONTENT_TYPE, exposition, metrics_registry, serve_metrics
 

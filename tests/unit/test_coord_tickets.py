@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from protolearn.coordinator.tickets import TicketLedger
+from protolearn.coordinator.core.tickets import TicketLedger
 
 B, S = 6, 2
 

@@ -17,11 +17,11 @@ its stage's majority at the same step), ``behind`` (it reports an older step tha
 ``no-throughput`` (it has not measured any yet), and the verdict policy's conduct flags as
 ``kind:strikes`` (``redo_storm``, ``result_mismatch``, ``late_leases``, ``lost_microbatches``, ``integrity``; see ``verdicts.py``).
 
-NAT traversal (schema 3, ``coordinator/reachability.py``): each node's ``reachability`` is the
+NAT traversal (schema 3, ``coordinator/core/reachability.py``): each node's ``reachability`` is the
 coordinator's own verdict from dialling it back (``public``, ``private`` or ``unknown``), and ``path``
 how its stage peers reach it (``direct``, ``relayed``, ``hole-punched``) as its last heartbeat says.
 
-Integrity (schema 2, ``coordinator/integrity.py``): each node's ``integrity`` is the median of the
+Integrity (schema 2, ``coordinator/core/integrity.py``): each node's ``integrity`` is the median of the
 boundary-monitor scores its checkers report in their heartbeats, ``probation`` their majority state,
 ``checks_passed``/``checks_failed`` the spot checks they ran on it, and ``evidence`` the integrity
 reports against it that reached a verdict (persisted). These are claims by its neighbours, shown, never
@@ -46,10 +46,10 @@ from collections.abc import Iterable
 from typing import Any, Protocol, get_args
 
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.registry import Member, Registry
-from protolearn.coordinator.run import RunInfo
-from protolearn.coordinator.tickets import LossRecord, TicketLedger
-from protolearn.coordinator.verdicts import VerdictPolicy
+from protolearn.coordinator.core.registry import Member, Registry
+from protolearn.coordinator.core.run import RunInfo
+from protolearn.coordinator.core.tickets import LossRecord, TicketLedger
+from protolearn.coordinator.core.verdicts import VerdictPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.coordination import majority_state
 

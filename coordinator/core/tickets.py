@@ -20,7 +20,7 @@ participant of each stage reports :meth:`TicketLedger.averaged` once its round f
 contribution in; a replica the accounting left out reports once it fetched the result. Each report names
 the result's hash. When a strict majority of every stage's live replicas hold one hash and every live
 replica reported, the step *commits* (the rule and why a liar can neither commit nor block it are in
-``coordinator/commit.py``): replicas apply it only then, the next step's tickets are leased only then,
+``coordinator/core/commit.py``): replicas apply it only then, the next step's tickets are leased only then,
 and it never reopens. So a replica that dies while its stage averages is never lost: its stage's
 survivors redo its tickets and the step reopens, because no stage can have applied it yet (I1).
 
@@ -55,7 +55,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from protolearn.coordinator.commit import AveragedDecision, CommitBarrier
+from protolearn.coordinator.core.commit import AveragedDecision, CommitBarrier
 
 
 @dataclass
@@ -180,7 +180,7 @@ class TicketLedger:
         # Tickets whose persisted form changed since the last drain (indices of the open step).
         self.dirty: set[int] = set()
         self.reset = False
-        # The commit barrier: the one owner of the last committed step (see coordinator/commit.py). A
+        # The commit barrier: the one owner of the last committed step (see coordinator/core/commit.py). A
         # restored ledger without that field counts its closed steps as committed, which is what the old
         # rule-free swarm did. A fresh run persists "nothing committed" with its first drain: a store
         # without the field reads as "every closed step committed", so a crash between step 0's close and

@@ -26,9 +26,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protolearn.coordinator.registry import Registry
-from protolearn.coordinator.run import RunInfo
-from protolearn.coordinator.verdicts import VerdictPolicy
+from protolearn.coordinator.core.registry import Registry
+from protolearn.coordinator.core.run import RunInfo
+from protolearn.coordinator.core.verdicts import VerdictPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.frames import TensorLimits

@@ -43,18 +43,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from protolearn.coordinator.integrity import EvidenceRecord, IntegrityDesk, IntegrityRefused
-from protolearn.coordinator.assignment import shares_from_layers
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.corpus import decide_corpus
+from protolearn.coordinator.core.assignment import shares_from_layers
+from protolearn.coordinator.core.corpus import decide_corpus
+from protolearn.coordinator.core.integrity import EvidenceRecord, IntegrityDesk, IntegrityRefused
+from protolearn.coordinator.core.ratelimit import RateLimiter
+from protolearn.coordinator.core.reachability import MAX_MEMBER_RELAYS, ReachabilityDesk, Verdict, offered_relays, usable_from
+from protolearn.coordinator.core.registry import LIVE, HeartbeatInfo, JoinInfo, Member, Registry
+from protolearn.coordinator.core.run import RunInfo
+from protolearn.coordinator.core.status import build_status
+from protolearn.coordinator.core.tickets import ClosedStep, LossRecord, Ticket, TicketLedger
+from protolearn.coordinator.core.verdicts import LIVENESS_REASON, Ban, VerdictPolicy
 from protolearn.coordinator.errors import Refusal
-from protolearn.coordinator.ratelimit import RateLimiter
-from protolearn.coordinator.reachability import MAX_MEMBER_RELAYS, ReachabilityDesk, Verdict, offered_relays, usable_from
-from protolearn.coordinator.registry import LIVE, HeartbeatInfo, JoinInfo, Member, Registry
-from protolearn.coordinator.run import RunInfo
-from protolearn.coordinator.status import build_status
-from protolearn.coordinator.tickets import ClosedStep, LossRecord, Ticket, TicketLedger
-from protolearn.coordinator.verdicts import LIVENESS_REASON, Ban, VerdictPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.errors import SignatureError
@@ -86,7 +86,7 @@ class Changes:
     committed: int | None = None
     # The corpus fingerprint, when it was just set.
     corpus: str | None = None
-    # Integrity reports judged since the last drain (coordinator/integrity.py).
+    # Integrity reports judged since the last drain (coordinator/core/integrity.py).
     evidence: list[EvidenceRecord] = field(default_factory=list)
 
     def empty(self) -> bool:
@@ -136,7 +136,7 @@ class CoordinatorCore:
         self.refusals: dict[str, int] = {}
         self.reissued = 0
         self._reported_expired: set[tuple[int, int, float]] = set()
-        # The training data's fingerprint, decided by stage 0's majority (coordinator/corpus.py); persisted when it changes.
+        # The training data's fingerprint, decided by stage 0's majority (coordinator/core/corpus.py); persisted when it changes.
         self.corpus: str | None = None
         self._corpus_dirty: str | None = None
         # (step, peer) → redos of other peers' work granted (only the open and the last closed step are kept).
@@ -153,7 +153,7 @@ class CoordinatorCore:
         self._ended_early: dict[str, set[tuple[int, int]]] = {}
         # When each stage-0 peer last completed a ticket (not pruned by time, unlike _last_completed).
         self._progress_at: dict[str, float] = {}
-        # Reachability checks running and the verdicts (coordinator/reachability.py); the service dials.
+        # Reachability checks running and the verdicts (coordinator/core/reachability.py); the service dials.
         self.reachability = ReachabilityDesk()
 
     # -- restore ------------------------------------------------------------------------------
@@ -333,7 +333,7 @@ class CoordinatorCore:
 
     def _view_stages(self, m: Member, *, delta: bool) -> tuple[int, ...]:
         """The stages ``m`` is told about: its neighbourhood when it merges deltas, else every stage
-        (see coordinator/view.py)."""
+        (see coordinator/core/view.py)."""
         if delta:
             return self.registry.view.neighbourhood(m.stage, m.serving)
         return tuple(range(self.run.num_stages))
@@ -487,7 +487,7 @@ class CoordinatorCore:
         return self.step_info(msg.step, msg.revision)
 
     def _corpus_check(self, member: Member, msg: cm.CorpusCheck) -> cm.CorpusCheckReply:
-        """Nodes that read the data must read the same tokens; stage 0's majority decides (coordinator/corpus.py)."""
+        """Nodes that read the data must read the same tokens; stage 0's majority decides (coordinator/core/corpus.py)."""
         if member.stage == 0:
             self.registry.vote_corpus(member.peer_id, msg.fingerprint)
         d = decide_corpus(self.corpus, member.stage, msg.fingerprint, self.registry.corpus_votes)

@@ -11,7 +11,7 @@ Heartbeat telemetry alone (last seen, throughput, queue length, and a flip betwe
 ``averaging``) marks a member ``soft``-dirty: the service persists it every few seconds rather than on
 every heartbeat, since a restart resets ``last_seen`` anyway (:meth:`Registry.restore_grace`).
 
-The *view version* (of :class:`~protolearn.coordinator.view.SwarmView`, which the registry keeps in
+The *view version* (of :class:`~protolearn.coordinator.core.view.SwarmView`, which the registry keeps in
 step) increases on every change other nodes must see: a join, leave, expiry, ban or stage move, and a
 state change into or out of serving (``training``/``averaging``). Every member flips between those
 two each step, and nobody routes differently because of it, so that flip is not a view change;
@@ -37,9 +37,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from protolearn.coordinator.assignment import MIN_THROUGHPUT, Choice, Move, StageLoad, ThroughputClaims, choose_stage, propose_move
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.view import SwarmView, first_version
+from protolearn.coordinator.core.assignment import MIN_THROUGHPUT, Choice, Move, StageLoad, ThroughputClaims, choose_stage, propose_move
+from protolearn.coordinator.core.view import SwarmView, first_version
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.states import NodeState
 
@@ -84,7 +84,7 @@ class Member:
     shown_at: float | None = None
     # The corpus fingerprint it reported (CorpusCheck); a vote while it is a live stage-0 member.
     corpus: str = ""
-    # The coordinator's own reachability verdict on it (coordinator/reachability.py), whether it offered
+    # The coordinator's own reachability verdict on it (coordinator/core/reachability.py), whether it offered
     # to relay for others, and how its stage peers reach it (its last heartbeat's word; "" until then).
     reachability: str = "unknown"
     relay: bool = False
