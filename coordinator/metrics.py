@@ -83,7 +83,7 @@ class CoordinatorCollector(Collector):
         yield gauge("halted", "1 when training is halted.", 1 if st.verdict == "halted" else 0)
         # Counter families are named without "_total"; the writer adds it to the sample and TYPE lines.
         refusals = CounterMetricFamily(PREFIX + "refusals", "Refused requests by code.", labels=["code"])
-        for code, n in sorted(core.refusals.items()):
+        for code, n in sorted(core.admission.refusals.items()):
             refusals.add_metric([code], n)
         yield refusals
         yield CounterMetricFamily(PREFIX + "tickets_reissued", "Expired leases re-issued.", value=core.reissued)

@@ -205,7 +205,7 @@ class _Service:
     async def _wait(self, peer: str, msg: cm.WaitStep) -> cm.StepInfo:
         self.core.check_wait(peer, msg, self.clock())
         if self._waiting >= self.core.settings.max_concurrent_waits:
-            raise self.core.refuse("busy", "too many waiting requests; retry shortly")
+            raise self.core.admission.refuse("busy", "too many waiting requests; retry shortly")
         self._waiting += 1
         try:
             with trio.move_on_after(msg.timeout_s):

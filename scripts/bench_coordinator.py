@@ -34,7 +34,7 @@ from typing import Any
 
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.dispatch import CoordinatorCore
-from protolearn.coordinator.core.registry import Member
+from protolearn.coordinator.core.members import Member
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.wire import encode

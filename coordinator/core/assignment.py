@@ -7,7 +7,8 @@ slowest stage, ``min_s T_s / w_s``. *Balance quality* is that rate divided by th
 same total compute, ``sum(T) / sum(w)``: 1.0 is perfect, 0.0 means some stage is empty.
 
 - A joiner goes to the stage with the least throughput relative to its share (ties: fewer replicas
-  per share, then the lower index), which is the stage that raises the bottleneck most.
+  per share, then the lower index), which is the stage that raises the bottleneck most. A returning
+  identity goes back to its old stage unless that would leave another stage empty (:func:`place`).
 - Rebalancing (Petals-style): only a move into the bottleneck stage can raise the rate, so for every
   source stage with at least two replicas (never empty a stage) the best node to move is the one whose
   throughput is closest to the amount that equalises the two stages. The best such move is proposed
@@ -147,6 +148,18 @@ def choose_stage(loads: Sequence[StageLoad], shares: Sequence[float]) -> Choice:
         f"stage {best} has the least throughput per share ({load.throughput / shares[best]:.3g}, "
         f"{load.replicas} replicas)",
     )
+
+
+def place(loads: Sequence[StageLoad], shares: Sequence[float], previous: int | None) -> Choice:
+    """The stage a joiner gets: :func:`choose_stage`'s, or, for a returning identity, the stage it held
+    before (``previous``): its local state is worth reusing, but a halted stage comes first, so not when
+    another stage has no replica while its old one has some."""
+    choice = choose_stage(loads, shares)
+    if previous is not None and 0 <= previous < len(loads):
+        halted_elsewhere = loads[choice.stage].replicas == 0 and loads[previous].replicas > 0
+        if not halted_elsewhere:
+            return Choice(previous, f"rejoined its previous stage {previous}")
+    return choice
 
 
 def propose_move(

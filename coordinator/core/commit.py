@@ -140,9 +140,6 @@ class CommitBarrier:
         """``peer`` of ``stage`` holds a result hashing to ``result_hash`` (its later report replaces it)."""
         self._reports[stage][peer] = result_hash
 
-    def reported(self, stage: int) -> bool:
-        return bool(self._reports[stage])
-
     def winner(self, stage: int, live: Collection[str]) -> str | None:
         """The hash a strict majority of ``live`` reported; with nobody live, the most reported (None on a tie)."""
         votes: dict[str, int] = {}
@@ -155,11 +152,6 @@ class CommitBarrier:
         if not ranked or (len(ranked) > 1 and ranked[0] == ranked[1]):
             return None
         return next(h for h, n in votes.items() if n == ranked[0])
-
-    def dissenters(self, stage: int, live: Collection[str], winner: str) -> list[str]:
-        """Live replicas of ``stage`` that reported another hash than ``winner``."""
-        reports = self._reports[stage]
-        return sorted(p for p in live if p in reports and reports[p] != winner)
 
     def check(self, needed: Callable[[int], Iterable[str]]) -> CommitCheck:
         """Whether the step commits now, given each stage's live serving replicas ``needed(stage)``."""

@@ -46,9 +46,11 @@ from collections.abc import Iterable
 from typing import Any, Protocol, get_args
 
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.core.registry import Member, Registry
+from protolearn.coordinator.core.history import LossRecord
+from protolearn.coordinator.core.members import Member
+from protolearn.coordinator.core.registry import Registry
 from protolearn.coordinator.core.run import RunInfo
-from protolearn.coordinator.core.tickets import LossRecord, TicketLedger
+from protolearn.coordinator.core.tickets import TicketLedger
 from protolearn.coordinator.core.verdicts import VerdictPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.coordination import majority_state

@@ -205,7 +205,7 @@ def test_a_lone_liar_cannot_commit_its_stage_and_cannot_block_the_honest_majorit
     assert not core.ledger.committed(step)
     # The second honest replica makes the majority; the liar counted as having reported, so it cannot hold the step.
     assert swarm.averaged(h2, step, "good1").committed
-    assert core.ledger.committed_hashes == {0: "good0", 1: "good1"}
+    assert core.ledger.barrier.hashes == {0: "good0", 1: "good1"}
     # The liar's next poll is refused: its node resyncs instead of applying.
     err = refused("result_mismatch", swarm.averaged, liar, step, "bogus")
     assert "resync" in err.reason

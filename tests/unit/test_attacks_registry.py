@@ -14,7 +14,7 @@ import time
 import pytest
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.dispatch import CoordinatorCore
-from protolearn.coordinator.core.registry import EXPIRED, Member
+from protolearn.coordinator.core.members import EXPIRED, Member
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.view import VIEW_MAX
 from protolearn.coordinator.errors import Refusal
