@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from protolearn.coordinator.core.reachability import BUSY, DIAL_TIMEOUT_S, MAX_C
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.errors import Refusal, RunMismatch
 from protolearn.coordinator.metrics import metrics_registry, serve_metrics
-from protolearn.coordinator.store import Store
+from protolearn.coordinator.store import DB_FILE, Store
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import Identity, load_or_create_identity
@@ -91,9 +91,6 @@ class Running:
     metrics_port: int | None
     core: CoordinatorCore
     host: Host
-    data_dir: Path
-    resumed: bool = False
-    events: list[str] = field(default_factory=list)
     # The host that dials reachability checks back (its peer ID is not the coordinator's).
     checker: Host | None = None
 
@@ -124,7 +121,7 @@ def open_state(run: Any, data_dir: Path, settings: CoordinatorSettings, now: flo
 
 def persisted_run_toml(data_dir: Path) -> str | None:
     """The run TOML a data dir was started with, or None for a fresh dir."""
-    if not (Path(data_dir) / "coordinator.sqlite").exists():
+    if not (Path(data_dir) / DB_FILE).exists():
         return None
     store = Store(data_dir)
     try:
@@ -386,9 +383,9 @@ async def serve(
                     port = await nursery.start(serve_metrics, metrics_registry(core, clock), metrics_port, metrics_host)
                 log.info(
                     "coordinator peer=%s run=%s step=%d members=%d resumed=%s",
-                    host.peer_id, core.run.name, core.ledger.step, sum(1 for _ in core.registry.live()), resumed,
+                    host.peer_id, core.run.name, core.ledger.step, core.registry.num_live, resumed,
                 )
-                task_status.started(Running(host.peer_id, host.addrs(), port, core, host, data_dir, resumed, checker=checker))
+                task_status.started(Running(host.peer_id, host.addrs(), port, core, host, checker=checker))
     finally:
         if svc is not None:
             svc.flush_refusal_log(everything=True)  # no count is lost at shutdown

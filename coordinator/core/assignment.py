@@ -174,17 +174,14 @@ def propose_move(
     load and replica count but are never proposed (e.g. syncing, or recently moved).
     """
     num_stages = len(shares)
-    thr = [0.0] * num_stages
-    cnt = [0] * num_stages
+    nodes = [n for n in nodes if 0 <= n[1] < num_stages]
+    loads = stage_loads(((stage, t) for _, stage, t, _ in nodes), num_stages)
+    thr = [load.throughput for load in loads]
+    cnt = [load.replicas for load in loads]
     movable_by_stage: list[list[tuple[str, float]]] = [[] for _ in range(num_stages)]
     for peer_id, stage, t, movable in nodes:
-        if not 0 <= stage < num_stages:
-            continue
-        t = max(t, MIN_THROUGHPUT)
-        thr[stage] += t
-        cnt[stage] += 1
         if movable:
-            movable_by_stage[stage].append((peer_id, t))
+            movable_by_stage[stage].append((peer_id, max(t, MIN_THROUGHPUT)))
     if num_stages < 2:
         return None
     ratios = [thr[s] / shares[s] for s in range(num_stages)]
@@ -216,7 +213,7 @@ def propose_move(
     rate_after, peer_id, src, x = best
     if not rate_before < min_quality * rate_after:
         return None
-    q_before = rate_before / ideal if ideal > 0 else 0.0
+    q_before = balance_quality(loads, shares)  # rate_before / ideal
     q_after = rate_after / ideal if ideal > 0 else 0.0
     reason = (
         f"move {peer_id} (throughput {x:.3g}) from stage {src} to bottleneck stage {dst}: "

@@ -173,10 +173,14 @@ def tokens_per_s(history: list[cm.LossPoint], tokens_per_step: int, now: float) 
     span = window[-1].closed_at - window[0].closed_at
     if span <= 0:
         return 0.0
-    per_step = span / (len(window) - 1)
-    if now - window[-1].closed_at > max(STALL_S, STALL_STEPS * per_step):
+    if _stalled(now - window[-1].closed_at, span / (len(window) - 1)):
         return 0.0
     return (len(window) - 1) * tokens_per_step / span
+
+
+def _stalled(idle_s: float, step_s: float) -> bool:
+    """Whether no step for ``idle_s`` is a stall, when steps take ``step_s`` on average."""
+    return idle_s > max(STALL_S, STALL_STEPS * step_s)
 
 
 class StatusSource(Protocol):
@@ -311,7 +315,7 @@ def _verdict(stages: list[cm.StageView], nodes: list[cm.NodeView], history: list
     if len(history) >= 2:
         per_step = (history[-1].closed_at - history[0].closed_at) / max(1, len(history) - 1)
         idle = now - history[-1].closed_at
-        if idle > max(STALL_S, STALL_STEPS * per_step):
+        if _stalled(idle, per_step):
             problems.append(f"no step has closed for {idle:.0f} s")
     if problems:
         return "degraded", "; ".join(problems)
