@@ -132,6 +132,11 @@ class CoordinatorCore:
         self.corpus_desk.restore(corpus)
         self.step_history.restore(history)
 
+    @property
+    def corpus(self) -> str | None:
+        """The swarm's corpus fingerprint (see corpus.py)."""
+        return self.corpus_desk.fingerprint
+
     # -- requests -----------------------------------------------------------------------------
 
     @counted
@@ -378,11 +383,6 @@ class CoordinatorCore:
         self.registry.connection_changed(peer, connected, now)
 
     # -- long poll ----------------------------------------------------------------------------
-
-    @property
-    def corpus(self) -> str | None:
-        """The swarm's corpus fingerprint (see corpus.py)."""
-        return self.corpus_desk.fingerprint
 
     def step_info(self, step: int, min_revision: int = 1) -> cm.StepInfo:
         """The step's frozen accounting once closed (at ``min_revision`` or later), else ``closed=False``."""

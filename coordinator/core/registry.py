@@ -4,8 +4,8 @@ A sans-IO core: every method takes ``now`` and returns a decision with a reason.
 from its join until it leaves, expires (no heartbeat for ``expiry_s``) or is banned. A second join
 of a live peer is refused. A departed peer (left or expired) may rejoin with the same ID and gets its
 old stage back, unless another stage has no replica while its old one has some
-(:func:`~.assignment.place`). Departed entries are forgotten after
-``departed_retention_s``.
+(:func:`~.assignment.place`), and the reachability verdict it had unless a new check says otherwise.
+Departed entries are forgotten after ``departed_retention_s``.
 
 Heartbeat telemetry alone (last seen, throughput, queue length, and a flip between ``training`` and
 ``averaging``) marks a member ``soft``-dirty: the service persists it every few seconds rather than on

@@ -47,6 +47,7 @@ from typing import Any, Protocol, get_args
 
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.history import LossRecord
+from protolearn.coordinator.core.integrity import IntegrityDesk
 from protolearn.coordinator.core.members import Member
 from protolearn.coordinator.core.registry import Registry
 from protolearn.coordinator.core.run import RunInfo
@@ -202,6 +203,8 @@ class StatusSource(Protocol):
     def verdicts(self) -> VerdictPolicy: ...
     @property
     def history(self) -> Iterable[LossRecord]: ...
+    @property
+    def integrity(self) -> IntegrityDesk: ...
 
 
 def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.Status:
