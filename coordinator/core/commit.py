@@ -37,6 +37,11 @@ reads it from here) and of the hashes it committed with, so a late report of the
 another hash is refused too. Its reports are cleared whenever the last closed step changes (it closes,
 reopens or closes again); their memory is bounded by the live members (one entry per reporting replica).
 Reports are not persisted: holders report again on every poll.
+
+**At the revision cap** (``max_revisions``, see ``tickets.py``) the step waits only for each stage's
+live *participants* (:func:`waited_for`): a dead participant's tickets can no longer be redone, so its
+stage's survivors apply the round they have and serve no result to fetch, and a left-out replica, which
+could then never report, resyncs from a replica that applied the step once it commits.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
+from protolearn.coordinator.core.steps import ClosedStep
 from protolearn.protocol.majority import strict_majority
 
 
@@ -169,3 +175,15 @@ class CommitBarrier:
                 return CommitCheck(False, f"stage {s}'s replicas disagree on the result and none has a majority")
             hashes[s] = win
         return CommitCheck(True, "every stage's live replicas hold one result by a strict majority", hashes)
+
+
+def waited_for(
+    needed: Callable[[int], Iterable[str]], closed: ClosedStep | None, max_revisions: int
+) -> Callable[[int], Iterable[str]]:
+    """The replicas the commit of ``closed`` (the last closed step) waits for, given each stage's live
+    serving replicas ``needed(stage)``: every one, or, once ``closed`` is at the last allowed revision,
+    only those that took part in it (see the module docstring)."""
+    if closed is None or closed.revision < max_revisions:
+        return needed
+    account = closed.accounting()
+    return lambda s: [p for p in needed(s) if p in account.get(s, {})]

@@ -29,9 +29,8 @@ survivors redo its tickets and the step reopens, because no stage can have appli
 (``revision_cap``) and the last revision stands, so no node's round id overflows. Its replicas take the
 node core's refused-redo fallback: a stage whose round left a dead replica out applies what it has (and
 logs the lost tickets; I1 gives way to liveness there), and a replica that lost its own gradients
-resyncs. At the last revision the commit waits only for the live *participants* of each stage (a
-left-out replica could not fetch a round that left someone out, since only full rounds are served; it
-resyncs from a replica that applied the step). What the cap cannot save is a stage whose round failed
+resyncs. At the last revision the commit waits only for the live *participants* of each stage
+(:func:`~.commit.waited_for`). What the cap cannot save is a stage whose round failed
 outright at the last revision with no replica holding the step: like a stage that lost every replica, it
 halts, visibly, until an operator acts. Honest churn stays far below the cap (the node-core simulator's
 schedules never pass revision 3), and one peer alone gets at most ``max_redos_per_peer`` reopenings (see
@@ -46,7 +45,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from protolearn.coordinator.core.commit import AveragedDecision, CommitBarrier
+from protolearn.coordinator.core.commit import AveragedDecision, CommitBarrier, waited_for
 from protolearn.coordinator.core.redo import RedoDecision, may_reopen, redo_open
 from protolearn.coordinator.core.steps import KEEP_CLOSED, ClosedStep, Ticket
 from protolearn.protocol.rounds import REVISIONS_PER_STEP
@@ -191,19 +190,7 @@ class TicketLedger:
         return self.barrier.try_commit(self.last_closed, None if closed is None else closed.revision, self._needed(needed))
 
     def _needed(self, needed: Callable[[int], Iterable[str]]) -> Callable[[int], Iterable[str]]:
-        """The replicas the commit waits for: every live one, or, once the last closed step is at its
-        last allowed revision, only its live participants.
-
-        At the cap a dead participant's tickets can no longer be redone, so its stage's survivors apply
-        the round they have (the node core's ``tickets_lost`` fallback) and serve no result to fetch (only
-        full rounds are served). A left-out replica could then never report, and the step would never
-        commit; instead it resyncs from a replica that applied the step once it commits.
-        """
-        closed = self.closed.get(self.last_closed)
-        if closed is None or closed.revision < self.max_revisions:
-            return needed
-        account = closed.accounting()
-        return lambda s: [p for p in needed(s) if p in account.get(s, {})]
+        return waited_for(needed, self.closed.get(self.last_closed), self.max_revisions)
 
     @property
     def committed_through(self) -> int:
