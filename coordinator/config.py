@@ -35,7 +35,7 @@ class CoordinatorSettings(BaseModel):
     # other replicas' recomputations. A report without either never bans on its own word.
     ban_on_evidence: bool = False
     # Integrity evidence the coordinator checks itself (a spot check's three signed outputs of the same
-    # inputs, or a signed tensor with NaN/Inf: coordinator/integrity.py) bans the convicted peer.
+    # inputs, or a signed tensor with NaN/Inf: coordinator/core/integrity.py) bans the convicted peer.
     integrity_bans: bool = True
     # For this long after a ban the banned peer's requests are refused with the ban's reason (so the node
     # can tell its user why); after it, its connections are refused outright.
@@ -78,7 +78,7 @@ class CoordinatorSettings(BaseModel):
     expel_on_liveness_reports: bool = True
     max_concurrent_waits: int = Field(1024, ge=1)
     # A member's claimed throughput counts as at most this many times the swarm's median claim
-    # (coordinator/assignment.py ThroughputClaims): a liar weighs like this many honest nodes at most.
+    # (coordinator/core/assignment.py ThroughputClaims): a liar weighs like this many honest nodes at most.
     throughput_claim_factor: float = Field(4.0, ge=1)
     # A member's state change shows in the view (and bumps its version) at most once per this interval.
     view_state_interval_s: float = Field(1.0, ge=0)

@@ -33,8 +33,8 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, gener
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from protolearn.coordinator.core import CoordinatorCore
-from protolearn.coordinator.status import build_status
+from protolearn.coordinator.core.dispatch import CoordinatorCore
+from protolearn.coordinator.core.status import build_status
 
 MAX_REQUEST_BYTES = 8192
 READ_TIMEOUT_S = 5.0
@@ -83,7 +83,7 @@ class CoordinatorCollector(Collector):
         yield gauge("halted", "1 when training is halted.", 1 if st.verdict == "halted" else 0)
         # Counter families are named without "_total"; the writer adds it to the sample and TYPE lines.
         refusals = CounterMetricFamily(PREFIX + "refusals", "Refused requests by code.", labels=["code"])
-        for code, n in sorted(core.refusals.items()):
+        for code, n in sorted(core.admission.refusals.items()):
             refusals.add_metric([code], n)
         yield refusals
         yield CounterMetricFamily(PREFIX + "tickets_reissued", "Expired leases re-issued.", value=core.reissued)

@@ -16,7 +16,7 @@ host tells the core when a member's connection closes, so a dead member's leases
 grace instead of at their expiry. Banned peers are handed to the host's gate, which refuses them at
 connection time.
 
-Reachability (``coordinator/reachability.py`` decides): a ``ReachabilityRequest`` is dialled back from
+Reachability (``coordinator/core/reachability.py`` decides): a ``ReachabilityRequest`` is dialled back from
 a second host, the *checker* (a throwaway identity on 127.0.0.1, opened at start-up), never over the
 connection the node opened, since that one reaches the node whatever its NAT does. The dials run in
 the request's own handler task under a semaphore of ``MAX_CHECKS``, so heartbeats are served
@@ -29,19 +29,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import trio
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.core import CoordinatorCore
-from protolearn.coordinator.run import RunInfo
+from protolearn.coordinator.core.dispatch import CoordinatorCore
+from protolearn.coordinator.core.reachability import BUSY, DIAL_TIMEOUT_S, MAX_CHECK_WAITERS, MAX_CHECKS, SLOT_WAIT_S, decide, dial_targets
+from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.errors import Refusal, RunMismatch
 from protolearn.coordinator.metrics import metrics_registry, serve_metrics
-from protolearn.coordinator.reachability import BUSY, DIAL_TIMEOUT_S, MAX_CHECK_WAITERS, MAX_CHECKS, SLOT_WAIT_S, decide, dial_targets
-from protolearn.coordinator.store import Store
+from protolearn.coordinator.store import DB_FILE, Store
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import Identity, load_or_create_identity
@@ -91,9 +91,6 @@ class Running:
     metrics_port: int | None
     core: CoordinatorCore
     host: Host
-    data_dir: Path
-    resumed: bool = False
-    events: list[str] = field(default_factory=list)
     # The host that dials reachability checks back (its peer ID is not the coordinator's).
     checker: Host | None = None
 
@@ -124,7 +121,7 @@ def open_state(run: Any, data_dir: Path, settings: CoordinatorSettings, now: flo
 
 def persisted_run_toml(data_dir: Path) -> str | None:
     """The run TOML a data dir was started with, or None for a fresh dir."""
-    if not (Path(data_dir) / "coordinator.sqlite").exists():
+    if not (Path(data_dir) / DB_FILE).exists():
         return None
     store = Store(data_dir)
     try:
@@ -205,7 +202,7 @@ class _Service:
     async def _wait(self, peer: str, msg: cm.WaitStep) -> cm.StepInfo:
         self.core.check_wait(peer, msg, self.clock())
         if self._waiting >= self.core.settings.max_concurrent_waits:
-            raise self.core.refuse("busy", "too many waiting requests; retry shortly")
+            raise self.core.admission.refuse("busy", "too many waiting requests; retry shortly")
         self._waiting += 1
         try:
             with trio.move_on_after(msg.timeout_s):
@@ -386,9 +383,9 @@ async def serve(
                     port = await nursery.start(serve_metrics, metrics_registry(core, clock), metrics_port, metrics_host)
                 log.info(
                     "coordinator peer=%s run=%s step=%d members=%d resumed=%s",
-                    host.peer_id, core.run.name, core.ledger.step, sum(1 for _ in core.registry.live()), resumed,
+                    host.peer_id, core.run.name, core.ledger.step, core.registry.num_live, resumed,
                 )
-                task_status.started(Running(host.peer_id, host.addrs(), port, core, host, data_dir, resumed, checker=checker))
+                task_status.started(Running(host.peer_id, host.addrs(), port, core, host, checker=checker))
     finally:
         if svc is not None:
             svc.flush_refusal_log(everything=True)  # no count is lost at shutdown

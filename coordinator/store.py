@@ -7,7 +7,7 @@ tens of microseconds, cheap enough to write after every state-changing request.
 Tables: ``meta`` (run TOML and hash, open step, last committed step, corpus fingerprint), ``members`` (one JSON row per member, live or
 departed), ``tickets`` (the open step's tickets and leases), ``steps`` (each closed step: loss and
 routes, from which the accounting is rebuilt), ``bans``. :meth:`Store.apply` writes one
-:class:`~protolearn.coordinator.core.Changes` in one transaction; :meth:`Store.load` reads it all back.
+:class:`~protolearn.coordinator.core.changes.Changes` in one transaction; :meth:`Store.load` reads it all back.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from protolearn.coordinator.core import KEEP_CLOSED, KEEP_HISTORY, Changes
+from protolearn.coordinator.core.changes import Changes
+from protolearn.coordinator.core.history import KEEP_HISTORY, LossRecord
+from protolearn.coordinator.core.integrity import EvidenceRecord
+from protolearn.coordinator.core.members import Member
+from protolearn.coordinator.core.steps import KEEP_CLOSED, ClosedStep, Ticket
+from protolearn.coordinator.core.verdicts import Ban
 from protolearn.coordinator.errors import StoreError
-from protolearn.coordinator.integrity import EvidenceRecord
-from protolearn.coordinator.registry import Member
-from protolearn.coordinator.tickets import ClosedStep, LossRecord, Ticket
-from protolearn.coordinator.verdicts import Ban
 
 # Evidence records loaded after a restart (the newest; counts in status start from them).
 MAX_EVIDENCE_LOADED = 100_000

@@ -2,7 +2,7 @@
 
 ``python scripts/bench.py coordinator --json [--sizes 100,1000,10000] [--stages 2] [--repeat 5]``
 
-No network: each size builds a :class:`~protolearn.coordinator.core.CoordinatorCore`, fills it with
+No network: each size builds a :class:`~protolearn.coordinator.core.dispatch.CoordinatorCore`, fills it with
 that many live, training members through :meth:`CoordinatorCore.restore` (as after a restart), and
 then calls :meth:`CoordinatorCore.handle` directly with pre-built messages, so what is timed is the
 core's own work (decoding and encoding belong to the transport):
@@ -33,8 +33,9 @@ from collections.abc import Callable
 from typing import Any
 
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.core import CoordinatorCore, RunInfo
-from protolearn.coordinator.registry import Member
+from protolearn.coordinator.core.dispatch import CoordinatorCore
+from protolearn.coordinator.core.members import Member
+from protolearn.coordinator.core.run import RunInfo
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.wire import encode
 

@@ -4,7 +4,7 @@ It dials the coordinator from a throwaway identity, asks for the status once (or
 ``--interval`` seconds with ``--watch``, redrawn in place with rich), and prints: the run, the step,
 tokens/s, the loss with a sparkline, each stage's replicas and throughput (an empty stage is shown as
 halting training), each node, the bans, and a one-line verdict. ``--json`` prints the documented
-schema (``protolearn.coordinator.status.STATUS_JSON_SCHEMA``); with ``--watch`` one object per line.
+schema (``protolearn.coordinator.core.status.STATUS_JSON_SCHEMA``); with ``--watch`` one object per line.
 An unreachable coordinator is one error line and exit 1.
 """
 

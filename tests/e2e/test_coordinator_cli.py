@@ -16,7 +16,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import trio
-from protolearn.coordinator.status import STATUS_JSON_SCHEMA
+from protolearn.coordinator.core.status import STATUS_JSON_SCHEMA
 from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement

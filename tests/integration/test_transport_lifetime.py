@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import trio
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.registry import LEFT
+from protolearn.coordinator.core.members import LEFT
 from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError

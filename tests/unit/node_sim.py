@@ -2,7 +2,7 @@
 
 Every node runs a :class:`~protolearn.node.core.NodeCore` (and on stage 0 a
 :class:`~protolearn.node.leasing.LeaseCore`); the coordinator is a real
-:class:`~protolearn.coordinator.core.CoordinatorCore` persisted to a real SQLite store, so a
+:class:`~protolearn.coordinator.core.dispatch.CoordinatorCore` persisted to a real SQLite store, so a
 coordinator restart restores what a crashed service would. What is modelled, because no sockets or
 torch run here: the pipeline (a ticket's forward and gradient hop between replicas with a delay; a dead
 or hung replica takes nothing), the collective (a round ends when every participant joined or is
@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.core import CoordinatorCore, RunInfo
+from protolearn.coordinator.core.dispatch import CoordinatorCore
+from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.store import Store
 from protolearn.node import core as nc

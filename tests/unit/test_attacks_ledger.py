@@ -11,15 +11,16 @@ import math
 
 import pytest
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.core import CoordinatorCore, RunInfo
+from protolearn.coordinator.core.dispatch import CoordinatorCore
+from protolearn.coordinator.core.run import RunInfo
+from protolearn.coordinator.core.tickets import TicketLedger
 from protolearn.coordinator.errors import Refusal
-from protolearn.coordinator.tickets import TicketLedger
 from protolearn.node import events as ev
 from protolearn.node.core import CoreConfig, NodeCore, Phase
-from protolearn.protocol.rounds import REVISIONS_PER_STEP, round_id
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.identity import Identity
+from protolearn.protocol.rounds import REVISIONS_PER_STEP, round_id
 from pydantic import ValidationError
 
 B = 8
@@ -204,7 +205,7 @@ def test_a_lone_liar_cannot_commit_its_stage_and_cannot_block_the_honest_majorit
     assert not core.ledger.committed(step)
     # The second honest replica makes the majority; the liar counted as having reported, so it cannot hold the step.
     assert swarm.averaged(h2, step, "good1").committed
-    assert core.ledger.committed_hashes == {0: "good0", 1: "good1"}
+    assert core.ledger.barrier.hashes == {0: "good0", 1: "good1"}
     # The liar's next poll is refused: its node resyncs instead of applying.
     err = refused("result_mismatch", swarm.averaged, liar, step, "bogus")
     assert "resync" in err.reason

@@ -13,11 +13,11 @@ import time
 
 import pytest
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.core import CoordinatorCore
+from protolearn.coordinator.core.dispatch import CoordinatorCore
+from protolearn.coordinator.core.members import EXPIRED, Member
+from protolearn.coordinator.core.run import RunInfo
+from protolearn.coordinator.core.view import VIEW_MAX
 from protolearn.coordinator.errors import Refusal
-from protolearn.coordinator.registry import EXPIRED, Member
-from protolearn.coordinator.run import RunInfo
-from protolearn.coordinator.view import VIEW_MAX
 from protolearn.node.syncing import judge_state
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.wire import encode

@@ -7,7 +7,7 @@ import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from protolearn.coordinator.assignment import (
+from protolearn.coordinator.core.assignment import (
     MAX_CLAIM,
     StageLoad,
     ThroughputClaims,

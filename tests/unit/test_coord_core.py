@@ -7,9 +7,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.core import CoordinatorCore, RunInfo
+from protolearn.coordinator.core.dispatch import CoordinatorCore
+from protolearn.coordinator.core.run import RunInfo
+from protolearn.coordinator.core.status import STATUS_JSON_SCHEMA
 from protolearn.coordinator.errors import Refusal
-from protolearn.coordinator.status import STATUS_JSON_SCHEMA
 from protolearn.coordinator.store import Store
 from protolearn.protocol import coordination as cm
 from protolearn.protocol import statements

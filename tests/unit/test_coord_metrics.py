@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
-from protolearn.coordinator.core import CoordinatorCore
+from protolearn.coordinator.core.dispatch import CoordinatorCore
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.metrics import CONTENT_TYPE, exposition, metrics_registry, serve_metrics
 
@@ -41,7 +41,7 @@ def test_the_collector_reports_the_core_as_a_prometheus_server_reads_it() -> Non
     assert got[("protolearn_stage_replicas", (("stage", "1"),))] == 1
     assert got[("protolearn_step", ())] == 1 and got[("protolearn_last_closed_step", ())] == 0
     assert got[("protolearn_loss", ())] == pytest.approx(core.ledger.closed[0].loss)
-    assert got[("protolearn_refusals_total", (("code", "already_joined"),))] == core.refusals["already_joined"] >= 1
+    assert got[("protolearn_refusals_total", (("code", "already_joined"),))] == core.admission.refusals["already_joined"] >= 1
     assert got[("protolearn_tickets_reissued_total", ())] == 0
     # the classic text format: counters are typed under their _total name
     assert "# TYPE protolearn_refusals_total counter\n" in text and "# TYPE protolearn_step gauge\n" in text

@@ -1,4 +1,4 @@
-"""The reachability check's decisions (coordinator/reachability.py) and what the core keeps of them."""
+"""The reachability check's decisions (coordinator/core/reachability.py) and what the core keeps of them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 from protolearn.coordinator.errors import Refusal
-from protolearn.coordinator.reachability import (
+from protolearn.coordinator.core.reachability import (
     MAX_DIAL_PORTS,
     ReachabilityDesk,
     Verdict,
@@ -15,7 +15,7 @@ from protolearn.coordinator.reachability import (
     dial_targets,
     offered_relays,
 )
-from protolearn.coordinator.status import SCHEMA_VERSION, STATUS_JSON_SCHEMA
+from protolearn.coordinator.core.status import SCHEMA_VERSION, STATUS_JSON_SCHEMA
 from protolearn.coordinator.store import Store
 from protolearn.protocol import coordination as cm
 from tests.unit.test_coord_core import make_core

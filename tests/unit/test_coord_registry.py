@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from protolearn.coordinator.assignment import shares_from_layers, stage_loads
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.registry import EXPIRED, LEFT, HeartbeatInfo, JoinInfo, Registry
+from protolearn.coordinator.core.assignment import shares_from_layers, stage_loads
+from protolearn.coordinator.core.members import EXPIRED, LEFT, HeartbeatInfo, JoinInfo
+from protolearn.coordinator.core.registry import Registry
 
 
 def registry(num_stages: int = 2) -> Registry:

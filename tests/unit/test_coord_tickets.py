@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from protolearn.coordinator.tickets import TicketLedger
+from protolearn.coordinator.core.tickets import TicketLedger
 
 B, S = 6, 2
 
@@ -186,7 +186,7 @@ def test_random_schedules_close_every_step_with_exactly_B_distinct_tickets() -> 
             if done:
                 led.redo(led.step, [rng.choice(done)])
         else:
-            led.release_all(peer)
+            led.release(peer, led.step, led.holdings(peer))
     assert len(closed) > 5
     for c in closed:
         assert c.num_tickets == B

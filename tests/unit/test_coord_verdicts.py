@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.ratelimit import RateLimiter
-from protolearn.coordinator.verdicts import MAX_BANS_IN_REPLY, VerdictPolicy
+from protolearn.coordinator.core.ratelimit import RateLimiter
+from protolearn.coordinator.core.verdicts import MAX_BANS_IN_REPLY, VerdictPolicy
 
 
 def policy(**kw) -> VerdictPolicy:

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.core import CoordinatorCore
-from protolearn.coordinator.registry import LIVE, Member
-from protolearn.coordinator.run import RunInfo
-from protolearn.coordinator.view import LOG_LEN, VIEW_MAX, VIEW_PER_STAGE, SwarmView
+from protolearn.coordinator.core.dispatch import CoordinatorCore
+from protolearn.coordinator.core.members import LIVE, Member
+from protolearn.coordinator.core.run import RunInfo
+from protolearn.coordinator.core.view import LOG_LEN, VIEW_MAX, VIEW_PER_STAGE, SwarmView
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.wire import decode, encode
 

@@ -1,4 +1,4 @@
-"""The coordinator's integrity verdicts (coordinator/integrity.py): evidence it checks itself convicts,
+"""The coordinator's integrity verdicts (coordinator/core/integrity.py): evidence it checks itself convicts,
 nothing else does. Real cores, real Ed25519 keys, real tensors in real codec frames; a fake clock.
 
 A spot check's evidence is three replicas' signed outputs of the same inputs; the odd one out is banned
@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.core import CoordinatorCore, RunInfo
+from protolearn.coordinator.core.dispatch import CoordinatorCore
+from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.store import Store
 from protolearn.protocol import coordination as cm

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.core import CoordinatorCore
+from protolearn.coordinator.core.dispatch import CoordinatorCore
+from protolearn.coordinator.core.verdicts import VerdictPolicy
 from protolearn.coordinator.errors import Refusal
-from protolearn.coordinator.verdicts import VerdictPolicy
 from protolearn.node.balancer import Balancer
 from protolearn.protocol import coordination as cm
 

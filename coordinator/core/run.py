@@ -22,7 +22,7 @@ class RunInfo:
     tokens_per_step: int
     # The model's vocabulary (bounds a plausible loss); 0: unknown, no upper bound beyond finiteness.
     vocab_size: int = 0
-    # What a spot check's evidence is checked against (coordinator/integrity.py): the boundary tensor's
+    # What a spot check's evidence is checked against (coordinator/core/integrity.py): the boundary tensor's
     # shape (mb, T, D), the run's codec and the relative tolerance beyond the codec's own error.
     boundary_shape: tuple[int, ...] = ()
     codec: str = "none"

@@ -3,15 +3,15 @@
 A sans-IO core: every method takes ``now`` and returns a decision with a reason. A member is ``live``
 from its join until it leaves, expires (no heartbeat for ``expiry_s``) or is banned. A second join
 of a live peer is refused. A departed peer (left or expired) may rejoin with the same ID and gets its
-old stage back, unless another stage has no replica while its old one has some: local state is worth
-reusing, but a halted stage comes first. Departed entries are forgotten after
-``departed_retention_s``.
+old stage back, unless another stage has no replica while its old one has some
+(:func:`~.assignment.place`), and the reachability verdict it had unless a new check says otherwise.
+Departed entries are forgotten after ``departed_retention_s``.
 
 Heartbeat telemetry alone (last seen, throughput, queue length, and a flip between ``training`` and
 ``averaging``) marks a member ``soft``-dirty: the service persists it every few seconds rather than on
 every heartbeat, since a restart resets ``last_seen`` anyway (:meth:`Registry.restore_grace`).
 
-The *view version* (of :class:`~protolearn.coordinator.view.SwarmView`, which the registry keeps in
+The *view version* (of :class:`~protolearn.coordinator.core.view.SwarmView`, which the registry keeps in
 step) increases on every change other nodes must see: a join, leave, expiry, ban or stage move, and a
 state change into or out of serving (``training``/``averaging``). Every member flips between those
 two each step, and nobody routes differently because of it, so that flip is not a view change;
@@ -25,109 +25,36 @@ in the view at most once per ``view_state_interval_s`` per member; *param_hash* 
 the stage's majority (:func:`~protolearn.protocol.coordination.majority_state`). Live stage-0
 members' corpus fingerprints are tallied here as votes (see corpus.py).
 
-Every request path is O(1) in the number of members: the registry keeps per-stage tallies (replicas,
-throughput, working replicas) and the live count up to date as members change, rather than scanning
-them. Only :meth:`Registry.expire`, :meth:`Registry.rebalance` and :meth:`Registry.restore` (timers
-and restarts) visit every member.
+Every request path is O(1) in the number of members: the registry keeps :class:`~.tallies.StageTallies`
+(replicas, throughput, working replicas, the live count) up to date as members change, rather than
+scanning them. Only :meth:`Registry.expire`, :meth:`Registry.rebalance` and :meth:`Registry.restore`
+(timers and restarts) visit every member. The records themselves are in ``members.py``; where a
+joiner or a returning identity goes is decided by ``assignment.py``.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from protolearn.coordinator.assignment import MIN_THROUGHPUT, Choice, Move, StageLoad, ThroughputClaims, choose_stage, propose_move
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.view import SwarmView, first_version
+from protolearn.coordinator.core.assignment import Move, StageLoad, place, propose_move
+from protolearn.coordinator.core.members import (
+    BANNED,
+    EXPIRED,
+    LEFT,
+    LIVE,
+    HeartbeatInfo,
+    JoinInfo,
+    Member,
+    MemberDecision,
+    shows_change,
+    view_entry,
+)
+from protolearn.coordinator.core.tallies import StageTallies
+from protolearn.coordinator.core.view import SwarmView, first_version
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.states import NodeState
-
-LIVE = "live"
-LEFT = "left"
-EXPIRED = "expired"
-BANNED = "banned"
-# The node states in which a member serves its stage (counts as working, and routes and averages).
-SERVING_STATES = frozenset(s for s in NodeState if s.live)
-# Stage throughput is summed in integer units of this many layer-tokens/s, so that adding and later
-# subtracting a member's share leaves the sum exactly as a fresh sum would be (floats would drift).
-_UNITS_PER_THROUGHPUT = 1_000_000
-
-
-def _units(throughput: float) -> int:
-    return round(max(throughput, MIN_THROUGHPUT) * _UNITS_PER_THROUGHPUT)
-
-
-@dataclass
-class Member:
-    peer_id: str
-    addrs: list[str]
-    device: str
-    memory_gb: float
-    throughput: float
-    stage: int
-    joined_at: float
-    last_seen: float
-    name: str = ""
-    status: str = LIVE
-    state: NodeState = NodeState.SYNCING
-    queue_len: int = 0
-    step: int = -1
-    param_hash: str = ""
-    loss: float | None = None
-    moved_at: float = 0.0
-    left_at: float = 0.0
-    move_reason: str = ""
-    # The stage the node last said it serves (-1: not said). It lags ``stage`` while the node moves.
-    serving: int = -1
-    # When a state change of it last showed in the view (None: none since it joined); see view_state_interval_s.
-    shown_at: float | None = None
-    # The corpus fingerprint it reported (CorpusCheck); a vote while it is a live stage-0 member.
-    corpus: str = ""
-    # The coordinator's own reachability verdict on it (coordinator/reachability.py), whether it offered
-    # to relay for others, and how its stage peers reach it (its last heartbeat's word; "" until then).
-    reachability: str = "unknown"
-    relay: bool = False
-    path: str = ""
-
-    def __post_init__(self) -> None:
-        self.state = NodeState(self.state)  # the store keeps it as its string value
-
-
-@dataclass(frozen=True)
-class JoinInfo:
-    addrs: list[str]
-    device: str = "cpu"
-    memory_gb: float = 0.0
-    throughput: float = 0.0
-    name: str = ""
-    # The coordinator's verdict (never the node's claim) and the node's offer to relay.
-    reachability: str = "unknown"
-    relay: bool = False
-
-
-@dataclass(frozen=True)
-class HeartbeatInfo:
-    state: NodeState
-    throughput: float = 0.0
-    queue_len: int = 0
-    step: int = -1
-    param_hash: str = ""
-    loss: float | None = None
-    stage: int = -1  # the stage the node serves now (-1: not said)
-    # (step, hash) after its last few applied steps (protocol/coordination.py HASH_HISTORY), oldest first.
-    recent: tuple[tuple[int, str], ...] = ()
-    path: str = ""  # how its stage peers reach it ("": not said)
-    addrs: tuple[str, ...] = ()  # where it is to be dialled now, if that changed since it joined (): unchanged)
-
-
-@dataclass(frozen=True)
-class MemberDecision:
-    accepted: bool
-    code: str
-    reason: str
-    stage: int = -1
-    rejoined: bool = False
 
 
 @dataclass
@@ -150,64 +77,18 @@ class Registry:
     _disconnected: dict[str, float] = field(default_factory=dict)
     # Members whose connection stayed closed past the grace: presumed dead until they reconnect.
     _gone: set[str] = field(default_factory=set)
-    # Per-stage tallies of live members, kept up to date by _count (see the module docstring).
-    _num_live: int = field(default=0, init=False)
-    _replicas: list[int] = field(init=False)
-    _working: list[set[str]] = field(init=False)
-    _throughput: list[int] = field(init=False)
-    _claims: ThroughputClaims = field(init=False)
-    _corpus_votes: Counter[str] = field(init=False)
-    # Live members that offered to relay and that the coordinator found public, in join order (a dict as
-    # an ordered set): the relays a reachability reply offers, found without scanning the members.
-    _relays: dict[str, None] = field(init=False)
+    # Tallies of the live members: every change below takes a member out of them first and puts it back after.
+    tallies: StageTallies = field(init=False)
     # What nodes are told about the live members (see view.py), kept in step by _touch.
     view: SwarmView = field(init=False)
 
     def __post_init__(self) -> None:
-        self._recount()
-        self.view = SwarmView(self.num_stages, self.first_version, [_entry(m) for m in self.live()])
+        self.tallies = StageTallies(self.num_stages, self.members.values())
+        self.view = SwarmView(self.num_stages, self.first_version, [view_entry(m) for m in self.live()])
 
     @property
     def view_version(self) -> int:
         return self.view.version
-
-    def _recount(self) -> None:
-        self._num_live = 0
-        self._replicas = [0] * self.num_stages
-        self._working = [set() for _ in range(self.num_stages)]
-        self._throughput = [0] * self.num_stages
-        self._claims = ThroughputClaims()
-        self._corpus_votes = Counter()
-        self._relays = {}
-        for m in self.members.values():
-            self._count(m, 1)
-
-    def _count(self, m: Member, sign: int) -> None:
-        """Add (``sign`` 1) or take out (-1) ``m``'s part of the tallies: call with -1 before changing a
-        member's status, stage, serving stage, state or throughput, and with 1 after."""
-        if m.status != LIVE:
-            return
-        self._num_live += sign
-        self._claims.add(m.throughput, sign)
-        if m.relay and m.reachability == "public":
-            if sign > 0:
-                self._relays[m.peer_id] = None
-            else:
-                self._relays.pop(m.peer_id, None)
-        s = m.stage
-        if s == 0 and m.corpus:
-            self._corpus_votes[m.corpus] += sign
-            if not self._corpus_votes[m.corpus]:
-                del self._corpus_votes[m.corpus]
-        if not 0 <= s < self.num_stages:
-            return
-        self._replicas[s] += sign
-        self._throughput[s] += sign * _units(m.throughput)
-        if m.serving in (-1, s) and m.state in SERVING_STATES:
-            if sign > 0:
-                self._working[s].add(m.peer_id)
-            else:
-                self._working[s].discard(m.peer_id)
 
     def connection_changed(self, peer_id: str, connected: bool, now: float) -> None:
         """The host saw ``peer_id``'s first connection open or its last one close."""
@@ -232,21 +113,19 @@ class Registry:
 
     def working(self, stage: int) -> int:
         """Members that serve ``stage`` now and train (a member still moving there does not count)."""
-        return len(self._working[stage]) if 0 <= stage < self.num_stages else 0
+        return len(self.tallies.working_peers(stage))
 
     def working_counts(self) -> list[int]:
         """:meth:`working` of every stage, in stage order."""
-        return [len(w) for w in self._working]
+        return self.tallies.working_counts()
 
     @property
     def num_live(self) -> int:
-        return self._num_live
+        return self.tallies.num_live
 
     def serving(self, stage: int) -> list[str]:
         """The replicas that serve ``stage`` now and train, and whose connection is not closed (sorted)."""
-        if not 0 <= stage < self.num_stages:
-            return []
-        return sorted(p for p in self._working[stage] if p not in self._gone)
+        return sorted(p for p in self.tallies.working_peers(stage) if p not in self._gone)
 
     def stage_hashes(self, stage: int, limit: int) -> list[tuple[str, int, str]]:
         """(peer, step, parameter hash) after each of the last few steps ``stage``'s serving replicas
@@ -254,7 +133,7 @@ class Registry:
         if not 0 <= stage < self.num_stages:
             return []
         out: list[tuple[str, int, str]] = []
-        for p in sorted(self._working[stage]):
+        for p in sorted(self.tallies.working_peers(stage)):
             m = self.members[p]
             if m.param_hash:
                 out += [(p, s, h) for s, h in self._recent.get(p, ((m.step, m.param_hash),))]
@@ -271,14 +150,14 @@ class Registry:
 
     def loads(self) -> list[StageLoad]:
         """Each stage's summed throughput and replica count, as :func:`~.assignment.stage_loads` would give."""
-        return [StageLoad(t / _UNITS_PER_THROUGHPUT, n) for t, n in zip(self._throughput, self._replicas, strict=True)]
+        return self.tallies.loads()
 
     def _touch(self, m: Member, structural: bool) -> None:
         """``m`` changed and must be persisted; ``structural``: in a way the view shows, too."""
         self.dirty.add(m.peer_id)
         if structural:
             if m.status == LIVE:
-                self.view.put(_entry(m))
+                self.view.put(view_entry(m))
             else:
                 self.view.drop(m.peer_id)
 
@@ -288,33 +167,28 @@ class Registry:
             return MemberDecision(False, "already_joined", f"{peer_id} is already a live member (stage {old.stage}); leave first")
         if old is not None and old.status == BANNED:
             return MemberDecision(False, "banned", f"{peer_id} is banned")
-        if old is None and self._num_live >= self.settings.max_members:
+        if old is None and self.num_live >= self.settings.max_members:
             return MemberDecision(False, "full", f"the swarm is at its limit of {self.settings.max_members} members")
-        loads = self.loads()
-        choice = choose_stage(loads, self.shares)
+        choice = place(self.loads(), self.shares, None if old is None else old.stage)
         rejoined = old is not None
-        if old is not None and 0 <= old.stage < self.num_stages:
-            halted_elsewhere = loads[choice.stage].replicas == 0 and loads[old.stage].replicas > 0
-            if not halted_elsewhere:
-                choice = Choice(old.stage, f"rejoined its previous stage {old.stage}")
         m = Member(
             peer_id=peer_id,
             addrs=list(info.addrs),
             device=info.device,
             memory_gb=info.memory_gb,
-            throughput=self._claims.bound(info.throughput, self.settings.throughput_claim_factor),
+            throughput=self.tallies.claims.bound(info.throughput, self.settings.throughput_claim_factor),
             stage=choice.stage,
             joined_at=now,
             last_seen=now,
             name=info.name,
             moved_at=now,
-            reachability=info.reachability,
+            reachability=old.reachability if info.reachability == "unknown" and old is not None else info.reachability,
             relay=info.relay,
         )
         if old is not None:
             m.step, m.param_hash = old.step, old.param_hash
         self.members[peer_id] = m
-        self._count(m, 1)
+        self.tallies.count(m, 1)
         self.removed.discard(peer_id)
         self._touch(m, True)
         return MemberDecision(True, "ok", choice.reason, choice.stage, rejoined)
@@ -325,14 +199,14 @@ class Registry:
         m = self.members.get(peer_id)
         if m is None or m.status != LIVE:
             return
-        self._count(m, -1)
+        self.tallies.count(m, -1)
         if old is None:
             del self.members[peer_id]
             self.dirty.discard(peer_id)
             self.soft.discard(peer_id)
         else:
             self.members[peer_id] = old
-            self._count(old, 1)
+            self.tallies.count(old, 1)
         self.view.drop(peer_id)
 
     def heartbeat(self, peer_id: str, hb: HeartbeatInfo, now: float, *, frontier: int | None = None) -> MemberDecision:
@@ -347,11 +221,11 @@ class Registry:
         step, param_hash = hb.step, hb.param_hash
         if frontier is not None and step >= frontier:
             step, param_hash = -1, ""  # it cannot have applied an uncommitted step: nothing it says of it counts
-        persist = _visible(m.state, state) or step != m.step or param_hash != m.param_hash
-        self._count(m, -1)
+        persist = shows_change(m.state, state) or step != m.step or param_hash != m.param_hash
+        self.tallies.count(m, -1)
         m.state = state
         claim = hb.throughput if hb.throughput > 0 else m.throughput
-        m.throughput = self._claims.bound(claim, self.settings.throughput_claim_factor)
+        m.throughput = self.tallies.claims.bound(claim, self.settings.throughput_claim_factor)
         m.queue_len = hb.queue_len
         if hb.stage >= 0:
             m.serving = hb.stage
@@ -370,11 +244,11 @@ class Registry:
         moved = bool(hb.addrs) and list(hb.addrs) != m.addrs
         if moved:
             m.addrs = list(hb.addrs)
-        self._count(m, 1)
+        self.tallies.count(m, 1)
         m.last_seen = now
         shown = self.view.get(peer_id)
         # New addresses go into the view at once: its peers cannot reach it at the old ones.
-        structural = moved or shown is not None and _visible(shown.state, state) and (
+        structural = moved or shown is not None and shows_change(shown.state, state) and (
             m.shown_at is None or now - m.shown_at >= self.settings.view_state_interval_s
         )
         if structural:
@@ -391,16 +265,16 @@ class Registry:
         m = self.members.get(peer_id)
         if m is None or m.status != LIVE or m.reachability == verdict:
             return
-        self._count(m, -1)
+        self.tallies.count(m, -1)
         m.reachability = verdict
-        self._count(m, 1)
+        self.tallies.count(m, 1)
         self.dirty.add(peer_id)
 
     def relays(self, exclude: str, limit: int, usable: Callable[[list[str]], list[str]] = list) -> list[str]:
         """The first ``usable`` address of up to ``limit`` live, public members that offered to relay (not
         ``exclude``); O(limit), not O(members), but for members with no usable address."""
         out: list[str] = []
-        for p in self._relays:
+        for p in self.tallies.relays:
             if len(out) >= limit:
                 break
             addrs = usable(self.members[p].addrs) if p != exclude else []
@@ -411,20 +285,20 @@ class Registry:
     def vote_corpus(self, peer_id: str, fingerprint: str) -> None:
         """Record the corpus fingerprint ``peer_id`` reported (a vote while it is a live stage-0 member)."""
         m = self.members[peer_id]
-        self._count(m, -1)
+        self.tallies.count(m, -1)
         m.corpus = fingerprint
-        self._count(m, 1)
+        self.tallies.count(m, 1)
         self.dirty.add(peer_id)
 
     def corpus_votes(self, fingerprint: str) -> int:
         """How many live stage-0 members reported ``fingerprint``."""
-        return self._corpus_votes.get(fingerprint, 0)
+        return self.tallies.corpus_votes(fingerprint)
 
     def leave(self, peer_id: str, now: float) -> MemberDecision:
         m = self.members.get(peer_id)
         if m is None or m.status != LIVE:
             return MemberDecision(False, "not_member", f"{peer_id} is not a live member")
-        self._count(m, -1)
+        self.tallies.count(m, -1)
         m.status, m.left_at = LEFT, now
         self._touch(m, True)
         return MemberDecision(True, "ok", f"{peer_id} left stage {m.stage}", m.stage)
@@ -434,7 +308,7 @@ class Registry:
         out = []
         for m in list(self.members.values()):
             if m.status == LIVE and now - m.last_seen > self.settings.expiry_s and now >= self.grace_until:
-                self._count(m, -1)
+                self.tallies.count(m, -1)
                 m.status, m.left_at = EXPIRED, now
                 self._touch(m, True)
                 out.append(m)
@@ -451,7 +325,7 @@ class Registry:
         if m is None:
             return False
         was_live = m.status == LIVE
-        self._count(m, -1)
+        self.tallies.count(m, -1)
         m.status, m.left_at = BANNED, now
         self._touch(m, True)
         return was_live
@@ -469,11 +343,11 @@ class Registry:
         )
         if move is not None:
             m = self.members[move.peer_id]
-            self._count(m, -1)
+            self.tallies.count(m, -1)
             m.stage, m.moved_at, m.state, m.move_reason = move.dst, now, NodeState.SYNCING, move.reason
             m.step, m.param_hash = -1, ""  # its hashes were of the old stage
             self._recent.pop(m.peer_id, None)
-            self._count(m, 1)
+            self.tallies.count(m, 1)
             self._touch(m, True)
         return move
 
@@ -483,9 +357,9 @@ class Registry:
         Nothing counts as changed afterwards: the store already holds exactly this.
         """
         self.members = {m.peer_id: m for m in members}
-        self._recount()
+        self.tallies = StageTallies(self.num_stages, self.members.values())
         self.first_version = first_version(now)
-        self.view = SwarmView(self.num_stages, self.first_version, [_entry(m) for m in self.live()])
+        self.view = SwarmView(self.num_stages, self.first_version, [view_entry(m) for m in self.live()])
         self.dirty.clear()
         self.removed.clear()
         self.soft.clear()
@@ -516,14 +390,3 @@ class Registry:
         for m in self.live():
             m.last_seen = max(m.last_seen, now)
 
-
-def _visible(a: NodeState, b: NodeState) -> bool:
-    """Whether a change from state ``a`` to ``b`` is one other nodes must see (not training ↔ averaging)."""
-    return a != b and not (a in SERVING_STATES and b in SERVING_STATES)
-
-
-def _entry(m: Member) -> cm.MemberView:
-    """``m`` as other nodes see it: enough to route to it and average with it."""
-    return cm.MemberView(
-        peer_id=m.peer_id, stage=m.stage, addrs=list(m.addrs), state=m.state, throughput=float(m.throughput), queue_len=m.queue_len
-    )

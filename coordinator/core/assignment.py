@@ -7,7 +7,8 @@ slowest stage, ``min_s T_s / w_s``. *Balance quality* is that rate divided by th
 same total compute, ``sum(T) / sum(w)``: 1.0 is perfect, 0.0 means some stage is empty.
 
 - A joiner goes to the stage with the least throughput relative to its share (ties: fewer replicas
-  per share, then the lower index), which is the stage that raises the bottleneck most.
+  per share, then the lower index), which is the stage that raises the bottleneck most. A returning
+  identity goes back to its old stage unless that would leave another stage empty (:func:`place`).
 - Rebalancing (Petals-style): only a move into the bottleneck stage can raise the rate, so for every
   source stage with at least two replicas (never empty a stage) the best node to move is the one whose
   throughput is closest to the amount that equalises the two stages. The best such move is proposed
@@ -149,6 +150,18 @@ def choose_stage(loads: Sequence[StageLoad], shares: Sequence[float]) -> Choice:
     )
 
 
+def place(loads: Sequence[StageLoad], shares: Sequence[float], previous: int | None) -> Choice:
+    """The stage a joiner gets: :func:`choose_stage`'s, or, for a returning identity, the stage it held
+    before (``previous``): its local state is worth reusing, but a halted stage comes first, so not when
+    another stage has no replica while its old one has some."""
+    choice = choose_stage(loads, shares)
+    if previous is not None and 0 <= previous < len(loads):
+        halted_elsewhere = loads[choice.stage].replicas == 0 and loads[previous].replicas > 0
+        if not halted_elsewhere:
+            return Choice(previous, f"rejoined its previous stage {previous}")
+    return choice
+
+
 def propose_move(
     nodes: Iterable[tuple[str, int, float, bool]],
     shares: Sequence[float],
@@ -161,17 +174,14 @@ def propose_move(
     load and replica count but are never proposed (e.g. syncing, or recently moved).
     """
     num_stages = len(shares)
-    thr = [0.0] * num_stages
-    cnt = [0] * num_stages
+    nodes = [n for n in nodes if 0 <= n[1] < num_stages]
+    loads = stage_loads(((stage, t) for _, stage, t, _ in nodes), num_stages)
+    thr = [load.throughput for load in loads]
+    cnt = [load.replicas for load in loads]
     movable_by_stage: list[list[tuple[str, float]]] = [[] for _ in range(num_stages)]
     for peer_id, stage, t, movable in nodes:
-        if not 0 <= stage < num_stages:
-            continue
-        t = max(t, MIN_THROUGHPUT)
-        thr[stage] += t
-        cnt[stage] += 1
         if movable:
-            movable_by_stage[stage].append((peer_id, t))
+            movable_by_stage[stage].append((peer_id, max(t, MIN_THROUGHPUT)))
     if num_stages < 2:
         return None
     ratios = [thr[s] / shares[s] for s in range(num_stages)]
@@ -203,7 +213,7 @@ def propose_move(
     rate_after, peer_id, src, x = best
     if not rate_before < min_quality * rate_after:
         return None
-    q_before = rate_before / ideal if ideal > 0 else 0.0
+    q_before = balance_quality(loads, shares)  # rate_before / ideal
     q_after = rate_after / ideal if ideal > 0 else 0.0
     reason = (
         f"move {peer_id} (throughput {x:.3g}) from stage {src} to bottleneck stage {dst}: "

@@ -1,26 +1,27 @@
 """Step accounting: the B microbatch tickets of each step, their leases, completions and redo (sans-IO).
 
-Step ``t`` is the tickets ``(t, 0..B-1)``. Only one step is open at a time; step ``t+1`` is leasable
-only once step ``t`` has closed. Stage-0 nodes lease tickets in small blocks; a lease expires after
+Step ``t`` is the tickets ``(t, 0..B-1)`` (their records are in ``steps.py``). Only one step is open
+at a time; step ``t+1`` is leasable only once step ``t`` has closed. Stage-0 nodes lease tickets in small blocks; a lease expires after
 ``lease_s`` and an expired lease is re-issued to whoever asks next (expired ones first, so a stalled
 ticket never holds up the step). Completing ticket ``(t, i)`` carries the route (one peer per stage)
 and the microbatch loss. Only the current leaseholder may complete it, and a ticket completes at most
 once: a late duplicate after a re-issue is refused and never counted twice (I1).
 
-When all B tickets are done the step closes, and its accounting is frozen in a :class:`ClosedStep`:
-for each stage, which peer accounts for which tickets (read off the routes), and the mean loss.
+When all B tickets are done the step closes, and its accounting is frozen in a
+:class:`~.steps.ClosedStep`.
 
 :meth:`TicketLedger.redo` un-completes tickets. On the open step it frees them (their route broke).
 On the step that just closed it *reopens* that step, provided it has not committed (a replica's
 contribution was dropped from the average, so its tickets must be recomputed before anyone applies the
-step); the step then closes again with ``revision + 1``.
+step); the step then closes again with ``revision + 1``. Who may ask for which tickets, and how often, is
+``redo.py``'s rule.
 
 **The commit barrier.** A closed step is not yet final: each stage's replicas average it, and a
 participant of each stage reports :meth:`TicketLedger.averaged` once its round finished with every
 contribution in; a replica the accounting left out reports once it fetched the result. Each report names
 the result's hash. When a strict majority of every stage's live replicas hold one hash and every live
 replica reported, the step *commits* (the rule and why a liar can neither commit nor block it are in
-``coordinator/commit.py``): replicas apply it only then, the next step's tickets are leased only then,
+``coordinator/core/commit.py``): replicas apply it only then, the next step's tickets are leased only then,
 and it never reopens. So a replica that dies while its stage averages is never lost: its stage's
 survivors redo its tickets and the step reopens, because no stage can have applied it yet (I1).
 
@@ -28,23 +29,12 @@ survivors redo its tickets and the step reopens, because no stage can have appli
 (``revision_cap``) and the last revision stands, so no node's round id overflows. Its replicas take the
 node core's refused-redo fallback: a stage whose round left a dead replica out applies what it has (and
 logs the lost tickets; I1 gives way to liveness there), and a replica that lost its own gradients
-resyncs. At the last revision the commit waits only for the live *participants* of each stage (a
-left-out replica could not fetch a round that left someone out, since only full rounds are served; it
-resyncs from a replica that applied the step). What the cap cannot save is a stage whose round failed
+resyncs. At the last revision the commit waits only for the live *participants* of each stage
+(:func:`~.commit.waited_for`). What the cap cannot save is a stage whose round failed
 outright at the last revision with no replica holding the step: like a stage that lost every replica, it
 halts, visibly, until an operator acts. Honest churn stays far below the cap (the node-core simulator's
 schedules never pass revision 3), and one peer alone gets at most ``max_redos_per_peer`` reopenings (see
-``core.py``). A completion's loss must be finite and within ``[0, max_loss]``.
-
-Who may ask for a redo: a peer on the ticket's route (it lost the ticket's graph or gradients), or a
-*participant of the same stage*: a peer that the step's frozen accounting lists at stage s and that is
-still in stage s. The second case is a surviving replica whose collective left a dead replica's
-contribution out. When every participant of a stage is gone (``orphaned``), any member of that stage
-may redo the step's tickets: nobody is left who holds that stage's gradients. Every ticket passes through every stage, so such a peer can only force work to be
-recomputed: a redo replaces a ticket's completion and never adds a second one (I1). A peer that took no
-part in the step cannot touch it. On a reopened step, a same-stage redo only resets tickets still
-carrying their frozen route: a late duplicate request from a second survivor finds them already redone
-and leaves the new attempts alone.
+``redo.py``). A completion's loss must be finite and within ``[0, max_loss]``.
 
 Every operation returns a decision with a reason; nothing here raises on a peer's bad request.
 """
@@ -53,53 +43,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from protolearn.coordinator.commit import AveragedDecision, CommitBarrier
-
-
-@dataclass
-class Ticket:
-    index: int
-    holder: str | None = None
-    expires_at: float = 0.0
-    done: bool = False
-    route: list[str] | None = None
-    loss: float | None = None
-    # How many times this ticket has been leased (re-issues show up in the log and the metrics).
-    issued: int = 0
-
-
-@dataclass(frozen=True)
-class ClosedStep:
-    step: int
-    revision: int
-    loss: float
-    closed_at: float
-    routes: tuple[tuple[str, ...], ...]
-    losses: tuple[float, ...]
-
-    @property
-    def num_tickets(self) -> int:
-        return len(self.routes)
-
-    def accounting(self) -> dict[int, dict[str, list[int]]]:
-        """stage → peer → the tickets that peer accounts for in this step."""
-        out: dict[int, dict[str, list[int]]] = {}
-        for index, route in enumerate(self.routes):
-            for stage, peer in enumerate(route):
-                out.setdefault(stage, {}).setdefault(peer, []).append(index)
-        return out
-
-
-@dataclass(frozen=True)
-class LossRecord:
-    """A closed step in brief: the history behind `swarm status` and tokens/s (routes are in :class:`ClosedStep`)."""
-
-    step: int
-    loss: float
-    tickets: int
-    closed_at: float
+from protolearn.coordinator.core.commit import AveragedDecision, CommitBarrier, waited_for
+from protolearn.coordinator.core.redo import RedoDecision, may_reopen, redo_open
+from protolearn.coordinator.core.steps import KEEP_CLOSED, ClosedStep, Ticket
+from protolearn.protocol.rounds import REVISIONS_PER_STEP
 
 
 @dataclass(frozen=True)
@@ -132,18 +81,6 @@ class CompleteDecision:
     held_s: float = 0.0
 
 
-@dataclass(frozen=True)
-class RedoDecision:
-    accepted: bool
-    reason: str
-    indices: list[int] = field(default_factory=list)
-    reopened: bool = False
-    code: str = "redo_refused"
-    # The redo undid work that was not the sender's own lease (a reopening, or another holder's ticket):
-    # what a per-peer redo budget counts.
-    foreign: bool = False
-
-
 class TicketLedger:
     """The tickets of the open step plus the closed steps' frozen accounting."""
 
@@ -158,8 +95,8 @@ class TicketLedger:
         tickets: Sequence[Ticket] | None = None,
         closed: Sequence[ClosedStep] = (),
         committed_through: int | None = None,
-        keep_closed: int = 1000,
-        max_revisions: int = 2**31 - 1,
+        keep_closed: int = KEEP_CLOSED,
+        max_revisions: int = REVISIONS_PER_STEP,
         max_loss: float = math.inf,
     ) -> None:
         if num_tickets < 1 or num_stages < 1 or keep_closed < 1:
@@ -180,7 +117,7 @@ class TicketLedger:
         # Tickets whose persisted form changed since the last drain (indices of the open step).
         self.dirty: set[int] = set()
         self.reset = False
-        # The commit barrier: the one owner of the last committed step (see coordinator/commit.py). A
+        # The commit barrier: the one owner of the last committed step (see coordinator/core/commit.py). A
         # restored ledger without that field counts its closed steps as committed, which is what the old
         # rule-free swarm did. A fresh run persists "nothing committed" with its first drain: a store
         # without the field reads as "every closed step committed", so a crash between step 0's close and
@@ -253,19 +190,7 @@ class TicketLedger:
         return self.barrier.try_commit(self.last_closed, None if closed is None else closed.revision, self._needed(needed))
 
     def _needed(self, needed: Callable[[int], Iterable[str]]) -> Callable[[int], Iterable[str]]:
-        """The replicas the commit waits for: every live one, or, once the last closed step is at its
-        last allowed revision, only its live participants.
-
-        At the cap a dead participant's tickets can no longer be redone, so its stage's survivors apply
-        the round they have (the node core's ``tickets_lost`` fallback) and serve no result to fetch (only
-        full rounds are served). A left-out replica could then never report, and the step would never
-        commit; instead it resyncs from a replica that applied the step once it commits.
-        """
-        closed = self.closed.get(self.last_closed)
-        if closed is None or closed.revision < self.max_revisions:
-            return needed
-        account = closed.accounting()
-        return lambda s: [p for p in needed(s) if p in account.get(s, {})]
+        return waited_for(needed, self.closed.get(self.last_closed), self.max_revisions)
 
     @property
     def committed_through(self) -> int:
@@ -276,10 +201,6 @@ class TicketLedger:
     def commit_dirty(self) -> bool:
         """The commit moved since the last drain (or a fresh run must persist "nothing committed")."""
         return self.barrier.dirty
-
-    @property
-    def committed_hashes(self) -> dict[int, str]:
-        return self.barrier.hashes
 
     def remaining(self) -> int:
         return sum(1 for t in self.tickets if not t.done)
@@ -298,9 +219,8 @@ class TicketLedger:
             n = min(n, share - len(self.holdings(peer)))
         if not self.committed(self.last_closed):
             return LeaseDecision(self.step, [], 0.0, [], f"step {self.last_closed} has not committed yet; wait for it")
-        expired = [t for t in self.tickets if not t.done and t.holder is not None and t.expires_at <= now]
         free = [t for t in self.tickets if not t.done and t.holder is None]
-        picked = (expired + free)[:n]
+        picked = (self._expired(now) + free)[:n]
         if not picked:
             return LeaseDecision(self.step, [], 0.0, [], f"every ticket of step {self.step} is leased or done; wait for it to close")
         expires_at = now + self.lease_s
@@ -331,10 +251,6 @@ class TicketLedger:
                     out.append(i)
         return out
 
-    def release_all(self, peer: str) -> list[int]:
-        held = [t.index for t in self.tickets if t.holder == peer and not t.done]
-        return self.release(peer, self.step, held)
-
     def holdings(self, peer: str) -> list[int]:
         return [t.index for t in self.tickets if t.holder == peer and not t.done]
 
@@ -343,7 +259,7 @@ class TicketLedger:
         if refused is not None:
             return refused
         t = self.tickets[index]
-        held_s = now - (t.expires_at - self.lease_s)
+        held_s = now - self.leased_at(t)
         t.done, t.route, t.loss = True, list(route), float(loss)
         self.dirty.add(index)
         remaining = self.remaining()
@@ -419,15 +335,19 @@ class TicketLedger:
         wanted = sorted(set(indices))
         if any(not 0 <= i < self.num_tickets for i in wanted):
             return RedoDecision(False, f"ticket indices {wanted} are not all within 0..{self.num_tickets - 1}")
-        last = self.closed.get(step)
-        if revision and last is not None and revision < last.revision:
+        closed = self.closed.get(step)
+        if revision and closed is not None and revision < closed.revision:
             return RedoDecision(
-                False, f"step {step} closed again at revision {last.revision} after revision {revision}; average that one",
+                False, f"step {step} closed again at revision {closed.revision} after revision {revision}; average that one",
                 code="stale_revision",
             )
         if step == self.step:
-            return self._redo_open(step, wanted, by, by_stage, orphaned)
-        closed = self.closed.get(step)
+            # ``closed`` is set when this step was reopened: the accounting it closed with the last time.
+            d = redo_open(step, self.tickets, closed, wanted, by, by_stage, orphaned)
+            for i in d.indices:
+                self.tickets[i] = Ticket(i, issued=self.tickets[i].issued)
+                self.dirty.add(i)
+            return d
         if closed is None or step != self.step - 1:
             return RedoDecision(False, f"step {step} is neither open ({self.step}) nor the last closed step")
         if self.committed(step):
@@ -441,8 +361,7 @@ class TicketLedger:
                 False, f"step {step} closed {closed.revision} times, the most allowed ({self.max_revisions}); revision {closed.revision} stands",
                 code="revision_cap",
             )
-        member = by is None or orphaned or _participant(closed, by, by_stage)
-        if by is not None and not member and any(by not in closed.routes[i] for i in wanted):
+        if not may_reopen(closed, wanted, by, by_stage, orphaned):
             return RedoDecision(
                 False, f"the sender is neither in the route of every ticket {wanted} of step {step} nor a participant of its stage"
             )
@@ -457,31 +376,6 @@ class TicketLedger:
         self.reset = True
         return RedoDecision(True, f"step {step} reopened to redo tickets {wanted}", wanted, reopened=True, foreign=True)
 
-    def _redo_open(self, step: int, wanted: list[int], by: str | None, by_stage: int | None, orphaned: bool) -> RedoDecision:
-        # Set when this step was reopened: the accounting it closed with the last time.
-        frozen = self.closed.get(step)
-        peer_of_stage = by is not None and frozen is not None and by_stage is not None and (orphaned or _participant(frozen, by, by_stage))
-        reset = []
-        for i in wanted:
-            t = self.tickets[i]
-            if by is None or by == t.holder:
-                reset.append(i)
-            elif peer_of_stage and frozen is not None and frozen.routes[i][by_stage] != by:  # type: ignore[index]
-                # About another replica's share of the frozen step: undo it only if it was not redone since.
-                if t.done and tuple(t.route or ()) == frozen.routes[i]:
-                    reset.append(i)
-            elif by in (t.route or ()):
-                reset.append(i)
-            elif not t.done:
-                continue  # already pending (e.g. another replica's redo freed it): nothing to undo
-            else:
-                return RedoDecision(False, f"ticket ({step},{i}) was not leased to or routed through the sender")
-        foreign = any(by is not None and self.tickets[i].holder != by for i in reset)
-        for i in reset:
-            self.tickets[i] = Ticket(i, issued=self.tickets[i].issued)
-            self.dirty.add(i)
-        return RedoDecision(True, f"tickets {reset} of open step {step} will be redone", reset, foreign=foreign)
-
     def revoke_peer(self, peer: str) -> list[int]:
         """Free the open step's tickets leased by ``peer`` or routed through it (it was banned)."""
         out = []
@@ -495,8 +389,8 @@ class TicketLedger:
     def expire_leases(self, peer: str, now: float) -> list[int]:
         """End ``peer``'s leases now (its connection is gone): the next lease request re-issues them.
 
-        Unlike :meth:`release_all` the peer stays the holder until then, so if it was alive after
-        all, its completion still counts.
+        Unlike :meth:`release` the peer stays the holder until then, so if it was alive after all, its
+        completion still counts.
         """
         out = []
         for t in self.tickets:
@@ -508,7 +402,14 @@ class TicketLedger:
 
     def expired(self, now: float) -> list[int]:
         """Leased tickets whose lease has run out (they go to the next lease request)."""
-        return [t.index for t in self.tickets if not t.done and t.holder is not None and t.expires_at <= now]
+        return [t.index for t in self._expired(now)]
+
+    def _expired(self, now: float) -> list[Ticket]:
+        return [t for t in self.tickets if not t.done and t.holder is not None and t.expires_at <= now]
+
+    def leased_at(self, t: Ticket) -> float:
+        """When ``t``'s running lease term began: ``lease_s`` before it ends."""
+        return t.expires_at - self.lease_s
 
     def refresh_leases(self, now: float) -> None:
         """After a coordinator restart, give outstanding leases a fresh term (the holders kept working)."""
@@ -517,9 +418,3 @@ class TicketLedger:
                 t.expires_at = max(t.expires_at, now + self.lease_s)
                 self.dirty.add(t.index)
 
-
-def _participant(closed: ClosedStep, peer: str, stage: int | None) -> bool:
-    """Whether ``peer`` processed a ticket of ``closed`` at ``stage`` (so it averaged that stage)."""
-    if stage is None or stage < 0:
-        return False
-    return any(len(route) > stage and route[stage] == peer for route in closed.routes)

@@ -37,6 +37,11 @@ reads it from here) and of the hashes it committed with, so a late report of the
 another hash is refused too. Its reports are cleared whenever the last closed step changes (it closes,
 reopens or closes again); their memory is bounded by the live members (one entry per reporting replica).
 Reports are not persisted: holders report again on every poll.
+
+**At the revision cap** (``max_revisions``, see ``tickets.py``) the step waits only for each stage's
+live *participants* (:func:`waited_for`): a dead participant's tickets can no longer be redone, so its
+stage's survivors apply the round they have and serve no result to fetch, and a left-out replica, which
+could then never report, resyncs from a replica that applied the step once it commits.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
+from protolearn.coordinator.core.steps import ClosedStep
 from protolearn.protocol.majority import strict_majority
 
 
@@ -140,9 +146,6 @@ class CommitBarrier:
         """``peer`` of ``stage`` holds a result hashing to ``result_hash`` (its later report replaces it)."""
         self._reports[stage][peer] = result_hash
 
-    def reported(self, stage: int) -> bool:
-        return bool(self._reports[stage])
-
     def winner(self, stage: int, live: Collection[str]) -> str | None:
         """The hash a strict majority of ``live`` reported; with nobody live, the most reported (None on a tie)."""
         votes: dict[str, int] = {}
@@ -155,11 +158,6 @@ class CommitBarrier:
         if not ranked or (len(ranked) > 1 and ranked[0] == ranked[1]):
             return None
         return next(h for h, n in votes.items() if n == ranked[0])
-
-    def dissenters(self, stage: int, live: Collection[str], winner: str) -> list[str]:
-        """Live replicas of ``stage`` that reported another hash than ``winner``."""
-        reports = self._reports[stage]
-        return sorted(p for p in live if p in reports and reports[p] != winner)
 
     def check(self, needed: Callable[[int], Iterable[str]]) -> CommitCheck:
         """Whether the step commits now, given each stage's live serving replicas ``needed(stage)``."""
@@ -177,3 +175,15 @@ class CommitBarrier:
                 return CommitCheck(False, f"stage {s}'s replicas disagree on the result and none has a majority")
             hashes[s] = win
         return CommitCheck(True, "every stage's live replicas hold one result by a strict majority", hashes)
+
+
+def waited_for(
+    needed: Callable[[int], Iterable[str]], closed: ClosedStep | None, max_revisions: int
+) -> Callable[[int], Iterable[str]]:
+    """The replicas the commit of ``closed`` (the last closed step) waits for, given each stage's live
+    serving replicas ``needed(stage)``: every one, or, once ``closed`` is at the last allowed revision,
+    only those that took part in it (see the module docstring)."""
+    if closed is None or closed.revision < max_revisions:
+        return needed
+    account = closed.accounting()
+    return lambda s: [p for p in needed(s) if p in account.get(s, {})]

@@ -19,14 +19,16 @@ addresses are ``reachable``), ``private`` if every dial failed, ``unknown`` if t
 (no observed TCP address, no port) or no checker host. The verdict, not the node's own claim, is what
 the registry stores at join (the last :data:`MAX_VERDICTS` peers are remembered). :func:`offered_relays`
 picks the relays a reply offers: the coordinator itself when it relays, then a few live members that
-offered to relay and whose verdict is public.
+offered to relay and whose verdict is public; :func:`build_reply` bounds the whole answer to the wire's
+limits. The coordinator's own relay serves only nodes its check found private (:func:`relay_refusal`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from protolearn.protocol import coordination as cm
 
@@ -135,6 +137,34 @@ def offered_relays(own: Sequence[str], members: Iterable[str]) -> list[str]:
             out.append(a)
             budget -= 1
     return out
+
+
+def build_reply(
+    verdict: Verdict, observed: tuple[str, int] | None, own_relays: Sequence[str],
+    member_relays: Callable[[int, Callable[[Iterable[str]], list[str]]], list[str]],
+) -> cm.ReachabilityReply:
+    """The answer to a check: the verdict, what the coordinator saw (``observed``: the requester's IP and
+    port), and relays to try: ``own_relays`` (the coordinator's addresses when it relays) first, then
+    ``member_relays(limit, usable)``, the first usable address of up to ``limit`` relaying members."""
+    ip, port = observed if observed is not None else ("", 0)
+    usable = partial(usable_from, observed_ip=ip)
+    relays = offered_relays(usable(own_relays), member_relays(MAX_MEMBER_RELAYS, usable))
+    return cm.ReachabilityReply(
+        verdict=verdict.verdict, reason=verdict.reason[: cm.MAX_TEXT], observed_ip=ip[:64], observed_port=port,
+        reachable=[a for a in verdict.reachable if len(a) <= cm.MAX_ADDR][: cm.MAX_ADDRS],
+        relays=[a for a in relays if len(a) <= cm.MAX_ADDR][: cm.MAX_RELAYS],
+    )
+
+
+def relay_refusal(*, banned: bool, checked: cm.Reachability, persisted: str | None) -> str | None:
+    """Why a peer may not reserve a slot on the coordinator's relay, or None: the relay is for nodes
+    behind NATs, which the reachability check found private (``checked``: the verdict in memory; or,
+    after a restart, ``persisted`` with its member entry), not for any identity that asks."""
+    if banned:
+        return "banned"
+    if checked == "private" or persisted == "private":
+        return None
+    return "this relay serves nodes that the coordinator's reachability check found behind a NAT"
 
 
 class ReachabilityDesk:

@@ -1,7 +1,7 @@
 """Fault reports and the ban policy (sans-IO).
 
 A live member reports another member with a reason and, optionally, evidence: two statements the
-*accused* signed that contradict each other (the adapter, ``core.py``, verifies both signatures against
+*accused* signed that contradict each other (``reports.py`` verifies both signatures against
 the accused's key and the contradiction before calling :meth:`VerdictPolicy.report`). What the reporter
 signs itself proves nothing: it can sign anything.
 
@@ -26,7 +26,7 @@ later policy weighs, and the caller acts on it locally (refuses the peer's furth
 shrinks its lease share).
 
 **Liveness** (issue 11): a peer that accepts work and never delivers. A stage-0 sitter is judged by the
-coordinator's own observation of its leases (``core.py``, ``expel_after_strikes``). A later-stage
+coordinator's own observation of its leases (``leases.py``, ``expel_after_strikes``). A later-stage
 blackhole is seen only by its upstream replicas, so their reports (reason :data:`LIVENESS_REASON`) are
 claims: :meth:`VerdictPolicy.liveness_report` bans only when at least 2 distinct reporters that are live
 replicas of the stage right before the target's, and a strict majority of that stage, reported it within
@@ -131,9 +131,15 @@ class VerdictPolicy:
         self.dirty.clear()
         return out
 
+    def already_banned(self, target: str) -> Verdict | None:
+        """The verdict on any report of ``target`` once it is banned, or None while it is not."""
+        ban = self.bans.get(target)
+        return None if ban is None else Verdict(True, f"{target} is already banned: {ban.reason}")
+
     def report(self, reporter: str, target: str, reason: str, *, evidence_verified: bool, now: float) -> Verdict:
-        if target in self.bans:
-            return Verdict(True, f"{target} is already banned: {self.bans[target].reason}")
+        banned = self.already_banned(target)
+        if banned is not None:
+            return banned
         if evidence_verified and self.settings.ban_on_evidence:
             ban = self.ban(target, f"signed evidence from {reporter}: {reason}", now)
             return Verdict(True, ban.reason)
@@ -163,8 +169,9 @@ class VerdictPolicy:
         its stage's only serving replica (``replicas``): a ban would leave the stage empty and stall the run
         as surely, and an honest sole replica under load is the likelier story.
         """
-        if target in self.bans:
-            return Verdict(True, f"{target} is already banned: {self.bans[target].reason}")
+        banned = self.already_banned(target)
+        if banned is not None:
+            return banned
         window = self.settings.report_window_s
         self._prune_liveness(now)
         by = self.liveness.setdefault(target, {})

@@ -43,11 +43,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from protolearn.coordinator.core.members import SERVING_STATES
 from protolearn.protocol import coordination as cm
-from protolearn.protocol.states import NodeState
 
-# States in which a member serves its stage (routes and averages): snapshots list those first.
-SERVING = frozenset(s.value for s in NodeState if s.live)
 # Most members of one stage in a snapshot, and in all (at most MAX_STAGES stages get one each).
 VIEW_PER_STAGE = 256
 VIEW_MAX = 1024
@@ -137,7 +135,7 @@ class SwarmView:
 
     def _list(self, entry: cm.MemberView) -> None:
         if 0 <= entry.stage < self.num_stages:
-            serving = entry.state in SERVING
+            serving = entry.state in SERVING_STATES  # snapshots list serving members first
             peers = self._lists[entry.stage][serving]
             self._where[entry.peer_id] = (entry.stage, serving, len(peers))
             peers.append(entry.peer_id)

@@ -17,11 +17,11 @@ its stage's majority at the same step), ``behind`` (it reports an older step tha
 ``no-throughput`` (it has not measured any yet), and the verdict policy's conduct flags as
 ``kind:strikes`` (``redo_storm``, ``result_mismatch``, ``late_leases``, ``lost_microbatches``, ``integrity``; see ``verdicts.py``).
 
-NAT traversal (schema 3, ``coordinator/reachability.py``): each node's ``reachability`` is the
+NAT traversal (schema 3, ``coordinator/core/reachability.py``): each node's ``reachability`` is the
 coordinator's own verdict from dialling it back (``public``, ``private`` or ``unknown``), and ``path``
 how its stage peers reach it (``direct``, ``relayed``, ``hole-punched``) as its last heartbeat says.
 
-Integrity (schema 2, ``coordinator/integrity.py``): each node's ``integrity`` is the median of the
+Integrity (schema 2, ``coordinator/core/integrity.py``): each node's ``integrity`` is the median of the
 boundary-monitor scores its checkers report in their heartbeats, ``probation`` their majority state,
 ``checks_passed``/``checks_failed`` the spot checks they ran on it, and ``evidence`` the integrity
 reports against it that reached a verdict (persisted). These are claims by its neighbours, shown, never
@@ -46,10 +46,13 @@ from collections.abc import Iterable
 from typing import Any, Protocol, get_args
 
 from protolearn.coordinator.config import CoordinatorSettings
-from protolearn.coordinator.registry import Member, Registry
-from protolearn.coordinator.run import RunInfo
-from protolearn.coordinator.tickets import LossRecord, TicketLedger
-from protolearn.coordinator.verdicts import VerdictPolicy
+from protolearn.coordinator.core.history import LossRecord
+from protolearn.coordinator.core.integrity import IntegrityDesk
+from protolearn.coordinator.core.members import Member
+from protolearn.coordinator.core.registry import Registry
+from protolearn.coordinator.core.run import RunInfo
+from protolearn.coordinator.core.tickets import TicketLedger
+from protolearn.coordinator.core.verdicts import VerdictPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.coordination import majority_state
 
@@ -171,10 +174,14 @@ def tokens_per_s(history: list[cm.LossPoint], tokens_per_step: int, now: float) 
     span = window[-1].closed_at - window[0].closed_at
     if span <= 0:
         return 0.0
-    per_step = span / (len(window) - 1)
-    if now - window[-1].closed_at > max(STALL_S, STALL_STEPS * per_step):
+    if _stalled(now - window[-1].closed_at, span / (len(window) - 1)):
         return 0.0
     return (len(window) - 1) * tokens_per_step / span
+
+
+def _stalled(idle_s: float, step_s: float) -> bool:
+    """Whether no step for ``idle_s`` is a stall, when steps take ``step_s`` on average."""
+    return idle_s > max(STALL_S, STALL_STEPS * step_s)
 
 
 class StatusSource(Protocol):
@@ -196,6 +203,8 @@ class StatusSource(Protocol):
     def verdicts(self) -> VerdictPolicy: ...
     @property
     def history(self) -> Iterable[LossRecord]: ...
+    @property
+    def integrity(self) -> IntegrityDesk: ...
 
 
 def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.Status:
@@ -309,7 +318,7 @@ def _verdict(stages: list[cm.StageView], nodes: list[cm.NodeView], history: list
     if len(history) >= 2:
         per_step = (history[-1].closed_at - history[0].closed_at) / max(1, len(history) - 1)
         idle = now - history[-1].closed_at
-        if idle > max(STALL_S, STALL_STEPS * per_step):
+        if _stalled(idle, per_step):
             problems.append(f"no step has closed for {idle:.0f} s")
     if problems:
         return "degraded", "; ".join(problems)

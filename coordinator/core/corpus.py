@@ -17,12 +17,23 @@ lone liar that checked in first would otherwise refuse every honest node. The ru
 
 This is a majority of distinct stage-0 members, so Sybils that hold most of stage 0 can still choose
 the data; nothing short of a trusted fingerprint in the run config prevents that.
+
+:func:`decide_corpus` is the rule; :class:`CorpusDesk` holds the swarm's fingerprint and answers the
+checks with it, and the store persists the fingerprint whenever it changes.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from protolearn.coordinator.core.members import Member
+from protolearn.coordinator.core.registry import Registry
+from protolearn.coordinator.errors import Refusal
+from protolearn.protocol import coordination as cm
+
+log = logging.getLogger("protolearn.coordinator")
 
 
 @dataclass(frozen=True)
@@ -56,3 +67,33 @@ def decide_corpus(current: str | None, stage: int, fingerprint: str, votes: Call
         f"this node's training data ({fingerprint[:8]}) differs from the swarm's ({current[:8]}): "
         "use the other nodes' Python version (the default data is its stdlib) or the same data.path files",
     )
+
+
+class CorpusDesk:
+    """The swarm's corpus fingerprint (None until stage 0 said), and whether the store has it yet."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.fingerprint: str | None = None
+        self._unsaved: str | None = None
+
+    def restore(self, fingerprint: str | None) -> None:
+        self.fingerprint = fingerprint
+
+    def check(self, member: Member, fingerprint: str) -> cm.CorpusCheckReply:
+        """``member`` loaded data with ``fingerprint``: its vote if it is in stage 0, then the rule's answer."""
+        if member.stage == 0:
+            self.registry.vote_corpus(member.peer_id, fingerprint)
+        d = decide_corpus(self.fingerprint, member.stage, fingerprint, self.registry.corpus_votes)
+        if d.code:
+            raise Refusal(d.code, d.reason)
+        if d.fingerprint != self.fingerprint:
+            log.log(logging.WARNING if d.replaced else logging.INFO, "corpus fingerprint set by peer=%s fingerprint=%s votes=%d",
+                    member.peer_id, fingerprint[:16], self.registry.corpus_votes(fingerprint))
+            self.fingerprint = self._unsaved = d.fingerprint
+        return cm.CorpusCheckReply(fingerprint=fingerprint, first=d.first)
+
+    def drain(self) -> str | None:
+        """The fingerprint to persist, when it changed since the last drain."""
+        out, self._unsaved = self._unsaved, None
+        return out

@@ -26,9 +26,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protolearn.coordinator.registry import Registry
-from protolearn.coordinator.run import RunInfo
-from protolearn.coordinator.verdicts import VerdictPolicy
+from protolearn.coordinator.core.members import Member
+from protolearn.coordinator.core.registry import Registry
+from protolearn.coordinator.core.run import RunInfo
+from protolearn.coordinator.core.verdicts import VerdictPolicy
+from protolearn.coordinator.errors import Refusal
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.frames import TensorLimits
@@ -47,15 +49,6 @@ class EvidenceRecord:
     verdict: str  # "ban" | "flag"
     reason: str
     digest: str = ""  # sha256 of the evidence message, "" for a claim without
-
-
-class IntegrityRefused(Exception):
-    """The report is malformed or its evidence does not hold: (code, reason) for the refusal."""
-
-    def __init__(self, code: str, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
 
 
 @dataclass
@@ -113,37 +106,38 @@ class IntegrityDesk:
         return out
 
     def report(self, reporter: str, msg: cm.IntegrityReport, now: float, frontier: int) -> tuple[bool, str]:
-        """Judge ``msg`` from ``reporter``: (ban, reason). Raises :class:`IntegrityRefused`."""
+        """Judge ``msg`` from ``reporter``: (ban, reason). A malformed report, or evidence that does not
+        hold, raises :class:`~protolearn.coordinator.errors.Refusal`."""
         target = msg.target
         if target == reporter:
-            raise IntegrityRefused("bad_report", "a peer cannot report itself")
+            raise Refusal("bad_report", "a peer cannot report itself")
         accused = self.registry.members.get(target)
         me = self.registry.members.get(reporter)
         if accused is None or me is None:
-            raise IntegrityRefused("unknown_peer", f"{target} is not a member of this swarm")
-        if self.verdicts.is_banned(target):
-            return True, f"{target} is already banned: {self.verdicts.bans[target].reason}"
-        stages = {accused.stage, accused.serving} - {-1}
+            raise Refusal("unknown_peer", f"{target} is not a member of this swarm")
+        banned = self.verdicts.already_banned(target)
+        if banned is not None:
+            return True, banned.reason
+        stages = accused.stages
         if msg.reducer_fault is not None:
             return self._reducer_fault(reporter, me, msg, stages, now)
-        mine = {me.stage, me.serving} - {-1}
-        if not any(abs(m - s) == 1 for m in mine for s in stages):
-            raise IntegrityRefused("bad_report", "only a stage next to the accused's receives its outputs and can check them")
+        if not any(abs(m - s) == 1 for m in me.stages for s in stages):
+            raise Refusal("bad_report", "only a stage next to the accused's receives its outputs and can check them")
         ev = msg.evidence
         if ev is None:
             self.verdicts.flag(target, "integrity", f"{reporter[-8:]}: {msg.reason}", now)
             self._record(EvidenceRecord(now, reporter, target, -1, "flag", msg.reason))
             return False, f"{target} flagged: a report without evidence never bans"
         if ev.accused != target or ev.stage not in stages:
-            raise IntegrityRefused("bad_evidence", f"the evidence accuses {ev.accused[-8:]} of stage {ev.stage}, not {target[-8:]} of its stage")
+            raise Refusal("bad_evidence", f"the evidence accuses {ev.accused[-8:]} of stage {ev.stage}, not {target[-8:]} of its stage")
         if ev.step >= frontier + 1:
-            raise IntegrityRefused("bad_evidence", f"step {ev.step} has not started")
+            raise Refusal("bad_evidence", f"step {ev.step} has not started")
         for out in ev.outputs:
             m = self.registry.members.get(out.signer)
             if m is None or ev.stage not in (m.stage, m.serving):
-                raise IntegrityRefused("bad_evidence", f"signer {out.signer[-8:]} is not a replica of stage {ev.stage}")
+                raise Refusal("bad_evidence", f"signer {out.signer[-8:]} is not a replica of stage {ev.stage}")
             if out.signer != target and self.verdicts.is_banned(out.signer):
-                raise IntegrityRefused("bad_evidence", f"signer {out.signer[-8:]} is banned: its output counts for nothing")
+                raise Refusal("bad_evidence", f"signer {out.signer[-8:]} is banned: its output counts for nothing")
         from protolearn.protocol.boundary import verify_evidence  # loads torch: only when evidence comes
         from protolearn.subspace import make_subspace
 
@@ -157,25 +151,25 @@ class IntegrityDesk:
                 subspace=None if self.run.subspace is None else make_subspace(*self.run.subspace),
             )
         except ProtocolError as err:
-            raise IntegrityRefused("bad_evidence", err.reason) from None
+            raise Refusal("bad_evidence", err.reason) from None
         return self._convict(reporter, target, ev.step, why, hashlib.sha256(encode(ev)).hexdigest(), now)
 
-    def _reducer_fault(self, reporter: str, me, msg: cm.IntegrityReport, stages: set[int], now: float) -> tuple[bool, str]:
+    def _reducer_fault(self, reporter: str, me: Member, msg: cm.IntegrityReport, stages: set[int], now: float) -> tuple[bool, str]:
         """A replica of the reporter's own stage signed a wrong reduced part: checked by recomputing it."""
         ev = msg.reducer_fault
         assert ev is not None
         target = msg.target
-        if ev.reducer != target or not (({me.stage, me.serving} - {-1}) & stages):
-            raise IntegrityRefused("bad_evidence", "a reducer's proof accuses a replica of the reporter's own stage")
+        if ev.reducer != target or not me.stages & stages:
+            raise Refusal("bad_evidence", "a reducer's proof accuses a replica of the reporter's own stage")
         for peer in {s.peer for s in ev.slices}:
             m = self.registry.members.get(peer)
-            if m is None or not (({m.stage, m.serving} - {-1}) & stages):
-                raise IntegrityRefused("bad_evidence", f"slice signer {peer[-8:]} is not a replica of the reducer's stage")
+            if m is None or not m.stages & stages:
+                raise Refusal("bad_evidence", f"slice signer {peer[-8:]} is not a replica of the reducer's stage")
         from protolearn.protocol.reducer_check import peer_id_public_key, verify_reducer_fault
 
         ok, why = verify_reducer_fault(ev, peer_id_public_key, aggregation_cfg=self.run)
         if not ok:
-            raise IntegrityRefused("bad_evidence", why)
+            raise Refusal("bad_evidence", why)
         why = f"collective: it signed part {ev.part} of round {ev.round} with bytes that are not the reduction of the slices it was sent ({why})"
         return self._convict(reporter, target, ev.round, why, hashlib.sha256(encode(ev)).hexdigest(), now)
 

@@ -1,0 +1,435 @@
+"""The coordinator's request dispatch: one sans-IO object that turns (peer, request, now) into a reply.
+
+:class:`CoordinatorCore` ties the parts of the core together: the registry (``registry.py``), the ticket
+ledger and its commit barrier (``tickets.py``, ``commit.py``), the verdict policy (``verdicts.py``), the
+reports desk (``reports.py``), the lease discipline (``leases.py``), the redo budget (``redo.py``), the
+reachability decisions (``reachability.py``) and the rate limiter. Every request passes the per-peer
+rate limit and the ban check first; a refused request raises :class:`~protolearn.coordinator.errors.Refusal`
+(code + reason), counted by code for the metrics, and leaves the state unchanged. The service
+(``coordinator/service.py``) is a thin trio adapter: it calls :meth:`CoordinatorCore.handle` with the
+wall clock, persists :meth:`~CoordinatorCore.drain` into SQLite, and runs the long poll of ``WaitStep``
+on top of :meth:`~CoordinatorCore.step_info`.
+
+Departures cost tickets: when a member leaves, expires or is banned, the open step's tickets it
+leased *or that were routed through it* are freed, because the gradients it accumulated for them are
+gone (or untrusted), and they are redone by others (I1). A member whose connection to the coordinator
+closed (it died) and stays closed for ``disconnect_grace_s`` has its leases ended at once rather than
+at their expiry, so another stage-0 replica picks its tickets up within about a second; the service
+passes those connection events in with ``now``.
+
+Requests that could stall or corrupt a step are bounded (issue 12): redos per peer and step
+(``redo.py``), reopenings per step (``max_revisions``, ``tickets.py``), and a stage-0 member's hold on its
+leases (``leases.py``, which also expels a member that sits on them while others progress: issue 11). A
+completion needs the last stage's signed acknowledgement of its route and loss (``bad_ack``,
+``protocol/acks.py``) and a plausible loss (``bad_loss``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+from functools import partial
+
+from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.core.admission import Admission, counted
+from protolearn.coordinator.core.assignment import shares_from_layers
+from protolearn.coordinator.core.changes import Changes
+from protolearn.coordinator.core.corpus import CorpusDesk
+from protolearn.coordinator.core.history import LossRecord, StepHistory
+from protolearn.coordinator.core.integrity import EvidenceRecord, IntegrityDesk
+from protolearn.coordinator.core.leases import LeaseDiscipline
+from protolearn.coordinator.core.members import LIVE, HeartbeatInfo, JoinInfo, Member
+from protolearn.coordinator.core.reachability import ReachabilityDesk, Verdict, build_reply, relay_refusal
+from protolearn.coordinator.core.redo import RedoBudget, orphaned
+from protolearn.coordinator.core.registry import Registry
+from protolearn.coordinator.core.reports import Reports
+from protolearn.coordinator.core.run import RunInfo
+from protolearn.coordinator.core.status import build_status
+from protolearn.coordinator.core.steps import ClosedStep, Ticket
+from protolearn.coordinator.core.tickets import TicketLedger
+from protolearn.coordinator.core.verdicts import Ban, VerdictPolicy
+from protolearn.coordinator.errors import Refusal
+from protolearn.protocol import coordination as cm
+from protolearn.protocol.acks import ack_statement
+from protolearn.protocol.errors import SignatureError
+from protolearn.protocol.identity import verify_peer
+from protolearn.protocol.wire import Message, encode
+
+log = logging.getLogger("protolearn.coordinator")
+
+
+def _verify_evidence(peer_id: str, data: bytes, signature: bytes) -> bool:
+    try:
+        verify_peer(peer_id, data, signature)
+    except SignatureError:
+        return False
+    return True
+
+
+class CoordinatorCore:
+    def __init__(
+        self,
+        run: RunInfo,
+        settings: CoordinatorSettings,
+        *,
+        peer_id: str,
+        started_at: float,
+        verify: Callable[[str, bytes, bytes], bool] = _verify_evidence,
+    ) -> None:
+        self.run = run
+        self.settings = settings
+        self.peer_id = peer_id
+        self.started_at = started_at
+        self.verify = verify
+        self.registry = Registry(run.num_stages, shares_from_layers(run.layers), settings)
+        # An untrained model's loss is about ln(V); no honest microbatch is max_loss_factor times worse.
+        max_loss = settings.max_loss_factor * math.log(run.vocab_size) if run.vocab_size >= 2 else math.inf
+        self.ledger = TicketLedger(
+            run.microbatches_per_step, run.num_stages, lease_s=settings.lease_s, block=settings.lease_block,
+            max_revisions=settings.max_revisions, max_loss=max_loss,
+        )
+        self.verdicts = VerdictPolicy(settings)
+        self.integrity = IntegrityDesk(self.registry, self.verdicts, run, enabled=settings.integrity_bans)
+        self.reports = Reports(self.registry, self.verdicts, self.integrity, verify=verify, apply_ban=self._apply_ban)
+        self.leases = LeaseDiscipline(
+            settings, self.registry, self.ledger, self.verdicts, ban=self.ban, acked=lambda msg: self._ack_refusal(msg) is None,
+        )
+        self.redos = RedoBudget(settings.max_redos_per_peer, self.verdicts)
+        self.admission = Admission(settings, self.registry, self.verdicts)
+        self.step_history = StepHistory(self.ledger)
+        self._last_rebalance = started_at
+        # Expired leases re-issued, for the metrics.
+        self.reissued = 0
+        self._reported_expired: set[tuple[int, int, float]] = set()
+        # The training data's fingerprint, decided by stage 0's majority (corpus.py).
+        self.corpus_desk = CorpusDesk(self.registry)
+        # Reachability checks running and the verdicts (reachability.py); the service dials.
+        self.reachability = ReachabilityDesk()
+
+    # -- restore ------------------------------------------------------------------------------
+
+    def restore(
+        self,
+        *,
+        members: list[Member],
+        step: int,
+        tickets: list[Ticket],
+        closed: list[ClosedStep],
+        history: list[LossRecord],
+        bans: list[Ban],
+        now: float,
+        committed: int | None = None,
+        corpus: str | None = None,
+        evidence: list[EvidenceRecord] | None = None,
+    ) -> None:
+        """Load persisted state after a restart, giving live members and leases a fresh term."""
+        self.registry.restore(members, now)
+        self.ledger.restore(step=step, tickets=tickets, closed=closed, committed_through=committed, now=now)
+        self.verdicts.restore(bans)
+        self.integrity.restore(evidence or [])
+        self.corpus_desk.restore(corpus)
+        self.step_history.restore(history)
+
+    @property
+    def corpus(self) -> str | None:
+        """The swarm's corpus fingerprint (see corpus.py)."""
+        return self.corpus_desk.fingerprint
+
+    # -- requests -----------------------------------------------------------------------------
+
+    @counted
+    def handle(self, peer: str, msg: Message, now: float) -> Message:
+        """Answer one request (everything except the long-poll wait, see :meth:`check_wait`)."""
+        self.admission.admit(peer, now)
+        if isinstance(msg, cm.StatusRequest):
+            return build_status(self, now, msg.loss_history)
+        if isinstance(msg, cm.StageHashesRequest):
+            hashes = self.registry.stage_hashes(msg.stage, cm.MAX_STAGE_HASHES)
+            return cm.StageHashes(
+                stage=msg.stage, step=self.ledger.frontier, param_hashes=[cm.ParamHash(peer_id=p, step=t, hash=h) for p, t, h in hashes],
+            )
+        if isinstance(msg, cm.MembersRequest):
+            members = self.registry.view.snapshot(range(self.run.num_stages), peer)
+            return cm.Members(run_toml=self.run.run_toml, run_hash=self.run.run_hash, step=self.ledger.step, members=members)
+        if isinstance(msg, cm.Join):
+            return self._join(peer, msg, now)
+        member = self.admission.live_member(peer)
+        if isinstance(msg, cm.Heartbeat):
+            return self._heartbeat(peer, msg, now)
+        if isinstance(msg, cm.Lease):
+            return self._lease(member, msg, now)
+        if isinstance(msg, cm.Release):
+            return cm.ReleaseReply(released=self.ledger.release(peer, msg.step, msg.indices))
+        if isinstance(msg, cm.Complete):
+            return self._complete(member, msg, now)
+        if isinstance(msg, cm.Redo):
+            return self._redo(member, msg, now)
+        if isinstance(msg, cm.Averaged):
+            return self._averaged(member, msg, now)
+        if isinstance(msg, cm.CorpusCheck):
+            return self.corpus_desk.check(member, msg.fingerprint)
+        if isinstance(msg, cm.Report):
+            return self.reports.report(peer, msg, now)
+        if isinstance(msg, cm.IntegrityReport):
+            return self.reports.integrity_report(peer, msg, now, self.ledger.frontier)
+        if isinstance(msg, cm.Leave):
+            return self._leave(peer, msg, now)
+        raise Refusal("unknown_request", f"no handler for {msg.KIND}")
+
+    @counted
+    def check_wait(self, peer: str, msg: cm.WaitStep, now: float) -> None:
+        """Admit a long poll of ``msg.step``; the service waits for the answer (:meth:`step_info`)."""
+        self.admission.admit(peer, now)
+        self.admission.live_member(peer)
+        if msg.step > self.ledger.step:
+            raise Refusal("bad_step", f"step {msg.step} is beyond the open step {self.ledger.step}")
+
+    @counted
+    def begin_reachability(self, peer: str, now: float) -> None:
+        """Admit ``peer``'s reachability check (rate limit, bans, one running per peer) before the
+        service dials it back; every begun check ends with :meth:`end_reachability`."""
+        self.admission.admit(peer, now)
+        if not self.reachability.begin(peer):
+            raise Refusal("check_running", "a reachability check is already running for this node; wait for its reply")
+
+    def end_reachability(self, peer: str, verdict: Verdict | None) -> None:
+        """``peer``'s check is over; with a verdict, it is what the registry keeps for it from now on."""
+        self.reachability.end(peer)
+        if verdict is not None:
+            self.reachability.record(peer, verdict)
+            self.registry.set_reachability(peer, verdict.verdict)
+
+    def may_reserve(self, peer: str) -> str | None:
+        """Why ``peer`` may not reserve a slot on this coordinator's relay, or None (see reachability.py)."""
+        m = self.registry.members.get(peer)
+        return relay_refusal(
+            banned=self.verdicts.is_banned(peer), checked=self.reachability.verdict_of(peer), persisted=None if m is None else m.reachability
+        )
+
+    def reachability_reply(self, peer: str, verdict: Verdict, observed: tuple[str, int] | None, own_relays: list[str]) -> cm.ReachabilityReply:
+        """The answer to ``peer``'s check: the verdict, what the coordinator saw, and relays to try
+        (``own_relays``, the coordinator's addresses when it relays, first)."""
+        return build_reply(verdict, observed, own_relays, partial(self.registry.relays, peer))
+
+    def _join(self, peer: str, msg: cm.Join, now: float) -> cm.JoinReply:
+        """Register ``peer`` and answer it; a join whose reply cannot be built within the frame cap is
+        taken back (the peer is not registered), so that its retry is a plain join again."""
+        if self.verdicts.is_banned(peer):
+            raise Refusal("banned", "banned")
+        old = self.registry.members.get(peer)
+        # The coordinator's own verdict, never the node's claim (msg.reachability).
+        d = self.registry.join(peer, JoinInfo.of(msg, self.reachability.verdict_of(peer)), now)
+        if not d.accepted:
+            raise Refusal(d.code, d.reason)
+        try:
+            reply = self._join_reply(peer, d.stage, d.rejoined, d.reason)
+            size = len(encode(reply))
+        except (ValueError, TypeError, OverflowError):  # a reply that does not validate or encode
+            self.registry.unjoin(peer, old)
+            log.exception("join reply failed peer=%s; the join was taken back", peer)
+            raise Refusal("join_failed", "the coordinator could not build the join reply; the join was not registered, retry") from None
+        if size > cm.MAX_REPLY_BYTES:
+            self.registry.unjoin(peer, old)
+            raise Refusal(
+                "reply_too_large", f"the join reply would be {size} bytes, over the frame cap of {cm.MAX_REPLY_BYTES}; "
+                "the join was not registered, retry later",
+            )
+        log.info("join peer=%s stage=%d rejoined=%s reason=%s", peer, d.stage, d.rejoined, d.reason)
+        return reply
+
+    def _join_reply(self, peer: str, stage: int, rejoined: bool, reason: str) -> cm.JoinReply:
+        s = self.settings
+        view = self.registry.view.full(peer, self._view_stages(self.registry.members[peer], delta=False))
+        return cm.JoinReply(
+            stage=stage,
+            run_toml=self.run.run_toml,
+            run_hash=self.run.run_hash,
+            step=self.ledger.frontier,
+            rejoined=rejoined,
+            reason=reason,
+            heartbeat_interval_s=s.heartbeat_interval_s,
+            expiry_s=s.expiry_s,
+            lease_s=s.lease_s,
+            bans=self.verdicts.banned(),
+            view_version=view.version,
+            members=view.members,
+        )
+
+    def _view_stages(self, m: Member, *, delta: bool) -> tuple[int, ...]:
+        """The stages ``m`` is told about: its neighbourhood when it merges deltas, else every stage
+        (see coordinator/core/view.py)."""
+        if delta:
+            return self.registry.view.neighbourhood(m.stage, m.serving)
+        return tuple(range(self.run.num_stages))
+
+    def _heartbeat(self, peer: str, msg: cm.Heartbeat, now: float) -> cm.HeartbeatReply:
+        d = self.registry.heartbeat(peer, HeartbeatInfo.of(msg), now, frontier=self.ledger.frontier)
+        if not d.accepted:
+            raise Refusal(d.code, d.reason)
+        self.integrity.observe_checks(peer, msg.checks)
+        member = self.registry.members[peer]
+        stages = self._view_stages(member, delta=msg.view_delta)
+        view = self.registry.view.update_for(peer, stages, msg.view_version, delta=msg.view_delta)
+        return cm.HeartbeatReply(
+            stage=d.stage,
+            step=self.ledger.frontier,
+            last_closed=self.ledger.last_closed,
+            bans=self.verdicts.banned(),
+            view_version=self.registry.view_version if view is None else view.version,
+            view_changed=view is not None,
+            members=[] if view is None else view.members,
+            reason=d.reason,
+            view_delta=view is not None and view.delta,
+            removed=[] if view is None else view.removed,
+            stage_replicas=self.registry.working_counts(),
+        )
+
+    def _lease(self, member: Member, msg: cm.Lease, now: float) -> cm.LeaseReply:
+        if member.stage != 0:
+            raise Refusal("not_stage0", f"only stage-0 members lease tickets; {member.peer_id} holds stage {member.stage}")
+        d = self.ledger.lease(member.peer_id, now, msg.max_tickets, share=self.leases.share(member.peer_id))
+        if d.reissued:
+            self.reissued += len(d.reissued)
+            log.info("re-issued expired leases step=%d tickets=%s to peer=%s", d.step, d.reissued, member.peer_id)
+        return cm.LeaseReply(step=d.step, indices=d.indices, lease_s=self.settings.lease_s, reason=d.reason)
+
+    def _complete(self, member: Member, msg: cm.Complete, now: float) -> cm.CompleteReply:
+        for stage, hop in enumerate(msg.route):
+            m = self.registry.members.get(hop)
+            if m is None or m.status != LIVE or m.stage != stage:
+                raise Refusal("bad_route", f"route hop {stage} is {hop}, which is not a live member of stage {stage}; redo the ticket")
+        early = self.ledger.check_complete(member.peer_id, msg.step, msg.index, msg.route, msg.loss)
+        if early is not None:  # refused before any signature is checked
+            self.leases.refused(member.peer_id, early.code, msg)
+            raise Refusal(early.code, early.reason)
+        refusal = self._ack_refusal(msg)
+        if refusal is not None:
+            raise refusal
+        d = self.ledger.complete(member.peer_id, msg.step, msg.index, msg.route, msg.loss, now)
+        if not d.accepted:
+            raise Refusal(d.code, d.reason)
+        self.leases.completed(member.peer_id, d.held_s, now)
+        if d.closed is not None:
+            self.step_history.closed(d.closed)
+            log.info("step closed step=%d loss=%.4f revision=%d", d.closed.step, d.closed.loss, d.closed.revision)
+        return cm.CompleteReply(step=msg.step, index=msg.index, step_closed=d.closed is not None, remaining=d.remaining)
+
+    def _ack_refusal(self, msg: cm.Complete) -> Refusal | None:
+        """Why ``msg`` lacks the last stage's acknowledgement, or None: only the last stage knows that the
+        ticket went the whole way and what its loss was, so it signs the route and the loss."""
+        if len(msg.route) <= 1:
+            return None
+        last = msg.route[-1]
+        if msg.ack is None:
+            return Refusal("bad_ack", f"no acknowledgement from the last stage {last}; redo the ticket")
+        if not self.verify(last, ack_statement(self.run.run_hash, msg.step, msg.index, msg.route, msg.loss), msg.ack):
+            return Refusal("bad_ack", f"the acknowledgement is not the last stage {last}'s signature of this route and loss")
+        return None
+
+    def _redo(self, member: Member, msg: cm.Redo, now: float) -> cm.RedoReply:
+        peer = member.peer_id
+        self.redos.check(peer, msg.step, now)
+        d = self.ledger.redo(
+            msg.step, msg.indices, by=peer, by_stage=member.stage, revision=msg.revision,
+            orphaned=orphaned(self.ledger.closed.get(msg.step), member.stage, self.registry.present),
+        )
+        if not d.accepted:
+            raise Refusal(d.code, d.reason)
+        if d.foreign:
+            self.redos.charge(peer, msg.step, num_live=self.registry.num_live, oldest=self.ledger.last_closed)
+        log.info("redo peer=%s step=%d tickets=%s reopened=%s reason=%s", peer, msg.step, d.indices, d.reopened, msg.reason)
+        return cm.RedoReply(step=msg.step, indices=d.indices, reopened=d.reopened, open_step=self.ledger.step)
+
+    def _averaged(self, member: Member, msg: cm.Averaged, now: float) -> cm.StepInfo:
+        # A replica moving to another stage still finishes (and reports) the step of the stage it serves.
+        d = self.ledger.averaged(
+            member.peer_id, member.serving_stage, msg.step, msg.revision, result_hash=msg.result_hash, needed=self.registry.serving
+        )
+        if d.code == "result_mismatch":
+            self.verdicts.flag(member.peer_id, "result_mismatch", d.reason, now)
+            log.warning("averaged result mismatch peer=%s step=%d: %s", member.peer_id, msg.step, d.reason)
+        if d.committed and self.ledger.commit_dirty:
+            log.info("step committed step=%d revision=%d (every stage averaged it)", msg.step, msg.revision)
+        if not d.accepted:
+            raise Refusal(d.code, d.reason)
+        return self.step_info(msg.step, msg.revision)
+
+    def _leave(self, peer: str, msg: cm.Leave, now: float) -> cm.LeaveReply:
+        d = self.registry.leave(peer, now)
+        if not d.accepted:
+            raise Refusal(d.code, d.reason)
+        freed = self.ledger.revoke_peer(peer)
+        self.integrity.forget(peer)
+        log.info("leave peer=%s stage=%d freed=%s reason=%s", peer, d.stage, freed, msg.reason or "-")
+        return cm.LeaveReply(released=freed)
+
+    def ban(self, peer: str, reason: str, now: float) -> Ban:
+        """Ban a peer by operator decision (and the policy's)."""
+        b = self.verdicts.ban(peer, reason, now)
+        self._apply_ban(peer, now)
+        return b
+
+    def _apply_ban(self, peer: str, now: float) -> None:
+        self.registry.ban(peer, now)
+        freed = self.ledger.revoke_peer(peer)
+        log.warning("ban peer=%s freed=%s reason=%s", peer, freed, self.verdicts.bans[peer].reason)
+
+    # -- connections --------------------------------------------------------------------------
+
+    def connection_changed(self, peer: str, connected: bool, now: float) -> None:
+        """The host saw ``peer``'s first connection open or its last one close."""
+        self.registry.connection_changed(peer, connected, now)
+
+    # -- long poll ----------------------------------------------------------------------------
+
+    def step_info(self, step: int, min_revision: int = 1) -> cm.StepInfo:
+        """The step's frozen accounting once closed (at ``min_revision`` or later), else ``closed=False``."""
+        return self.step_history.step_info(step, min_revision)
+
+    @property
+    def history(self) -> deque[LossRecord]:
+        """A loss record of each of the last closed steps (see history.py)."""
+        return self.step_history.records
+
+    # -- timers -------------------------------------------------------------------------------
+
+    def housekeeping(self, now: float) -> list[str]:
+        """Expire silent members, prune reports, maybe rebalance. Returns log lines of what happened."""
+        events = []
+        for m in self.registry.expire(now):
+            self.integrity.forget(m.peer_id)
+            freed = self.ledger.revoke_peer(m.peer_id)
+            events.append(f"expired peer={m.peer_id} stage={m.stage} freed={freed}")
+        for peer in self.registry.newly_gone(now):
+            ended = self.ledger.expire_leases(peer, now)
+            if ended:
+                events.append(f"disconnected peer={peer} leases ended early step={self.ledger.step} tickets={ended}")
+        expired = {(self.ledger.step, i, self.ledger.tickets[i].expires_at) for i in self.ledger.expired(now)}
+        fresh = sorted(i for _, i, _ in expired - self._reported_expired)
+        self._reported_expired = expired
+        if fresh:
+            events.append(f"leases expired step={self.ledger.step} tickets={fresh} (re-issued on the next lease)")
+        events += self.leases.strike(now)
+        self.verdicts.prune(now)
+        # A replica the commit waited for may have died: the step can commit without it now.
+        if self.ledger.try_commit(self.registry.serving).committed:
+            events.append(f"step committed step={self.ledger.committed_through} (the replicas it waited for are gone)")
+        if now - self._last_rebalance >= self.settings.rebalance_interval_s:
+            self._last_rebalance = now
+            move = self.registry.rebalance(now)
+            if move is not None:
+                freed = self.ledger.revoke_peer(move.peer_id)
+                events.append(f"rebalance {move.reason} freed={freed}")
+        return events
+
+    def drain(self, *, soft: bool = False) -> Changes:
+        """Take the changes to persist; ``soft`` includes heartbeat-only telemetry too."""
+        members, removed = self.registry.drain(soft=soft)
+        tickets = self.ledger.drain()
+        return Changes(
+            step=self.ledger.step, members=members, removed=removed, tickets=tickets.tickets, tickets_reset=tickets.reset,
+            closed=self.step_history.drain(), bans=self.verdicts.drain(), committed=tickets.committed, corpus=self.corpus_desk.drain(),
+            evidence=self.integrity.drain(),
+        )

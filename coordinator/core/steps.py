@@ -1,0 +1,58 @@
+"""The records of a step: a ticket of the open step, and a closed step's frozen accounting.
+
+Step ``t`` is the tickets ``(t, 0..B-1)``. While the step is open, a :class:`Ticket` says who holds its
+lease and until when, and, once done, its route (one peer per stage) and the microbatch loss. When all
+B are done the step closes and its accounting is frozen in a :class:`ClosedStep`: for each stage, which
+peer accounts for which tickets (read off the routes), and the mean loss.
+
+The ledger keeps the last :data:`KEEP_CLOSED` closed steps with their routes in memory (``history.py``
+keeps a shorter record of more); the store keeps every closed step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Closed steps kept in memory with their full routes (older ones live in the store only).
+KEEP_CLOSED = 1000
+
+
+@dataclass
+class Ticket:
+    index: int
+    holder: str | None = None
+    expires_at: float = 0.0
+    done: bool = False
+    route: list[str] | None = None
+    loss: float | None = None
+    # How many times this ticket has been leased (re-issues show up in the log and the metrics).
+    issued: int = 0
+
+
+@dataclass(frozen=True)
+class ClosedStep:
+    step: int
+    revision: int
+    loss: float
+    closed_at: float
+    routes: tuple[tuple[str, ...], ...]
+    losses: tuple[float, ...]
+
+    @property
+    def num_tickets(self) -> int:
+        return len(self.routes)
+
+    def accounting(self) -> dict[int, dict[str, list[int]]]:
+        """stage → peer → the tickets that peer accounts for in this step."""
+        out: dict[int, dict[str, list[int]]] = {}
+        for index, route in enumerate(self.routes):
+            for stage, peer in enumerate(route):
+                out.setdefault(stage, {}).setdefault(peer, []).append(index)
+        return out
+
+    def processed_at(self, peer: str, stage: int | None) -> bool:
+        """Whether ``peer`` processed a ticket of this step at ``stage`` (so it averaged that stage)."""
+        if stage is None or stage < 0:
+            return False
+        return any(len(route) > stage and route[stage] == peer for route in self.routes)
+

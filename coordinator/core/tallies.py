@@ -1,0 +1,87 @@
+"""Running tallies of the live members, so that no request path scans the members (sans-IO).
+
+The coordinator is the one component every node talks to, so its per-request work must be O(1) in the
+number of members. :class:`StageTallies` keeps what requests ask about the swarm as a whole up to date as
+members change: the live count, per stage the replicas, the summed throughput and the working replicas
+(those serving the stage now, see ``members.py``), the swarm's throughput claims (for their median, see
+``assignment.py``), stage 0's corpus votes (``corpus.py``) and the live public members that offered to
+relay (``reachability.py``). The registry calls :meth:`StageTallies.count` with -1 before it changes a
+member in a way the tallies see, and with 1 after.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from protolearn.coordinator.core.assignment import MIN_THROUGHPUT, StageLoad, ThroughputClaims
+from protolearn.coordinator.core.members import LIVE, SERVING_STATES, Member
+
+# Stage throughput is summed in integer units of this many layer-tokens/s, so that adding and later
+# subtracting a member's share leaves the sum exactly as a fresh sum would be (floats would drift).
+_UNITS_PER_THROUGHPUT = 1_000_000
+
+
+def _units(throughput: float) -> int:
+    return round(max(throughput, MIN_THROUGHPUT) * _UNITS_PER_THROUGHPUT)
+
+
+class StageTallies:
+    """The live members' tallies, per stage and over the swarm; built from ``members`` (a restart)."""
+
+    def __init__(self, num_stages: int, members: Iterable[Member] = ()) -> None:
+        self.num_stages = num_stages
+        self.num_live = 0
+        self._replicas = [0] * num_stages
+        self._working: list[set[str]] = [set() for _ in range(num_stages)]
+        self._throughput = [0] * num_stages
+        self.claims = ThroughputClaims()
+        self._corpus_votes: Counter[str] = Counter()
+        # Live members that offered to relay and that the coordinator found public, in join order (a dict as
+        # an ordered set): the relays a reachability reply offers, found without scanning the members.
+        self.relays: dict[str, None] = {}
+        for m in members:
+            self.count(m, 1)
+
+    def count(self, m: Member, sign: int) -> None:
+        """Add (``sign`` 1) or take out (-1) ``m``'s part of the tallies: call with -1 before changing a
+        member's status, stage, serving stage, state, throughput, corpus or relay offer, and with 1 after."""
+        if m.status != LIVE:
+            return
+        self.num_live += sign
+        self.claims.add(m.throughput, sign)
+        if m.relay and m.reachability == "public":
+            if sign > 0:
+                self.relays[m.peer_id] = None
+            else:
+                self.relays.pop(m.peer_id, None)
+        s = m.stage
+        if s == 0 and m.corpus:
+            self._corpus_votes[m.corpus] += sign
+            if not self._corpus_votes[m.corpus]:
+                del self._corpus_votes[m.corpus]
+        if not 0 <= s < self.num_stages:
+            return
+        self._replicas[s] += sign
+        self._throughput[s] += sign * _units(m.throughput)
+        if m.serving in (-1, s) and m.state in SERVING_STATES:
+            if sign > 0:
+                self._working[s].add(m.peer_id)
+            else:
+                self._working[s].discard(m.peer_id)
+
+    def working_peers(self, stage: int) -> set[str]:
+        """The members that serve ``stage`` now and train (a member still moving there does not count)."""
+        return self._working[stage] if 0 <= stage < self.num_stages else set()
+
+    def working_counts(self) -> list[int]:
+        """How many members work in each stage, in stage order."""
+        return [len(w) for w in self._working]
+
+    def loads(self) -> list[StageLoad]:
+        """Each stage's summed throughput and replica count, as :func:`~.assignment.stage_loads` would give."""
+        return [StageLoad(t / _UNITS_PER_THROUGHPUT, n) for t, n in zip(self._throughput, self._replicas, strict=True)]
+
+    def corpus_votes(self, fingerprint: str) -> int:
+        """How many live stage-0 members reported ``fingerprint``."""
+        return self._corpus_votes.get(fingerprint, 0)
