@@ -166,7 +166,7 @@ from protolearn.protocol.liveness import (
 )
 from protolearn.protocol.ownership import Broadcast, Op, owner, part_bounds, successor
 from protolearn.protocol.part_ledger import MAX_VERSIONS_PER_SIGNER, PartLedger, SignedPart
-from protolearn.protocol.pipeline import MAX_PEER_ID, MAX_STAGES, PeerId, Step
+from protolearn.protocol.bounds import MAX_PARTICIPANTS, MAX_PEER_ID, PeerId, StageIndex, Step
 from protolearn.protocol.reducer_check import ReducerFault, make_fault
 from protolearn.protocol.robust import Aggregation, robust_reduce
 from protolearn.protocol.statements import (
@@ -201,8 +201,6 @@ __all__ = [
 # kept here and re-exported there would be an import cycle.
 # Hard cap on one round; the adaptive per-wait deadlines below normally end a round long before.
 DEFAULT_TIMEOUT_S = 60.0
-# Upper bound on participants of one round; a stage with more replicas is a misconfiguration.
-MAX_PARTICIPANTS = 1024
 # A part statement: domain, round digest, part and mask length, mask, inputs digest, hash.
 MAX_STATEMENT_BYTES = 64 + HASH_BYTES + 6 + MAX_PARTICIPANTS // 8 + 2 * HASH_BYTES
 
@@ -227,7 +225,7 @@ class PartHeader(Message):
 
     KIND: ClassVar[str] = "collective.part"
     round: Step
-    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+    stage: StageIndex
     phase: Literal["scatter", "gather", "fin", "probe"]
     part: Annotated[int, Field(ge=0, lt=MAX_PARTICIPANTS)]
     contributors: list[PeerId] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)

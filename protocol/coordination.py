@@ -45,6 +45,7 @@ from collections.abc import Iterable
 from typing import Annotated, ClassVar, Literal
 
 from protolearn.protocol.boundary import OutputEvidence
+from protolearn.protocol.bounds import MAX_STAGES, PeerId, StageIndex, Step
 from protolearn.protocol.majority import strict_majority
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.states import NodeState
@@ -54,15 +55,13 @@ from pydantic import BaseModel, ConfigDict, Field
 # The protocol's name, defined here only; the transport's protocol_id() makes it /protolearn/coordinator/1.0.0.
 COORDINATOR = "coordinator"
 
-# Bounds on every variable-size field. A peer ID is ~52 characters; multiaddrs are short. A member's
-# addresses travel in every view reply, so they are few and short: 4 of 256 characters keep a view
-# entry under ~1.2 KiB. A full /ip4/…/tcp/…/p2p/<peer id> is ~90 characters; a relayed node's circuit
-# address (relay address + /p2p-circuit/p2p/<its id>) is ~170.
-MAX_PEER_ID = 128
+# Bounds on every variable-size field (peer IDs and stage indices: protocol/bounds.py). Multiaddrs are
+# short. A member's addresses travel in every view reply, so they are few and short: 4 of 256 characters
+# keep a view entry under ~1.2 KiB. A full /ip4/…/tcp/…/p2p/<peer id> is ~90 characters; a relayed
+# node's circuit address (relay address + /p2p-circuit/p2p/<its id>) is ~170.
 MAX_ADDR = 256
 MAX_ADDRS = 4
 MAX_TEXT = 512
-MAX_STAGES = 1024
 MAX_TICKETS_PER_REQUEST = 1024
 MAX_EVIDENCE_BYTES = 64 * 1024
 MAX_HASH = 128
@@ -83,10 +82,8 @@ NODE_STATES: tuple[str, ...] = tuple(s.value for s in NodeState)
 # On the wire a state is its string value; the schema turns it into the enum (and refuses any other).
 State = Annotated[NodeState, Field(strict=False)]
 
-PeerId = Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID)]
 Addr = Annotated[str, Field(min_length=1, max_length=MAX_ADDR)]
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
-Step = Annotated[int, Field(ge=0, lt=2**62)]
 Index = Annotated[int, Field(ge=0, lt=2**31)]
 Rate = Annotated[float, Field(ge=0.0, le=1e15, allow_inf_nan=False)]
 Hash = Annotated[str, Field(max_length=MAX_HASH)]
@@ -421,7 +418,7 @@ class StageHashesRequest(Message):
     replica needs, without the whole swarm's status (which grows with every node)."""
 
     KIND: ClassVar[str] = "coord.stage_hashes_request"
-    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+    stage: StageIndex
 
 
 class StageHashes(Message):

@@ -34,6 +34,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
+from protolearn.protocol.bounds import MAX_STAGES, PeerId, StageIndex, Step
 from protolearn.protocol.wire import Message
 
 # The node-to-node protocol names, each defined only here; the transport's protocol_id() makes
@@ -45,8 +46,6 @@ STATE = "state"
 SHOW = "show"
 CHECK = "check"
 
-MAX_STAGES = 1024
-MAX_PEER_ID = 128
 MAX_REASON = 512
 MAX_STATE_TENSORS = 100_000
 # A joining replica downloads its stage's state from at most this many donors at once.
@@ -54,8 +53,6 @@ MAX_STATE_PARTS = 16
 MAX_NAME = 256
 MAX_SELF_TEST_BYTES = 4 * 1024 * 1024
 
-PeerId = Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID)]
-Step = Annotated[int, Field(ge=0, lt=2**62)]
 Ticket = Annotated[int, Field(ge=0, lt=2**31)]
 Route = Annotated[list[PeerId], Field(min_length=1, max_length=MAX_STAGES)]
 
@@ -114,7 +111,7 @@ class ResultRequest(Message):
 
     KIND: ClassVar[str] = "pipe.result_request"
     round: Step
-    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+    stage: StageIndex
 
 
 class StateRequest(Message):
@@ -122,7 +119,7 @@ class StateRequest(Message):
     ``parts`` of it (the tensors whose index ≡ part mod parts), so a joiner downloads from several."""
 
     KIND: ClassVar[str] = "pipe.state_request"
-    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+    stage: StageIndex
     part: Annotated[int, Field(ge=0, lt=MAX_STATE_PARTS)] = 0
     parts: Annotated[int, Field(ge=1, le=MAX_STATE_PARTS)] = 1
 
@@ -166,7 +163,7 @@ class CheckRequest(Message):
     KIND: ClassVar[str] = "pipe.check_request"
     step: Step
     ticket: Ticket
-    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+    stage: StageIndex
     direction: Literal["fwd", "bwd"]
     inputs: Annotated[int, Field(ge=0, le=2)]
 

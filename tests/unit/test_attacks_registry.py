@@ -20,6 +20,7 @@ from protolearn.coordinator.run import RunInfo
 from protolearn.coordinator.view import VIEW_MAX
 from protolearn.node.syncing import judge_state
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.bounds import MAX_PEER_ID
 from protolearn.protocol.wire import encode
 
 SETTINGS = CoordinatorSettings(rate_per_s=1e9, rate_burst=1e9, expiry_s=3.0, move_cooldown_s=0.0, max_members=1_000_000)
@@ -156,7 +157,7 @@ def test_a_lone_first_corpus_claimer_in_stage_0_is_outvoted_by_the_honest_replic
 def _sybil(i: int, stage: int) -> Member:
     """The largest entry a member can have: the longest peer ID and the most, longest addresses."""
     addrs = [f"/dns4/{k}.".ljust(cm.MAX_ADDR, "h") for k in range(cm.MAX_ADDRS)]
-    return Member(peer_id=f"{i:07d}".ljust(cm.MAX_PEER_ID, "x"), addrs=addrs, device="cpu", memory_gb=1.0, throughput=100.0,
+    return Member(peer_id=f"{i:07d}".ljust(MAX_PEER_ID, "x"), addrs=addrs, device="cpu", memory_gb=1.0, throughput=100.0,
                   stage=stage, joined_at=0.0, last_seen=0.0, state="training", serving=stage, step=3, param_hash="p" * cm.MAX_HASH)
 
 
