@@ -66,6 +66,7 @@ MAX_TICKETS_PER_REQUEST = 1024
 MAX_EVIDENCE_BYTES = 64 * 1024
 MAX_HASH = 128
 MAX_SIGNATURE = 128
+# The run config a JoinReply or Members reply carries (a run TOML is a few KiB).
 MAX_RUN_TOML = 256 * 1024
 # A heartbeat carries the parameter hashes after the node's last HASH_HISTORY applied steps, so a joiner can
 # check a donor's snapshot that is a few steps behind the donor (which trains on while the joiner downloads).
@@ -87,6 +88,7 @@ Text = Annotated[str, Field(max_length=MAX_TEXT)]
 Index = Annotated[int, Field(ge=0, lt=2**31)]
 Rate = Annotated[float, Field(ge=0.0, le=1e15, allow_inf_nan=False)]
 Hash = Annotated[str, Field(max_length=MAX_HASH)]
+RunToml = Annotated[str, Field(max_length=MAX_RUN_TOML)]
 # The coordinator's verdict on whether a node can be dialled from the internet (coordinator/reachability.py).
 Reachability = Literal["public", "private", "unknown"]
 # How a node's stage peers reach it now: "" until it says.
@@ -152,7 +154,7 @@ class Join(Message):
 class JoinReply(Message):
     KIND: ClassVar[str] = "coord.join_reply"
     stage: int
-    run_toml: str
+    run_toml: RunToml
     run_hash: str
     # The first step not yet committed: the stage state a joining node needs is the one before it.
     step: int
@@ -438,7 +440,7 @@ class MembersRequest(Message):
 
 class Members(Message):
     KIND: ClassVar[str] = "coord.members"
-    run_toml: str
+    run_toml: RunToml
     run_hash: str
     step: int
     members: list[MemberView]

@@ -128,10 +128,6 @@ class RelayBook:
     _by_dst: Counter[str] = field(default_factory=Counter)
 
     @property
-    def num_reservations(self) -> int:
-        return len(self._expiry)
-
-    @property
     def num_circuits(self) -> int:
         return len(self._circuits)
 
