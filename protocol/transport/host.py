@@ -29,7 +29,7 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
 from protolearn.errors import ConfigError, ProtolearnError
-from protolearn.protocol.addresses import advertised, check_port_free, parse_multiaddr, strip_p2p
+from protolearn.protocol.addresses import DEFAULT_LISTEN, advertised, check_port_free, parse_multiaddr, strip_p2p
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused, WrongPeer
 from protolearn.protocol.gate import (
     DEFAULT_ABUSE_THRESHOLD,
@@ -50,8 +50,8 @@ from protolearn.protocol.transport.streams import FramedStream
 from protolearn.protocol.wire import ErrorReply, Message
 
 PROTOCOL_PREFIX = "/protolearn/"
-PROTOCOL_VERSION = "1.0.0"
-DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+# The version in every protocol ID (/protolearn/<name>/1.0.0), not the message envelope's (wire.WIRE_VERSION).
+PROTOCOL_ID_VERSION = "1.0.0"
 # Peers whose dial addresses a host keeps (see Host._remember).
 MAX_KNOWN_PEERS = 16384
 # How long a peer's address stays in the peerstore after connect/add_peer_addrs (seconds).
@@ -66,7 +66,7 @@ StreamHandler = Callable[[str, FramedStream], Awaitable[None]]
 
 def protocol_id(name: str) -> str:
     """The versioned libp2p protocol ID of a protolearn protocol name."""
-    return f"{PROTOCOL_PREFIX}{name}/{PROTOCOL_VERSION}"
+    return f"{PROTOCOL_PREFIX}{name}/{PROTOCOL_ID_VERSION}"
 
 
 class HasSeed(Protocol):
@@ -660,7 +660,7 @@ class Host:
 @asynccontextmanager
 async def open_host(
     identity: HasSeed,
-    listen: Sequence[str] = DEFAULT_LISTEN,
+    listen: Sequence[str] = (DEFAULT_LISTEN,),
     config: TransportConfig | None = None,
     *,
     clock: Clock = MONOTONIC,
