@@ -35,22 +35,20 @@ Request → reply:
   last stage) checks its corpus fingerprint against the swarm's; the first one sets it.
 - :class:`Report` → :class:`ReportReply`: a fault report about a peer, with optional signed evidence.
 - :class:`Leave` → :class:`LeaveReply`.
-- :class:`StatusRequest` → :class:`Status`: the swarm view (see ``coordinator/status.py`` for its
-  JSON schema).
+- :class:`StatusRequest` → :class:`~protolearn.protocol.status_schema.Status`: the swarm view (its
+  schema: ``protocol/status_schema.py``; built by ``coordinator/status.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Annotated, ClassVar, Literal
 
 from protolearn.protocol.boundary import OutputEvidence
 from protolearn.protocol.bounds import MAX_STAGES, PeerId, StageIndex, Step
-from protolearn.protocol.majority import strict_majority
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.states import NodeState
-from protolearn.protocol.wire import Message
-from pydantic import BaseModel, ConfigDict, Field
+from protolearn.protocol.wire import Message, Record
+from pydantic import Field
 
 # The protocol's name, defined here only; the transport's protocol_id() makes it /protolearn/coordinator/1.0.0.
 COORDINATOR = "coordinator"
@@ -97,13 +95,7 @@ NodePath = Literal["", "direct", "relayed", "hole-punched"]
 MAX_RELAYS = 4
 
 
-class _Part(BaseModel):
-    """A nested record inside a message: as strict and frozen as the message itself."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
-
-class MemberView(_Part):
+class MemberView(Record):
     """One live member as other nodes need to see it: enough to route to it and average with it."""
 
     peer_id: PeerId
@@ -169,12 +161,12 @@ class JoinReply(Message):
     members: list[MemberView]
 
 
-class RecentHash(_Part):
+class RecentHash(Record):
     step: Step
     hash: Hash
 
 
-class PeerCheck(_Part):
+class PeerCheck(Record):
     """What a node's integrity checks found of one peer whose outputs it receives (node/integrity.py)."""
 
     peer_id: PeerId
@@ -300,12 +292,12 @@ class Averaged(Message):
     result_hash: Hash = ""
 
 
-class PeerTickets(_Part):
+class PeerTickets(Record):
     peer_id: str
     tickets: list[int]
 
 
-class StageAccount(_Part):
+class StageAccount(Record):
     stage: int
     peers: list[PeerTickets]
 
@@ -356,7 +348,7 @@ class CorpusCheckReply(Message):
     first: bool
 
 
-class StatementEvidence(_Part):
+class StatementEvidence(Record):
     """A statement the *accused* signed with its node key. Two of them that contradict each other
     (:func:`protolearn.protocol.statements.contradiction`) prove that it lied; nothing the reporter
     signs can, since a reporter can sign anything."""
@@ -409,7 +401,7 @@ class StatusRequest(Message):
     loss_history: Annotated[int, Field(ge=0, le=10_000)] = 200
 
 
-class ParamHash(_Part):
+class ParamHash(Record):
     peer_id: str
     step: int
     hash: str
@@ -444,95 +436,3 @@ class Members(Message):
     run_hash: str
     step: int
     members: list[MemberView]
-
-
-class RunView(_Part):
-    name: str
-    run_hash: str
-    num_stages: int
-    microbatches_per_step: int
-    tokens_per_step: int
-
-
-class StageView(_Part):
-    index: int
-    layers: int
-    replicas: int
-    throughput: float
-    # Hashes of the stage's parameters after the last step each replica applied.
-    param_step: int
-    param_hashes: list[ParamHash]
-    hashes_agree: bool
-
-
-class NodeView(_Part):
-    peer_id: str
-    stage: int
-    state: State
-    last_seen_s: float
-    throughput: float
-    queue_len: int
-    step: int
-    loss: float | None
-    flags: list[str]
-    # Integrity (schema 2): the median monitor score its checkers report (None: nobody checks it yet),
-    # their majority probation state ("" when none), spot checks passed and failed, evidence against it.
-    integrity: float | None = None
-    probation: str = ""
-    checks_passed: int = 0
-    checks_failed: int = 0
-    evidence: int = 0
-    # NAT (schema 3): the coordinator's reachability verdict, and how its stage peers reach it ("": not said yet).
-    reachability: Reachability = "unknown"
-    path: NodePath = ""
-
-
-class LossPoint(_Part):
-    step: int
-    loss: float
-    tickets: int
-    closed_at: float
-
-
-class BanView(_Part):
-    peer_id: str
-    reason: str
-    at: float
-
-
-class Status(Message):
-    """The swarm view. Its JSON form (``model_dump(mode="json")``) is the documented ``--json`` schema."""
-
-    KIND: ClassVar[str] = "coord.status"
-    schema_version: int
-    coordinator: str
-    uptime_s: float
-    run: RunView
-    step: int
-    last_closed: int
-    last_committed: int = -1
-    healthy: bool
-    verdict: Literal["healthy", "degraded", "halted"]
-    verdict_reason: str
-    tokens_per_s: float
-    loss: float | None
-    loss_history: list[LossPoint]
-    stages: list[StageView]
-    nodes: list[NodeView]
-    bans: list[BanView]
-
-
-def majority_state(reported: Iterable[tuple[int, str]]) -> tuple[int, str] | None:
-    """The (step, parameter hash) that a strict majority of a stage's reporting replicas hold, or None.
-
-    ``reported`` is each replica's (last applied step, hash after it); entries without a hash do not
-    count. A liar, or a lagging replica, is one vote among the stage's reporters: alone it can neither
-    pass its state off as the stage's nor hide the stage's. While the replicas are split (half of them
-    a step ahead, or a real split) there is no majority, and a caller waits for the next reports. A
-    stage with a single reporting replica has that replica as its majority: nobody else can vouch for
-    or against it.
-    """
-    return strict_majority((step, h) for step, h in reported if h)
-
-
-StageView.model_rebuild()

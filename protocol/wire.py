@@ -56,6 +56,12 @@ class Message(BaseModel):
             Message.registry[kind] = cls
 
 
+class Record(BaseModel):
+    """A record nested inside a message: as strict and frozen as a message, but with no kind of its own."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
 class ErrorReply(Message):
     """A typed refusal sent back instead of a normal reply."""
 

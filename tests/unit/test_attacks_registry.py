@@ -20,6 +20,7 @@ from protolearn.coordinator.run import RunInfo
 from protolearn.coordinator.view import VIEW_MAX
 from protolearn.node.syncing import judge_state
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.majority import majority_state
 from protolearn.protocol.bounds import MAX_PEER_ID
 from protolearn.protocol.wire import encode
 
@@ -75,7 +76,7 @@ def test_a_bogus_param_hash_does_not_flip_the_stages_agreed_hash() -> None:
     assert "hash-mismatch" in next(n for n in st.nodes if n.peer_id == liar).flags
     reply = core.handle("x", cm.StageHashesRequest(stage=0), 0.6)
     reported = [(ph.peer_id, ph.step, ph.hash) for ph in reply.param_hashes]
-    assert len(reported) == 3 and cm.majority_state((s, h) for _, s, h in reported) == (5, "H") and reply.step == 6
+    assert len(reported) == 3 and majority_state((s, h) for _, s, h in reported) == (5, "H") and reply.step == 6
     # A joiner takes an honest donor's state and refuses the liar's.
     assert judge_state(6, "H", reported, frontier=6, init_hash="I")[0] == "ok"
     assert judge_state(6, "X", reported, frontier=6, init_hash="I")[0] == "refuse"
