@@ -169,7 +169,7 @@ def verify_reducer_fault(
     """
     import torch
 
-    from protolearn.protocol.robust import Aggregation, robust_reduce
+    from protolearn.protocol.collective.robust import Aggregation, robust_reduce
     from protolearn.protocol.statements import part_hash
 
     why = _shape_error(evidence)
