@@ -207,21 +207,9 @@ class CollectiveRound:
         return self._advance()
 
     def receive(
-        self,
-        peer: str,
-        phase: str,
-        part: int,
-        data: torch.Tensor | None,
-        *,
-        contributors: list[str] | tuple[str, ...] = (),
-        suspects: list[str] | tuple[str, ...] = (),
-        signer: str = "",
-        digest: bytes = b"",
-        signature: bytes = b"",
-        inputs: bytes = b"",
-        vetoed: bytes = b"",
-        data_digest: bytes | None = None,
-        now: float | None = None,
+        self, peer: str, phase: str, part: int, data: torch.Tensor | None, *, contributors: list[str] | tuple[str, ...] = (),
+        suspects: list[str] | tuple[str, ...] = (), signer: str = "", digest: bytes = b"", signature: bytes = b"",
+        inputs: bytes = b"", vetoed: bytes = b"", data_digest: bytes | None = None, now: float | None = None,
     ) -> list[Action]:
         """Take one message from ``peer``; parts that arrive before :meth:`start` are kept.
 
