@@ -1,4 +1,4 @@
-"""The relay's bookkeeping (protocol/transport/relay.py RelayBook): reservations and circuits against
+"""The relay's bookkeeping (protocol/relay_book.py RelayBook): reservations and circuits against
 the limits, with no IO and no clock of its own."""
 
 from __future__ import annotations
