@@ -44,7 +44,7 @@ from __future__ import annotations
 from typing import Annotated, ClassVar, Literal
 
 from protolearn.protocol.boundary import OutputEvidence
-from protolearn.protocol.bounds import MAX_STAGES, PeerId, StageIndex, Step
+from protolearn.protocol.bounds import MAX_HASH, MAX_STAGES, Hash, PeerId, Signature, StageIndex, Step, Ticket
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.states import NodeState
 from protolearn.protocol.wire import Message, Record
@@ -62,8 +62,6 @@ MAX_ADDRS = 4
 MAX_TEXT = 512
 MAX_TICKETS_PER_REQUEST = 1024
 MAX_EVIDENCE_BYTES = 64 * 1024
-MAX_HASH = 128
-MAX_SIGNATURE = 128
 # The run config a JoinReply or Members reply carries (a run TOML is a few KiB).
 MAX_RUN_TOML = 256 * 1024
 # A heartbeat carries the parameter hashes after the node's last HASH_HISTORY applied steps, so a joiner can
@@ -83,9 +81,7 @@ State = Annotated[NodeState, Field(strict=False)]
 
 Addr = Annotated[str, Field(min_length=1, max_length=MAX_ADDR)]
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
-Index = Annotated[int, Field(ge=0, lt=2**31)]
 Rate = Annotated[float, Field(ge=0.0, le=1e15, allow_inf_nan=False)]
-Hash = Annotated[str, Field(max_length=MAX_HASH)]
 RunToml = Annotated[str, Field(max_length=MAX_RUN_TOML)]
 # The coordinator's verdict on whether a node can be dialled from the internet (coordinator/reachability.py).
 Reachability = Literal["public", "private", "unknown"]
@@ -243,7 +239,7 @@ class LeaseReply(Message):
 class Release(Message):
     KIND: ClassVar[str] = "coord.release"
     step: Step
-    indices: list[Index] = Field(max_length=MAX_TICKETS_PER_REQUEST)
+    indices: list[Ticket] = Field(max_length=MAX_TICKETS_PER_REQUEST)
 
 
 class ReleaseReply(Message):
@@ -254,13 +250,13 @@ class ReleaseReply(Message):
 class Complete(Message):
     KIND: ClassVar[str] = "coord.complete"
     step: Step
-    index: Index
+    index: Ticket
     # The peer that processed this ticket in each stage, stage 0 first.
     route: list[PeerId] = Field(min_length=1, max_length=MAX_STAGES)
     loss: Annotated[float, Field(allow_inf_nan=False)]
     # The last stage's signature of protocol/acks.py's ack_statement over (run, step, index, route, loss):
     # its word that it computed this loss on this route. Needed when the run has more than one stage.
-    ack: Annotated[bytes, Field(max_length=MAX_SIGNATURE)] | None = None
+    ack: Signature | None = None
 
 
 class CompleteReply(Message):
@@ -318,7 +314,7 @@ class StepInfo(Message):
 class Redo(Message):
     KIND: ClassVar[str] = "coord.redo"
     step: Step
-    indices: list[Index] = Field(min_length=1, max_length=MAX_TICKETS_PER_REQUEST)
+    indices: list[Ticket] = Field(min_length=1, max_length=MAX_TICKETS_PER_REQUEST)
     reason: Text = ""
     # The revision of the step's accounting the request is about (0: not said). A redo about an older
     # revision than the step's last closing is stale and refused: it would reopen a step whose newer

@@ -34,7 +34,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
-from protolearn.protocol.bounds import MAX_STAGES, PeerId, StageIndex, Step
+from protolearn.protocol.bounds import MAX_STAGES, Hash, PeerId, Signature, StageIndex, Step, Ticket
 from protolearn.protocol.wire import Message
 
 # The node-to-node protocol names, each defined only here; the transport's protocol_id() makes
@@ -53,7 +53,6 @@ MAX_STATE_PARTS = 16
 MAX_NAME = 256
 MAX_SELF_TEST_BYTES = 4 * 1024 * 1024
 
-Ticket = Annotated[int, Field(ge=0, lt=2**31)]
 Route = Annotated[list[PeerId], Field(min_length=1, max_length=MAX_STAGES)]
 
 
@@ -66,7 +65,7 @@ class Activation(Message):
     route: Route
     # The sender's inputs digest and its signature of protocol/boundary.py's boundary statement.
     inputs: Annotated[bytes, Field(max_length=64)] = b""
-    signature: Annotated[bytes, Field(max_length=128)] = b""
+    signature: Signature = b""
 
 
 class Gradient(Message):
@@ -84,10 +83,10 @@ class Gradient(Message):
     loss: Annotated[float, Field(allow_inf_nan=False)]
     # The last stage's signature of protocol/acks.py's ack_statement(run, step, ticket, route, loss); it
     # rides back unchanged to stage 0, which hands it to the coordinator with the completion.
-    ack: Annotated[bytes, Field(max_length=128)] | None = None
+    ack: Signature | None = None
     # The sender's inputs digest and its signature of protocol/boundary.py's boundary statement.
     inputs: Annotated[bytes, Field(max_length=64)] = b""
-    signature: Annotated[bytes, Field(max_length=128)] = b""
+    signature: Signature = b""
 
 
 class Ack(Message):
@@ -130,8 +129,8 @@ class StateInfo(Message):
     KIND: ClassVar[str] = "pipe.state_info"
     stage: int
     applied: Annotated[int, Field(ge=0, lt=2**62)]
-    run_hash: Annotated[str, Field(max_length=128)]
-    param_hash: Annotated[str, Field(max_length=128)]
+    run_hash: Hash
+    param_hash: Hash
     num_tensors: Annotated[int, Field(ge=0, le=MAX_STATE_TENSORS)]
     # The donor's output on the run's self-test input with exactly this state, raw float32 (node/worker.py
     # self_test): the joiner computes the same and compares, which catches a broken device before it trains.
@@ -172,4 +171,4 @@ class CheckResult(Message):
     """The recomputed output follows; ``signature`` is the checker's over its boundary statement."""
 
     KIND: ClassVar[str] = "pipe.check_result"
-    signature: Annotated[bytes, Field(max_length=128)]
+    signature: Signature

@@ -21,7 +21,7 @@ from protolearn.coordinator.view import VIEW_MAX
 from protolearn.node.syncing import judge_state
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.majority import majority_state
-from protolearn.protocol.bounds import MAX_PEER_ID
+from protolearn.protocol.bounds import MAX_HASH, MAX_PEER_ID
 from protolearn.protocol.wire import encode
 
 SETTINGS = CoordinatorSettings(rate_per_s=1e9, rate_burst=1e9, expiry_s=3.0, move_cooldown_s=0.0, max_members=1_000_000)
@@ -159,7 +159,7 @@ def _sybil(i: int, stage: int) -> Member:
     """The largest entry a member can have: the longest peer ID and the most, longest addresses."""
     addrs = [f"/dns4/{k}.".ljust(cm.MAX_ADDR, "h") for k in range(cm.MAX_ADDRS)]
     return Member(peer_id=f"{i:07d}".ljust(MAX_PEER_ID, "x"), addrs=addrs, device="cpu", memory_gb=1.0, throughput=100.0,
-                  stage=stage, joined_at=0.0, last_seen=0.0, state="training", serving=stage, step=3, param_hash="p" * cm.MAX_HASH)
+                  stage=stage, joined_at=0.0, last_seen=0.0, state="training", serving=stage, step=3, param_hash="p" * MAX_HASH)
 
 
 def test_the_longest_addresses_a_join_may_carry_are_few_and_short() -> None:
