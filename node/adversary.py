@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from protolearn.errors import ConfigError
+from protolearn.protocol.monitors import DIRECTIONS
 
 ENV = "PROTOLEARN_ALLOW_ADVERSARY"
 TENSOR_KINDS = ("scale", "noise", "signflip", "zero", "random", "nan")
@@ -31,7 +32,6 @@ KINDS = TENSOR_KINDS + ("stale", "reducer", "blackhole")
 # the elements (at least one). ``noise`` adds, and ``random`` substitutes, Gaussian noise of the tensor's RMS.
 SCALE_FACTOR = 10.0
 NAN_FRACTION = 0.01
-DIRECTIONS = ("fwd", "bwd")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ expects it) asks a participant for the finished round's vector with :class:`Resu
 applies exactly the same update. The round's hard deadline comes from the node config; a round survives
 dead peers, and :attr:`Averager.last_done` says whose contributions are in (``excluded``: tickets to redo);
 :attr:`Averager.last_failed` keeps a failed round's reason and, if a peer signed two stories, the evidence.
-The run's aggregation rule (:mod:`protolearn.protocol.robust`) and the reducer cross-check are passed to
+The run's aggregation rule (:mod:`protolearn.protocol.collective.robust`) and the reducer cross-check are passed to
 every round; with the cross-check, scatter slices are signed, and a round this replica vetoed (a reducer
 signed a wrong part: :attr:`Failed.reducer_faults` holds the proof for the coordinator) answers late probes
 with its vetoing fin instead of ``left``, so that no peer stops waiting for its objection.

@@ -11,10 +11,9 @@ from typing import Literal
 import multiaddr
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from protolearn.protocol.addresses import parse_multiaddr
+from protolearn.protocol.addresses import DEFAULT_LISTEN, parse_multiaddr
 from protolearn.protocol.errors import PeerUnavailable
-
-DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
+from protolearn.protocol.wire import DEFAULT_REQUEST_TIMEOUT_S
 
 
 class NodeConfig(BaseModel):
@@ -35,7 +34,7 @@ class NodeConfig(BaseModel):
     max_deferred: int = Field(default=16, ge=1, le=1024)
     # Tickets stage 0 asks for per lease request.
     lease_block: int = Field(default=2, ge=1, le=64)
-    request_timeout_s: float = Field(default=30.0, gt=0)
+    request_timeout_s: float = Field(default=DEFAULT_REQUEST_TIMEOUT_S, gt=0)
     averaging_timeout_s: float = Field(default=120.0, gt=0)
     sync_timeout_s: float = Field(default=120.0, gt=0)
     # Stop after this many applied steps (None: the run's steps). The demo and tests use it.

@@ -28,6 +28,7 @@ from typing import Any, Literal, TypeVar
 import trio
 from protolearn.node.errors import Banned
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.status_schema import Status
 from protolearn.protocol.boundary import OutputEvidence
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused
@@ -338,6 +339,6 @@ class CoordinatorLink:
             self.step = max(self.step, reply.step)  # the frontier only moves on
         return list(reply.param_hashes)
 
-    async def status(self, loss_history: int = 200) -> cm.Status:
-        reply, _ = await self._request(cm.StatusRequest(loss_history=loss_history), cm.Status)
+    async def status(self, loss_history: int = 200) -> Status:
+        reply, _ = await self._request(cm.StatusRequest(loss_history=loss_history), Status)
         return reply

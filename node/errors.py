@@ -15,10 +15,6 @@ class StateSyncError(NodeError):
     """No live replica could hand over a stage state that matches the hash the replicas report."""
 
 
-class ReplicaMismatch(NodeError):
-    """After a step this replica's parameter hash differs from its stage's other replicas (I2)."""
-
-
 class Banned(NodeError):
     """The coordinator banned this node (its reason says why); it cannot rejoin the run."""
 

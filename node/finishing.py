@@ -53,7 +53,7 @@ from protolearn.node.progress import Progress
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
-from protolearn.protocol.ownership import part_bounds
+from protolearn.protocol.collective.ownership import part_bounds
 from protolearn.protocol.statements import part_hash, result_hash
 
 log = logging.getLogger("protolearn.node")

@@ -47,7 +47,7 @@ from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.boundary import OutputEvidence
 from protolearn.protocol.reducer_check import ReducerFault
-from protolearn.protocol.robust import Aggregation
+from protolearn.protocol.collective.robust import Aggregation
 from protolearn.protocol.states import NodeState
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import Identity

@@ -19,6 +19,8 @@ from protolearn.errors import ConfigError
 from protolearn.protocol.errors import PeerUnavailable
 
 LOOPBACK = "127.0.0.1"
+# Where a host listens unless told otherwise: loopback, on a port the system picks.
+DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
 
 
 def parse_multiaddr(text: str, peer: str) -> multiaddr.Multiaddr:

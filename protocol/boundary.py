@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 from pydantic import Field
 
 from protolearn.codec_spec import CodecSpecError, parse_codec_spec
+from protolearn.protocol.bounds import PeerId, Signature, StageIndex, Step, Ticket
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.frames import TensorFrame, TensorLimits
 from protolearn.protocol.wire import Message
@@ -113,8 +114,8 @@ class SignedOutput(Message):
     """One replica's output for the checked inputs, and its signature over the boundary statement."""
 
     KIND: ClassVar[str] = "integrity.signed_output"
-    signer: Annotated[str, Field(min_length=1, max_length=128)]
-    signature: Annotated[bytes, Field(max_length=128)]
+    signer: PeerId
+    signature: Signature
     codec: Annotated[str, Field(max_length=64)]
     dtype: Annotated[str, Field(max_length=16)]
     shape: Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=8)]
@@ -134,11 +135,11 @@ class OutputEvidence(Message):
     the odd one out. One output alone is evidence when its frame holds NaN or Inf."""
 
     KIND: ClassVar[str] = "integrity.evidence"
-    accused: Annotated[str, Field(min_length=1, max_length=128)]
-    step: Annotated[int, Field(ge=0, lt=2**62)]
-    ticket: Annotated[int, Field(ge=0, lt=2**31)]
+    accused: PeerId
+    step: Step
+    ticket: Ticket
     direction: Direction
-    stage: Annotated[int, Field(ge=0, lt=1024)]
+    stage: StageIndex
     inputs: Annotated[bytes, Field(max_length=MAX_INPUTS * DIGEST_BYTES)]
     outputs: Annotated[list[SignedOutput], Field(min_length=1, max_length=3)]
 

@@ -35,38 +35,34 @@ Request → reply:
   last stage) checks its corpus fingerprint against the swarm's; the first one sets it.
 - :class:`Report` → :class:`ReportReply`: a fault report about a peer, with optional signed evidence.
 - :class:`Leave` → :class:`LeaveReply`.
-- :class:`StatusRequest` → :class:`Status`: the swarm view (see ``coordinator/status.py`` for its
-  JSON schema).
+- :class:`StatusRequest` → :class:`~protolearn.protocol.status_schema.Status`: the swarm view (its
+  schema: ``protocol/status_schema.py``; built by ``coordinator/status.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Annotated, ClassVar, Literal
 
 from protolearn.protocol.boundary import OutputEvidence
-from protolearn.protocol.majority import strict_majority
+from protolearn.protocol.bounds import MAX_HASH, MAX_STAGES, Hash, PeerId, Signature, StageIndex, Step, Ticket
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.states import NodeState
-from protolearn.protocol.wire import Message
-from pydantic import BaseModel, ConfigDict, Field
+from protolearn.protocol.wire import Message, Record
+from pydantic import Field
 
 # The protocol's name, defined here only; the transport's protocol_id() makes it /protolearn/coordinator/1.0.0.
 COORDINATOR = "coordinator"
 
-# Bounds on every variable-size field. A peer ID is ~52 characters; multiaddrs are short. A member's
-# addresses travel in every view reply, so they are few and short: 4 of 256 characters keep a view
-# entry under ~1.2 KiB. A full /ip4/…/tcp/…/p2p/<peer id> is ~90 characters; a relayed node's circuit
-# address (relay address + /p2p-circuit/p2p/<its id>) is ~170.
-MAX_PEER_ID = 128
+# Bounds on every variable-size field (peer IDs and stage indices: protocol/bounds.py). Multiaddrs are
+# short. A member's addresses travel in every view reply, so they are few and short: 4 of 256 characters
+# keep a view entry under ~1.2 KiB. A full /ip4/…/tcp/…/p2p/<peer id> is ~90 characters; a relayed
+# node's circuit address (relay address + /p2p-circuit/p2p/<its id>) is ~170.
 MAX_ADDR = 256
 MAX_ADDRS = 4
 MAX_TEXT = 512
-MAX_STAGES = 1024
 MAX_TICKETS_PER_REQUEST = 1024
 MAX_EVIDENCE_BYTES = 64 * 1024
-MAX_HASH = 128
-MAX_SIGNATURE = 128
+# The run config a JoinReply or Members reply carries (a run TOML is a few KiB).
 MAX_RUN_TOML = 256 * 1024
 # A heartbeat carries the parameter hashes after the node's last HASH_HISTORY applied steps, so a joiner can
 # check a donor's snapshot that is a few steps behind the donor (which trains on while the joiner downloads).
@@ -83,13 +79,10 @@ NODE_STATES: tuple[str, ...] = tuple(s.value for s in NodeState)
 # On the wire a state is its string value; the schema turns it into the enum (and refuses any other).
 State = Annotated[NodeState, Field(strict=False)]
 
-PeerId = Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID)]
 Addr = Annotated[str, Field(min_length=1, max_length=MAX_ADDR)]
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
-Step = Annotated[int, Field(ge=0, lt=2**62)]
-Index = Annotated[int, Field(ge=0, lt=2**31)]
 Rate = Annotated[float, Field(ge=0.0, le=1e15, allow_inf_nan=False)]
-Hash = Annotated[str, Field(max_length=MAX_HASH)]
+RunToml = Annotated[str, Field(max_length=MAX_RUN_TOML)]
 # The coordinator's verdict on whether a node can be dialled from the internet (coordinator/reachability.py).
 Reachability = Literal["public", "private", "unknown"]
 # How a node's stage peers reach it now: "" until it says.
@@ -98,13 +91,7 @@ NodePath = Literal["", "direct", "relayed", "hole-punched"]
 MAX_RELAYS = 4
 
 
-class _Part(BaseModel):
-    """A nested record inside a message: as strict and frozen as the message itself."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
-
-class MemberView(_Part):
+class MemberView(Record):
     """One live member as other nodes need to see it: enough to route to it and average with it."""
 
     peer_id: PeerId
@@ -155,7 +142,7 @@ class Join(Message):
 class JoinReply(Message):
     KIND: ClassVar[str] = "coord.join_reply"
     stage: int
-    run_toml: str
+    run_toml: RunToml
     run_hash: str
     # The first step not yet committed: the stage state a joining node needs is the one before it.
     step: int
@@ -170,12 +157,12 @@ class JoinReply(Message):
     members: list[MemberView]
 
 
-class RecentHash(_Part):
+class RecentHash(Record):
     step: Step
     hash: Hash
 
 
-class PeerCheck(_Part):
+class PeerCheck(Record):
     """What a node's integrity checks found of one peer whose outputs it receives (node/integrity.py)."""
 
     peer_id: PeerId
@@ -252,7 +239,7 @@ class LeaseReply(Message):
 class Release(Message):
     KIND: ClassVar[str] = "coord.release"
     step: Step
-    indices: list[Index] = Field(max_length=MAX_TICKETS_PER_REQUEST)
+    indices: list[Ticket] = Field(max_length=MAX_TICKETS_PER_REQUEST)
 
 
 class ReleaseReply(Message):
@@ -263,13 +250,13 @@ class ReleaseReply(Message):
 class Complete(Message):
     KIND: ClassVar[str] = "coord.complete"
     step: Step
-    index: Index
+    index: Ticket
     # The peer that processed this ticket in each stage, stage 0 first.
     route: list[PeerId] = Field(min_length=1, max_length=MAX_STAGES)
     loss: Annotated[float, Field(allow_inf_nan=False)]
     # The last stage's signature of protocol/acks.py's ack_statement over (run, step, index, route, loss):
     # its word that it computed this loss on this route. Needed when the run has more than one stage.
-    ack: Annotated[bytes, Field(max_length=MAX_SIGNATURE)] | None = None
+    ack: Signature | None = None
 
 
 class CompleteReply(Message):
@@ -301,12 +288,12 @@ class Averaged(Message):
     result_hash: Hash = ""
 
 
-class PeerTickets(_Part):
+class PeerTickets(Record):
     peer_id: str
     tickets: list[int]
 
 
-class StageAccount(_Part):
+class StageAccount(Record):
     stage: int
     peers: list[PeerTickets]
 
@@ -327,7 +314,7 @@ class StepInfo(Message):
 class Redo(Message):
     KIND: ClassVar[str] = "coord.redo"
     step: Step
-    indices: list[Index] = Field(min_length=1, max_length=MAX_TICKETS_PER_REQUEST)
+    indices: list[Ticket] = Field(min_length=1, max_length=MAX_TICKETS_PER_REQUEST)
     reason: Text = ""
     # The revision of the step's accounting the request is about (0: not said). A redo about an older
     # revision than the step's last closing is stale and refused: it would reopen a step whose newer
@@ -357,7 +344,7 @@ class CorpusCheckReply(Message):
     first: bool
 
 
-class StatementEvidence(_Part):
+class StatementEvidence(Record):
     """A statement the *accused* signed with its node key. Two of them that contradict each other
     (:func:`protolearn.protocol.statements.contradiction`) prove that it lied; nothing the reporter
     signs can, since a reporter can sign anything."""
@@ -410,7 +397,7 @@ class StatusRequest(Message):
     loss_history: Annotated[int, Field(ge=0, le=10_000)] = 200
 
 
-class ParamHash(_Part):
+class ParamHash(Record):
     peer_id: str
     step: int
     hash: str
@@ -421,7 +408,7 @@ class StageHashesRequest(Message):
     replica needs, without the whole swarm's status (which grows with every node)."""
 
     KIND: ClassVar[str] = "coord.stage_hashes_request"
-    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+    stage: StageIndex
 
 
 class StageHashes(Message):
@@ -441,99 +428,7 @@ class MembersRequest(Message):
 
 class Members(Message):
     KIND: ClassVar[str] = "coord.members"
-    run_toml: str
+    run_toml: RunToml
     run_hash: str
     step: int
     members: list[MemberView]
-
-
-class RunView(_Part):
-    name: str
-    run_hash: str
-    num_stages: int
-    microbatches_per_step: int
-    tokens_per_step: int
-
-
-class StageView(_Part):
-    index: int
-    layers: int
-    replicas: int
-    throughput: float
-    # Hashes of the stage's parameters after the last step each replica applied.
-    param_step: int
-    param_hashes: list[ParamHash]
-    hashes_agree: bool
-
-
-class NodeView(_Part):
-    peer_id: str
-    stage: int
-    state: State
-    last_seen_s: float
-    throughput: float
-    queue_len: int
-    step: int
-    loss: float | None
-    flags: list[str]
-    # Integrity (schema 2): the median monitor score its checkers report (None: nobody checks it yet),
-    # their majority probation state ("" when none), spot checks passed and failed, evidence against it.
-    integrity: float | None = None
-    probation: str = ""
-    checks_passed: int = 0
-    checks_failed: int = 0
-    evidence: int = 0
-    # NAT (schema 3): the coordinator's reachability verdict, and how its stage peers reach it ("": not said yet).
-    reachability: Reachability = "unknown"
-    path: NodePath = ""
-
-
-class LossPoint(_Part):
-    step: int
-    loss: float
-    tickets: int
-    closed_at: float
-
-
-class BanView(_Part):
-    peer_id: str
-    reason: str
-    at: float
-
-
-class Status(Message):
-    """The swarm view. Its JSON form (``model_dump(mode="json")``) is the documented ``--json`` schema."""
-
-    KIND: ClassVar[str] = "coord.status"
-    schema_version: int
-    coordinator: str
-    uptime_s: float
-    run: RunView
-    step: int
-    last_closed: int
-    last_committed: int = -1
-    healthy: bool
-    verdict: Literal["healthy", "degraded", "halted"]
-    verdict_reason: str
-    tokens_per_s: float
-    loss: float | None
-    loss_history: list[LossPoint]
-    stages: list[StageView]
-    nodes: list[NodeView]
-    bans: list[BanView]
-
-
-def majority_state(reported: Iterable[tuple[int, str]]) -> tuple[int, str] | None:
-    """The (step, parameter hash) that a strict majority of a stage's reporting replicas hold, or None.
-
-    ``reported`` is each replica's (last applied step, hash after it); entries without a hash do not
-    count. A liar, or a lagging replica, is one vote among the stage's reporters: alone it can neither
-    pass its state off as the stage's nor hide the stage's. While the replicas are split (half of them
-    a step ahead, or a real split) there is no majority, and a caller waits for the next reports. A
-    stage with a single reporting replica has that replica as its majority: nobody else can vouch for
-    or against it.
-    """
-    return strict_majority((step, h) for step, h in reported if h)
-
-
-StageView.model_rebuild()

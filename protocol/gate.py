@@ -129,10 +129,6 @@ class Abuse:
             return None
         return reason
 
-    def num_banned(self, now: float) -> int:
-        """Temporary bans still running at ``now``."""
-        return sum(1 for until, _ in self._bans.values() if until > now)
-
 
 class Gate:
     """Bans and rejection accounting. ``rejected`` counts by kind; ``recent`` keeps the last ones.

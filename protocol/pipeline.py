@@ -34,6 +34,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
+from protolearn.protocol.bounds import MAX_STAGES, Hash, PeerId, Signature, StageIndex, Step, Ticket
 from protolearn.protocol.wire import Message
 
 # The node-to-node protocol names, each defined only here; the transport's protocol_id() makes
@@ -45,8 +46,6 @@ STATE = "state"
 SHOW = "show"
 CHECK = "check"
 
-MAX_STAGES = 1024
-MAX_PEER_ID = 128
 MAX_REASON = 512
 MAX_STATE_TENSORS = 100_000
 # A joining replica downloads its stage's state from at most this many donors at once.
@@ -54,9 +53,6 @@ MAX_STATE_PARTS = 16
 MAX_NAME = 256
 MAX_SELF_TEST_BYTES = 4 * 1024 * 1024
 
-PeerId = Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID)]
-Step = Annotated[int, Field(ge=0, lt=2**62)]
-Ticket = Annotated[int, Field(ge=0, lt=2**31)]
 Route = Annotated[list[PeerId], Field(min_length=1, max_length=MAX_STAGES)]
 
 
@@ -69,7 +65,7 @@ class Activation(Message):
     route: Route
     # The sender's inputs digest and its signature of protocol/boundary.py's boundary statement.
     inputs: Annotated[bytes, Field(max_length=64)] = b""
-    signature: Annotated[bytes, Field(max_length=128)] = b""
+    signature: Signature = b""
 
 
 class Gradient(Message):
@@ -87,10 +83,10 @@ class Gradient(Message):
     loss: Annotated[float, Field(allow_inf_nan=False)]
     # The last stage's signature of protocol/acks.py's ack_statement(run, step, ticket, route, loss); it
     # rides back unchanged to stage 0, which hands it to the coordinator with the completion.
-    ack: Annotated[bytes, Field(max_length=128)] | None = None
+    ack: Signature | None = None
     # The sender's inputs digest and its signature of protocol/boundary.py's boundary statement.
     inputs: Annotated[bytes, Field(max_length=64)] = b""
-    signature: Annotated[bytes, Field(max_length=128)] = b""
+    signature: Signature = b""
 
 
 class Ack(Message):
@@ -114,7 +110,7 @@ class ResultRequest(Message):
 
     KIND: ClassVar[str] = "pipe.result_request"
     round: Step
-    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+    stage: StageIndex
 
 
 class StateRequest(Message):
@@ -122,7 +118,7 @@ class StateRequest(Message):
     ``parts`` of it (the tensors whose index ≡ part mod parts), so a joiner downloads from several."""
 
     KIND: ClassVar[str] = "pipe.state_request"
-    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+    stage: StageIndex
     part: Annotated[int, Field(ge=0, lt=MAX_STATE_PARTS)] = 0
     parts: Annotated[int, Field(ge=1, le=MAX_STATE_PARTS)] = 1
 
@@ -133,8 +129,8 @@ class StateInfo(Message):
     KIND: ClassVar[str] = "pipe.state_info"
     stage: int
     applied: Annotated[int, Field(ge=0, lt=2**62)]
-    run_hash: Annotated[str, Field(max_length=128)]
-    param_hash: Annotated[str, Field(max_length=128)]
+    run_hash: Hash
+    param_hash: Hash
     num_tensors: Annotated[int, Field(ge=0, le=MAX_STATE_TENSORS)]
     # The donor's output on the run's self-test input with exactly this state, raw float32 (node/worker.py
     # self_test): the joiner computes the same and compares, which catches a broken device before it trains.
@@ -166,7 +162,7 @@ class CheckRequest(Message):
     KIND: ClassVar[str] = "pipe.check_request"
     step: Step
     ticket: Ticket
-    stage: Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+    stage: StageIndex
     direction: Literal["fwd", "bwd"]
     inputs: Annotated[int, Field(ge=0, le=2)]
 
@@ -175,4 +171,4 @@ class CheckResult(Message):
     """The recomputed output follows; ``signature`` is the checker's over its boundary statement."""
 
     KIND: ClassVar[str] = "pipe.check_result"
-    signature: Annotated[bytes, Field(max_length=128)]
+    signature: Signature

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 MAX_PEERS = 4096
 # Below this a decayed rate counts as having reached a floor of 0 (a run that disabled spot checks).
 MIN_RATE = 2.0**-20
-STATES = ("probation", "trusted", "failed")
 
 
 @dataclass

@@ -40,7 +40,7 @@ from pydantic import Field
 
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import public_key_from_peer_id
-from protolearn.protocol.pipeline import MAX_PEER_ID, PeerId, Step
+from protolearn.protocol.bounds import MAX_PARTICIPANTS, MAX_PEER_ID, PeerId, Step
 from protolearn.protocol.statements import (
     HASH_BYTES,
     SIGNATURE_BYTES,
@@ -56,8 +56,6 @@ from protolearn.protocol.wire import MAX_MESSAGE_BYTES, Message
 if TYPE_CHECKING:  # the coordinator decodes evidence without torch; only verifying it loads torch
     import torch
 
-# The same bound as the collective's (not imported: the collective imports this module).
-MAX_PARTICIPANTS = 1024
 # All slices of one fault together: one message must carry them, with room for the rest.
 MAX_FAULT_BYTES = MAX_MESSAGE_BYTES - (1 << 20)
 MAX_NUMEL = 1 << 40
@@ -171,7 +169,7 @@ def verify_reducer_fault(
     """
     import torch
 
-    from protolearn.protocol.robust import Aggregation, robust_reduce
+    from protolearn.protocol.collective.robust import Aggregation, robust_reduce
     from protolearn.protocol.statements import part_hash
 
     why = _shape_error(evidence)

@@ -24,11 +24,16 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from protolearn.protocol.errors import ProtocolError, TooLarge
 
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})
+# The version of this envelope's format (its "v"), not of the libp2p protocol IDs (the transport's
+# PROTOCOL_ID_VERSION in /protolearn/<name>/1.0.0).
+WIRE_VERSION = 1
+SUPPORTED_VERSIONS = frozenset({WIRE_VERSION})
 LENGTH_PREFIX = struct.Struct(">Q")
 # Default upper bound for one message. Large tensors are streamed in chunks below this size.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# How long a request waits for its reply unless the caller says otherwise: the transport's
+# TransportConfig.request_timeout_s and a node's --request-timeout default to it.
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
 
 M = TypeVar("M", bound="Message")
 
@@ -51,6 +56,12 @@ class Message(BaseModel):
             Message.registry[kind] = cls
 
 
+class Record(BaseModel):
+    """A record nested inside a message: as strict and frozen as a message, but with no kind of its own."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
 class ErrorReply(Message):
     """A typed refusal sent back instead of a normal reply."""
 
@@ -63,7 +74,7 @@ def encode(msg: Message) -> bytes:
     """Return the msgpack envelope of ``msg`` (without the length prefix)."""
     if not msg.KIND:
         raise TypeError(f"{type(msg).__qualname__} has no KIND")
-    return msgpack.packb({"v": PROTOCOL_VERSION, "k": msg.KIND, "b": msg.model_dump()}, use_bin_type=True)
+    return msgpack.packb({"v": WIRE_VERSION, "k": msg.KIND, "b": msg.model_dump()}, use_bin_type=True)
 
 
 def frame(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:

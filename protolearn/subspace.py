@@ -9,7 +9,7 @@ span of one orthonormal basis U (D, k). A boundary activation is then exactly
 
 where E_fixed (V, D) is a fixed token embedding orthogonal to U (so Uᵀ E_fixed = 0). Only c (k numbers
 per token) and the token ids cross a stage boundary. The stage modules (``stages/``) use this module to
-build and constrain the model; the ``subspace`` codec (``protocol/codecs.py``) and the coordinator's
+build and constrain the model; the ``subspace`` codec (``protocol/codecs/subspace.py``) and the coordinator's
 evidence checks use it to rebuild h. Both are derived here from the run seed alone, so every process
 agrees on them bit for bit without a transfer.
 

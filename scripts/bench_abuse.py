@@ -247,7 +247,7 @@ async def main(sizes: Sizes, workdir: str) -> dict:
     from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse
     from protolearn.protocol.tensors import to_frame
     from protolearn.protocol.transport import TensorHeader
-    from protolearn.protocol.transport.bulk import BulkChoice, BulkDecline, BulkOffer
+    from protolearn.protocol.transport.bulk_offers import BulkChoice, BulkDecline, BulkOffer
     from protolearn.protocol.transport.seal import dial
 
     errors = _quiet()

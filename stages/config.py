@@ -142,7 +142,7 @@ class IntegrityConfig(_Frozen):
     check_tolerance: float = Field(1e-3, gt=0.0, le=1.0)
     # A joiner runs its stage on a fixed input from the run seed and compares with its donor's output.
     self_test: bool = True
-    # How the replicas of a stage combine their gradients (protocol/robust.py): "mean" (the default), "trimmed_mean"
+    # How the replicas of a stage combine their gradients (protocol/collective/robust.py): "mean" (the default), "trimmed_mean"
     # or "centered_clip". The robust rules act on each replica's per-ticket mean, per collective part, and are scaled
     # back to the sum's scale; with fewer than 3 contributors they are the mean.
     aggregation: str = Field("mean", pattern=r"^(mean|trimmed_mean|centered_clip)$")
@@ -192,7 +192,7 @@ class RunConfig(_Frozen):
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, v: str) -> str:
-        # The one codec grammar, shared with protocol/codecs.py; its error names this field.
+        # The one codec grammar, shared with protocol/codecs/; its error names this field.
         parse_codec_spec(v, field="codec")
         return v
 

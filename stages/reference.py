@@ -27,7 +27,7 @@ from protolearn.stages.stage import StageModule, build_stage
 
 StepRecord = dict[str, Any]
 # (boundary s between stages s and s+1, "fwd" | "bwd", tensor, the microbatch's token ids) -> the tensor
-# the other side receives: a codec round trip (protocol/codecs.py LinkSimulator), or None for none at all.
+# the other side receives: a codec round trip (protocol/codecs/links.py LinkSimulator), or None for none at all.
 BoundaryHook = Callable[[int, str, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -22,7 +22,7 @@ Heartbeats are claims (hostile input is normal input), so each field is bounded 
 *step* at or beyond the coordinator's frontier is not recorded (nobody applied an uncommitted step),
 and the latest report replaces the previous one, so no absurd maximum sticks; a *state* change shows
 in the view at most once per ``view_state_interval_s`` per member; *param_hash* counts only through
-the stage's majority (:func:`~protolearn.protocol.coordination.majority_state`). Live stage-0
+the stage's majority (:func:`~protolearn.protocol.majority.majority_state`). Live stage-0
 members' corpus fingerprints are tallied here as votes (see corpus.py).
 
 Every request path is O(1) in the number of members: the registry keeps :class:`~.tallies.StageTallies`

@@ -1,6 +1,6 @@
 """The swarm view behind `swarm status`: verdict, stages, nodes, loss history, and its JSON schema.
 
-:func:`build_status` reads the core at ``now`` and returns a :class:`~protolearn.protocol.coordination.Status`
+:func:`build_status` reads the core at ``now`` and returns a :class:`~protolearn.protocol.status_schema.Status`
 message. Its JSON form (``status.model_dump(mode="json")``, what ``swarm status --json`` prints) is
 described by :data:`STATUS_JSON_SCHEMA`, which is stable: fields may be added in a new
 ``schema_version``, never renamed or removed.
@@ -30,7 +30,7 @@ acted on: only evidence the coordinator verifies itself bans.
 Reports are claims, so one replica cannot decide what a stage looks like: a stage's ``param_step`` is
 the lower median of the steps its replicas report (a lone claim of a huge step moves nothing), and
 ``hashes_agree`` means a strict majority of the replicas at that step hold one hash
-(:func:`~protolearn.protocol.coordination.majority_state`); a lone liar is flagged ``hash-mismatch``
+(:func:`~protolearn.protocol.majority.majority_state`); a lone liar is flagged ``hash-mismatch``
 instead of flipping its stage's verdict.
 
 Bounded: the status stays under the frame cap at any swarm size. It lists at most
@@ -54,7 +54,8 @@ from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.tickets import TicketLedger
 from protolearn.coordinator.core.verdicts import VerdictPolicy
 from protolearn.protocol import coordination as cm
-from protolearn.protocol.coordination import majority_state
+from protolearn.protocol import status_schema as ss
+from protolearn.protocol.majority import majority_state
 
 # 2: nodes carry integrity, probation, checks_passed, checks_failed and evidence (issue 11).
 # 3: nodes carry reachability and path (issue 14, NAT traversal).
@@ -166,7 +167,7 @@ STATUS_JSON_SCHEMA: dict[str, Any] = {
 }
 
 
-def tokens_per_s(history: list[cm.LossPoint], tokens_per_step: int, now: float) -> float:
+def tokens_per_s(history: list[ss.LossPoint], tokens_per_step: int, now: float) -> float:
     """Tokens per second over the last closed steps; 0 once the swarm has stalled."""
     window = history[-RATE_WINDOW:]
     if len(window) < 2:
@@ -207,12 +208,12 @@ class StatusSource(Protocol):
     def integrity(self) -> IntegrityDesk: ...
 
 
-def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.Status:
+def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.Status:
     """The status at ``now``; O(members), bounded in size (see the module docstring)."""
     run, settings, ledger = core.run, core.settings, core.ledger
     live = sorted(core.registry.live(), key=lambda m: (m.stage, m.peer_id))
     history = [
-        cm.LossPoint(step=p.step, loss=float(p.loss), tickets=p.tickets, closed_at=float(p.closed_at))
+        ss.LossPoint(step=p.step, loss=float(p.loss), tickets=p.tickets, closed_at=float(p.closed_at))
         for p in core.history
         if p.step < ledger.step
     ]
@@ -220,7 +221,7 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.S
     by_stage: dict[int, list[Member]] = {}
     for m in live:
         by_stage.setdefault(m.stage, []).append(m)
-    stages: list[cm.StageView] = []
+    stages: list[ss.StageView] = []
     flags: dict[str, list[str]] = {m.peer_id: [] for m in live}
     hashes_per_stage = max(1, MAX_STATUS_HASHES // max(1, run.num_stages))
     for s in range(run.num_stages):
@@ -242,7 +243,7 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.S
         reported.sort(key=lambda m: (not flags[m.peer_id], m.peer_id))
         reported = sorted(reported[:hashes_per_stage], key=lambda m: m.peer_id)
         stages.append(
-            cm.StageView(
+            ss.StageView(
                 index=s,
                 layers=run.layers[s],
                 replicas=len(members),
@@ -253,7 +254,7 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.S
             )
         )
 
-    nodes: list[cm.NodeView] = []
+    nodes: list[ss.NodeView] = []
     for m in live:
         since = max(0.0, now - m.last_seen)
         f = flags[m.peer_id]
@@ -264,7 +265,7 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.S
         f.extend(core.verdicts.flags_of(m.peer_id))
         score, probation, passed, failed = core.integrity.summary(m.peer_id, core.registry.is_live)
         nodes.append(
-            cm.NodeView(
+            ss.NodeView(
                 peer_id=m.peer_id, stage=m.stage, state=m.state, last_seen_s=float(since),
                 throughput=float(m.throughput), queue_len=m.queue_len, step=m.step,
                 loss=None if m.loss is None else float(m.loss), flags=f,
@@ -278,11 +279,11 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.S
     verdict, why = _verdict(stages, nodes, history, now)
     if len(nodes) > MAX_STATUS_NODES:  # flagged nodes first, then by stage and peer ID
         nodes = sorted(sorted(nodes, key=lambda n: not n.flags)[:MAX_STATUS_NODES], key=lambda n: (n.stage, n.peer_id))
-    return cm.Status(
+    return ss.Status(
         schema_version=SCHEMA_VERSION,
         coordinator=core.peer_id,
         uptime_s=float(max(0.0, now - core.started_at)),
-        run=cm.RunView(
+        run=ss.RunView(
             name=run.name, run_hash=run.run_hash, num_stages=run.num_stages,
             microbatches_per_step=run.microbatches_per_step, tokens_per_step=run.tokens_per_step,
         ),
@@ -297,11 +298,11 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> cm.S
         loss_history=history[-history_len:] if history_len else [],
         stages=stages,
         nodes=nodes,
-        bans=[cm.BanView(peer_id=b.peer_id, reason=b.reason, at=float(b.at)) for b in core.verdicts.bans.values()],
+        bans=[ss.BanView(peer_id=b.peer_id, reason=b.reason, at=float(b.at)) for b in core.verdicts.bans.values()],
     )
 
 
-def _verdict(stages: list[cm.StageView], nodes: list[cm.NodeView], history: list[cm.LossPoint], now: float) -> tuple[str, str]:
+def _verdict(stages: list[ss.StageView], nodes: list[ss.NodeView], history: list[ss.LossPoint], now: float) -> tuple[str, str]:
     if not nodes:
         return "halted", "no nodes have joined; start one with `protolearn node join`"
     empty = [s.index for s in stages if s.replicas == 0]

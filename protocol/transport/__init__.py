@@ -83,12 +83,25 @@ swarm cannot dial those addresses, and must not dial the private ones the peer's
 the side that opened the circuit then tries once, bounded, to punch a direct TCP connection (DCUtR),
 on which later streams run. The bulk lane is used only on plain direct connections: through a relay
 its dial would reach the relay's IP, and a punched hole is open for one port, not the lane's.
+
+The modules. ``host.py``: :class:`Host`, a facade over the rest, and :func:`open_host`. ``names.py``:
+protocol and peer IDs. ``dialing.py``: where peers are reached and how they are dialled.
+``serving.py``: inbound streams behind the gate. ``gatekeeper.py``: bans carried out on connections,
+and the gate's logs. ``connections.py``: what a live connection says about a peer.
+``libp2p_errors.py``: py-libp2p's errors. ``streams.py``: framed streams (:class:`FramedStream`).
+``bulk.py``, ``bulk_offers.py``, ``seal.py``: the bulk lane. ``relay.py``: circuit relay (its
+bookkeeping, pure, is ``protocol/relay_book.py``). ``holepunch.py``: DCUtR. ``config.py``,
+``clock.py``: the transport's settings and its one clock. The transport's pure cores live outside this
+package, where the purity test checks them: the gate (``protocol/gate.py``), its log
+(``protocol/log_digest.py``) and the relay book.
 """
 
+from protolearn.protocol.relay_book import RelayLimits
 from protolearn.protocol.transport.bulk import BulkLane, BulkStats
 from protolearn.protocol.transport.clock import Clock
-from protolearn.protocol.transport.host import Host, TransportConfig, open_host, protocol_id
-from protolearn.protocol.transport.relay import RelayLimits
+from protolearn.protocol.transport.config import TransportConfig
+from protolearn.protocol.transport.host import Host, open_host
+from protolearn.protocol.transport.names import protocol_id
 from protolearn.protocol.transport.streams import FramedStream, TensorHeader, TensorTrailer
 
 __all__ = [

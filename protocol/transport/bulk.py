@@ -11,13 +11,13 @@ How one tensor travels (see ``FramedStream.send_tensor`` / ``receive_tensor``):
 1. The sender's :class:`TensorHeader` says ``bulk=True`` when the payload is at least
    ``bulk_min_bytes``, its lane is on, and the peer's lane was not found unreachable lately.
 2. The receiver validates the header against its limits first, then answers on the stream with a
-   :class:`BulkOffer`: its lane's port, a fresh random token and a fresh random 256-bit key (the
-   stream is Noise-encrypted, so only the authenticated peer learns them), or a :class:`BulkDecline`.
-   Offers are bounded in number and expire (:class:`OfferTable`, sans-IO).
+   :class:`~.bulk_offers.BulkOffer`: its lane's port, a fresh random token and a fresh random 256-bit key (the
+   stream is Noise-encrypted, so only the authenticated peer learns them), or a :class:`~.bulk_offers.BulkDecline`.
+   Offers are bounded in number and expire (:class:`~.bulk_offers.OfferTable`, sans-IO).
 3. The sender dials the IP of the existing libp2p connection at that port and writes the token;
    the lane answers with HMAC(key, token), which proves the dial reached the receiver and not some
    other machine (NAT, relay). All that within ``bulk_connect_timeout_s``. The sender then tells the
-   receiver on the stream which way the bytes come (:class:`BulkChoice`); when the dial or the
+   receiver on the stream which way the bytes come (:class:`~.bulk_offers.BulkChoice`); when the dial or the
    confirmation failed, the payload goes through the stream as before, and the peer's lane is
    skipped for ``UNREACHABLE_S``.
 4. The payload travels in AES-256-GCM sealed chunks (:mod:`protolearn.protocol.transport.seal`): a
@@ -44,19 +44,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import secrets
 import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import trio
 
 from protolearn.protocol.errors import PeerTimeout, ProtocolError
+from protolearn.protocol.transport.bulk_offers import BulkOffer, Offer, OfferTable
 from protolearn.protocol.transport.clock import MONOTONIC, Clock
+from protolearn.protocol.transport.config import TransportConfig
 from protolearn.protocol.transport.seal import CHUNK_BYTES, KEY_BYTES, TOKEN_BYTES, confirmation, dial, receive_chunks, send_chunks
-from protolearn.protocol.wire import Message
 
 HELLO_TIMEOUT_S = 2.0  # a connection must present its token this fast (it has it before it dials)
 MAX_HELLOS = 64  # connections read at once before they presented a token; more are closed
@@ -64,122 +64,6 @@ UNREACHABLE_S = 60.0  # after a failed dial, a peer's lane is not tried again fo
 MAX_THREADS = 32  # transfers running at once in worker threads, per host
 
 log = logging.getLogger("protolearn.protocol")
-
-
-class BulkOffer(Message):
-    """Receiver to sender: send the payload to ``port`` on my IP, presenting ``token``, sealed with ``key``."""
-
-    KIND: ClassVar[str] = "bulk_offer"
-    port: int
-    token: bytes
-    key: bytes
-
-
-class BulkDecline(Message):
-    """Receiver to sender: no lane now (disabled, too many pending offers); send in-stream."""
-
-    KIND: ClassVar[str] = "bulk_decline"
-    reason: str
-
-
-class BulkChoice(Message):
-    """Sender to receiver, after an offer: whether the payload comes over the lane or the stream."""
-
-    KIND: ClassVar[str] = "bulk_choice"
-    lane: bool
-    reason: str = ""
-
-
-# -- the sans-IO offer table ---------------------------------------------------------------------
-
-
-@dataclass
-class Offer:
-    token: bytes
-    key: bytes
-    peer: str
-    num_bytes: int
-    expires_at: float
-
-
-class OfferTable:
-    """Pending offers and the receive buffers they reserve, both bounded; an unclaimed offer expires.
-
-    ``create`` returns an :class:`Offer` or the reason for refusing one; ``claim`` hands an offer to
-    the connection that presents its token (once, before it expires); ``release`` ends an offer,
-    claimed or not, and frees its reservation. A lane buffer is allocated whole when its connection
-    arrives, not as bytes come in, so the bytes reserved by all offers are capped (``max_bytes``):
-    past the cap, senders are declined and use the stream, which only holds what arrived.
-    """
-
-    def __init__(
-        self, *, max_pending: int, max_bytes: int, ttl_s: float, max_pending_per_peer: int | None = None,
-        max_bytes_per_peer: int | None = None,
-    ) -> None:
-        self.max_pending = max_pending
-        self.max_bytes = max_bytes
-        self.max_pending_per_peer = max_pending if max_pending_per_peer is None else max_pending_per_peer
-        self.max_bytes_per_peer = max_bytes if max_bytes_per_peer is None else max_bytes_per_peer
-        self.ttl_s = ttl_s
-        self.reserved_bytes = 0
-        self._peer_pending: dict[str, int] = {}  # only peers with offers, so bounded by max_pending
-        self._peer_bytes: dict[str, int] = {}
-        self._offers: dict[bytes, Offer] = {}  # made, not yet claimed
-        self._claimed: dict[bytes, Offer] = {}  # claimed, transfer not yet over
-
-    def __len__(self) -> int:
-        return len(self._offers) + len(self._claimed)
-
-    def over_peer_limit(self, peer: str, num_bytes: int, now: float) -> str | None:
-        """Why ``peer`` may not have one more offer of ``num_bytes`` (its own limits), or None."""
-        self.expire(now)
-        pending, reserved = self._peer_pending.get(peer, 0), self._peer_bytes.get(peer, 0)
-        if pending >= self.max_pending_per_peer:
-            return f"peer has {pending} bulk transfers pending, its limit is {self.max_pending_per_peer}"
-        if reserved + num_bytes > self.max_bytes_per_peer:
-            return f"peer has {reserved} bulk bytes reserved, {num_bytes} more exceed its limit of {self.max_bytes_per_peer}"
-        return None
-
-    def create(self, peer: str, num_bytes: int, now: float) -> Offer | str:
-        self.expire(now)
-        if len(self) >= self.max_pending:
-            return f"{len(self)} bulk transfers pending, the limit is {self.max_pending}"
-        if self.reserved_bytes + num_bytes > self.max_bytes:
-            return f"bulk buffers of {self.reserved_bytes} bytes reserved, {num_bytes} more exceed the limit of {self.max_bytes}"
-        over = self.over_peer_limit(peer, num_bytes, now)
-        if over is not None:
-            return over
-        offer = Offer(secrets.token_bytes(TOKEN_BYTES), secrets.token_bytes(KEY_BYTES), peer, num_bytes, now + self.ttl_s)
-        self._offers[offer.token] = offer
-        self.reserved_bytes += num_bytes
-        self._peer_pending[peer] = self._peer_pending.get(peer, 0) + 1
-        self._peer_bytes[peer] = self._peer_bytes.get(peer, 0) + num_bytes
-        return offer
-
-    def claim(self, token: bytes, now: float) -> tuple[Offer | None, str]:
-        self.expire(now)
-        offer = self._offers.pop(token, None)
-        if offer is None:
-            return None, "token is not a pending offer"
-        self._claimed[token] = offer
-        return offer, ""
-
-    def release(self, token: bytes) -> None:
-        offer = self._offers.pop(token, None) or self._claimed.pop(token, None)
-        if offer is not None:
-            self.reserved_bytes -= offer.num_bytes
-            left = self._peer_pending[offer.peer] - 1
-            if left:
-                self._peer_pending[offer.peer] = left
-                self._peer_bytes[offer.peer] -= offer.num_bytes
-            else:
-                del self._peer_pending[offer.peer], self._peer_bytes[offer.peer]
-
-    def expire(self, now: float) -> list[Offer]:
-        gone = [o for o in self._offers.values() if o.expires_at <= now]
-        for o in gone:
-            self.release(o.token)
-        return gone
 
 
 # -- the lane: listener, token check, transfers -----------------------------------------------------
@@ -238,6 +122,20 @@ class BulkLane:
         # Separate pools: sends wait on remote receivers, so they must never take every receiver's thread.
         self._send_threads = trio.CapacityLimiter(MAX_THREADS)
         self._receive_threads = trio.CapacityLimiter(MAX_THREADS)
+
+    @classmethod
+    def from_config(cls, config: TransportConfig, clock: Clock, *, on_over_limit: Callable[[str, str], None] | None = None) -> BulkLane:
+        """The lane of a host with ``config``: its bounds, and an offer lives as long as a chunk may take plus a dial."""
+        return cls(
+            min_bytes=config.bulk_min_bytes, connect_timeout_s=config.bulk_connect_timeout_s,
+            max_pending=config.max_inbound_streams, max_pending_bytes=config.bulk_max_pending_bytes,
+            offer_ttl_s=config.chunk_timeout_s + config.bulk_connect_timeout_s, clock=clock,
+            max_pending_per_peer=config.bulk_max_pending_per_peer,
+            max_pending_bytes_per_peer=config.bulk_max_pending_bytes_per_peer,
+            max_hellos_per_ip=config.bulk_max_hellos_per_ip,
+            message_deadline_s=config.message_deadline_s, min_rate=config.min_rate_bytes_per_s,
+            on_over_limit=on_over_limit,
+        )
 
     # -- receiving side ---------------------------------------------------------------------------
 
@@ -472,4 +370,4 @@ def lane_ip(listen: list[str]) -> str | None:
     return None
 
 
-__all__ = ["CHUNK_BYTES", "BulkChoice", "BulkDecline", "BulkLane", "BulkOffer", "BulkStats", "Offer", "OfferTable", "lane_ip"]
+__all__ = ["CHUNK_BYTES", "BulkLane", "BulkStats", "lane_ip"]

@@ -21,7 +21,7 @@ class TransportConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    request_timeout_s: float = Field(default=30.0, gt=0)
+    request_timeout_s: float = Field(default=wire.DEFAULT_REQUEST_TIMEOUT_S, gt=0)
     chunk_timeout_s: float = Field(default=10.0, gt=0)
     connect_timeout_s: float = Field(default=10.0, gt=0)
     max_message_bytes: int = Field(default=16 * 1024 * 1024, gt=wire.LENGTH_PREFIX.size)

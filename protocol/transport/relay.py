@@ -1,4 +1,4 @@
-"""Circuit relay v2: a relay's bookkeeping (sans-IO :class:`RelayBook`) and both ends of the protocol.
+"""Circuit relay v2: a node's client side (reserving a slot, dialling through a relay) and the relay's side.
 
 A node behind a NAT cannot accept connections, so it *reserves* a slot on a relay (a coordinator
 started with ``--relay``, or a public node joined with ``--relay``) and advertises
@@ -21,8 +21,9 @@ limits are the point:
 - Its client makes a reservation on every relay it dials *through*, so every dialer also takes a
   slot, and its relay discovery rescans only every 300 s.
 
-Here :class:`RelayBook` decides (reservations per relay, circuits in total, per source and per
-destination, bytes and time per circuit), :class:`Relay` does the IO, and every refusal or cut is
+Here :class:`~protolearn.protocol.relay_book.RelayBook` (sans IO) decides (reservations per relay,
+circuits in total, per source and per destination, bytes per circuit), :class:`Relay` does the IO and
+enforces each circuit's time limit, and every refusal or cut is
 counted against the peer in the host's gate (:mod:`protolearn.protocol.gate`), so a peer that keeps
 pushing past its limits is banned for a while and everyone else keeps being served. Both ends'
 streams pass the gate before a byte is read, and every read and dial has a deadline.
@@ -32,9 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import multiaddr
@@ -49,11 +48,10 @@ from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID as STOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
-from pydantic import BaseModel, ConfigDict, Field
 
 from protolearn.protocol.errors import PeerUnavailable, ProtocolError, Refused
 from protolearn.protocol.gate import OVER_LIMIT
-
+from protolearn.protocol.relay_book import CIRCUIT, Circuit, RelayBook, RelayLimits, split_circuit
 
 
 class RelayHost(Protocol):
@@ -74,139 +72,12 @@ class RelayHost(Protocol):
 
 log = logging.getLogger("protolearn.protocol")
 
-CIRCUIT = "/p2p-circuit"
 # Relay control messages carry a peer ID, a few addresses and a status: 4 KiB is plenty.
 MAX_CONTROL_BYTES = 4096
 PUMP_CHUNK = 64 * 1024
 # Names under which the gate counts the relay protocols' streams and rejections.
 HOP = "relay-hop"
 STOP = "relay-stop"
-
-
-class RelayLimits(BaseModel):
-    """What one relay gives away. Frozen; every value must be positive."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_reservations: int = Field(default=64, gt=0)
-    # Reservations from one IP address: a household shares one, and Sybil identities cost nothing but
-    # addresses do, so they cannot take every slot.
-    max_reservations_per_ip: int = Field(default=8, gt=0)
-    # Circuits one peer may have open at once, as their source and, separately, as their destination.
-    max_circuits_per_peer: int = Field(default=8, gt=0)
-    max_circuits: int = Field(default=256, gt=0)
-    max_circuit_bytes: int = Field(default=1 << 30, gt=0)  # both directions together
-    max_circuit_duration_s: float = Field(default=3600.0, gt=0)
-    # A reservation lapses unless renewed within this time (a client renews at half of it); one whose
-    # holder has disconnected frees its slot at once.
-    reservation_ttl_s: float = Field(default=600.0, gt=0)
-
-
-@dataclass(eq=False)
-class Circuit:
-    """One relayed connection: ``src`` dialled ``dst`` through this relay."""
-
-    src: str
-    dst: str
-    opened_at: float
-    bytes: int = 0
-
-
-@dataclass
-class RelayBook:
-    """Who holds a reservation and which circuits run, against :class:`RelayLimits` (no IO, no clock).
-
-    Every method that can refuse returns the reason as a string, which the relay sends back and
-    counts against the peer.
-    """
-
-    limits: RelayLimits
-    _expiry: dict[str, float] = field(default_factory=dict)
-    _ip: dict[str, str] = field(default_factory=dict)  # each holder's IP
-    _circuits: set[Circuit] = field(default_factory=set)
-    _by_src: Counter[str] = field(default_factory=Counter)
-    _by_dst: Counter[str] = field(default_factory=Counter)
-
-    @property
-    def num_reservations(self) -> int:
-        return len(self._expiry)
-
-    @property
-    def num_circuits(self) -> int:
-        return len(self._circuits)
-
-    def reserve(self, peer: str, ip: str, now: float, connected: Callable[[str], bool]) -> float | str:
-        """Grant or renew the reservation of ``peer`` (connected from ``ip``): its expiry time, or why not.
-
-        Slots of lapsed reservations and of holders no longer connected are freed first, so peers
-        that left never keep a newcomer out."""
-        if peer not in self._expiry:
-            for other in [p for p, t in self._expiry.items() if t <= now or not connected(p)]:
-                self.release(other)
-            if len(self._expiry) >= self.limits.max_reservations:
-                return f"the relay is full ({self.limits.max_reservations} reservations)"
-            if sum(1 for p in self._expiry if self._ip.get(p) == ip) >= self.limits.max_reservations_per_ip:
-                return f"{ip} already holds {self.limits.max_reservations_per_ip} reservations on this relay"
-        self._expiry[peer] = now + self.limits.reservation_ttl_s
-        self._ip[peer] = ip
-        return self._expiry[peer]
-
-    def holds(self, peer: str, now: float) -> bool:
-        return self._expiry.get(peer, 0.0) > now
-
-    def release(self, peer: str) -> None:
-        """``peer`` disconnected: its slot is free."""
-        self._expiry.pop(peer, None)
-        self._ip.pop(peer, None)
-
-    def open(self, src: str, dst: str, now: float) -> Circuit | str:
-        """Admit a circuit from ``src`` to ``dst``, or say why not."""
-        if not self.holds(dst, now):
-            return "the destination holds no reservation on this relay"
-        if src == dst:
-            return "a peer cannot relay to itself"
-        if len(self._circuits) >= self.limits.max_circuits:
-            return f"the relay carries its maximum of {self.limits.max_circuits} circuits"
-        if self._by_src[src] >= self.limits.max_circuits_per_peer:
-            return f"the source already has {self.limits.max_circuits_per_peer} circuits open on this relay"
-        if self._by_dst[dst] >= self.limits.max_circuits_per_peer:
-            return f"the destination already has {self.limits.max_circuits_per_peer} circuits open on this relay"
-        c = Circuit(src, dst, now)
-        self._circuits.add(c)
-        self._by_src[src] += 1
-        self._by_dst[dst] += 1
-        return c
-
-    def charge(self, c: Circuit, num_bytes: int) -> str | None:
-        """Count ``num_bytes`` more through ``c``; the reason to cut it once it is over its byte limit."""
-        c.bytes += num_bytes
-        if c.bytes > self.limits.max_circuit_bytes:
-            return f"the circuit carried more than its limit of {self.limits.max_circuit_bytes} bytes"
-        return None
-
-    def close(self, c: Circuit) -> None:
-        if c in self._circuits:
-            self._circuits.remove(c)
-            self._by_src[c.src] -= 1
-            self._by_dst[c.dst] -= 1
-            for counts, key in ((self._by_src, c.src), (self._by_dst, c.dst)):
-                if counts[key] <= 0:
-                    del counts[key]
-
-
-def is_circuit(addr: str) -> bool:
-    return f"{CIRCUIT}/" in addr or addr.endswith(CIRCUIT)
-
-
-def split_circuit(addr: str, peer: str) -> tuple[str, str]:
-    """``<relay addr>/p2p/<relay>/p2p-circuit/p2p/<dest>`` -> (relay's full address, dest peer ID).
-
-    Raises PeerUnavailable (naming ``peer``, who gave us the address) for anything else."""
-    relay, sep, rest = addr.partition(CIRCUIT)
-    dest = rest.removeprefix("/p2p/")
-    if not sep or "/p2p/" not in relay or not rest.startswith("/p2p/") or not dest or "/" in dest:
-        raise PeerUnavailable(peer, f"not a relayed address (<relay addr>/p2p/<relay id>/p2p-circuit/p2p/<id>): {addr[:200]!r}")
-    return relay, dest
 
 
 class Relay:
@@ -268,7 +139,7 @@ class Relay:
             raise Refused(relay, f"the relay refused a reservation ({_status_name(reply.status)})")
         relay_base = relay_addr.rsplit("/p2p/", 1)[0]
         circuit = f"{relay_base}/p2p/{relay}{CIRCUIT}/p2p/{host.peer_id}"
-        ttl = max(reply.reservation.expire - _wall(), 10.0) if reply.HasField("reservation") and reply.reservation.expire else 60.0
+        ttl = max(reply.reservation.expire - time.time(), 10.0) if reply.HasField("reservation") and reply.reservation.expire else 60.0
         self.reservations[relay] = (relay_addr, circuit, trio.current_time() + ttl / 2)
         log.info("reserved a relay slot relay=%s circuit=%s", relay, circuit)
         return circuit
@@ -334,8 +205,7 @@ class Relay:
             # Noise authenticates ``src`` during this upgrade; from then on the swarm owns the stream.
             await self.host.libp2p.upgrade_inbound_connection(conn, ma)
         except (trio.TooSlowError, ProtocolError, BaseLibp2pError, OSError, ValueError) as err:
-            why = "timed out" if isinstance(err, trio.TooSlowError) else getattr(err, "reason", None) or str(err) or type(err).__name__
-            log.info("relayed connection from relay=%s failed: %s", relay, why)
+            log.info("relayed connection from relay=%s failed: %s", relay, _failure(err))
             await self.host.close_raw(raw, reset=True)
 
     # -- the relay's side ----------------------------------------------------------------------
@@ -359,7 +229,7 @@ class Relay:
                     raise _Deny(StatusCode.RESERVATION_REFUSED, granted)
                 reply = HopMessage(
                     type=HopMessage.STATUS, status=StatusCode.OK,
-                    reservation=Reservation(expire=int(_wall() + granted - host.clock())), limit=self._limit(),
+                    reservation=Reservation(expire=int(time.time() + granted - host.clock())), limit=self._limit(),
                 )
                 with trio.fail_after(host.config.chunk_timeout_s):
                     await _write(raw, reply)
@@ -373,8 +243,7 @@ class Relay:
             host.gate.reject(peer, HOP, OVER_LIMIT, deny.reason, host.clock())
             await self._answer(raw, deny.code)
         except (trio.TooSlowError, ProtocolError, BaseLibp2pError, OSError, ValueError) as err:
-            why = "timed out" if isinstance(err, trio.TooSlowError) else getattr(err, "reason", None) or str(err) or type(err).__name__
-            host.gate.reject(peer, HOP, "ProtocolError", why, host.clock())
+            host.gate.reject(peer, HOP, "ProtocolError", _failure(err), host.clock())
             await host.close_raw(raw, reset=True)
 
     def _limit(self) -> Limit:
@@ -413,8 +282,7 @@ class Relay:
                 with trio.fail_after(host.config.chunk_timeout_s):
                     await _write(raw, HopMessage(type=HopMessage.STATUS, status=StatusCode.OK, limit=self._limit()))
             except (trio.TooSlowError, ProtocolError, BaseLibp2pError, OSError) as err:
-                why = "timed out" if isinstance(err, trio.TooSlowError) else getattr(err, "reason", None) or str(err) or type(err).__name__
-                log.info("relay could not reach src=%s dst=%s: %s", src, dst, why)
+                log.info("relay could not reach src=%s dst=%s: %s", src, dst, _failure(err))
                 await self._answer(raw, StatusCode.CONNECTION_FAILED)
                 raw = None
                 return
@@ -472,8 +340,9 @@ class _Deny(Exception):
         self.reason = reason
 
 
-def _wall() -> float:
-    return time.time()
+def _failure(err: BaseException) -> str:
+    """What went wrong on a relay stream, in one line: "timed out" for a passed deadline, else the error's reason."""
+    return "timed out" if isinstance(err, trio.TooSlowError) else getattr(err, "reason", None) or str(err) or type(err).__name__
 
 
 def _status_name(status: int) -> str:
@@ -500,4 +369,4 @@ async def _read(raw: INetStream, kind: type[HopMessage] | type[StopMessage], pee
     return msg
 
 
-__all__ = ["CIRCUIT", "Circuit", "Relay", "RelayBook", "RelayLimits", "is_circuit", "split_circuit"]
+__all__ = ["HOP", "STOP", "Relay"]

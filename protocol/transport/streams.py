@@ -40,7 +40,8 @@ from libp2p.exceptions import BaseLibp2pError
 from protolearn.protocol import wire
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused, TooLarge
 from protolearn.protocol.frames import DEFAULT_LIMITS, TensorFrame, TensorLimits, check_frame_header
-from protolearn.protocol.transport.bulk import BulkChoice, BulkDecline, BulkLane, BulkOffer, Offer
+from protolearn.protocol.transport.bulk import BulkLane
+from protolearn.protocol.transport.bulk_offers import BulkChoice, BulkDecline, BulkOffer, Offer
 from protolearn.protocol.wire import ErrorReply, Message
 
 if TYPE_CHECKING:  # the transport never needs torch itself: importing it costs seconds at startup

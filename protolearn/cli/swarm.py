@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from protolearn.errors import ConfigError, ProtolearnError
-from protolearn.protocol import coordination as cm
+from protolearn.protocol.status_schema import Status
 
 swarm_app = typer.Typer(help="Watch and inspect a swarm.", no_args_is_help=True)
 
@@ -47,7 +47,7 @@ def _integrity(n: Any) -> str:
     return f"{n.integrity:.2f} {n.probation}".strip()
 
 
-def render(st: cm.Status) -> Any:
+def render(st: Status) -> Any:
     """A rich renderable of the status (what the terminal shows)."""
     from rich.console import Group
     from rich.table import Table
@@ -129,7 +129,7 @@ def _status(
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     console = Console(stderr=False)
 
-    def show_json(st: cm.Status) -> None:
+    def show_json(st: Status) -> None:
         print(json.dumps(st.model_dump(mode="json"), indent=None if watch else 2), flush=True)
 
     async def main() -> None:
@@ -156,7 +156,7 @@ def _status(
                 scope.cancel()
                 return
 
-    async def refresh(link: Any, st: cm.Status) -> None:
+    async def refresh(link: Any, st: Status) -> None:
         if json_out:
             while True:
                 show_json(st)

@@ -29,7 +29,7 @@ from protolearn.protocol.collective import Done, PartHeader, Send
 from protolearn.protocol.identity import Identity
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse
 from protolearn.protocol.reducer_check import peer_id_public_key, verify_reducer_fault
-from protolearn.protocol.robust import Aggregation, robust_reduce
+from protolearn.protocol.collective.robust import Aggregation, robust_reduce
 from protolearn.protocol.statements import fin_statement, members_mask, round_digest, verify_ed25519
 from protolearn.protocol.transport import TransportConfig, open_host
 

@@ -12,6 +12,7 @@ from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink
 from protolearn.node.join import join_coordinator
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.status_schema import Status
 from protolearn.protocol.errors import Refused
 from protolearn.protocol.identity import Identity
 from protolearn.protocol.transport import Host, RelayLimits, open_host
@@ -134,7 +135,7 @@ def test_a_joining_node_is_checked_and_registered_with_the_coordinators_verdict(
                 member = coord.core.registry.members[node.peer_id]
                 assert member.reachability == "public" and not member.relay
                 await link.heartbeat(cm.Heartbeat(state="training", path="direct"))
-                status = await node.request(coord.peer_id, cm.COORDINATOR, cm.StatusRequest(), cm.Status)
+                status = await node.request(coord.peer_id, cm.COORDINATOR, cm.StatusRequest(), Status)
                 (view,) = [n for n in status.nodes if n.peer_id == node.peer_id]
                 assert (view.reachability, view.path) == ("public", "direct")
             nursery.cancel_scope.cancel()

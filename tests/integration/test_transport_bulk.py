@@ -15,7 +15,8 @@ from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import Identity
 from protolearn.protocol.tensors import from_frame, to_frame
 from protolearn.protocol.transport import FramedStream, Host, TensorHeader, TensorTrailer, TransportConfig, open_host
-from protolearn.protocol.transport.bulk import HELLO_TIMEOUT_S, UNREACHABLE_S, BulkChoice, BulkOffer, Offer, OfferTable
+from protolearn.protocol.transport.bulk import HELLO_TIMEOUT_S, UNREACHABLE_S
+from protolearn.protocol.transport.bulk_offers import BulkChoice, BulkOffer, Offer, OfferTable
 from protolearn.protocol.transport.clock import MONOTONIC
 from protolearn.protocol.transport.seal import CHUNK_BYTES, TAG_BYTES, dial, seal_chunks
 

@@ -27,7 +27,7 @@ from protolearn.protocol.identity import Identity
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse
 from protolearn.protocol.tensors import from_frame, to_frame
 from protolearn.protocol.transport import FramedStream, Host, TensorHeader, TransportConfig, open_host
-from protolearn.protocol.transport.bulk import BulkDecline, BulkOffer
+from protolearn.protocol.transport.bulk_offers import BulkDecline, BulkOffer
 from protolearn.protocol.wire import Message
 
 MiB = 1024 * 1024
@@ -349,7 +349,7 @@ def test_one_peer_cannot_hold_more_than_its_bulk_lane_offers_or_one_ips_hello_sl
 def test_a_trickle_on_the_bulk_lane_frees_its_thread_at_the_whole_transfer_deadline(run_trio):
     cfg = TransportConfig(request_timeout_s=5.0, chunk_timeout_s=8.0, connect_timeout_s=5.0, message_deadline_s=2.0,
                           min_rate_bytes_per_s=16 * MiB)
-    from protolearn.protocol.transport.bulk import BulkChoice
+    from protolearn.protocol.transport.bulk_offers import BulkChoice
     from protolearn.protocol.transport.seal import dial
 
     async def main():

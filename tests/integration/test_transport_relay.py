@@ -19,10 +19,11 @@ import trio
 
 from protolearn.protocol.errors import PeerUnavailable, ProtocolError, Refused
 from protolearn.protocol.identity import Identity
+from protolearn.protocol.relay_book import RelayLimits
 from protolearn.protocol.tensors import to_frame
 from protolearn.protocol.transport import FramedStream, Host, TransportConfig, open_host
 from protolearn.protocol.transport.holepunch import DCUTR, DCUTR_PROTOCOL
-from protolearn.protocol.transport.relay import HOP, STOP, STOP_PROTOCOL, RelayLimits
+from protolearn.protocol.transport.relay import HOP, STOP, STOP_PROTOCOL
 from protolearn.protocol.wire import Message
 
 CONFIG = TransportConfig(request_timeout_s=5.0, chunk_timeout_s=5.0, connect_timeout_s=5.0)

@@ -20,6 +20,8 @@ from protolearn.coordinator.core.view import VIEW_MAX
 from protolearn.coordinator.errors import Refusal
 from protolearn.node.syncing import judge_state
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.majority import majority_state
+from protolearn.protocol.bounds import MAX_HASH, MAX_PEER_ID
 from protolearn.protocol.wire import encode
 
 SETTINGS = CoordinatorSettings(rate_per_s=1e9, rate_burst=1e9, expiry_s=3.0, move_cooldown_s=0.0, max_members=1_000_000)
@@ -74,7 +76,7 @@ def test_a_bogus_param_hash_does_not_flip_the_stages_agreed_hash() -> None:
     assert "hash-mismatch" in next(n for n in st.nodes if n.peer_id == liar).flags
     reply = core.handle("x", cm.StageHashesRequest(stage=0), 0.6)
     reported = [(ph.peer_id, ph.step, ph.hash) for ph in reply.param_hashes]
-    assert len(reported) == 3 and cm.majority_state((s, h) for _, s, h in reported) == (5, "H") and reply.step == 6
+    assert len(reported) == 3 and majority_state((s, h) for _, s, h in reported) == (5, "H") and reply.step == 6
     # A joiner takes an honest donor's state and refuses the liar's.
     assert judge_state(6, "H", reported, frontier=6, init_hash="I")[0] == "ok"
     assert judge_state(6, "X", reported, frontier=6, init_hash="I")[0] == "refuse"
@@ -156,8 +158,8 @@ def test_a_lone_first_corpus_claimer_in_stage_0_is_outvoted_by_the_honest_replic
 def _sybil(i: int, stage: int) -> Member:
     """The largest entry a member can have: the longest peer ID and the most, longest addresses."""
     addrs = [f"/dns4/{k}.".ljust(cm.MAX_ADDR, "h") for k in range(cm.MAX_ADDRS)]
-    return Member(peer_id=f"{i:07d}".ljust(cm.MAX_PEER_ID, "x"), addrs=addrs, device="cpu", memory_gb=1.0, throughput=100.0,
-                  stage=stage, joined_at=0.0, last_seen=0.0, state="training", serving=stage, step=3, param_hash="p" * cm.MAX_HASH)
+    return Member(peer_id=f"{i:07d}".ljust(MAX_PEER_ID, "x"), addrs=addrs, device="cpu", memory_gb=1.0, throughput=100.0,
+                  stage=stage, joined_at=0.0, last_seen=0.0, state="training", serving=stage, step=3, param_hash="p" * MAX_HASH)
 
 
 def test_the_longest_addresses_a_join_may_carry_are_few_and_short() -> None:

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from protolearn.codec_spec import CODECS
 from protolearn.errors import ConfigError
 from protolearn.protocol.codecs import (
-    ENCODERS,
     MAX_INT8_SCALE,
+    REGISTRY,
     CodecContext,
     CodecSpecError,
     TopKEncoder,
@@ -212,7 +212,7 @@ def test_codec_specs_parse_and_bad_ones_say_what_is_allowed() -> None:
 
 
 def test_the_registry_has_one_encoder_for_every_name_of_the_grammar() -> None:
-    assert set(ENCODERS) == set(CODECS)
+    assert set(REGISTRY) == set(CODECS)
     for name in CODECS:
         assert make_encoder(name).spec == parse_codec_spec(name)
 

@@ -26,7 +26,7 @@ from protolearn.protocol.collective import (
     Rejected,
     Send,
 )
-from protolearn.protocol.part_ledger import SignedPart
+from protolearn.protocol.collective.part_ledger import SignedPart
 from protolearn.protocol.statements import fin_statement, members_mask, part_hash, part_statement
 
 KILL_POINTS = ["before_start", "mid_scatter", "holding_parts", "mid_gather", "after_commit"]

@@ -17,7 +17,7 @@ import torch
 from protolearn.protocol.collective import Aggregation, Bandwidth, CollectiveRound, Failed, Rejected
 from protolearn.protocol.identity import Identity
 from protolearn.protocol.reducer_check import ReducerFault, make_fault, peer_id_public_key, verify_reducer_fault
-from protolearn.protocol.robust import robust_reduce
+from protolearn.protocol.collective.robust import robust_reduce
 from protolearn.protocol.statements import fin_statement, members_mask, part_hash, slice_statement, veto_digest, verify_ed25519
 from protolearn.protocol.wire import decode, encode
 from protolearn.stages.config import IntegrityConfig
@@ -197,7 +197,7 @@ def test_the_evidence_is_refused_when_forged_altered_or_truncated() -> None:
     honest.run()
     r = honest.rounds[ids[0].peer_id]
     p = r._ledger.counted(0, frozenset(honest.weights))
-    slices = [(q, honest.rounds[ids[1].peer_id]._slices[0][q], honest.rounds[ids[1].peer_id]._proofs[0][q][1]) for q in sorted(honest.weights)]
+    slices = [(q, honest.rounds[ids[1].peer_id]._slices[0][q], honest.rounds[ids[1].peer_id]._cross.proofs[0][q][1]) for q in sorted(honest.weights)]
     clean = make_fault(7, honest.weights, 30, "sum", 0, sorted(honest.weights), p.signer, p.inputs, p.digest, p.signature, slices)
     assert "no fault" in refused(clean)
     # The accuser cannot swap in a slice of its own that differs from the one the reducer got, even signed.
@@ -234,7 +234,7 @@ def test_the_evidence_message_decodes_without_torch_and_bounds_match_the_collect
     import sys
 
     from protolearn.protocol.collective import MAX_PARTICIPANTS
-    from protolearn.protocol.ownership import part_bounds
+    from protolearn.protocol.collective.ownership import part_bounds
     from protolearn.protocol.reducer_check import MAX_PARTICIPANTS as FAULT_MAX, _part_bounds
 
     probe = "import sys, json, protolearn.protocol.reducer_check; print(json.dumps('torch' in sys.modules))"

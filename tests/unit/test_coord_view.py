@@ -19,6 +19,7 @@ from protolearn.coordinator.core.members import LIVE, Member
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.view import LOG_LEN, VIEW_MAX, VIEW_PER_STAGE, SwarmView
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.bounds import MAX_PEER_ID
 from protolearn.protocol.wire import decode, encode
 
 SETTINGS = CoordinatorSettings(rate_per_s=1e9, rate_burst=1e9, expiry_s=3.0, move_cooldown_s=0.0, max_members=1_000_000)
@@ -32,7 +33,7 @@ def make_core(num_stages: int, started_at: float = 0.0, settings: CoordinatorSet
 
 
 def member(i: int, stage: int, *, long: bool = False) -> Member:
-    peer = f"{i:06d}".ljust(cm.MAX_PEER_ID, "x") if long else f"p{i:06d}"
+    peer = f"{i:06d}".ljust(MAX_PEER_ID, "x") if long else f"p{i:06d}"
     addrs = [f"/dns4/{k}.{'h' * 200}/tcp/4001".ljust(cm.MAX_ADDR, "0")[: cm.MAX_ADDR] for k in range(cm.MAX_ADDRS)] if long else ["/ip4/10.0.0.1/tcp/1"]
     return Member(peer_id=peer, addrs=addrs, device="cpu", memory_gb=1.0, throughput=100.0, stage=stage, joined_at=0.0,
                   last_seen=0.0, state="training", serving=stage)

@@ -4,7 +4,7 @@ and a peer that answers but delivers nothing after STUCK_FACTOR limits, with dea
 from __future__ import annotations
 
 import pytest
-from protolearn.protocol.liveness import STUCK_FACTOR, Bandwidth, FailureDetector, Wait
+from protolearn.protocol.collective.liveness import STUCK_FACTOR, Bandwidth, FailureDetector, Wait
 
 
 def test_a_silent_peer_is_probed_then_suspected_after_one_limit() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 
 import torch
-from protolearn.protocol.ownership import Broadcast, owner, part_bounds, reduce_part, successor
+from protolearn.protocol.collective.ownership import Broadcast, owner, part_bounds, reduce_part, successor
 
 PEERS = ["a", "b", "c", "d"]
 

@@ -1,4 +1,4 @@
-"""The relay's bookkeeping (protocol/transport/relay.py RelayBook): reservations and circuits against
+"""The relay's bookkeeping (protocol/relay_book.py RelayBook): reservations and circuits against
 the limits, with no IO and no clock of its own."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from protolearn.protocol.errors import PeerUnavailable
-from protolearn.protocol.transport.relay import Circuit, RelayBook, RelayLimits, is_circuit, split_circuit
+from protolearn.protocol.relay_book import Circuit, RelayBook, RelayLimits, is_circuit, split_circuit
 
 RELAY = "12D3KooWRelayRelayRelayRelayRelayRelayRelayRelayRe"
 DEST = "12D3KooWDestDestDestDestDestDestDestDestDestDestDe"

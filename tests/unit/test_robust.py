@@ -9,8 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from protolearn.protocol.ownership import reduce_part
-from protolearn.protocol.robust import Aggregation, coordinate_median, robust_reduce, trim_count
+from protolearn.protocol.collective.ownership import reduce_part
+from protolearn.protocol.collective.robust import Aggregation, coordinate_median, robust_reduce, trim_count
 
 TRIMMED = Aggregation("trimmed_mean", trim_fraction=0.25)
 CLIP = Aggregation("centered_clip", clip_tau=1.0, clip_iters=3)

@@ -1,4 +1,4 @@
-"""The subspace parametrisation (stages/) and the ``subspace`` codec (protocol/codecs.py).
+"""The subspace parametrisation (stages/) and the ``subspace`` codec (protocol/codecs/subspace.py).
 
 What a user relies on: a subspace-constrained model's boundary tensors cross the wire as k numbers
 per token (plus the token ids) and come back exactly, in both directions, at every boundary; a model

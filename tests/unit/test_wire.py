@@ -326,3 +326,22 @@ def test_non_finite_raw_tensors_are_refused_when_finite_is_required(value: float
 
 def test_check_header_returns_the_torch_dtype() -> None:
     assert check_header(_frame(dtype="bfloat16", data=bytes(8)), peer=PEER) is torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["JoinReply", "Members"])
+def test_a_run_toml_over_max_run_toml_is_refused(kind: str) -> None:
+    from protolearn.protocol import coordination as cm
+
+    fields = {
+        "JoinReply": dict(stage=0, run_hash="h", step=0, rejoined=False, reason="", heartbeat_interval_s=1.0, expiry_s=5.0,
+                          lease_s=5.0, bans=[], view_version=0, members=[]),
+        "Members": dict(run_hash="h", step=0, members=[]),
+    }[kind]
+    cls = getattr(cm, kind)
+    at_limit = cls(run_toml="#" * cm.MAX_RUN_TOML, **fields)
+    assert wire.decode(wire.encode(at_limit), peer=PEER, expect=cls) == at_limit
+    body = {**at_limit.model_dump(), "run_toml": "#" * (cm.MAX_RUN_TOML + 1)}
+    err = _assert_rejected(msgpack.packb({"v": 1, "k": cls.KIND, "b": body}, use_bin_type=True), expect=cls)
+    assert "run_toml" in err.reason
+    with pytest.raises(ValidationError):
+        cls(run_toml="#" * (cm.MAX_RUN_TOML + 1), **fields)

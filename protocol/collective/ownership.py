@@ -10,7 +10,8 @@ How it works
   the first ones larger.
 * Part ``j`` has a **chain** of reducers ``peers[j], peers[j+1], ...`` (cyclic). :func:`owner` is the
   first one not suspected dead, so the next peer in sorted order is the backup, then the one after;
-  :func:`successor` is the first live peer after a given one in that chain.
+  :func:`successor` is the first live peer after a given one in that chain, and :func:`checker` the one
+  after the owner, who recomputes the owner's part in a cross-checked round.
 * :func:`reduce_part` adds ``w_p * x_p`` in sorted peer order with separate, correctly rounded multiply
   and add, so the value of a part over a contributor set ``S`` is a pure function of ``S``: any replica
   that reduces it gets the same bytes.
@@ -64,6 +65,11 @@ def successor(peers: Sequence[str], part: int, me: str, suspects: Collection[str
         if p != me and p not in suspects:
             return p
     return None
+
+
+def checker(peers: Sequence[str], part: int, suspects: Collection[str], me: str) -> str | None:
+    """The peer that cross-checks the owner of ``part``: its successor in the chain (None: nobody)."""
+    return successor(peers, part, owner(peers, part, suspects, me), suspects)
 
 
 def reduce_part(

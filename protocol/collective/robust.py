@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import torch
 
-from protolearn.protocol.ownership import Op, reduce_part
+from protolearn.protocol.collective.ownership import Op, reduce_part
 
 Rule = Literal["mean", "trimmed_mean", "centered_clip"]
 RULES: tuple[str, ...] = ("mean", "trimmed_mean", "centered_clip")

@@ -1,0 +1,36 @@
+"""The wire limits that several protocol modules share, and the bounded field types built from them.
+
+A limit that one module alone applies stays at that module's top (STYLE.md: each protocol module starts
+with its constants). The ones here bound fields that travel in messages of several protocols, so one
+owner keeps, say, a peer ID that the pipeline accepts from being one the coordinator refuses.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+# A libp2p peer ID is ~52 characters; this leaves room without letting a peer send a long string.
+MAX_PEER_ID = 128
+# Stages of one run (pipeline routes, stage indices in coordinator and collective messages).
+MAX_STAGES = 1024
+# Replicas taking part in one collective round; a stage with more is a misconfiguration.
+MAX_PARTICIPANTS = 1024
+# A hash as text (a run's or a stage's parameters' hex SHA-256 is 64 characters), and a signature
+# (an Ed25519 signature is 64 bytes): room for another algorithm, not for a payload.
+MAX_HASH = 128
+MAX_SIGNATURE = 128
+
+PeerId = Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID)]
+Step = Annotated[int, Field(ge=0, lt=2**62)]
+StageIndex = Annotated[int, Field(ge=0, lt=MAX_STAGES)]
+# A microbatch's index within its step (its ticket).
+Ticket = Annotated[int, Field(ge=0, lt=2**31)]
+Hash = Annotated[str, Field(max_length=MAX_HASH)]
+Signature = Annotated[bytes, Field(max_length=MAX_SIGNATURE)]
+
+__all__ = [
+    "MAX_HASH", "MAX_PARTICIPANTS", "MAX_PEER_ID", "MAX_SIGNATURE", "MAX_STAGES", "Hash", "PeerId", "Signature", "StageIndex", "Step",
+    "Ticket",
+]

@@ -1,0 +1,94 @@
+"""The swarm status a coordinator serves (:class:`~protolearn.protocol.coordination.StatusRequest` →
+:class:`Status`): the run, each stage, each node, the loss history and the bans.
+
+This is the schema only; ``coordinator/status.py`` builds it from the coordinator's state (bounded in
+size at any swarm size) and documents its JSON form, which is what ``swarm status --json`` prints
+(``status.model_dump(mode="json")``). Its records reuse the coordination messages' field types, so a
+state or a reachability verdict reads the same in a heartbeat and in the status.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from protolearn.protocol.coordination import NodePath, ParamHash, Reachability, State
+from protolearn.protocol.wire import Message, Record
+
+
+class RunView(Record):
+    name: str
+    run_hash: str
+    num_stages: int
+    microbatches_per_step: int
+    tokens_per_step: int
+
+
+class StageView(Record):
+    index: int
+    layers: int
+    replicas: int
+    throughput: float
+    # Hashes of the stage's parameters after the last step each replica applied.
+    param_step: int
+    param_hashes: list[ParamHash]
+    hashes_agree: bool
+
+
+class NodeView(Record):
+    peer_id: str
+    stage: int
+    state: State
+    last_seen_s: float
+    throughput: float
+    queue_len: int
+    step: int
+    loss: float | None
+    flags: list[str]
+    # Integrity (schema 2): the median monitor score its checkers report (None: nobody checks it yet),
+    # their majority probation state ("" when none), spot checks passed and failed, evidence against it.
+    integrity: float | None = None
+    probation: str = ""
+    checks_passed: int = 0
+    checks_failed: int = 0
+    evidence: int = 0
+    # NAT (schema 3): the coordinator's reachability verdict, and how its stage peers reach it ("": not said yet).
+    reachability: Reachability = "unknown"
+    path: NodePath = ""
+
+
+class LossPoint(Record):
+    step: int
+    loss: float
+    tickets: int
+    closed_at: float
+
+
+class BanView(Record):
+    peer_id: str
+    reason: str
+    at: float
+
+
+class Status(Message):
+    """The swarm view. Its JSON form (``model_dump(mode="json")``) is the documented ``--json`` schema."""
+
+    KIND: ClassVar[str] = "coord.status"
+    schema_version: int
+    coordinator: str
+    uptime_s: float
+    run: RunView
+    step: int
+    last_closed: int
+    last_committed: int = -1
+    healthy: bool
+    verdict: Literal["healthy", "degraded", "halted"]
+    verdict_reason: str
+    tokens_per_s: float
+    loss: float | None
+    loss_history: list[LossPoint]
+    stages: list[StageView]
+    nodes: list[NodeView]
+    bans: list[BanView]
+
+
+StageView.model_rebuild()
