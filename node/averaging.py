@@ -15,7 +15,7 @@ if the round failed here, a ``Refuse`` with code ``left``, so that nobody waits 
 replica that is done.
 Parts of a round this replica has not started yet (a faster replica got the step's accounting first)
 are held, but only for the current and the next round, and within per-peer and total bounds on parts
-and bytes checked against the header before the payload is read (:mod:`protolearn.node.early_parts`),
+and bytes checked against the header before the payload is read (:mod:`protolearn.node.core.early_parts`),
 so memory stays bounded whoever sends them. A replica that the step's accounting leaves out (it processed no ticket, so no peer
 expects it) asks a participant for the finished round's vector with :class:`ResultRequest`, and so
 applies exactly the same update. The round's hard deadline comes from the node config; a round survives
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import trio
 from protolearn.protocol.rounds import REVISIONS_PER_STEP
-from protolearn.node.early_parts import EarlyParts
+from protolearn.node.core.early_parts import EarlyParts
 from protolearn.node.errors import NodeError
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.collective import (
@@ -136,7 +136,7 @@ class Averager:
         self._round: CollectiveRound | None = None
         self._outbox: trio.MemorySendChannel[Send | Probe] | None = None
         self._finished = trio.Event()
-        # Parts of rounds not started here yet, bounded per peer and in all (node/early_parts.py).
+        # Parts of rounds not started here yet, bounded per peer and in all (node/core/early_parts.py).
         self._early: EarlyParts[_Pending] = EarlyParts(vector_bytes=4 * numel)
         self._members = members
         self._limits = TensorLimits(max_elements=max(1, numel), max_bytes=max(4, 4 * numel))
@@ -186,7 +186,7 @@ class Averager:
             await s.send(Ack())
             return
         # A part of a round not started here may be held: its bytes are admitted against the sender's
-        # bounds (node/early_parts.py) once its header is checked, before its payload is read.
+        # bounds (node/core/early_parts.py) once its header is checked, before its payload is read.
         early = r is None and self.next_round <= msg.round <= self.next_round + 1
         reserved: list[int] = []
 

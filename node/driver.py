@@ -1,4 +1,4 @@
-"""The trio adapter of stage 0's :class:`~protolearn.node.leasing.LeaseCore`.
+"""The trio adapter of stage 0's :class:`~protolearn.node.core.leasing.LeaseCore`.
 
 :meth:`TicketDriver.drive` runs while step t is open: it polls the core with the node's clock,
 carries out its actions (a lease request, starting a ticket through the
@@ -7,7 +7,7 @@ back as events, and sleeps until the core's next wake-up or until something happ
 failed send, a departure). The node owns one driver for its lifetime and binds it to each stage it builds.
 
 Liveness (issue 11): each pass also asks the router's balancer for microbatches handed to a stage-1 peer
-whose gradient is overdue (:meth:`~protolearn.node.balancer.Balancer.overdue`); their tickets restart
+whose gradient is overdue (:meth:`~protolearn.node.core.balancer.Balancer.overdue`); their tickets restart
 on another peer at once (a :class:`PeerDown` for those tickets), and a peer that lost
 :data:`REPORT_AFTER_LOST` in a row is reported to the coordinator (``liveness: ...``), at most once per
 :data:`REPORT_INTERVAL_S`. One report is a claim: the coordinator bans only on a majority of stage 0.
@@ -19,11 +19,11 @@ import logging
 from collections.abc import Callable
 
 import trio
-from protolearn.node.accounting import Accounting
+from protolearn.node.core.accounting import Accounting
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
-from protolearn.node.events import Emit
-from protolearn.node.leasing import (
+from protolearn.node.core.events import Emit
+from protolearn.node.core.leasing import (
     Completed,
     CompleteRefused,
     LeaseAction,

@@ -30,8 +30,8 @@ from protolearn.node.adversary import Adversary, parse_adversary
 from protolearn.node.averaging import Averager
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
-from protolearn.node.core import CoreConfig, NodeCore
-from protolearn.node.events import Synced
+from protolearn.node.core.closed_step import CoreConfig, NodeCore
+from protolearn.node.core.events import Synced
 from protolearn.node.driver import TicketDriver
 from protolearn.node.errors import JoinError, StateSyncError
 from protolearn.node.finishing import Finisher

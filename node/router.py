@@ -1,7 +1,7 @@
 """Pipeline routing: microbatches flow forward through one replica per stage and their gradients flow back.
 
 Forward: stage 0 builds a ticket's tokens, runs its blocks and sends the boundary activation (in the
-run's codec) to a next-stage peer picked by the :class:`~protolearn.node.balancer.Balancer`. Each stage
+run's codec) to a next-stage peer picked by the :class:`~protolearn.node.core.balancer.Balancer`. Each stage
 appends itself to the route and does the same; the last stage rebuilds the targets from (step, ticket),
 computes the loss and backward (scaled by 1/B), and sends the input gradient to the previous stage on
 the route. Backward: each stage backprops its held graph, which accumulates its parameter gradients,
@@ -10,7 +10,7 @@ signs an acknowledgement of (run, step, ticket, route, loss) (``protocol/acks.py
 every gradient unchanged; stage 0 hands it to the coordinator, which refuses a completion without it.
 
 IO and compute are split: a stream handler reads the whole message and tensor, decodes and validates
-it (expected shape, finite values), asks :class:`~protolearn.node.accounting.Accounting` whether to
+it (expected shape, finite values), asks :class:`~protolearn.node.core.accounting.Accounting` whether to
 process, hold or refuse it, answers at once, and only then is compute queued in the node's nursery on
 the single compute thread. So the network keeps being read while torch runs (yamux resets a stream
 whose reader pauses 5 s), and a sender learns quickly whether it must try another peer.
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import trio
 from protolearn.codec_spec import CodecSpecError, parse_codec_spec
-from protolearn.node.accounting import Accounting, Admission
-from protolearn.node.balancer import Balancer
+from protolearn.node.core.accounting import Accounting, Admission
+from protolearn.node.core.balancer import Balancer
 from protolearn.node.integrity import Integrity, Received
 from protolearn.node.worker import StageWorker
 from protolearn.protocol.acks import ack_statement

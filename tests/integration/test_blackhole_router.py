@@ -5,7 +5,7 @@ redone on the honest replica completes."""
 from __future__ import annotations
 
 import trio
-from protolearn.node.accounting import Accounting
+from protolearn.node.core.accounting import Accounting
 from protolearn.node.router import Router
 from protolearn.node.worker import StageWorker
 from protolearn.stages.config import RunConfig

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 import trio
-from protolearn.node.accounting import Accounting
+from protolearn.node.core.accounting import Accounting
 from protolearn.node.router import Router
 from protolearn.node.worker import StageWorker
 from protolearn.protocol.acks import ack_statement

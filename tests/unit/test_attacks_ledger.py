@@ -14,8 +14,8 @@ from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core import CoordinatorCore, RunInfo
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.tickets import TicketLedger
-from protolearn.node import events as ev
-from protolearn.node.core import CoreConfig, NodeCore, Phase
+from protolearn.node.core import events as ev
+from protolearn.node.core.closed_step import CoreConfig, NodeCore, Phase
 from protolearn.protocol.rounds import REVISIONS_PER_STEP, round_id
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement

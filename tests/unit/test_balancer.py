@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from protolearn.node.balancer import Balancer
+from protolearn.node.core.balancer import Balancer
 
 
 def test_fast_peer_gets_work_until_its_queue_makes_it_slower() -> None:
@@ -62,9 +62,9 @@ def test_unknown_peer_is_assumed_average() -> None:
     assert b.choose(["known", "new"], now=0.0).peer == "new"
 
 
-# -- admission and per-step accounting (node/accounting.py): the other half of routing decisions --
+# -- admission and per-step accounting (node/core/accounting.py): the other half of routing decisions --
 
-from protolearn.node.accounting import Accounting, contribution
+from protolearn.node.core.accounting import Accounting, contribution
 
 
 def test_next_step_work_waits_until_the_current_step_is_applied() -> None:

@@ -14,7 +14,7 @@ from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core import CoordinatorCore
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.verdicts import VerdictPolicy
-from protolearn.node.balancer import Balancer
+from protolearn.node.core.balancer import Balancer
 from protolearn.protocol import coordination as cm
 
 from tests.unit.test_attacks_ledger import SETTINGS, Swarm, make_core
@@ -277,7 +277,7 @@ def test_stage0_restarts_overdue_tickets_elsewhere_and_reports_a_peer_that_keeps
     from types import SimpleNamespace
 
     import trio
-    from protolearn.node import leasing as lc
+    from protolearn.node.core import leasing as lc
     from protolearn.node.driver import REPORT_AFTER_LOST, TicketDriver
 
     reports: list[tuple[str, str]] = []
