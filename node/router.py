@@ -244,7 +244,7 @@ class Router:
             return
         decision = self.accounting.admit_forward(msg.step, msg.ticket, (msg.step, msg.ticket, list(msg.route), hidden))
         if decision.action == "refuse":
-            await self._refuse(s, peer, _code(decision.reason), decision.reason)
+            await self._refuse(s, peer, decision.code, decision.reason)
             return
         await s.send(Ack(queue_len=self.queue_len))
         if self.codec.name == "subspace" and not self.worker.last:
@@ -340,9 +340,9 @@ class Router:
         decision = self.accounting.admit_backward(msg.step, msg.ticket)
         held = self._routes.get((msg.step, msg.ticket))
         if decision.action == "process" and held is not None and route[: self.stage + 1] != held:
-            decision = Admission("refuse", f"unknown attempt of (step {msg.step}, ticket {msg.ticket}): it was redone along another route")
+            decision = Admission("refuse", f"unknown attempt of (step {msg.step}, ticket {msg.ticket}): it was redone along another route", "unknown")
         if decision.action != "process":
-            await self._refuse(s, peer, "unknown", decision.reason)
+            await self._refuse(s, peer, decision.code, decision.reason)
             return
         got = await self._received(peer, s, "bwd", msg, frame, grad)
         if got is None:
@@ -409,10 +409,3 @@ class Router:
         self.stats.tokens += self.run.batch.microbatch_size * self.run.batch.seq_len
         self.stats.last_loss = loss
 
-
-def _code(reason: str) -> str:
-    """The refusal code a sender's retry logic keys on, from an accounting reason."""
-    for code in ("busy", "stale", "ahead", "duplicate", "unknown"):
-        if code in reason:
-            return code
-    return "invalid"

@@ -23,12 +23,10 @@ from collections.abc import Hashable
 from contextlib import nullcontext
 
 import torch
+from protolearn.node.checkpoint import OPTIM_KEYS
 from protolearn.stages.config import RunConfig
 from protolearn.stages.optim import apply_step, make_optimizer
 from protolearn.stages.stage import StageModule, build_stage
-
-# Optimizer state entries AdamW keeps per parameter; anything else in a donor's snapshot is refused.
-OPTIM_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
 class StageWorker:

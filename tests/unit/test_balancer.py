@@ -96,6 +96,21 @@ def test_unknown_duplicate_and_out_of_range_microbatches_are_refused() -> None:
     assert bad.action == "refuse" and "outside 0..3" in bad.reason
 
 
+def test_every_refusal_carries_the_code_the_senders_retry_logic_keys_on() -> None:
+    acc = Accounting(microbatches_per_step=4, max_in_flight=1, max_deferred=1)
+    assert acc.admit_backward(0, 0).code == "unknown"
+    assert acc.admit_forward(0, 9).code == "invalid"
+    assert acc.admit_forward(0, 0).action == "process" and acc.admit_forward(0, 1).code == "busy"
+    assert acc.admit_forward(1, 0, payload="x").action == "defer"
+    assert acc.admit_forward(1, 0, payload="x").code == "duplicate"
+    assert acc.admit_forward(1, 1, payload="y").code == "busy"
+    assert acc.admit_forward(5, 0).code == "ahead"
+    assert acc.admit_backward(0, 0).action == "process" and acc.admit_backward(0, 0).code == "unknown"
+    acc.backward_done(0, 0)
+    acc.applied_step(0)
+    assert acc.admit_forward(0, 2).code == "stale"
+
+
 def test_in_flight_and_deferred_work_are_bounded() -> None:
     acc = Accounting(microbatches_per_step=8, max_in_flight=2, max_deferred=1)
     assert [acc.admit_forward(0, i).action for i in range(3)] == ["process", "process", "refuse"]
