@@ -99,6 +99,7 @@ class Averager:
         sign: Sign | None = None, verify: Verify = verify_ed25519, max_liars: int = 1,
         members: Callable[[], Collection[str]] | None = None, aggregation: Aggregation | None = None,
         cross_check: bool = False, part_filter: PartFilter | None = None,
+        on_reducer_fault: Callable[[ReducerFault], None] | None = None,
     ) -> None:
         """``window``: the round this replica takes part in next, from its owner (the node core, which
         knows whether a step may still reopen). Without one, the averager counts its own rounds from
@@ -110,7 +111,9 @@ class Averager:
         ``aggregation``: the run's rule (``Aggregation.from_config(run.integrity)``; None: the mean).
         ``cross_check``: every part's owner is checked by its successor (scatter traffic doubles); every
         replica of a stage must use the same setting. ``part_filter``: applied to the parts this replica
-        reduces before it signs them (injected by integrity tests; None in real use)."""
+        reduces before it signs them (the node's outbound filter, node/outbound.py; None: parts go as
+        reduced). ``on_reducer_fault``: called with each proof that a reducer signed a wrong part (the node
+        sends it to the coordinator)."""
         self.host = host
         self.stage = stage
         self.numel = numel
@@ -131,8 +134,7 @@ class Averager:
         self.last_done: Done | None = None
         # The last round that failed, with its evidence (two statements one peer signed) when a peer lied.
         self.last_failed: Failed | None = None
-        # Called with each proof that a reducer signed a wrong part (the node sends it to the coordinator).
-        self.on_reducer_fault: Callable[[ReducerFault], None] | None = None
+        self.on_reducer_fault = on_reducer_fault
         self._round: CollectiveRound | None = None
         self._outbox: trio.MemorySendChannel[Send | Probe] | None = None
         self._finished = trio.Event()

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import trio
 
+from protolearn.node.core.tickets import Tickets
+from protolearn.node.outbound import PASS_THROUGH, Outbound
 from protolearn.protocol.boundary import (
     OutputEvidence,
     SignedOutput,
@@ -66,7 +68,6 @@ MAX_SERVED_PER_PEER_STEP = 64
 # A claim without evidence about one peer is sent at most this often (evidence goes at once).
 CLAIM_INTERVAL_S = 10.0
 
-Key = tuple[int, int]
 # (accused, reason, evidence or None, a reducer's fault or None) → whether the coordinator banned the accused.
 Report = Callable[[str, str, OutputEvidence | None, ReducerFault | None], Awaitable[bool]]
 
@@ -101,15 +102,21 @@ class Integrity:
 
     def __init__(
         self, host: Host, run: RunConfig, worker, corpus: Corpus | None, compute: trio.CapacityLimiter, *,
-        replicas: Callable[[int], list[str]], stage_of: Callable[[str], int | None], report: Report,
-        timeout_s: float, seed: int,
+        tickets: Tickets, replicas: Callable[[int], list[str]], stage_of: Callable[[str], int | None], report: Report,
+        timeout_s: float, seed: int, outbound: Outbound = PASS_THROUGH,
     ) -> None:
+        """``tickets``: the stage's per-ticket record (node/core/tickets.py), where the router keeps the
+        frames this replica received and sent and to whom. ``replicas``/``stage_of``: the membership
+        view. ``report``: sends an integrity report to the coordinator. ``outbound``: the filter each
+        spot-check result this replica serves passes through (node/outbound.py)."""
         self.host = host
         self.run = run
         self.worker = worker
         self.stage = worker.stage
         self.corpus = corpus
         self.compute = compute
+        self.tickets = tickets
+        self.outbound = outbound
         self.replicas = replicas
         self.stage_of = stage_of
         self.report = report
@@ -126,11 +133,6 @@ class Integrity:
         n = b.microbatch_size * b.seq_len * run.model.d_model
         self.limits = TensorLimits(max_elements=n, max_bytes=8 * n + 4096)
         self._raw = make_encoder("none")
-        # Frames per microbatch: what this node received (to show its checker) and sent forward (the
-        # input of the next stage's backward, which this node checks), and to whom it sent its outputs.
-        self.received: dict[tuple[Key, str], TensorFrame] = {}
-        self.sent_fwd: dict[Key, TensorFrame] = {}
-        self.sent_to: dict[tuple[Key, str], str] = {}
         self._served: dict[tuple[str, int], int] = {}
         self._in_flight = 0
         # Peers with a report in flight, and those the coordinator convicted: one report at a time per
@@ -143,8 +145,6 @@ class Integrity:
         self._seen: dict[str, float] = {}
         self.stats = IntegrityStats()
         self._nursery: trio.Nursery | None = None
-        # Testing only (node/adversary.py): corrupts what this node sends, check results included.
-        self.tamper: Callable[[torch.Tensor, int, int, str], torch.Tensor] | None = None
 
     def register(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -152,10 +152,7 @@ class Integrity:
         self.host.serve_stream(CHECK, self._on_check, max_inbound=16, max_inbound_per_peer=4)
 
     def prune(self, applied: int) -> None:
-        """Forget the frames of steps before ``applied`` (they can no longer be checked)."""
-        self.received = {k: v for k, v in self.received.items() if k[0][0] >= applied}
-        self.sent_fwd = {k: v for k, v in self.sent_fwd.items() if k[0] >= applied}
-        self.sent_to = {k: v for k, v in self.sent_to.items() if k[0][0] >= applied}
+        """Forget the checks served in steps before ``applied`` (no more can be served for them)."""
         self._served = {k: v for k, v in self._served.items() if k[1] >= applied}
 
     # -- what this node signs --------------------------------------------------------------------
@@ -163,20 +160,14 @@ class Integrity:
         """The digest of the inputs this node computed its ``direction`` output of (step, ticket) from."""
         key = (step, ticket)
         if direction == "fwd":
-            frame = self.received.get((key, "input"))
+            frame = self.tickets.frame(key, "input")
             return b"" if frame is None else frame_digest(frame)
-        parts = [self.received.get((key, "input")), self.received.get((key, "grad"))]
+        parts = [self.tickets.frame(key, "input"), self.tickets.frame(key, "grad")]
         return inputs_digest([f for f in parts if f is not None])
 
-    def sign(self, step: int, ticket: int, direction: str, inputs: bytes, frame: TensorFrame, to: str) -> bytes:
-        key = (step, ticket)
-        self.sent_to[(key, direction)] = to
-        if direction == "fwd":
-            self.sent_fwd[key] = frame
+    def sign(self, step: int, ticket: int, direction: str, inputs: bytes, frame: TensorFrame) -> bytes:
+        """This replica's boundary statement over its ``direction`` output ``frame`` of (step, ticket)."""
         return self.host.sign(boundary_statement(self.run_hash, step, ticket, direction, self.stage, inputs, frame_digest(frame)))
-
-    def keep_received(self, step: int, ticket: int, what: str, frame: TensorFrame) -> None:
-        self.received[((step, ticket), what)] = frame
 
     # -- what this node receives -----------------------------------------------------------------
     def check_signature(self, peer: str, stage: int, direction: str, step: int, ticket: int, inputs: bytes, frame: TensorFrame, signature: bytes) -> None:
@@ -188,7 +179,7 @@ class Integrity:
         statement = boundary_statement(self.run_hash, step, ticket, direction, stage, inputs, frame_digest(frame))
         verify_peer(peer, statement, signature)
         if direction == "bwd":
-            sent = self.sent_fwd.get((step, ticket))
+            sent = self.tickets.frame((step, ticket), "fwd")
             if sent is not None and inputs[:32] != frame_digest(sent):
                 raise ProtocolError(peer, f"its gradient of (step {step}, ticket {ticket}) names an input this node did not send it")
 
@@ -305,7 +296,7 @@ class Integrity:
         key = (got.step, got.ticket)
         frames: list[TensorFrame] = []
         if got.direction == "bwd":
-            sent = self.sent_fwd.get(key)
+            sent = self.tickets.frame(key, "fwd")
             if sent is None:
                 return None
             frames.append(sent)
@@ -382,8 +373,8 @@ class Integrity:
         key = (req.step, req.ticket)
         # Only the peer this node sent its output of that microbatch to may see the input.
         direction = "fwd" if req.what == "input" else "bwd"
-        frame = self.received.get((key, req.what))
-        if self.sent_to.get((key, direction)) != peer or frame is None:
+        frame = self.tickets.frame(key, req.what)
+        if self.tickets.sent_to(key, direction) != peer or frame is None:
             await s.send(Refuse(code="unknown", reason=f"this node sent you no {direction} output of (step {req.step}, ticket {req.ticket})"))
             return
         await s.send(Ack())
@@ -411,8 +402,7 @@ class Integrity:
         except (ValueError, ProtocolError) as err:
             await s.send(Refuse(code="stale", reason=str(err)[:400]))
             return
-        if self.tamper is not None:
-            out = self.tamper(out, req.step, req.ticket, req.direction)
+        out = self.outbound.tensor(out, req.step, req.ticket, req.direction, check=True)
         frame, _ = self._raw.encode(out)
         self.stats.checks_served += 1
         signature = self.host.sign(boundary_statement(self.run_hash, req.step, req.ticket, req.direction, self.stage, inputs_digest(frames), frame_digest(frame)))

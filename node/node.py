@@ -26,17 +26,20 @@ from dataclasses import dataclass, field
 
 import torch
 import trio
-from protolearn.node.adversary import Adversary, parse_adversary
+from protolearn.node.adversary import Attack, parse_adversary
 from protolearn.node.averaging import Averager
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
 from protolearn.node.core.closed_step import CoreConfig, NodeCore
 from protolearn.node.core.events import Synced
+from protolearn.node.core.routing import RouteCore
+from protolearn.node.core.tickets import Tickets
 from protolearn.node.driver import TicketDriver
 from protolearn.node.errors import JoinError, StateSyncError
 from protolearn.node.finishing import Finisher
 from protolearn.node.integrity import Integrity
 from protolearn.node.join import join_coordinator, resolve_device
+from protolearn.node.outbound import PASS_THROUGH
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
 from protolearn.node.reachability import RELAY_CHECK_S, RELAY_LOST_CHECKS, Reachability, establish, heartbeat_path, move_relay, relay_peer
@@ -103,7 +106,6 @@ class Node:
         self.target_steps = min(run.steps, config.max_steps) if config.max_steps else run.steps
         self._hash_by_step: dict[int, str] = {}
         self._checked_hash_steps: set[int] = set()
-        self.driver = TicketDriver(config, run, link, progress, clock=clock)
         self._first_logged = False
         self._moved_warned = False
         self._leaving = False
@@ -113,16 +115,16 @@ class Node:
         # Spot checks pick microbatches and checkers at random: seeded per node, and the seed is logged.
         self.integrity_seed = int(os.environ.get("PROTOLEARN_CHECK_SEED") or int.from_bytes(os.urandom(4), "big"))
         # Testing only: the attack this node makes (node/adversary.py), None for an honest node.
-        self.adversary = parse_adversary(config.adversary) if config.adversary else None
-        # The ``blackhole`` adversary: for its steps, take leases and activations and never answer.
-        self.blackhole = self.adversary.active if self.adversary is not None and self.adversary.kind == "blackhole" else None
-        self.driver.blackhole = self.blackhole
-        self.adversary_sent = 0  # corrupted tensors sent (the integrity benchmark counts them to the ban)
+        self.attack = Attack(parse_adversary(config.adversary), progress) if config.adversary else None
+        # A member's last connection closing restarts the tickets stage 0 had in flight through it.
+        host.on_connection = self._on_connection
         # What the reachability check found (run_node sets it after the join), and so the heartbeat's path.
         self.reachability = Reachability("unknown", "not checked", [])
         self._last_path = ""  # the last path reported, to log each change once
         self._moved = False  # its addresses changed since it joined (it moved to another relay)
         self.worker: StageWorker
+        self.routes: RouteCore
+        self.driver: TicketDriver
         self.router: Router
         self.averager: Averager
         self.finisher: Finisher
@@ -147,8 +149,11 @@ class Node:
         self.stage = stage
         self._hash_by_step.clear()
         self._checked_hash_steps.clear()
-        run = self.run
-        self.worker = await trio.to_thread.run_sync(lambda: StageWorker(run, stage, self.device, bf16_autocast=self.config.bf16))
+        run, attack = self.run, self.attack
+        bf16 = self.config.bf16
+        self.worker = await trio.to_thread.run_sync(
+            lambda: attack.worker(run, stage, self.device, bf16_autocast=bf16) if attack else StageWorker(run, stage, self.device, bf16_autocast=bf16)
+        )
         corpus = None
         if self.worker.first or self.worker.last:
             corpus = await trio.to_thread.run_sync(load_corpus, run.data)
@@ -162,27 +167,31 @@ class Node:
             microbatches_per_step=run.batch.microbatches_per_step, max_in_flight=self.config.max_in_flight,
             max_deferred=self.config.max_deferred, averaging_timeout_s=self.config.averaging_timeout_s,
         ))
-        self.router = Router(
-            self.host, run, self.worker, corpus, core.accounting, self.compute,
-            on_complete=self.driver.complete, send_timeout_s=self.config.request_timeout_s, clock=self.clock,
-        )
-        self.router.on_peer_down = self.driver.peer_down
+        # One record per ticket (node/core/tickets.py), which routing, integrity and stage 0's driver share.
+        tickets = Tickets()
+        self.routes = RouteCore(tickets)
+        outbound = attack.outbound(self.worker) if attack else PASS_THROUGH
         self.integrity = Integrity(
-            self.host, run, self.worker, corpus, self.compute, replicas=lambda s: self.view.stage_peers(s), stage_of=self._stage_of,
+            self.host, run, self.worker, corpus, self.compute, tickets=tickets, outbound=outbound,
+            replicas=lambda s: self.view.stage_peers(s), stage_of=self._stage_of,
             report=self._integrity_report, timeout_s=self.config.request_timeout_s, seed=self.integrity_seed,
         )
-        self.router.integrity = self.integrity
-        self.router.blackhole = self.blackhole
-        self.host.on_connection = self._on_connection
-        self.driver.bind(self.worker, self.router, core.accounting)
+        # The driver starts tickets through the router built next (the closure reaches it when one starts).
+        self.driver = TicketDriver(
+            self.config, run, self.link, self.progress, accounting=core.accounting, routes=self.routes,
+            start=lambda step, ticket: router.start_ticket(step, ticket), outbound=outbound, clock=self.clock,
+        )
+        router = self.router = Router(
+            self.host, run, self.worker, corpus, core.accounting, self.compute, routes=self.routes, integrity=self.integrity,
+            outbound=outbound, on_complete=self.driver.complete, on_peer_down=self.driver.peer_down if self.worker.first else None,
+            send_timeout_s=self.config.request_timeout_s, clock=self.clock,
+        )
         self.averager = Averager(self.host, stage, self.worker.numel, timeout_s=self.config.averaging_timeout_s,
                                  window=lambda: core.next_round, clock=self.clock,
                                  members=lambda: set(self.view.stage_peers(stage, live=False)),
-                                 aggregation=Aggregation.from_config(run.integrity), cross_check=run.integrity.cross_check)
-        self.averager.on_reducer_fault = self.integrity.reducer_fault
+                                 aggregation=Aggregation.from_config(run.integrity), cross_check=run.integrity.cross_check,
+                                 part_filter=outbound.part_filter, on_reducer_fault=self.integrity.reducer_fault)
         self.averager.register()
-        if self.adversary is not None:
-            self._arm_adversary(self.adversary)
         self.syncer = StageSync(
             self.config, self.host, self.link, self.worker, self.persistence, self.compute, self.progress,
             stage=stage, run_hash=self.run_hash, donors=lambda: [p for p in self.view.stage_peers(stage) if p != self.host.peer_id],
@@ -235,41 +244,8 @@ class Node:
             self.progress.say(f"banned {target[-8:]}: {reply.reason}")
             if not self.host.is_banned(target):
                 self.host.ban(target, reply.reason)
-                self.router.balancer.ban(target)
+                self.routes.ban(target)
         return reply.banned
-
-    def _arm_adversary(self, adv: Adversary) -> None:
-        """Testing only: make this node attack the swarm as ``adv`` says (node/adversary.py)."""
-        log.warning("adversary armed: %s from step %d", adv.kind, adv.from_step)
-        if adv.corrupts_tensors:
-
-            def tamper(t: torch.Tensor, step: int, ticket: int, direction: str) -> torch.Tensor:
-                if not adv.active(step):
-                    return t
-                self.adversary_sent += 1
-                self.progress.event("adversary", kind=adv.kind, step=step, ticket=ticket, direction=direction, sent=self.adversary_sent)
-                return adv.corrupt(t, step=step, ticket=ticket, direction=direction)
-
-            self.router.tamper = tamper
-            self.integrity.tamper = tamper
-        elif adv.kind == "reducer":
-
-            def corrupt_part(part: int, data: torch.Tensor) -> torch.Tensor:
-                self.adversary_sent += 1
-                self.progress.event("adversary", kind=adv.kind, part=part, sent=self.adversary_sent)
-                return data + 1.0
-
-            self.averager.part_filter = corrupt_part
-        elif adv.kind == "stale":
-            self.worker.stale_from = adv.from_step
-
-            def count(t: torch.Tensor, step: int, ticket: int, direction: str) -> torch.Tensor:
-                if self.worker.stale_serving:
-                    self.adversary_sent += 1
-                    self.progress.event("adversary", kind=adv.kind, step=step, ticket=ticket, direction=direction, sent=self.adversary_sent)
-                return t
-
-            self.router.tamper = count
 
     def _apply_view(self) -> None:
         for m in self.view.members:
@@ -279,7 +255,7 @@ class Node:
                 except ProtocolError as err:
                     log.warning("ignored member address peer=%s reason=%s", m.peer_id, err.reason)
         if self.stage + 1 < self.run.stages.num_stages:
-            self.router.next_peers = self.view.stage_peers(self.stage + 1)
+            self.routes.next_peers = self.view.stage_peers(self.stage + 1)
         self.progress.update(peers=len(self.view.members) - 1)
         self._update_waiting()
 
@@ -396,7 +372,7 @@ class Node:
             if not self.host.is_banned(peer):
                 self.host.ban(peer, "banned by the coordinator")
                 if self.core is not None:
-                    self.router.balancer.ban(peer)
+                    self.routes.ban(peer)
         if self.link.view_version != self.view.version:
             before = {m.peer_id for m in self.view.members if m.state.live}
             self.view = _View(self.link.view_version, list(self.link.members))
