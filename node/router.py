@@ -1,7 +1,7 @@
 """Pipeline routing: microbatches flow forward through one replica per stage and their gradients flow back.
 
 Forward: stage 0 builds a ticket's tokens, runs its blocks and sends the boundary activation (in the
-run's codec) to a next-stage peer picked by the :class:`~protolearn.node.core.balancer.Balancer`. Each stage
+run's codec) to a next-stage peer that the routing core picks (:mod:`protolearn.node.core.routing`). Each stage
 appends itself to the route and does the same; the last stage rebuilds the targets from (step, ticket),
 computes the loss and backward (scaled by 1/B), and sends the input gradient to the previous stage on
 the route. Backward: each stage backprops its held graph, which accumulates its parameter gradients,
@@ -14,6 +14,11 @@ it (expected shape, finite values), asks :class:`~protolearn.node.core.accountin
 process, hold or refuse it, answers at once, and only then is compute queued in the node's nursery on
 the single compute thread. So the network keeps being read while torch runs (yamux resets a stream
 whose reader pauses 5 s), and a sender learns quickly whether it must try another peer.
+
+What the router knows of each microbatch (the attempt held and its route, the frames in and out, who got
+each output, the hand-overs awaiting a gradient) is the ticket record's (:mod:`protolearn.node.core.tickets`),
+which integrity and stage 0's driver read too. Every tensor it sends passes through the node's outbound
+filter first (:mod:`protolearn.node.outbound`), which also says whether it withholds a step's work.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ Nothing here imports trio or libp2p (``tests/unit/test_purity.py`` checks it); t
   commit, apply, resync), with its vocabulary in :mod:`.events`;
 - :mod:`.leasing`: stage 0's leases, starts and restarts of tickets;
 - :mod:`.accounting`: which microbatch work a replica admits, holds or refuses, and what it accumulated;
-- :mod:`.balancer`: which next-stage peer gets the next microbatch;
+- :mod:`.tickets`: one record per ticket, what the replica knows of each microbatch and where its outputs went;
+- :mod:`.routing`: the router's decisions over that record: which next-stage peer gets a microbatch, which
+  gradient belongs to the attempt held, which hand-overs are lost;
+- :mod:`.balancer`: the per-peer statistics those choices rest on (least expected finish time);
 - :mod:`.early_parts`: the bounds on collective parts held before their round starts.
 """
