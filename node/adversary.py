@@ -11,19 +11,35 @@ From optimizer step ``from_step`` on, the node misbehaves in one way:
 - ``stale``: it serves outputs computed with the weights it had at ``from_step``;
 - ``reducer``: it corrupts the parts it reduces in the collective;
 - ``blackhole``: it accepts leases and activations and never answers, while it keeps heartbeating.
+
+The attack reaches the swarm from outside the production classes: :class:`Attack` builds the node's
+outbound filter (:class:`Lying`, a :class:`~protolearn.node.outbound.Outbound` that the router, integrity,
+the averager and the driver get in their constructors) and, for ``stale``, its worker
+(:class:`StaleWorker`). Every lie sent is an ``adversary`` progress event with the running count
+(``sent``), which the integrity benchmark counts up to the ban.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from protolearn.errors import ConfigError
 from protolearn.protocol.monitors import DIRECTIONS
+from protolearn.node.outbound import Outbound
+from protolearn.node.progress import Progress
+from protolearn.node.worker import StageWorker
+from protolearn.stages.config import RunConfig
+from protolearn.stages.stage import StageModule
+
+log = logging.getLogger("protolearn.node")
 
 ENV = "PROTOLEARN_ALLOW_ADVERSARY"
 TENSOR_KINDS = ("scale", "noise", "signflip", "zero", "random", "nan")
@@ -102,3 +118,98 @@ def parse_adversary(spec: str, env: Mapping[str, str] | None = None) -> Adversar
     if from_step < 0:
         raise ConfigError(f"--adversary {spec!r}: from_step must be a step number >= 0, as in {kind}:5")
     return Adversary(kind, from_step)
+
+
+class Attack:
+    """What a node started with ``--adversary`` builds instead of the honest parts, for each stage it
+    builds; it counts the lies sent across those builds."""
+
+    def __init__(self, adversary: Adversary, progress: Progress) -> None:
+        self.adversary = adversary
+        self.progress = progress
+        self.sent = 0
+
+    def worker(self, run: RunConfig, stage: int, device: str, *, bf16_autocast: bool) -> StageWorker:
+        if self.adversary.kind == "stale":
+            return StaleWorker(run, stage, device, bf16_autocast=bf16_autocast, from_step=self.adversary.from_step)
+        return StageWorker(run, stage, device, bf16_autocast=bf16_autocast)
+
+    def outbound(self, worker: StageWorker) -> Outbound:
+        """The filter of the stage ``worker`` computes for (built by :meth:`worker`)."""
+        adv = self.adversary
+        log.warning("adversary armed: %s from step %d", adv.kind, adv.from_step)
+        return Lying(self, worker)
+
+    def count(self, **fields: Any) -> None:
+        """One lie sent: say so on the event log, with the running count."""
+        self.sent += 1
+        self.progress.event("adversary", kind=self.adversary.kind, **fields, sent=self.sent)
+
+
+class Lying(Outbound):
+    """The outbound filter of an :class:`Attack` (see the module docstring for what each kind does)."""
+
+    def __init__(self, attack: Attack, worker: StageWorker) -> None:
+        self.attack = attack
+        self.adversary = attack.adversary
+        self.worker = worker
+        if self.adversary.kind == "reducer":
+            self.part_filter = self._corrupt_part
+
+    def tensor(self, t: torch.Tensor, step: int, ticket: int, direction: str, *, check: bool = False) -> torch.Tensor:
+        adv = self.adversary
+        if adv.corrupts_tensors:
+            if not adv.active(step):
+                return t
+            self.attack.count(step=step, ticket=ticket, direction=direction)
+            return adv.corrupt(t, step=step, ticket=ticket, direction=direction)
+        # A stale liar's pipeline outputs come from its old weights (its worker's doing); its check results do not.
+        if adv.kind == "stale" and not check and isinstance(self.worker, StaleWorker) and self.worker.serving_old_weights:
+            self.attack.count(step=step, ticket=ticket, direction=direction)
+        return t
+
+    def _corrupt_part(self, part: int, data: torch.Tensor) -> torch.Tensor:
+        self.attack.count(part=part)
+        return data + 1.0
+
+    def withholds(self, step: int) -> bool:
+        return self.adversary.kind == "blackhole" and self.adversary.active(step)
+
+
+class StaleWorker(StageWorker):
+    """The ``stale`` liar's worker: once it has applied ``from_step`` steps, the activations and (on the
+    last stage) the gradients it sends are computed with a frozen copy of the weights it had then, while
+    it trains on; its spot-check recomputations use the current weights."""
+
+    def __init__(self, run: RunConfig, stage: int, device: str = "cpu", *, bf16_autocast: bool = False, from_step: int) -> None:
+        super().__init__(run, stage, device, bf16_autocast=bf16_autocast)
+        self.from_step = from_step
+        self._frozen: StageModule | None = None
+
+    @property
+    def serving_old_weights(self) -> bool:
+        return self._frozen is not None
+
+    def forward(self, key: Hashable, inputs: torch.Tensor) -> torch.Tensor:
+        out = super().forward(key, inputs)
+        if self._frozen is None:
+            return out
+        with self._ctx():
+            return self._frozen.infer(inputs).float().cpu()
+
+    def forward_backward_last(self, key: Hashable, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+        loss, grad = super().forward_backward_last(key, inputs, targets)
+        if self._frozen is not None and not self.first:  # the gradient it sends comes from the old weights
+            grad = self._input_grad(self._frozen, inputs, targets, None).float().cpu()
+        return loss, grad
+
+    @torch.no_grad()
+    def apply(self, step: int, flat: torch.Tensor) -> tuple[str, float]:
+        out = super().apply(step, flat)
+        if self._frozen is None and self.applied >= self.from_step:
+            held, self.module._in_flight = self.module._in_flight, {}  # graphs of microbatches in flight do not copy
+            try:
+                self._frozen = copy.deepcopy(self.module)
+            finally:
+                self.module._in_flight = held
+        return out

@@ -9,16 +9,15 @@ needs that). The wait between events is the machine's :meth:`next_deadline`, so 
 (scaled by the bandwidth EMA this adapter keeps across rounds) are what time a round out.
 Reduced parts and fins are signed with this node's Ed25519 key (the round gets ``sign`` and ``verify``;
 see :mod:`protolearn.protocol.statements`), and a received part is hashed in a worker thread before the
-round checks it, so hashing 16 MiB parts never stalls the event loop. A finished round's outcome is kept
-for a while: a peer that still probes it gets this replica's signed fin back (it may have missed it), or,
-if the round failed here, a ``Refuse`` with code ``left``, so that nobody waits out a deadline on a
-replica that is done.
+round checks it, so hashing 16 MiB parts never stalls the event loop. A finished round's fin and full
+result are kept for a while (:mod:`protolearn.node.finished_rounds`), for a peer that still probes it and
+for a replica that fetches the result, so that nobody waits out a deadline on a replica that is done.
 Parts of a round this replica has not started yet (a faster replica got the step's accounting first)
 are held, but only for the current and the next round, and within per-peer and total bounds on parts
-and bytes checked against the header before the payload is read (:mod:`protolearn.node.early_parts`),
-so memory stays bounded whoever sends them. A replica that the step's accounting leaves out (it processed no ticket, so no peer
-expects it) asks a participant for the finished round's vector with :class:`ResultRequest`, and so
-applies exactly the same update. The round's hard deadline comes from the node config; a round survives
+and bytes checked against the header before the payload is read (:mod:`protolearn.node.core.early_parts`),
+so memory stays bounded whoever sends them. A replica that the step's accounting leaves out (it processed
+no ticket, so no peer expects it) asks a participant for the finished round's vector with
+:class:`ResultRequest` (:meth:`Averager.fetch_result`), and so applies exactly the same update. The round's hard deadline comes from the node config; a round survives
 dead peers, and :attr:`Averager.last_done` says whose contributions are in (``excluded``: tickets to redo);
 :attr:`Averager.last_failed` keeps a failed round's reason and, if a peer signed two stories, the evidence.
 The run's aggregation rule (:mod:`protolearn.protocol.collective.robust`) and the reducer cross-check are passed to
@@ -35,9 +34,9 @@ from dataclasses import dataclass
 
 import torch
 import trio
-from protolearn.protocol.rounds import REVISIONS_PER_STEP
-from protolearn.node.early_parts import EarlyParts
+from protolearn.node.core.early_parts import EarlyParts
 from protolearn.node.errors import NodeError
+from protolearn.node.finished_rounds import FinishedRounds, borrowed_frame
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.collective import (
     DEFAULT_FLOOR_S,
@@ -55,23 +54,13 @@ from protolearn.protocol.collective import (
 from protolearn.protocol.errors import OverLimit, ProtocolError
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse, ResultRequest
 from protolearn.protocol.statements import Sign, Verify, part_hash, verify_ed25519
-from protolearn.protocol.tensors import TensorFrame, TensorLimits, from_frame
+from protolearn.protocol.tensors import TensorLimits, from_frame
 from protolearn.protocol.transport import FramedStream, Host, TensorHeader
 
 log = logging.getLogger("protolearn.node")
 SEND_RETRY_S = 0.2
 MAX_INBOUND = 64  # collective streams handled at once
 MAX_INBOUND_PER_PEER = 8
-
-
-def _borrowed_frame(t: torch.Tensor) -> TensorFrame:
-    """A raw float32 frame whose payload is a view of ``t``'s memory: a part is 16 MiB for a 64 MiB vector,
-    and ``to_frame``'s copy of it cost more CPU than sending it over the bulk lane. Parts never change
-    once the round hands them out, so sending from their memory is safe."""
-    t = t.detach().to("cpu", torch.float32).contiguous().reshape(-1)  # (N,)
-    # TensorFrame.data is bytes on the wire; a memoryview is what send_tensor reads it through anyway.
-    data = memoryview(t.view(torch.uint8).numpy()) if t.numel() else b""
-    return TensorFrame.model_construct(codec="none", dtype="float32", shape=list(t.shape), data=data, aux=b"")
 
 
 class AveragingError(NodeError):
@@ -99,6 +88,7 @@ class Averager:
         sign: Sign | None = None, verify: Verify = verify_ed25519, max_liars: int = 1,
         members: Callable[[], Collection[str]] | None = None, aggregation: Aggregation | None = None,
         cross_check: bool = False, part_filter: PartFilter | None = None,
+        on_reducer_fault: Callable[[ReducerFault], None] | None = None,
     ) -> None:
         """``window``: the round this replica takes part in next, from its owner (the node core, which
         knows whether a step may still reopen). Without one, the averager counts its own rounds from
@@ -110,7 +100,9 @@ class Averager:
         ``aggregation``: the run's rule (``Aggregation.from_config(run.integrity)``; None: the mean).
         ``cross_check``: every part's owner is checked by its successor (scatter traffic doubles); every
         replica of a stage must use the same setting. ``part_filter``: applied to the parts this replica
-        reduces before it signs them (injected by integrity tests; None in real use)."""
+        reduces before it signs them (the node's outbound filter, node/outbound.py; None: parts go as
+        reduced). ``on_reducer_fault``: called with each proof that a reducer signed a wrong part (the node
+        sends it to the coordinator)."""
         self.host = host
         self.stage = stage
         self.numel = numel
@@ -131,20 +123,16 @@ class Averager:
         self.last_done: Done | None = None
         # The last round that failed, with its evidence (two statements one peer signed) when a peer lied.
         self.last_failed: Failed | None = None
-        # Called with each proof that a reducer signed a wrong part (the node sends it to the coordinator).
-        self.on_reducer_fault: Callable[[ReducerFault], None] | None = None
+        self.on_reducer_fault = on_reducer_fault
         self._round: CollectiveRound | None = None
         self._outbox: trio.MemorySendChannel[Send | Probe] | None = None
         self._finished = trio.Event()
-        # Parts of rounds not started here yet, bounded per peer and in all (node/early_parts.py).
+        # Parts of rounds not started here yet, bounded per peer and in all (node/core/early_parts.py).
         self._early: EarlyParts[_Pending] = EarlyParts(vector_bytes=4 * numel)
         self._members = members
         self._limits = TensorLimits(max_elements=max(1, numel), max_bytes=max(4, 4 * numel))
-        # Finished rounds' results, kept for replicas that fetch them (the last two rounds only).
-        self._results: dict[int, torch.Tensor] = {}
-        self._result_ready: dict[int, trio.Event] = {}
-        # Finished rounds' outcomes, for late probes: the signed fin sent, or None if the round failed here.
-        self._outcomes: dict[int, PartHeader | None] = {}
+        # Finished rounds' fins and full results, for late probes and left-out replicas (node/finished_rounds.py).
+        self.finished = FinishedRounds(timeout_s)
         # Sends of the current round queued or in flight, per peer (the end of a round waits for live peers').
         self._pending: dict[str, int] = {}
         self._drained = trio.Event()
@@ -169,7 +157,7 @@ class Averager:
             await s.send(Refuse(code="stage", reason=f"this replica serves stage {self.stage}, not {msg.stage}"))
             return
         if isinstance(msg, ResultRequest):
-            await self._serve_result(peer, s, msg.round)
+            await self.finished.serve(s, msg.round, self.next_round)
             return
         r = self._round if self._round is not None and self._round.round_id == msg.round else None
         if r is not None:
@@ -177,16 +165,16 @@ class Averager:
         if msg.phase == "probe":
             if r is not None:  # a probe's claims may hand this replica a dead peer's part
                 self._dispatch(r.receive(peer, "probe", 0, None, suspects=msg.suspects, now=self.clock()))
-            elif msg.round in self._outcomes:
+            elif self.finished.ended_here(msg.round):
                 # Done with that round here: the prober waits for our fin (it may have missed it), or, if the
                 # round failed here, should stop waiting for us.
-                fin = self._outcomes[msg.round]
+                fin = self.finished.fin(msg.round)
                 await s.send(fin if fin is not None else Refuse(code="left", reason=f"round {msg.round} failed here"))
                 return
             await s.send(Ack())
             return
         # A part of a round not started here may be held: its bytes are admitted against the sender's
-        # bounds (node/early_parts.py) once its header is checked, before its payload is read.
+        # bounds (node/core/early_parts.py) once its header is checked, before its payload is read.
         early = r is None and self.next_round <= msg.round <= self.next_round + 1
         reserved: list[int] = []
 
@@ -250,21 +238,6 @@ class Averager:
         m = p.msg
         return r.receive(p.peer, m.phase, m.part, p.data, contributors=m.contributors, suspects=m.suspects, signer=m.signer,
                          digest=m.digest, signature=m.signature, inputs=m.inputs, vetoed=m.vetoed, data_digest=p.data_digest, now=self.clock())
-
-    async def _serve_result(self, peer: str, s: FramedStream, round_id: int) -> None:
-        # A finished round stays servable while kept (a step's rounds are numbered sparsely, see round_id).
-        if round_id not in self._results and not self.next_round - 1 <= round_id <= self.next_round + 1:
-            await s.send(Refuse(code="stale", reason=f"round {round_id} is not kept (next round {self.next_round})"))
-            return
-        ready = self._result_ready.setdefault(round_id, trio.Event())
-        with trio.move_on_after(self.timeout_s):
-            await ready.wait()
-        result = self._results.get(round_id)
-        if result is None:
-            await s.send(Refuse(code="state", reason=f"round {round_id} did not finish here within {self.timeout_s:g} s"))
-            return
-        await s.send(Ack())
-        await s.send_tensor(_borrowed_frame(result))
 
     async def fetch_result(self, round_id: int, participants: list[str]) -> torch.Tensor:
         """Get round ``round_id``'s vector from one of ``participants`` (this replica was not one)."""
@@ -354,11 +327,10 @@ class Averager:
             self._own_next = round_id + 1
         result = r.finished
         fin = (result.contributors, result.digest, result.signature, b"") if isinstance(result, Done) else r.veto
-        self._outcomes[round_id] = None if fin is None else PartHeader(
+        self.finished.ended(round_id, None if fin is None else PartHeader(
             round=round_id, stage=self.stage, phase="fin", part=0, contributors=list(fin[0]),
             suspects=sorted(r.suspects), signer=self.host.peer_id, digest=fin[1], signature=fin[2], vetoed=fin[3],
-        )
-        self._outcomes = {k: v for k, v in self._outcomes.items() if k >= round_id - 2 * REVISIONS_PER_STEP}
+        ))
         if isinstance(result, Failed):
             self.last_failed = result
             if result.reducer_faults and self.on_reducer_fault is not None:
@@ -369,13 +341,8 @@ class Averager:
         if result.excluded:
             log.warning("collective step=%d stage=%d left out dead replicas %s", round_id, self.stage, result.excluded)
         self.last_done = result
-        self._results = {k: v for k, v in self._results.items() if k >= round_id - 2 * REVISIONS_PER_STEP}
-        if not result.excluded:
-            # Only a full average is served: a replica that fetched one reports holding the step, which
-            # counts for the commit; a round that left a replica out is redone at the next revision.
-            self._results[round_id] = result.result
-        self._result_ready.setdefault(round_id, trio.Event()).set()
-        self._result_ready = {k: v for k, v in self._result_ready.items() if k >= round_id - 2 * REVISIONS_PER_STEP}
+        # Only a full average is served (see node/finished_rounds.py).
+        self.finished.done(round_id, None if result.excluded else result.result)
         return result
 
     async def _sender(self, recv: trio.MemoryReceiveChannel[Send | Probe], round_id: int, nursery: trio.Nursery) -> None:
@@ -411,7 +378,7 @@ class Averager:
                 async with self.host.open_stream(a.peer, COLLECTIVE) as s:
                     await s.send(msg)
                     if isinstance(a, Send) and a.data is not None:
-                        await s.send_tensor(_borrowed_frame(a.data))
+                        await s.send_tensor(borrowed_frame(a.data))
                     reply = await s.receive((Ack, Refuse, PartHeader))
         except ProtocolError as err:
             log.info("collective peer failed peer=%s round=%d phase=%s reason=%s", a.peer, round_id, phase, err.reason)

@@ -45,6 +45,8 @@ STAGE_FORMAT = "protolearn-stage/1"
 DEFAULT_KEEP = 3
 # A stage's tensor table is a few KB; anything far bigger is not one of our files.
 MAX_HEADER_BYTES = 16 * 2**20
+# The optimizer state entries AdamW keeps per parameter (the stage state's ``<key>/<name>`` entries); a
+# checkpoint or a donor's snapshot with any other is refused.
 OPTIM_KEYS = ("step", "exp_avg", "exp_avg_sq")
 _FILE = re.compile(r"^stage-(\d+)-step-(\d+)\.safetensors$")
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64"}

@@ -231,14 +231,6 @@ class CoordinatorLink:
         reply, _ = await self._request(msg, cm.StepInfo, timeout=timeout_s + self.retry.request_timeout_s)
         return reply
 
-    async def wait_closed(self, step: int, *, min_revision: int = 1, deadline_s: float = 600.0) -> cm.StepInfo:
-        """Long-poll repeatedly until ``step`` closes; raises trio.TooSlowError after ``deadline_s``."""
-        with trio.fail_after(deadline_s):
-            while True:
-                info = await self.wait_step(step, min_revision=min_revision, timeout_s=cm.MAX_WAIT_S)
-                if info.closed:
-                    return info
-
     async def wait_committed(
         self, step: int, revision: int, *, report: bool, poll_s: float = 10.0, result_hash: str = "",
     ) -> bool:

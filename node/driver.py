@@ -1,13 +1,13 @@
-"""The trio adapter of stage 0's :class:`~protolearn.node.leasing.LeaseCore`.
+"""The trio adapter of stage 0's :class:`~protolearn.node.core.leasing.LeaseCore`.
 
 :meth:`TicketDriver.drive` runs while step t is open: it polls the core with the node's clock,
 carries out its actions (a lease request, starting a ticket through the
 :class:`~protolearn.node.router.Router`, releasing tickets, reporting a completion), feeds the answers
 back as events, and sleeps until the core's next wake-up or until something happens (a completion, a
-failed send, a departure). The node owns one driver for its lifetime and binds it to each stage it builds.
+failed send, a departure). The node builds one driver with each stage it builds.
 
-Liveness (issue 11): each pass also asks the router's balancer for microbatches handed to a stage-1 peer
-whose gradient is overdue (:meth:`~protolearn.node.balancer.Balancer.overdue`); their tickets restart
+Liveness (issue 11): each pass also asks the routing core for microbatches handed to a stage-1 peer
+whose gradient is overdue (:meth:`~protolearn.node.core.routing.RouteCore.overdue`); their tickets restart
 on another peer at once (a :class:`PeerDown` for those tickets), and a peer that lost
 :data:`REPORT_AFTER_LOST` in a row is reported to the coordinator (``liveness: ...``), at most once per
 :data:`REPORT_INTERVAL_S`. One report is a claim: the coordinator bans only on a majority of stage 0.
@@ -16,14 +16,14 @@ on another peer at once (a :class:`PeerDown` for those tickets), and a peer that
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
-from protolearn.node.accounting import Accounting
+from protolearn.node.core.accounting import Accounting
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
-from protolearn.node.events import Emit
-from protolearn.node.leasing import (
+from protolearn.node.core.events import Emit
+from protolearn.node.core.leasing import (
     Completed,
     CompleteRefused,
     LeaseAction,
@@ -39,9 +39,9 @@ from protolearn.node.leasing import (
     RequestLease,
     StartTicket,
 )
+from protolearn.node.core.routing import RouteCore
+from protolearn.node.outbound import PASS_THROUGH, Outbound
 from protolearn.node.progress import Progress
-from protolearn.node.router import Router
-from protolearn.node.worker import StageWorker
 from protolearn.protocol.errors import ProtocolError
 from protolearn.stages.config import RunConfig
 
@@ -50,6 +50,9 @@ log = logging.getLogger("protolearn.node")
 # A next-stage peer that lost this many handed microbatches in a row is reported, at most this often.
 REPORT_AFTER_LOST = 3
 REPORT_INTERVAL_S = 5.0
+
+# Runs ticket (step, ticket) through this stage and sends it on; False if it could not be sent (the router's).
+StartTicketFn = Callable[[int, int], Awaitable[bool]]
 
 
 def emit(progress: Progress, action: Emit) -> None:
@@ -60,14 +63,26 @@ def emit(progress: Progress, action: Emit) -> None:
 
 
 class TicketDriver:
-    """Leases and drives stage 0's tickets. Call :meth:`bind` after each build, then :meth:`drive` per step."""
+    """Leases and drives stage 0's tickets: :meth:`drive` once per open step."""
 
-    def __init__(self, config: NodeConfig, run: RunConfig, link: CoordinatorLink, progress: Progress, *, clock: Callable[[], float] = trio.current_time) -> None:
+    def __init__(
+        self, config: NodeConfig, run: RunConfig, link: CoordinatorLink, progress: Progress, *,
+        accounting: Accounting, routes: RouteCore, start: StartTicketFn, outbound: Outbound = PASS_THROUGH,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        """``accounting``: what this replica holds and has in flight; ``routes``: where its tickets went and
+        which hand-overs are overdue; ``start``: runs a ticket through the stage (the router's
+        :meth:`~protolearn.node.router.Router.start_ticket`); ``outbound``: for a step it withholds,
+        leased tickets are never started."""
         self.config = config
         self.run = run
         self.link = link
         self.progress = progress
         self.clock = clock
+        self.accounting = accounting
+        self.routes = routes
+        self.start = start
+        self.outbound = outbound
         # A ticket whose gradient has not come back within this long is restarted (its route broke).
         self.core = LeaseCore(
             max_in_flight=config.max_in_flight, lease_block=config.lease_block,
@@ -75,19 +90,7 @@ class TicketDriver:
         )
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
-        self.worker: StageWorker
-        self.router: Router
-        self.accounting: Accounting
-        # Testing only (node/adversary.py ``blackhole``): for a step where this returns True, leased
-        # tickets are never started. Set by the node.
-        self.blackhole: Callable[[int], bool] | None = None
         self._reported_at: dict[str, float] = {}
-
-    def bind(self, worker: StageWorker, router: Router, accounting: Accounting) -> None:
-        """Drive the stage the node just built."""
-        self.worker = worker
-        self.router = router
-        self.accounting = accounting
 
     # -- events from the node and the router --------------------------------------------------------
     def _feed(self, event: LeaseEvent) -> None:
@@ -100,11 +103,9 @@ class TicketDriver:
 
     def peer_down(self, peer: str) -> None:
         """A forward send to next-stage ``peer`` just failed (the router's ``on_peer_down``), or the
-        connection to it closed: the tickets sent to it will not come back."""
-        if not self.worker.first:  # only stage 0 can restart a ticket
-            return
-        step = self.core.step
-        self._feed(PeerDown(peer, [t for (s, t), p in self.router.sent_to.items() if s == step and p == peer]))
+        connection to it closed: the tickets sent to it will not come back. Stage 0 only (only it can
+        restart a ticket)."""
+        self._feed(PeerDown(peer, self.routes.handed_to(self.core.step, peer)))
 
     async def complete(self, step: int, ticket: int, route: list[str], loss: float, ack: bytes | None = None) -> None:
         """The router's ``on_complete``: ``ticket``'s gradient came back, so report it to the coordinator
@@ -128,7 +129,7 @@ class TicketDriver:
                 while not closed.is_set():
                     now = self.clock()
                     self._check_overdue(step, now)
-                    self._carry(core.poll(now, in_flight=self.accounting.num_in_flight, has_next_stage=bool(self.router.next_peers)))
+                    self._carry(core.poll(now, in_flight=self.accounting.num_in_flight, has_next_stage=self.routes.has_next_stage))
                     self._wake = trio.Event()
                     with trio.move_on_at(core.next_wake(now)):
                         await _first(closed, self._wake)
@@ -138,19 +139,19 @@ class TicketDriver:
 
     def _check_overdue(self, step: int, now: float) -> None:
         """Restart the tickets whose gradient is overdue from a stage-1 peer; report a peer that keeps losing them."""
-        lost = self.router.balancer.overdue(now, self.core.stall_s)
+        lost = self.routes.overdue(now, self.core.stall_s)
         by_peer: dict[str, list[int]] = {}
         for (s, t), peer in lost:
-            if s == step and self.router.sent_to.get((s, t)) == peer:
+            if s == step:
                 by_peer.setdefault(peer, []).append(t)
         for peer, tickets in sorted(by_peer.items()):
             log.warning("gradients overdue peer=%s step=%d tickets=%s: restarting them elsewhere", peer, step, tickets)
             self._carry(self.core.handle(PeerDown(peer, tickets), now))
         for peer in sorted({p for _, p in lost}):
-            n = self.router.balancer.lost(peer)
+            n = self.routes.lost(peer)
             if n >= REPORT_AFTER_LOST and now - self._reported_at.get(peer, -REPORT_INTERVAL_S) >= REPORT_INTERVAL_S and self._nursery is not None:
                 self._reported_at[peer] = now
-                why = f"liveness: {n} microbatches it acknowledged got no gradient back within {self.router.balancer.deadline_s(self.core.stall_s):.1f} s"
+                why = f"liveness: {n} microbatches it acknowledged got no gradient back within {self.routes.deadline_s(self.core.stall_s):.1f} s"
                 self._nursery.start_soon(self._report_peer, peer, why)
 
     async def _report_peer(self, peer: str, why: str) -> None:
@@ -187,9 +188,9 @@ class TicketDriver:
         self._feed(Leased(reply.step, list(reply.indices)))
 
     async def _run_ticket(self, step: int, ticket: int) -> None:
-        if self.blackhole is not None and self.blackhole(step):
-            return  # the adversary sits on its lease
-        if not await self.router.start_ticket(step, ticket):
+        if self.outbound.withholds(step):
+            return  # it sits on its lease
+        if not await self.start(step, ticket):
             self._feed(NotStarted(step, ticket))
 
     async def _release(self, step: int, indices: list[int]) -> None:

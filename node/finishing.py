@@ -1,4 +1,4 @@
-"""The trio adapter that finishes a closed step: it carries out :class:`~protolearn.node.core.NodeCore`'s actions.
+"""The trio adapter that finishes a closed step: it carries out :class:`~protolearn.node.core.closed_step.NodeCore`'s actions.
 
 :meth:`Finisher.finish` feeds the core the closed step, then answers each of its questions with the IO
 it names (the gradients this replica holds, a collective round, fetching the round's result, a redo,
@@ -23,7 +23,7 @@ import torch
 import trio
 from protolearn.node.averaging import Averager, AveragingError, ResultGone
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
-from protolearn.node.events import (
+from protolearn.node.core.events import (
     Action,
     Applied,
     Apply,
@@ -47,7 +47,7 @@ from protolearn.node.events import (
     WaitClosed,
     WaitCommit,
 )
-from protolearn.node.core import NodeCore
+from protolearn.node.core.closed_step import NodeCore
 from protolearn.node.driver import emit
 from protolearn.node.progress import Progress
 from protolearn.node.worker import StageWorker

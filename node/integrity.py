@@ -17,9 +17,7 @@ The :class:`~protolearn.node.router.Router` calls it for every tensor it sends a
   :func:`~protolearn.protocol.boundary.tolerance` of A's, A passed. If not, a third replica D breaks
   the tie: the odd one out of three signed outputs is convicted by the coordinator, which verifies
   everything itself. With no third replica the mismatch is reported without evidence (a flag).
-- **Serving** ``show`` (only to the peer this node sent that microbatch to) and ``check`` (only to
-  members of the stage before or after, at most a few per peer per step, at this node's weights for
-  the step or not at all).
+- **Serving** ``show`` and ``check`` to the neighbours that check this node: :mod:`protolearn.node.check_serving`.
 """
 
 from __future__ import annotations
@@ -32,6 +30,9 @@ from dataclasses import dataclass
 import torch
 import trio
 
+from protolearn.node.check_serving import CheckServer
+from protolearn.node.core.tickets import Tickets
+from protolearn.node.outbound import PASS_THROUGH, Outbound
 from protolearn.protocol.boundary import (
     OutputEvidence,
     SignedOutput,
@@ -41,7 +42,7 @@ from protolearn.protocol.boundary import (
     inputs_digest,
     tolerance,
 )
-from protolearn.protocol.codecs import CodecContext, decode, make_encoder
+from protolearn.protocol.codecs import decode
 from protolearn.protocol.coordination import MAX_PEER_CHECKS, PeerCheck
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.frames import TensorFrame
@@ -50,23 +51,18 @@ from protolearn.protocol.monitors import BoundaryMonitor
 from protolearn.protocol.pipeline import CHECK, SHOW, Ack, CheckRequest, CheckResult, Refuse, ShowRequest
 from protolearn.protocol.probation import SpotCheckPolicy
 from protolearn.protocol.reducer_check import ReducerFault
-from protolearn.protocol.tensors import TensorLimits
-from protolearn.protocol.transport import FramedStream, Host
+from protolearn.protocol.transport import Host
 from protolearn.stages.config import RunConfig
 from protolearn.stages.corpus import Corpus
-from protolearn.stages.sampling import microbatch
 
 log = logging.getLogger("protolearn.node")
 
 # Spot checks this node runs at once (more are skipped, not queued: a check is a sample).
 MAX_CHECKS_IN_FLIGHT = 4
-# Recomputations this node does for one peer in one step (a check costs a forward or a backward).
-MAX_SERVED_PER_PEER_STEP = 64
 
 # A claim without evidence about one peer is sent at most this often (evidence goes at once).
 CLAIM_INTERVAL_S = 10.0
 
-Key = tuple[int, int]
 # (accused, reason, evidence or None, a reducer's fault or None) → whether the coordinator banned the accused.
 Report = Callable[[str, str, OutputEvidence | None, ReducerFault | None], Awaitable[bool]]
 
@@ -76,7 +72,6 @@ class IntegrityStats:
     checks_passed: int = 0
     checks_failed: int = 0
     checks_inconclusive: int = 0
-    checks_served: int = 0
     evidence_sent: int = 0
     refused_unsigned: int = 0
 
@@ -101,15 +96,18 @@ class Integrity:
 
     def __init__(
         self, host: Host, run: RunConfig, worker, corpus: Corpus | None, compute: trio.CapacityLimiter, *,
-        replicas: Callable[[int], list[str]], stage_of: Callable[[str], int | None], report: Report,
-        timeout_s: float, seed: int,
+        tickets: Tickets, replicas: Callable[[int], list[str]], stage_of: Callable[[str], int | None], report: Report,
+        timeout_s: float, seed: int, outbound: Outbound = PASS_THROUGH,
     ) -> None:
+        """``tickets``: the stage's per-ticket record (node/core/tickets.py), where the router keeps the
+        frames this replica received and sent and to whom. ``replicas``/``stage_of``: the membership
+        view. ``report``: sends an integrity report to the coordinator. ``worker``, ``corpus``, ``compute``
+        and ``outbound`` (the filter each result passes through, node/outbound.py) serve the checks that
+        neighbours make of this replica (node/check_serving.py)."""
         self.host = host
         self.run = run
-        self.worker = worker
         self.stage = worker.stage
-        self.corpus = corpus
-        self.compute = compute
+        self.tickets = tickets
         self.replicas = replicas
         self.stage_of = stage_of
         self.report = report
@@ -121,17 +119,10 @@ class Integrity:
         self.rng = random.Random(seed)
         self.checks = cfg.spot_check_rate > 0  # 0: no spot checks at all (probation included)
         self.policy = SpotCheckPolicy(rate=cfg.spot_check_rate, half_life=cfg.probation_half_life, rng=self.rng)
-        b = run.batch
-        self.shape = [b.microbatch_size, b.seq_len, run.model.d_model]
-        n = b.microbatch_size * b.seq_len * run.model.d_model
-        self.limits = TensorLimits(max_elements=n, max_bytes=8 * n + 4096)
-        self._raw = make_encoder("none")
-        # Frames per microbatch: what this node received (to show its checker) and sent forward (the
-        # input of the next stage's backward, which this node checks), and to whom it sent its outputs.
-        self.received: dict[tuple[Key, str], TensorFrame] = {}
-        self.sent_fwd: dict[Key, TensorFrame] = {}
-        self.sent_to: dict[tuple[Key, str], str] = {}
-        self._served: dict[tuple[str, int], int] = {}
+        # What this node serves the neighbours that check it.
+        self.server = CheckServer(host, run, worker, corpus, compute, tickets=tickets, stage_of=stage_of, outbound=outbound)
+        # A boundary tensor's shape (mb, T, D) and the bounds on its frame.
+        self.shape, self.limits = self.server.shape, self.server.limits
         self._in_flight = 0
         # Peers with a report in flight, and those the coordinator convicted: one report at a time per
         # peer, and none after the conviction (a peer sending NaN in every tensor is reported once).
@@ -143,40 +134,28 @@ class Integrity:
         self._seen: dict[str, float] = {}
         self.stats = IntegrityStats()
         self._nursery: trio.Nursery | None = None
-        # Testing only (node/adversary.py): corrupts what this node sends, check results included.
-        self.tamper: Callable[[torch.Tensor, int, int, str], torch.Tensor] | None = None
 
     def register(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
-        self.host.serve_stream(SHOW, self._on_show, max_inbound=32, max_inbound_per_peer=8)
-        self.host.serve_stream(CHECK, self._on_check, max_inbound=16, max_inbound_per_peer=4)
+        self.server.register()
 
     def prune(self, applied: int) -> None:
-        """Forget the frames of steps before ``applied`` (they can no longer be checked)."""
-        self.received = {k: v for k, v in self.received.items() if k[0][0] >= applied}
-        self.sent_fwd = {k: v for k, v in self.sent_fwd.items() if k[0] >= applied}
-        self.sent_to = {k: v for k, v in self.sent_to.items() if k[0][0] >= applied}
-        self._served = {k: v for k, v in self._served.items() if k[1] >= applied}
+        """Forget the checks served in steps before ``applied`` (no more can be served for them)."""
+        self.server.prune(applied)
 
     # -- what this node signs --------------------------------------------------------------------
     def my_inputs(self, direction: str, step: int, ticket: int) -> bytes:
         """The digest of the inputs this node computed its ``direction`` output of (step, ticket) from."""
         key = (step, ticket)
         if direction == "fwd":
-            frame = self.received.get((key, "input"))
+            frame = self.tickets.frame(key, "input")
             return b"" if frame is None else frame_digest(frame)
-        parts = [self.received.get((key, "input")), self.received.get((key, "grad"))]
+        parts = [self.tickets.frame(key, "input"), self.tickets.frame(key, "grad")]
         return inputs_digest([f for f in parts if f is not None])
 
-    def sign(self, step: int, ticket: int, direction: str, inputs: bytes, frame: TensorFrame, to: str) -> bytes:
-        key = (step, ticket)
-        self.sent_to[(key, direction)] = to
-        if direction == "fwd":
-            self.sent_fwd[key] = frame
+    def sign(self, step: int, ticket: int, direction: str, inputs: bytes, frame: TensorFrame) -> bytes:
+        """This replica's boundary statement over its ``direction`` output ``frame`` of (step, ticket)."""
         return self.host.sign(boundary_statement(self.run_hash, step, ticket, direction, self.stage, inputs, frame_digest(frame)))
-
-    def keep_received(self, step: int, ticket: int, what: str, frame: TensorFrame) -> None:
-        self.received[((step, ticket), what)] = frame
 
     # -- what this node receives -----------------------------------------------------------------
     def check_signature(self, peer: str, stage: int, direction: str, step: int, ticket: int, inputs: bytes, frame: TensorFrame, signature: bytes) -> None:
@@ -188,7 +167,7 @@ class Integrity:
         statement = boundary_statement(self.run_hash, step, ticket, direction, stage, inputs, frame_digest(frame))
         verify_peer(peer, statement, signature)
         if direction == "bwd":
-            sent = self.sent_fwd.get((step, ticket))
+            sent = self.tickets.frame((step, ticket), "fwd")
             if sent is not None and inputs[:32] != frame_digest(sent):
                 raise ProtocolError(peer, f"its gradient of (step {step}, ticket {ticket}) names an input this node did not send it")
 
@@ -305,7 +284,7 @@ class Integrity:
         key = (got.step, got.ticket)
         frames: list[TensorFrame] = []
         if got.direction == "bwd":
-            sent = self.sent_fwd.get(key)
+            sent = self.tickets.frame(key, "fwd")
             if sent is None:
                 return None
             frames.append(sent)
@@ -375,64 +354,3 @@ class Integrity:
             log.warning("integrity report failed peer=%s reason=%s", accused, err.reason)
         finally:
             self._reporting.discard(accused)
-
-    # -- serving show and check ------------------------------------------------------------------
-    async def _on_show(self, peer: str, s: FramedStream) -> None:
-        req = await s.receive(ShowRequest)
-        key = (req.step, req.ticket)
-        # Only the peer this node sent its output of that microbatch to may see the input.
-        direction = "fwd" if req.what == "input" else "bwd"
-        frame = self.received.get((key, req.what))
-        if self.sent_to.get((key, direction)) != peer or frame is None:
-            await s.send(Refuse(code="unknown", reason=f"this node sent you no {direction} output of (step {req.step}, ticket {req.ticket})"))
-            return
-        await s.send(Ack())
-        await s.send_tensor(frame)
-
-    async def _on_check(self, peer: str, s: FramedStream) -> None:
-        req = await s.receive(CheckRequest)
-        why = self._check_refusal(peer, req)  # before any input frame is read
-        if why:
-            await s.send(Refuse(code="invalid", reason=why))
-            return
-        frames = [await s.receive_tensor(limits=self.limits) for _ in range(req.inputs)]
-        try:
-            # Input frames are in the run's codec; a subspace frame's direction follows from its layout.
-            context = CodecContext(self.worker.module.subspace)
-            tensors = [decode(f, peer=peer, shape=self.shape, dtype=torch.float32, limits=self.limits, context=context) for f in frames]
-            if req.direction == "fwd" and self.stage == 0:
-                assert self.corpus is not None
-                tensors = [microbatch(self.run, self.corpus, req.step, req.ticket)[0]]
-            targets = None
-            if req.direction == "bwd" and self.worker.last:
-                assert self.corpus is not None
-                targets = microbatch(self.run, self.corpus, req.step, req.ticket)[1]
-            out = await trio.to_thread.run_sync(self.worker.recompute, req.step, req.direction, tensors, targets, limiter=self.compute)
-        except (ValueError, ProtocolError) as err:
-            await s.send(Refuse(code="stale", reason=str(err)[:400]))
-            return
-        if self.tamper is not None:
-            out = self.tamper(out, req.step, req.ticket, req.direction)
-        frame, _ = self._raw.encode(out)
-        self.stats.checks_served += 1
-        signature = self.host.sign(boundary_statement(self.run_hash, req.step, req.ticket, req.direction, self.stage, inputs_digest(frames), frame_digest(frame)))
-        await s.send(CheckResult(signature=signature))
-        await s.send_tensor(frame)
-
-    def _check_refusal(self, peer: str, req: CheckRequest) -> str:
-        if req.stage != self.stage:
-            return f"this replica serves stage {self.stage}, not {req.stage}"
-        want_inputs = 0 if req.direction == "fwd" and self.stage == 0 else (1 if req.direction == "fwd" or self.worker.last else 2)
-        if req.inputs != want_inputs:
-            return f"a {req.direction} check of stage {self.stage} takes {want_inputs} input tensors, not {req.inputs}"
-        asker = self.stage_of(peer)
-        want = self.stage + 1 if req.direction == "fwd" else self.stage - 1
-        if asker != want:
-            return f"a {req.direction} check of stage {self.stage} is for a member of stage {want}"
-        if req.step != self.worker.applied:
-            return f"this replica's weights are for step {self.worker.applied}, not {req.step}"
-        n = self._served.get((peer, req.step), 0)
-        if n >= MAX_SERVED_PER_PEER_STEP:
-            return f"{n} checks served to this peer in step {req.step} already"
-        self._served[(peer, req.step)] = n + 1
-        return ""

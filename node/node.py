@@ -1,45 +1,50 @@
-"""A volunteer node's lifecycle: join → sync state → train its stage step by step → leave.
+"""One joined node: the trio adapter that builds the stage it serves, trains it, and keeps its heartbeat.
 
-:func:`run_node` opens the libp2p host, joins the coordinator (checking its peer ID and the run hash),
-builds only its stage, takes the stage's state from a live replica (or initialises it deterministically
-on a fresh run), and trains until the run's last step or until cancelled, then leaves gracefully.
+:class:`Node` holds what lasts for the node's life (the coordinator link, the membership view
+(:mod:`membership`), its parameter hashes (:mod:`replica_hashes`), its reachability
+(:mod:`relay_watch`), the attack of a test adversary (:mod:`adversary`)) and builds, for each stage the
+coordinator gives it (:meth:`Node.build`), that stage's parts, which get their collaborators in their
+constructors: the worker, the node core and the ticket record, integrity, the router and stage 0's
+driver, the averager, the state sync and the finisher. :mod:`lifecycle` runs it.
 
 Per step t: stage-0 replicas lease tickets and drive them through the pipeline (:mod:`driver`,
 :mod:`router`); every replica long-polls the coordinator until t closes, which freezes the accounting
-(stage → peer → tickets), and then finishes the step (:mod:`step`): each stage's participating
+(stage → peer → tickets), and then finishes the step (:mod:`finishing`): each stage's participating
 replicas sum their accumulated gradients with the collective (:mod:`averaging`), a replica the
 accounting leaves out fetches the same result, and nobody applies the step until every stage has
 averaged it in full (the commit barrier), so a replica that dies while any stage averages is redone,
 never lost. Every replica applies the identical optimizer step, logs its parameter hash, and reports
-it in its heartbeat; the heartbeat task compares the hashes that the stage's replicas report for the
-same step (I2) and logs a mismatch as an error. Work for step t+1 that arrives before t is applied is
-held (bounded) and released after.
+it in its heartbeat, where its stage's replicas' hashes are compared (I2). Work for step t+1 that
+arrives before t is applied is held (bounded) and released after.
 """
-
 from __future__ import annotations
 
 import logging
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import torch
 import trio
-from protolearn.node.adversary import Adversary, parse_adversary
+from protolearn.node.adversary import Attack, parse_adversary
 from protolearn.node.averaging import Averager
 from protolearn.node.config import NodeConfig
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
-from protolearn.node.core import CoreConfig, NodeCore
-from protolearn.node.events import Synced
+from protolearn.node.core.closed_step import CoreConfig, NodeCore
+from protolearn.node.core.events import Synced
+from protolearn.node.core.routing import RouteCore
+from protolearn.node.core.tickets import Tickets
 from protolearn.node.driver import TicketDriver
-from protolearn.node.errors import JoinError, StateSyncError
+from protolearn.node.errors import JoinError
 from protolearn.node.finishing import Finisher
 from protolearn.node.integrity import Integrity
-from protolearn.node.join import join_coordinator, resolve_device
+from protolearn.node.join import resolve_device
+from protolearn.node.membership import Membership
+from protolearn.node.outbound import PASS_THROUGH
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
-from protolearn.node.reachability import RELAY_CHECK_S, RELAY_LOST_CHECKS, Reachability, establish, heartbeat_path, move_relay, relay_peer
+from protolearn.node.reachability import Reachability
+from protolearn.node.relay_watch import RelayWatch
+from protolearn.node.replica_hashes import ReplicaHashes
 from protolearn.node.router import Router
 from protolearn.node.state_sync import Snapshot, StateServer
 from protolearn.node.syncing import StageSync
@@ -50,8 +55,7 @@ from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.collective.robust import Aggregation
 from protolearn.protocol.states import NodeState
 from protolearn.protocol.errors import ProtocolError
-from protolearn.protocol.identity import Identity
-from protolearn.protocol.transport import Host, RelayLimits, TransportConfig, open_host
+from protolearn.protocol.transport import Host
 from protolearn.stages.config import RunConfig
 from protolearn.stages.corpus import load_corpus
 
@@ -60,31 +64,12 @@ log = logging.getLogger("protolearn.node")
 WAIT_POLL_S = 10.0
 
 
-@dataclass
-class _View:
-    """The membership as the coordinator last described it."""
-
-    version: int = -1
-    members: list[cm.MemberView] = field(default_factory=list)
-
-    def stage_peers(self, stage: int, *, live: bool = True) -> list[str]:
-        return sorted(m.peer_id for m in self.members if m.stage == stage and (not live or m.state.live))
-
-    def empty_stages(self, num_stages: int, replicas: list[int]) -> list[int]:
-        """Stages with no live replica (training halts until one joins): the coordinator's per-stage
-        counts when it sent them (a delta view holds only this node's neighbourhood), else the view's."""
-        if len(replicas) == num_stages:
-            return [s for s, n in enumerate(replicas) if n == 0]
-        live = {m.stage for m in self.members if m.state.live}
-        return [s for s in range(num_stages) if s not in live]
-
-
 class Node:
     """One joined node: the trio adapter around its :class:`NodeCore`. Build and run it with :func:`run_node`."""
 
     def __init__(
         self, config: NodeConfig, host: Host, link: CoordinatorLink, joined: cm.JoinReply, run: RunConfig, progress: Progress,
-        *, clock: Callable[[], float] = trio.current_time,
+        reachability: Reachability, *, clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self.config = config
         self.host = host
@@ -94,16 +79,14 @@ class Node:
         self.run_hash = joined.run_hash
         self.stage = joined.stage  # the stage this node serves; the coordinator's choice is self.link.stage
         self.progress = progress
-        self.view = _View(joined.view_version, list(joined.members))
+        self.view = Membership(joined.view_version, list(joined.members))
         self.heartbeat_s = joined.heartbeat_interval_s
         self.device = resolve_device(config.device)
         # Held for every compute step, and while a step is applied together with the applied count.
         self.compute = trio.CapacityLimiter(1)
         self.last_loss: float | None = None
         self.target_steps = min(run.steps, config.max_steps) if config.max_steps else run.steps
-        self._hash_by_step: dict[int, str] = {}
-        self._checked_hash_steps: set[int] = set()
-        self.driver = TicketDriver(config, run, link, progress, clock=clock)
+        self.hashes = ReplicaHashes(link, progress, host.peer_id, applied=lambda: self.applied)
         self._first_logged = False
         self._moved_warned = False
         self._leaving = False
@@ -113,16 +96,14 @@ class Node:
         # Spot checks pick microbatches and checkers at random: seeded per node, and the seed is logged.
         self.integrity_seed = int(os.environ.get("PROTOLEARN_CHECK_SEED") or int.from_bytes(os.urandom(4), "big"))
         # Testing only: the attack this node makes (node/adversary.py), None for an honest node.
-        self.adversary = parse_adversary(config.adversary) if config.adversary else None
-        # The ``blackhole`` adversary: for its steps, take leases and activations and never answer.
-        self.blackhole = self.adversary.active if self.adversary is not None and self.adversary.kind == "blackhole" else None
-        self.driver.blackhole = self.blackhole
-        self.adversary_sent = 0  # corrupted tensors sent (the integrity benchmark counts them to the ban)
-        # What the reachability check found (run_node sets it after the join), and so the heartbeat's path.
-        self.reachability = Reachability("unknown", "not checked", [])
-        self._last_path = ""  # the last path reported, to log each change once
-        self._moved = False  # its addresses changed since it joined (it moved to another relay)
+        self.attack = Attack(parse_adversary(config.adversary), progress) if config.adversary else None
+        # A member's last connection closing restarts the tickets stage 0 had in flight through it.
+        host.on_connection = self._on_connection
+        # What the reachability check at the join found, and so the heartbeat's path.
+        self.relay_watch = RelayWatch(host, config, progress, reachability, coordinator=link.peer)
         self.worker: StageWorker
+        self.routes: RouteCore
+        self.driver: TicketDriver
         self.router: Router
         self.averager: Averager
         self.finisher: Finisher
@@ -145,10 +126,12 @@ class Node:
         self.core = None
         self._moved_warned = False
         self.stage = stage
-        self._hash_by_step.clear()
-        self._checked_hash_steps.clear()
-        run = self.run
-        self.worker = await trio.to_thread.run_sync(lambda: StageWorker(run, stage, self.device, bf16_autocast=self.config.bf16))
+        self.hashes.clear()
+        run, attack = self.run, self.attack
+        bf16 = self.config.bf16
+        self.worker = await trio.to_thread.run_sync(
+            lambda: attack.worker(run, stage, self.device, bf16_autocast=bf16) if attack else StageWorker(run, stage, self.device, bf16_autocast=bf16)
+        )
         corpus = None
         if self.worker.first or self.worker.last:
             corpus = await trio.to_thread.run_sync(load_corpus, run.data)
@@ -162,27 +145,31 @@ class Node:
             microbatches_per_step=run.batch.microbatches_per_step, max_in_flight=self.config.max_in_flight,
             max_deferred=self.config.max_deferred, averaging_timeout_s=self.config.averaging_timeout_s,
         ))
-        self.router = Router(
-            self.host, run, self.worker, corpus, core.accounting, self.compute,
-            on_complete=self.driver.complete, send_timeout_s=self.config.request_timeout_s, clock=self.clock,
-        )
-        self.router.on_peer_down = self.driver.peer_down
+        # One record per ticket (node/core/tickets.py), which routing, integrity and stage 0's driver share.
+        tickets = Tickets()
+        self.routes = RouteCore(tickets)
+        outbound = attack.outbound(self.worker) if attack else PASS_THROUGH
         self.integrity = Integrity(
-            self.host, run, self.worker, corpus, self.compute, replicas=lambda s: self.view.stage_peers(s), stage_of=self._stage_of,
+            self.host, run, self.worker, corpus, self.compute, tickets=tickets, outbound=outbound,
+            replicas=lambda s: self.view.stage_peers(s), stage_of=lambda peer: self.view.stage_of(peer),
             report=self._integrity_report, timeout_s=self.config.request_timeout_s, seed=self.integrity_seed,
         )
-        self.router.integrity = self.integrity
-        self.router.blackhole = self.blackhole
-        self.host.on_connection = self._on_connection
-        self.driver.bind(self.worker, self.router, core.accounting)
+        # The driver starts tickets through the router built next (the closure reaches it when one starts).
+        self.driver = TicketDriver(
+            self.config, run, self.link, self.progress, accounting=core.accounting, routes=self.routes,
+            start=lambda step, ticket: router.start_ticket(step, ticket), outbound=outbound, clock=self.clock,
+        )
+        router = self.router = Router(
+            self.host, run, self.worker, corpus, core.accounting, self.compute, routes=self.routes, integrity=self.integrity,
+            outbound=outbound, on_complete=self.driver.complete, on_peer_down=self.driver.peer_down if self.worker.first else None,
+            send_timeout_s=self.config.request_timeout_s, clock=self.clock,
+        )
         self.averager = Averager(self.host, stage, self.worker.numel, timeout_s=self.config.averaging_timeout_s,
                                  window=lambda: core.next_round, clock=self.clock,
                                  members=lambda: set(self.view.stage_peers(stage, live=False)),
-                                 aggregation=Aggregation.from_config(run.integrity), cross_check=run.integrity.cross_check)
-        self.averager.on_reducer_fault = self.integrity.reducer_fault
+                                 aggregation=Aggregation.from_config(run.integrity), cross_check=run.integrity.cross_check,
+                                 part_filter=outbound.part_filter, on_reducer_fault=self.integrity.reducer_fault)
         self.averager.register()
-        if self.adversary is not None:
-            self._arm_adversary(self.adversary)
         self.syncer = StageSync(
             self.config, self.host, self.link, self.worker, self.persistence, self.compute, self.progress,
             stage=stage, run_hash=self.run_hash, donors=lambda: [p for p in self.view.stage_peers(stage) if p != self.host.peer_id],
@@ -219,9 +206,6 @@ class Node:
         self.worker.applied = applied
         self.core.handle(Synced(applied), self.clock())
 
-    def _stage_of(self, peer: str) -> int | None:
-        return next((m.stage for m in self.view.members if m.peer_id == peer), None)
-
     async def _integrity_report(self, target: str, reason: str, evidence: OutputEvidence | None, fault: ReducerFault | None = None) -> bool:
         """Send an integrity report; True when the coordinator banned ``target`` (this node then shuts
         it out at once, without waiting for the next heartbeat's ban list)."""
@@ -235,41 +219,8 @@ class Node:
             self.progress.say(f"banned {target[-8:]}: {reply.reason}")
             if not self.host.is_banned(target):
                 self.host.ban(target, reply.reason)
-                self.router.balancer.ban(target)
+                self.routes.ban(target)
         return reply.banned
-
-    def _arm_adversary(self, adv: Adversary) -> None:
-        """Testing only: make this node attack the swarm as ``adv`` says (node/adversary.py)."""
-        log.warning("adversary armed: %s from step %d", adv.kind, adv.from_step)
-        if adv.corrupts_tensors:
-
-            def tamper(t: torch.Tensor, step: int, ticket: int, direction: str) -> torch.Tensor:
-                if not adv.active(step):
-                    return t
-                self.adversary_sent += 1
-                self.progress.event("adversary", kind=adv.kind, step=step, ticket=ticket, direction=direction, sent=self.adversary_sent)
-                return adv.corrupt(t, step=step, ticket=ticket, direction=direction)
-
-            self.router.tamper = tamper
-            self.integrity.tamper = tamper
-        elif adv.kind == "reducer":
-
-            def corrupt_part(part: int, data: torch.Tensor) -> torch.Tensor:
-                self.adversary_sent += 1
-                self.progress.event("adversary", kind=adv.kind, part=part, sent=self.adversary_sent)
-                return data + 1.0
-
-            self.averager.part_filter = corrupt_part
-        elif adv.kind == "stale":
-            self.worker.stale_from = adv.from_step
-
-            def count(t: torch.Tensor, step: int, ticket: int, direction: str) -> torch.Tensor:
-                if self.worker.stale_serving:
-                    self.adversary_sent += 1
-                    self.progress.event("adversary", kind=adv.kind, step=step, ticket=ticket, direction=direction, sent=self.adversary_sent)
-                return t
-
-            self.router.tamper = count
 
     def _apply_view(self) -> None:
         for m in self.view.members:
@@ -279,7 +230,7 @@ class Node:
                 except ProtocolError as err:
                     log.warning("ignored member address peer=%s reason=%s", m.peer_id, err.reason)
         if self.stage + 1 < self.run.stages.num_stages:
-            self.router.next_peers = self.view.stage_peers(self.stage + 1)
+            self.routes.next_peers = self.view.stage_peers(self.stage + 1)
         self.progress.update(peers=len(self.view.members) - 1)
         self._update_waiting()
 
@@ -287,12 +238,7 @@ class Node:
         """Name, on the progress line, what training waits for when a stage has no replica."""
         if self.core is None or not self.state.live:
             return
-        empty = [s for s in self.view.empty_stages(self.run.stages.num_stages, self.link.stage_replicas) if s != self.stage]
-        if empty:
-            which = ", ".join(str(s) for s in empty)
-            self._say_waiting(f"stage{'s' if len(empty) > 1 else ''} {which} ha{'ve' if len(empty) > 1 else 's'} no replicas")
-        else:
-            self._say_waiting("")
+        self._say_waiting(self.view.waiting_for(self.stage, self.run.stages.num_stages, self.link.stage_replicas))
 
     def _say_waiting(self, what: str) -> None:
         if what != self._waiting:
@@ -306,7 +252,7 @@ class Node:
         had in flight through it at once, instead of when the coordinator's view drops the member."""
         if up or self.core is None or not self.worker.first:
             return
-        stage = next((m.stage for m in self.view.members if m.peer_id == peer), None)
+        stage = self.view.stage_of(peer)
         if stage == 1:
             self.driver.peer_down(peer)  # the tickets sent to it
         elif stage is not None and stage > 1:
@@ -314,13 +260,9 @@ class Node:
 
     # -- heartbeat ---------------------------------------------------------------------------
     def make_heartbeat(self) -> cm.Heartbeat:
-        path = self.path()
-        if path != self._last_path:
-            self._last_path = path
-            peers = self.view.stage_peers(self.stage - 1) + self.view.stage_peers(self.stage + 1)
-            self.progress.event("path", path=path, peers={p: self.host.path_to(p) for p in peers})
+        path = self.relay_watch.path(self.view.neighbours(self.stage))
         if self.core is None:  # heartbeats start before the stage is built, so a slow start never expires
-            return cm.Heartbeat(state=self.state, view_version=self.view.version, path=path, addrs=self._moved_addrs())
+            return cm.Heartbeat(state=self.state, view_version=self.view.version, path=path, addrs=self.relay_watch.addrs())
         applied = self.core.applied
         if self.router.stats.first_at is not None and not self._first_logged:
             self._first_logged = True
@@ -332,61 +274,14 @@ class Node:
             throughput=self.router.stats.tokens * len(self.worker.module.layers) / self._elapsed(),
             queue_len=self.router.queue_len,
             step=applied - 1,
-            param_hash=self._hash_by_step.get(applied - 1, ""),
-            recent=[cm.RecentHash(step=s, hash=h) for s, h in sorted(self._hash_by_step.items()) if s < applied][-cm.HASH_HISTORY:],
+            param_hash=self.hashes.latest(applied),
+            recent=self.hashes.recent(applied),
             checks=self.integrity.peer_checks(),
             loss=self.last_loss if self.last_loss is not None and math.isfinite(self.last_loss) else None,
             view_version=self.view.version,
             path=path,
-            addrs=self._moved_addrs(),
+            addrs=self.relay_watch.addrs(),
         )
-
-    def path(self) -> str:
-        """How this node's stage peers reach it now (see :func:`~protolearn.node.reachability.heartbeat_path`):
-        the peers it exchanges tensors with are the live members of the adjacent stages."""
-        verdict = self.reachability.verdict
-        peers = [] if verdict != "private" else self.view.stage_peers(self.stage - 1) + self.view.stage_peers(self.stage + 1)
-        return heartbeat_path(verdict, self.host, peers)
-
-    def _moved_addrs(self) -> list[str]:
-        """The addresses a heartbeat carries: the current ones once they changed since the join, else none."""
-        return list(self.reachability.addrs) if self._moved else []
-
-    async def relay_watch_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """A node behind a NAT is reachable only through its relay. When it has had no connection to
-        that relay for RELAY_LOST_CHECKS checks in a row (the relay left or died, and the transport's
-        renewals failed), it asks the coordinator again, reserves on another relay, and from then on
-        its heartbeats carry the new address, which the coordinator puts in the view for its peers."""
-        task_status.started()
-        misses = 0
-        while True:
-            await trio.sleep(RELAY_CHECK_S)
-            reach = self.reachability
-            if reach.verdict != "private" or not reach.relay or self.host.path_to(relay_peer(reach.relay)) is not None:
-                misses = 0
-                continue
-            misses += 1
-            if misses < RELAY_LOST_CHECKS:
-                continue
-            misses = 0
-            self.progress.say(f"lost the relay {relay_peer(reach.relay)[-8:]}; looking for another")
-            # The relays it already knows first; only when none has a slot, ask the coordinator for new offers.
-            found = await move_relay(self.host, self.config, reach, say=self.progress.say)
-            if found is None:
-                try:
-                    found = await establish(self.host, self.link.peer, self.config, say=self.progress.say, avoid=reach.relay)
-                except JoinError as err:
-                    found = Reachability("unknown", str(err), [])
-            if found.verdict == "unknown":
-                # No answer (the check failed, or no relay had a slot): it is no less private than
-                # before, so it keeps its address and tries again at the next round.
-                log.warning("no other relay yet: %s", found.reason)
-                self.progress.event("relay_lost", relay=reach.relay, reason=found.reason)
-                continue
-            self.host.relay.forget(relay_peer(reach.relay))
-            self.reachability = found
-            self._moved = True
-            self.progress.event("relay_changed", old=reach.relay, relay=found.relay, verdict=found.verdict, addrs=found.addrs)
 
     def _elapsed(self) -> float:
         return max(1e-9, self.clock() - self.router.stats.started)
@@ -396,50 +291,20 @@ class Node:
             if not self.host.is_banned(peer):
                 self.host.ban(peer, "banned by the coordinator")
                 if self.core is not None:
-                    self.router.balancer.ban(peer)
+                    self.routes.ban(peer)
         if self.link.view_version != self.view.version:
-            before = {m.peer_id for m in self.view.members if m.state.live}
-            self.view = _View(self.link.view_version, list(self.link.members))
+            before = self.view.live()
+            self.view = Membership(self.link.view_version, list(self.link.members))
             if self.core is not None:
                 # A departure anywhere breaks the routes through it; a delta names departures beyond
                 # this node's neighbourhood too (stage 0's tickets pass through every stage).
-                if before - {m.peer_id for m in self.view.members if m.state.live} or (reply.view_delta and reply.removed):
+                if before - self.view.live() or (reply.view_delta and reply.removed):
                     self.driver.member_left()
                 self._apply_view()
         self._update_waiting()
         if reply.stage != self.stage and not self._moved_warned:
             self._moved_warned = True
             log.warning("coordinator reassigned this node to stage %d; it moves after step %d", reply.stage, self.applied)
-
-    async def hash_check_loop(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        while True:
-            await trio.sleep(self.heartbeat_s)
-            await self.check_replica_hashes()
-
-    async def check_replica_hashes(self) -> None:
-        """I2: compare this replica's hash after each step with what its stage's replicas report."""
-        pending = [s for s in self._hash_by_step if s not in self._checked_hash_steps]
-        if not pending:
-            return
-        try:
-            reported = await self.link.stage_hashes(self.stage)
-        except ProtocolError as err:
-            log.info("stage hashes request failed reason=%s", err.reason)
-            return
-        for ph in reported:
-            mine = self._hash_by_step.get(ph.step)
-            if ph.peer_id == self.host.peer_id or mine is None or not ph.hash or ph.step not in pending:
-                continue
-            if ph.hash != mine:
-                self.progress.event("replica_mismatch", step=ph.step, peer=ph.peer_id, theirs=ph.hash, mine=mine)
-                self.progress.say(f"error: after step {ph.step} replica {ph.peer_id[-8:]} has parameter hash {ph.hash[:12]}, this replica {mine[:12]}")
-                log.error("replica mismatch step=%d peer=%s theirs=%s mine=%s", ph.step, ph.peer_id, ph.hash, mine)
-            self._checked_hash_steps.add(ph.step)
-        # Keep the bookkeeping bounded.
-        for s in [s for s in self._hash_by_step if s < self.applied - 8]:
-            self._hash_by_step.pop(s, None)
-            self._checked_hash_steps.discard(s)
 
     # -- training ----------------------------------------------------------------------------
     async def train(self) -> bool:
@@ -474,7 +339,7 @@ class Node:
     async def _after_apply(self, step: int, info: cm.StepInfo, param_hash: str) -> None:
         core = self.core
         assert core is not None
-        self._hash_by_step[step] = param_hash
+        self.hashes.record(step, param_hash)
         await self.persistence.after_step(self.stage, self.worker, lambda: core.applied, self.target_steps)
         if self.worker.last and info.loss is not None:
             self.last_loss = info.loss
@@ -517,60 +382,3 @@ class Node:
         if core is None or core.state is NodeState.SYNCING:
             return
         await self.persistence.at_leave(self.stage, self.worker, lambda: core.applied)
-
-
-async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -> int:
-    """Join, train and leave. Returns the number of steps this node's stage has applied."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    tconfig = TransportConfig(request_timeout_s=config.request_timeout_s)
-    # Whether to relay is decided before the host opens; the node announces it only if it turns out public.
-    relay = RelayLimits() if config.relay else None
-    async with open_host(identity, [config.listen], tconfig, relay=relay) as host:
-        progress.event("start", peer_id=host.peer_id, addrs=host.addrs(), pid=os.getpid())
-        link, joined, run, reach = await join_coordinator(host, config, on_wait=progress.say)
-        progress.event(
-            "reachability", verdict=reach.verdict, relay=reach.relay, reason=reach.reason, addrs=reach.addrs,
-            observed_port=reach.observed_port, local_port=reach.local_port, rewrites_ports=reach.rewrites_ports,
-        )
-        progress.say(f"joined {link.peer[-8:]}: run {run.name} ({run.run_hash()[:12]}), stage {joined.stage}, step {joined.step}; peer id {host.peer_id}")
-        progress.event("joined", stage=joined.stage, step=joined.step, run_hash=joined.run_hash, reason=joined.reason, members=len(joined.members))
-        node = Node(config, host, link, joined, run, progress)
-        node.reachability = reach
-        if joined.step >= node.target_steps:
-            progress.say(f"run {run.name} is already at step {joined.step} of {node.target_steps}: nothing left to train")
-            progress.event("finished", applied=0, reason="the run had finished before this node joined")
-            await node.leave("finished")
-            return 0
-        try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(link.heartbeat_loop, node.make_heartbeat, node.on_heartbeat)
-                await nursery.start(node.hash_check_loop)
-                await nursery.start(node.relay_watch_loop)
-                stage, open_step = joined.stage, joined.step
-                while True:
-                    await node.build(stage)
-                    async with trio.open_nursery() as stage_nursery:
-                        await stage_nursery.start(node.router.serve)
-                        try:
-                            await node.sync_state(open_step)
-                        except StateSyncError:
-                            if link.step < node.target_steps:
-                                raise
-                            # The replicas finished the run and left while this node started up.
-                            progress.say(f"run {run.name} finished (step {link.step}) while this node was syncing; nothing left to train")
-                            stage_nursery.cancel_scope.cancel()
-                            break
-                        finished = await node.train()
-                        stage_nursery.cancel_scope.cancel()
-                    if finished:
-                        break
-                    stage, open_step = link.stage, link.step
-                progress.event("finished", applied=node.applied)
-                await link.heartbeat(node.make_heartbeat())
-                await node.check_replica_hashes()
-                nursery.cancel_scope.cancel()
-        finally:
-            await node.at_leave()
-            await node.leave("finished" if node.applied >= node.target_steps else "stopped")
-        return node.applied

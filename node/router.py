@@ -1,7 +1,7 @@
 """Pipeline routing: microbatches flow forward through one replica per stage and their gradients flow back.
 
 Forward: stage 0 builds a ticket's tokens, runs its blocks and sends the boundary activation (in the
-run's codec) to a next-stage peer picked by the :class:`~protolearn.node.balancer.Balancer`. Each stage
+run's codec) to a next-stage peer that the routing core picks (:mod:`protolearn.node.core.routing`). Each stage
 appends itself to the route and does the same; the last stage rebuilds the targets from (step, ticket),
 computes the loss and backward (scaled by 1/B), and sends the input gradient to the previous stage on
 the route. Backward: each stage backprops its held graph, which accumulates its parameter gradients,
@@ -10,10 +10,15 @@ signs an acknowledgement of (run, step, ticket, route, loss) (``protocol/acks.py
 every gradient unchanged; stage 0 hands it to the coordinator, which refuses a completion without it.
 
 IO and compute are split: a stream handler reads the whole message and tensor, decodes and validates
-it (expected shape, finite values), asks :class:`~protolearn.node.accounting.Accounting` whether to
+it (expected shape, finite values), asks :class:`~protolearn.node.core.accounting.Accounting` whether to
 process, hold or refuse it, answers at once, and only then is compute queued in the node's nursery on
 the single compute thread. So the network keeps being read while torch runs (yamux resets a stream
 whose reader pauses 5 s), and a sender learns quickly whether it must try another peer.
+
+What the router knows of each microbatch (the attempt held and its route, the frames in and out, who got
+each output, the hand-overs awaiting a gradient) is the ticket record's (:mod:`protolearn.node.core.tickets`),
+which integrity and stage 0's driver read too. Every tensor it sends passes through the node's outbound
+filter first (:mod:`protolearn.node.outbound`), which also says whether it withholds a step's work.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from dataclasses import dataclass
 import torch
 import trio
 from protolearn.codec_spec import CodecSpecError, parse_codec_spec
-from protolearn.node.accounting import Accounting, Admission
-from protolearn.node.balancer import Balancer
+from protolearn.node.core.accounting import Accounting
+from protolearn.node.core.routing import RouteCore
 from protolearn.node.integrity import Integrity, Received
+from protolearn.node.outbound import PASS_THROUGH, Outbound
 from protolearn.node.worker import StageWorker
 from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.codecs import CodecContext, Encoder, decode, make_encoder, token_ids
@@ -86,10 +92,20 @@ class Router:
         accounting: Accounting,
         compute: trio.CapacityLimiter,
         *,
+        routes: RouteCore,
         on_complete: Complete,
         send_timeout_s: float,
+        integrity: Integrity | None = None,
+        outbound: Outbound = PASS_THROUGH,
+        on_peer_down: Callable[[str], None] | None = None,
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
+        """``routes``: the routing decisions and the per-ticket record they rest on (node/core/routing.py).
+        ``on_complete``: stage 0's driver, told of each ticket whose gradient came home. ``integrity``:
+        signs what this replica sends and checks what it receives (node/integrity.py; None: neither).
+        ``outbound``: the filter every tensor sent passes through (node/outbound.py). ``on_peer_down``:
+        told of each next-stage peer a forward send to failed (stage 0 then restarts the tickets it
+        handed that peer, without waiting for the membership)."""
         self.host = host
         self.run = run
         self.worker = worker
@@ -101,36 +117,24 @@ class Router:
         self.on_complete = on_complete
         self.send_timeout_s = send_timeout_s
         self.clock = clock
-        self.balancer = Balancer()
+        self.routes = routes
+        self.tickets = routes.tickets
+        self.integrity = integrity
+        self.outbound = outbound
+        self.on_peer_down = on_peer_down
         self.stats = RouterStats(started=clock())
-        self.next_peers: list[str] = []
         self.codec = run.codec_spec
         self.run_hash = run.run_hash()
         self._encoders: dict[tuple[str, str], Encoder] = {}
-        # The subspace codec sends the token ids with each activation; a stage keeps them per (step, ticket)
-        # to send them on with its own output.
+        # The subspace codec sends the token ids with each activation; a stage keeps them in the ticket's
+        # record to send them on with its own output.
         self.subspace = worker.module.subspace
-        self._tokens: dict[tuple[int, int], torch.Tensor] = {}
         b = run.batch
         self.hidden_shape = [b.microbatch_size, b.seq_len, run.model.d_model]  # (mb, T, D)
         n = b.microbatch_size * b.seq_len * run.model.d_model
         self._limits = TensorLimits(max_elements=n, max_bytes=8 * n + 4096)
         self._nursery: trio.Nursery | None = None
         self.queue_len = 0
-        # The route (up to this stage) of the attempt whose graph is held, per (step, ticket): a redone
-        # ticket's earlier attempt may still send a gradient, which must not reach the new graph.
-        self._routes: dict[tuple[int, int], list[str]] = {}
-        # The next-stage peer each microbatch was last handed to, and who to tell when a send to one fails
-        # (stage 0 then restarts the tickets it handed that peer, without waiting for the membership).
-        self.sent_to: dict[tuple[int, int], str] = {}
-        self.on_peer_down: Callable[[str], None] | None = None
-        # Signs what this replica sends and checks what it receives (node/integrity.py); set by the node.
-        self.integrity: Integrity | None = None
-        # Testing only (node/adversary.py): corrupts each tensor this replica sends.
-        self.tamper: Callable[[torch.Tensor, int, int, str], torch.Tensor] | None = None
-        # Testing only (node/adversary.py ``blackhole``): for a step where this returns True, Ack received
-        # activations and gradients and drop them. Set by the node.
-        self.blackhole: Callable[[int], bool] | None = None
 
     # -- wiring ----------------------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -151,9 +155,7 @@ class Router:
         """Start the work that was held until the previous step was applied."""
         assert self._nursery is not None
         applied = self.accounting.applied
-        self._routes = {k: v for k, v in self._routes.items() if k[0] >= applied}
-        self.sent_to = {k: v for k, v in self.sent_to.items() if k[0] >= applied}
-        self._tokens = {k: v for k, v in self._tokens.items() if k[0] >= applied}
+        self.tickets.prune(applied)
         if self.integrity is not None:
             self.integrity.prune(applied)
         for p in payloads:
@@ -217,9 +219,9 @@ class Router:
             return False
         inputs, targets = microbatch(self.run, self.corpus, step, ticket)
         route = [self.host.peer_id]
-        self._routes[(step, ticket)] = route
+        self.tickets.hold((step, ticket), route)
         if self.codec.name == "subspace":
-            self._tokens[(step, ticket)] = inputs
+            self.tickets.keep_tokens((step, ticket), inputs)
         if self.worker.last:  # a one-stage run: the whole model is here
             loss, _ = await self._run(self.worker.forward_backward_last, (step, ticket), inputs, targets)
             self._count(loss)
@@ -233,7 +235,7 @@ class Router:
     async def _on_activation(self, peer: str, s: FramedStream) -> None:
         msg = await s.receive(Activation)
         frame, hidden = await self._read_tensor(peer, s, "fwd")
-        if self.blackhole is not None and self.blackhole(msg.step):
+        if self.outbound.withholds(msg.step):
             await s.send(Ack(queue_len=0))
             return
         if len(msg.route) != self.stage or msg.route[-1] != peer:
@@ -244,14 +246,14 @@ class Router:
             return
         decision = self.accounting.admit_forward(msg.step, msg.ticket, (msg.step, msg.ticket, list(msg.route), hidden))
         if decision.action == "refuse":
-            await self._refuse(s, peer, _code(decision.reason), decision.reason)
+            await self._refuse(s, peer, decision.code, decision.reason)
             return
         await s.send(Ack(queue_len=self.queue_len))
         if self.codec.name == "subspace" and not self.worker.last:
             assert self.subspace is not None
-            self._tokens[(msg.step, msg.ticket)] = token_ids(frame, peer=peer, subspace=self.subspace)
+            self.tickets.keep_tokens((msg.step, msg.ticket), token_ids(frame, peer=peer, subspace=self.subspace))
+        self.tickets.received((msg.step, msg.ticket), "input", frame)
         if self.integrity is not None:
-            self.integrity.keep_received(msg.step, msg.ticket, "input", frame)
             self.integrity.observe(got)
         if decision.action == "process":
             assert self._nursery is not None
@@ -265,7 +267,7 @@ class Router:
     async def _forward_received(self, step: int, ticket: int, route: list[str], hidden: torch.Tensor) -> None:
         key = (step, ticket)
         route = route + [self.host.peer_id]
-        self._routes[key] = route
+        self.tickets.hold(key, route)
         if self.worker.last:
             assert self.corpus is not None
             _, targets = microbatch(self.run, self.corpus, step, ticket)
@@ -283,42 +285,38 @@ class Router:
         tried: set[str] = set()
         deadline = self.clock() + self.send_timeout_s
         inputs = self.integrity.my_inputs("fwd", step, ticket) if self.integrity is not None else b""
-        if self.tamper is not None:
-            hidden = self.tamper(hidden, step, ticket, "fwd")
+        hidden = self.outbound.tensor(hidden, step, ticket, "fwd")
         while self.clock() < deadline and len(tried) < MAX_FORWARD_TRIES:
-            candidates = [p for p in self.next_peers if p not in tried] or list(self.next_peers)
-            choice = self.balancer.choose(candidates, self.clock())
+            choice = self.routes.choose(tried, self.clock())
             if choice.peer is None:
                 await trio.sleep(RETRY_PAUSE_S)  # the next stage may be joining; the view refreshes
                 continue
             peer = choice.peer
             tried.add(peer)
-            frame, _ = self._encoder(peer, "fwd").encode(hidden, context=self.context("fwd", self._tokens.get(key)))
-            signature = self.integrity.sign(step, ticket, "fwd", inputs, frame, peer) if self.integrity is not None else b""
+            frame, _ = self._encoder(peer, "fwd").encode(hidden, context=self.context("fwd", self.tickets.tokens(key)))
+            self.tickets.sent(key, "fwd", peer, frame)
+            signature = self.integrity.sign(step, ticket, "fwd", inputs, frame) if self.integrity is not None else b""
             t0 = self.clock()
-            self.balancer.on_sent(peer)
+            self.routes.sending(peer)
             try:
                 async with self.host.open_stream(peer, ACTIVATION) as s:
                     await s.send(Activation(step=step, ticket=ticket, route=route, inputs=inputs, signature=signature))
                     await s.send_tensor(frame)
                     reply = await s.receive((Ack, Refuse))
             except ProtocolError as err:
-                self.balancer.on_failure(peer, self.clock())
+                self.routes.failed(peer, self.clock())
                 log.warning("forward failed peer=%s step=%d ticket=%d reason=%s", peer, step, ticket, err.reason)
                 if self.on_peer_down is not None:
                     self.on_peer_down(peer)
                 continue
             if isinstance(reply, Refuse):
-                self.balancer.on_failure(peer, self.clock())
+                self.routes.failed(peer, self.clock())
                 log.info("forward refused peer=%s step=%d ticket=%d reason=%s", peer, step, ticket, reply.reason)
                 if reply.code == "busy":
                     tried.discard(peer)
                     await trio.sleep(RETRY_PAUSE_S)
                 continue
-            self.balancer.on_done(peer, self.clock() - t0)
-            self.balancer.on_queue_report(peer, reply.queue_len)
-            self.sent_to[key] = peer
-            self.balancer.on_handed(key, peer, self.clock())
+            self.routes.accepted(key, peer, service_s=self.clock() - t0, queue_len=reply.queue_len, now=self.clock())
             return True
         self.stats.dropped += 1
         log.warning("microbatch dropped step=%d ticket=%d: no next-stage peer took it (tried %s)", step, ticket, sorted(tried))
@@ -330,27 +328,25 @@ class Router:
     async def _on_gradient(self, peer: str, s: FramedStream) -> None:
         msg = await s.receive(Gradient)
         frame, grad = await self._read_tensor(peer, s, "bwd")
-        if self.blackhole is not None and self.blackhole(msg.step):
+        if self.outbound.withholds(msg.step):
             await s.send(Ack(queue_len=0))
             return
         route = list(msg.route)
         if len(route) <= self.stage + 1 or route[self.stage] != self.host.peer_id or route[self.stage + 1] != peer:
             await self._refuse(s, peer, "invalid", f"gradient route does not pass through this replica at stage {self.stage} from this sender")
             return
-        decision = self.accounting.admit_backward(msg.step, msg.ticket)
-        held = self._routes.get((msg.step, msg.ticket))
-        if decision.action == "process" and held is not None and route[: self.stage + 1] != held:
-            decision = Admission("refuse", f"unknown attempt of (step {msg.step}, ticket {msg.ticket}): it was redone along another route")
+        key = (msg.step, msg.ticket)
+        decision = self.routes.admit_gradient(key, route[: self.stage + 1], self.accounting.admit_backward(msg.step, msg.ticket))
         if decision.action != "process":
-            await self._refuse(s, peer, "unknown", decision.reason)
+            await self._refuse(s, peer, decision.code, decision.reason)
             return
         got = await self._received(peer, s, "bwd", msg, frame, grad)
         if got is None:
             return
-        self.balancer.on_returned((msg.step, msg.ticket), self.clock())
+        self.routes.returned(key, self.clock())
         await s.send(Ack(queue_len=self.queue_len))
+        self.tickets.received(key, "grad", frame)
         if self.integrity is not None:
-            self.integrity.keep_received(msg.step, msg.ticket, "grad", frame)
             self.integrity.observe(got)
         assert self._nursery is not None
         self._nursery.start_soon(self._backward_received, msg.step, msg.ticket, route, msg.loss, grad, msg.ack)
@@ -379,11 +375,11 @@ class Router:
     ) -> None:
         assert grad is not None
         peer = route[self.stage - 1]
-        if self.tamper is not None:
-            grad = self.tamper(grad, step, ticket, "bwd")
+        grad = self.outbound.tensor(grad, step, ticket, "bwd")
         frame, _ = self._encoder(peer, "bwd").encode(grad, context=self.context("bwd"))
         inputs = self.integrity.my_inputs("bwd", step, ticket) if self.integrity is not None else b""
-        signature = self.integrity.sign(step, ticket, "bwd", inputs, frame, peer) if self.integrity is not None else b""
+        self.tickets.sent((step, ticket), "bwd", peer, frame)
+        signature = self.integrity.sign(step, ticket, "bwd", inputs, frame) if self.integrity is not None else b""
         deadline = self.clock() + self.send_timeout_s
         while True:
             try:
@@ -409,10 +405,3 @@ class Router:
         self.stats.tokens += self.run.batch.microbatch_size * self.run.batch.seq_len
         self.stats.last_loss = loss
 
-
-def _code(reason: str) -> str:
-    """The refusal code a sender's retry logic keys on, from an accounting reason."""
-    for code in ("busy", "stale", "ahead", "duplicate", "unknown"):
-        if code in reason:
-            return code
-    return "invalid"

@@ -18,17 +18,14 @@ parameter name (``param/<name>``, ``exp_avg/<name>``, ...), never by position or
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Hashable
 from contextlib import nullcontext
 
 import torch
+from protolearn.node.checkpoint import OPTIM_KEYS
 from protolearn.stages.config import RunConfig
 from protolearn.stages.optim import apply_step, make_optimizer
 from protolearn.stages.stage import StageModule, build_stage
-
-# Optimizer state entries AdamW keeps per parameter; anything else in a donor's snapshot is refused.
-OPTIM_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
 class StageWorker:
@@ -52,9 +49,6 @@ class StageWorker:
         # Optimizer steps the weights are after (the weights step ``applied``'s microbatches use); -1
         # while unknown (a state being installed). A spot check recomputes only at the checked step's weights.
         self.applied = 0
-        # Testing only (the ``stale`` adversary): from this step on, outputs sent come from a frozen copy.
-        self.stale_from: int | None = None
-        self._stale: StageModule | None = None
 
     @property
     def first(self) -> bool:
@@ -76,8 +70,6 @@ class StageWorker:
         self.module.discard(key)
         with self._ctx():
             out = self.module(key, inputs)
-            if self._stale is not None:
-                out = self._stale.infer(inputs)
         self._keys.add(key)
         return out.float().cpu()
 
@@ -87,8 +79,6 @@ class StageWorker:
         with self._ctx():
             loss = self.module(key, inputs, targets)
         grad = self._isolated(key, lambda: self.module.backward(key, None, loss_scale=1.0 / self.run.batch.microbatches_per_step))
-        if self._stale is not None and not self.first:  # testing only: the gradient it sends comes from old weights
-            grad = self._input_grad(self._stale, inputs, targets, None)
         return float(loss), (None if grad is None else grad.float().cpu())
 
     def backward(self, key: Hashable, grad_output: torch.Tensor) -> torch.Tensor | None:
@@ -113,10 +103,6 @@ class StageWorker:
     def discard(self, key: Hashable) -> bool:
         self._keys.discard(key)
         return self.module.discard(key)
-
-    @property
-    def stale_serving(self) -> bool:
-        return self._stale is not None
 
     @torch.no_grad()
     def self_test(self) -> torch.Tensor:
@@ -205,12 +191,6 @@ class StageWorker:
             offset += n
         norm = apply_step(self.module, self.optimizer, step, self.run.optim)
         self.applied = step + 1
-        if self.stale_from is not None and self._stale is None and self.applied >= self.stale_from:
-            held, self.module._in_flight = self.module._in_flight, {}  # graphs of microbatches in flight do not copy
-            try:
-                self._stale = copy.deepcopy(self.module)
-            finally:
-                self.module._in_flight = held
         return self.module.state_hash(), norm
 
     def zero_grads(self) -> None:

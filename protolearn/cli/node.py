@@ -46,7 +46,7 @@ def _join(
     from pydantic import ValidationError
 
     from protolearn.node.config import NodeConfig
-    from protolearn.node.node import run_node
+    from protolearn.node.lifecycle import run_node
     from protolearn.node.progress import Progress
     from protolearn.protocol.identity import default_data_dir, load_or_create_identity
 

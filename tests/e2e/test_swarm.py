@@ -184,7 +184,7 @@ def test_two_stages_two_replicas_reproduce_the_reference_trainer(swarm, tmp_path
             # A node that started late (a loaded machine) joined mid-run: it synced, then applied every step.
             assert applied and applied == list(range(applied[0], steps)), f"{n} applied steps {applied}"
             assert applied[0] == 0 or s.events(n, "synced"), f"{n} started at step {applied[0]} without syncing"
-            # The alarms a node raises itself (node/node.py, node/core.py): a replica whose parameters
+            # The alarms a node raises itself (node/replica_hashes.py, node/core/closed_step.py): a replica whose parameters
             # differ from its stage's after a step (I2), and a step applied without some of its tickets (I1).
             for alarm in ("replica_mismatch", "tickets_lost"):
                 assert not s.events(n, alarm), f"{n}: {alarm} {s.events(n, alarm)}"

@@ -5,7 +5,9 @@ redone on the honest replica completes."""
 from __future__ import annotations
 
 import trio
-from protolearn.node.accounting import Accounting
+from protolearn.node.core.accounting import Accounting
+from protolearn.node.core.routing import RouteCore
+from protolearn.node.outbound import PASS_THROUGH, Outbound
 from protolearn.node.router import Router
 from protolearn.node.worker import StageWorker
 from protolearn.stages.config import RunConfig
@@ -17,15 +19,22 @@ RUN = RunConfig.model_validate({
 })
 
 
+class Withhold(Outbound):
+    """A blackhole's filter: it takes every activation and never answers."""
+
+    def withholds(self, step: int) -> bool:
+        return step >= 0
+
+
 def test_a_stage1_blackhole_loses_the_microbatch_and_the_redo_completes_on_the_honest_replica(open_hosts, run_trio) -> None:
     corpus = load_corpus(RUN.data)
 
     async def main() -> None:
         async with open_hosts(3) as (first, hole, good):
-            def router(host, stage: int, on_complete=None) -> Router:
+            def router(host, stage: int, on_complete=None, outbound: Outbound = PASS_THROUGH) -> Router:
                 acc = Accounting(RUN.batch.microbatches_per_step, max_in_flight=2, max_deferred=1)
-                return Router(host, RUN, StageWorker(RUN, stage), corpus, acc, trio.CapacityLimiter(1),
-                              on_complete=on_complete, send_timeout_s=5.0)  # type: ignore[arg-type]
+                return Router(host, RUN, StageWorker(RUN, stage), corpus, acc, trio.CapacityLimiter(1), routes=RouteCore(),
+                              on_complete=on_complete, outbound=outbound, send_timeout_s=5.0)  # type: ignore[arg-type]
 
             done: list[tuple[int, int, list[str]]] = []
             completed = trio.Event()
@@ -35,29 +44,28 @@ def test_a_stage1_blackhole_loses_the_microbatch_and_the_redo_completes_on_the_h
                 completed.set()
 
             r0 = router(first, 0, on_complete)
-            r_hole, r_good = router(hole, 1), router(good, 1)
-            r_hole.blackhole = lambda step: step >= 0
+            r_hole, r_good = router(hole, 1, outbound=Withhold()), router(good, 1)
             async with trio.open_nursery() as nursery:
                 for r in (r0, r_hole, r_good):
                     await nursery.start(r.serve)
                 # The blackhole takes the microbatch (Ack) and drops it: nothing comes back, nothing is held.
-                r0.next_peers = [hole.peer_id]
+                r0.routes.next_peers = [hole.peer_id]
                 assert await r0.start_ticket(0, 0)
-                assert r0.sent_to[(0, 0)] == hole.peer_id
+                assert r0.routes.handed_to(0, hole.peer_id) == [0]
                 await trio.sleep(1.0)
                 assert not done and r_hole.accounting.num_in_flight == 0 and r_hole.stats.microbatches == 0
                 # Past the deadline stage 0 gives the microbatch up and penalises the peer...
-                assert r0.balancer.overdue(trio.current_time(), cap_s=0.5) == [((0, 0), hole.peer_id)]
-                assert r0.balancer.lost(hole.peer_id) == 1
+                assert r0.routes.overdue(trio.current_time(), cap_s=0.5) == [((0, 0), hole.peer_id)]
+                assert r0.routes.lost(hole.peer_id) == 1
                 # ...so the redo goes to the honest replica and completes.
-                r0.next_peers = [hole.peer_id, good.peer_id]
+                r0.routes.next_peers = [hole.peer_id, good.peer_id]
                 assert await r0.start_ticket(0, 0)
-                assert r0.sent_to[(0, 0)] == good.peer_id
+                assert r0.routes.handed_to(0, good.peer_id) == [0] and r0.routes.handed_to(0, hole.peer_id) == []
                 with trio.fail_after(20):
                     await completed.wait()
                 assert done == [(0, 0, [first.peer_id, good.peer_id])]
-                assert r0.balancer.overdue(trio.current_time() + 1e3, cap_s=1e6) == []  # it came back: not awaited
-                assert r0.balancer.deadline_s(cap_s=60.0) >= r0.balancer.min_deadline_s
+                assert r0.routes.overdue(trio.current_time() + 1e3, cap_s=1e6) == []  # it came back: not awaited
+                assert r0.routes.deadline_s(cap_s=60.0) >= r0.routes.balancer.min_deadline_s
                 nursery.cancel_scope.cancel()
 
     run_trio(main, timeout=60)

@@ -9,7 +9,8 @@ import logging
 import pytest
 import torch
 import trio
-from protolearn.node.accounting import Accounting
+from protolearn.node.core.accounting import Accounting
+from protolearn.node.core.routing import RouteCore
 from protolearn.node.router import Router
 from protolearn.node.worker import StageWorker
 from protolearn.protocol.acks import ack_statement
@@ -57,7 +58,7 @@ def test_last_stage_hop_matches_the_reference_and_refuses_bad_input(open_hosts, 
         async with open_hosts(3) as (sender, receiver, first):
             worker = StageWorker(RUN, 1)
             acc = Accounting(RUN.batch.microbatches_per_step, max_in_flight=2, max_deferred=1)
-            router = Router(receiver, RUN, worker, corpus, acc, trio.CapacityLimiter(1),
+            router = Router(receiver, RUN, worker, corpus, acc, trio.CapacityLimiter(1), routes=RouteCore(),
                             on_complete=None, send_timeout_s=5.0)  # type: ignore[arg-type]
             got: list[tuple[Gradient, torch.Tensor]] = []
             arrived = trio.Event()
@@ -71,7 +72,7 @@ def test_last_stage_hop_matches_the_reference_and_refuses_bad_input(open_hosts, 
 
             sender.serve_stream(GRADIENT, on_gradient)
             acc0 = Accounting(RUN.batch.microbatches_per_step, max_in_flight=2, max_deferred=1)
-            router0 = Router(first, RUN, StageWorker(RUN, 0), corpus, acc0, trio.CapacityLimiter(1),
+            router0 = Router(first, RUN, StageWorker(RUN, 0), corpus, acc0, trio.CapacityLimiter(1), routes=RouteCore(),
                              on_complete=None, send_timeout_s=5.0)  # type: ignore[arg-type]
             async with trio.open_nursery() as nursery:
                 await nursery.start(router.serve)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import trio
+from protolearn.node.core.tickets import Tickets
 from protolearn.node.integrity import Integrity, Received
 from protolearn.node.worker import StageWorker
 from protolearn.protocol.boundary import boundary_statement, frame_digest, verify_evidence
@@ -38,7 +39,7 @@ def _integrity(host, worker, corpus, stages: dict[str, int], reports: list, run:
         return False
 
     return Integrity(
-        host, run, worker, corpus, trio.CapacityLimiter(1), replicas=lambda s: sorted(p for p, st in stages.items() if st == s),
+        host, run, worker, corpus, trio.CapacityLimiter(1), tickets=Tickets(), replicas=lambda s: sorted(p for p, st in stages.items() if st == s),
         stage_of=stages.get, report=report, timeout_s=10.0, seed=7,
     )
 

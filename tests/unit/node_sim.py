@@ -1,7 +1,7 @@
 """A fake-clock swarm: real node cores and the real coordinator core, a modelled network and collective.
 
-Every node runs a :class:`~protolearn.node.core.NodeCore` (and on stage 0 a
-:class:`~protolearn.node.leasing.LeaseCore`); the coordinator is a real
+Every node runs a :class:`~protolearn.node.core.closed_step.NodeCore` (and on stage 0 a
+:class:`~protolearn.node.core.leasing.LeaseCore`); the coordinator is a real
 :class:`~protolearn.coordinator.core.dispatch.CoordinatorCore` persisted to a real SQLite store, so a
 coordinator restart restores what a crashed service would. What is modelled, because no sockets or
 torch run here: the pipeline (a ticket's forward and gradient hop between replicas with a delay; a dead
@@ -30,9 +30,9 @@ from protolearn.coordinator.core.dispatch import CoordinatorCore
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.store import Store
-from protolearn.node import core as nc
-from protolearn.node import events as ev
-from protolearn.node import leasing as lc
+from protolearn.node.core import closed_step as nc
+from protolearn.node.core import events as ev
+from protolearn.node.core import leasing as lc
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement
 

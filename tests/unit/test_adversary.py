@@ -1,4 +1,5 @@
-"""The tensor adversaries: each lie does what its name says, is deterministic, and leaves its input alone."""
+"""The adversaries: each lie does what its name says, is deterministic, and leaves its input alone; and the
+attack reaches the swarm only through the node's outbound filter and (for ``stale``) its worker."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import pytest
 import torch
 
 from protolearn.errors import ConfigError
-from protolearn.node.adversary import KINDS, NAN_FRACTION, SCALE_FACTOR, TENSOR_KINDS, Adversary, parse_adversary
+from protolearn.node.adversary import KINDS, NAN_FRACTION, SCALE_FACTOR, TENSOR_KINDS, Adversary, Attack, StaleWorker, parse_adversary
+from protolearn.node.outbound import PASS_THROUGH
+from protolearn.node.worker import StageWorker
+from protolearn.stages.config import RunConfig
 
 SEED = 1234
 
@@ -98,3 +102,74 @@ def test_parse_still_needs_the_env_and_keeps_from_step() -> None:
     assert adv == Adversary("random", 5) and not adv.active(4) and adv.active(5) and adv.corrupts_tensors
     with pytest.raises(ConfigError):
         parse_adversary("random:5", env={})
+
+
+# -- the attack as one outbound filter (node/outbound.py), built from outside the production classes ----------
+class _Events:
+    def __init__(self) -> None:
+        self.got: list[tuple[str, dict]] = []
+
+    def event(self, event: str, **fields: object) -> None:
+        self.got.append((event, fields))
+
+
+TINY = RunConfig.model_validate({
+    "name": "liar", "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "max_seq_len": 32},
+    "batch": {"microbatches_per_step": 2, "microbatch_size": 2, "seq_len": 16}, "data": {"max_bytes": 100_000},
+})
+
+
+def test_an_honest_node_sends_everything_as_computed_and_withholds_nothing() -> None:
+    t = honest()
+    assert PASS_THROUGH.tensor(t, 5, 1, "fwd") is t and PASS_THROUGH.tensor(t, 5, 1, "bwd", check=True) is t
+    assert PASS_THROUGH.part_filter is None and not PASS_THROUGH.withholds(5)
+
+
+def test_a_tensor_liar_lies_from_its_step_on_in_what_it_sends_and_serves_and_counts_each_lie() -> None:
+    events = _Events()
+    attack = Attack(Adversary("signflip", from_step=2), events)  # type: ignore[arg-type]
+    f = attack.outbound(StageWorker(TINY, 0))
+    t = honest()
+    assert f.tensor(t, 1, 0, "fwd") is t and not events.got  # not yet
+    assert torch.equal(f.tensor(t, 2, 3, "fwd"), -t)
+    assert torch.equal(f.tensor(t, 2, 3, "bwd", check=True), -t)  # a spot-check result it serves, too
+    assert events.got == [
+        ("adversary", {"kind": "signflip", "step": 2, "ticket": 3, "direction": "fwd", "sent": 1}),
+        ("adversary", {"kind": "signflip", "step": 2, "ticket": 3, "direction": "bwd", "sent": 2}),
+    ]
+    # The count runs on across the stages the node builds.
+    assert torch.equal(attack.outbound(StageWorker(TINY, 1)).tensor(t, 4, 0, "bwd"), -t) and attack.sent == 3
+    assert f.part_filter is None and not f.withholds(9)
+
+
+def test_a_reducer_liar_corrupts_the_parts_it_reduces_and_a_blackhole_withholds_from_its_step() -> None:
+    events = _Events()
+    reducer = Attack(Adversary("reducer"), events).outbound(StageWorker(TINY, 1))  # type: ignore[arg-type]
+    t = honest()
+    assert reducer.tensor(t, 0, 0, "fwd") is t and reducer.part_filter is not None
+    assert torch.equal(reducer.part_filter(3, t), t + 1.0)
+    assert events.got == [("adversary", {"kind": "reducer", "part": 3, "sent": 1})]
+    hole = Attack(Adversary("blackhole", from_step=4), events).outbound(StageWorker(TINY, 0))  # type: ignore[arg-type]
+    assert not hole.withholds(3) and hole.withholds(4) and hole.tensor(t, 4, 0, "fwd") is t
+
+
+def test_a_stale_liar_sends_outputs_of_its_old_weights_once_it_applied_from_step_and_counts_them() -> None:
+    events = _Events()
+    attack = Attack(Adversary("stale", from_step=1), events)  # type: ignore[arg-type]
+    worker = attack.worker(TINY, 1, "cpu", bf16_autocast=False)
+    assert isinstance(worker, StaleWorker) and not worker.serving_old_weights
+    f = attack.outbound(worker)
+    hidden = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(3))  # (mb, T, D)
+    targets = torch.randint(0, TINY.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    assert f.tensor(hidden, 0, 0, "bwd") is hidden and not events.got  # honest so far
+    _, before = worker.forward_backward_last((0, 0), hidden, targets)
+    ones = torch.ones(worker.numel)
+    worker.apply(0, ones)  # it has applied 1 step: from here on its weights for what it sends are frozen
+    assert worker.serving_old_weights
+    _, frozen = worker.forward_backward_last((1, 0), hidden, targets)
+    worker.apply(1, ones)
+    _, later = worker.forward_backward_last((2, 0), hidden, targets)
+    honest_now = worker.recompute(2, "bwd", [hidden], targets)  # what a spot check of it recomputes
+    assert torch.equal(frozen, later) and not torch.equal(later, before) and not torch.allclose(later, honest_now)
+    assert f.tensor(later, 2, 0, "bwd") is later and f.tensor(honest_now, 2, 0, "bwd", check=True) is honest_now
+    assert events.got == [("adversary", {"kind": "stale", "step": 2, "ticket": 0, "direction": "bwd", "sent": 1})]

@@ -15,8 +15,8 @@ from protolearn.coordinator.core.dispatch import CoordinatorCore
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.tickets import TicketLedger
 from protolearn.coordinator.errors import Refusal
-from protolearn.node import events as ev
-from protolearn.node.core import CoreConfig, NodeCore, Phase
+from protolearn.node.core import events as ev
+from protolearn.node.core.closed_step import CoreConfig, NodeCore, Phase
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.identity import Identity

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from protolearn.node.balancer import Balancer
+from protolearn.node.core.balancer import Balancer
 
 
 def test_fast_peer_gets_work_until_its_queue_makes_it_slower() -> None:
@@ -62,9 +62,9 @@ def test_unknown_peer_is_assumed_average() -> None:
     assert b.choose(["known", "new"], now=0.0).peer == "new"
 
 
-# -- admission and per-step accounting (node/accounting.py): the other half of routing decisions --
+# -- admission and per-step accounting (node/core/accounting.py): the other half of routing decisions --
 
-from protolearn.node.accounting import Accounting, contribution
+from protolearn.node.core.accounting import Accounting, contribution
 
 
 def test_next_step_work_waits_until_the_current_step_is_applied() -> None:
@@ -94,6 +94,21 @@ def test_unknown_duplicate_and_out_of_range_microbatches_are_refused() -> None:
     assert dup.action == "refuse" and "duplicate" in dup.reason
     bad = acc.admit_forward(0, 4)
     assert bad.action == "refuse" and "outside 0..3" in bad.reason
+
+
+def test_every_refusal_carries_the_code_the_senders_retry_logic_keys_on() -> None:
+    acc = Accounting(microbatches_per_step=4, max_in_flight=1, max_deferred=1)
+    assert acc.admit_backward(0, 0).code == "unknown"
+    assert acc.admit_forward(0, 9).code == "invalid"
+    assert acc.admit_forward(0, 0).action == "process" and acc.admit_forward(0, 1).code == "busy"
+    assert acc.admit_forward(1, 0, payload="x").action == "defer"
+    assert acc.admit_forward(1, 0, payload="x").code == "duplicate"
+    assert acc.admit_forward(1, 1, payload="y").code == "busy"
+    assert acc.admit_forward(5, 0).code == "ahead"
+    assert acc.admit_backward(0, 0).action == "process" and acc.admit_backward(0, 0).code == "unknown"
+    acc.backward_done(0, 0)
+    acc.applied_step(0)
+    assert acc.admit_forward(0, 2).code == "stale"
 
 
 def test_in_flight_and_deferred_work_are_bounded() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from protolearn.node.early_parts import EarlyParts
+from protolearn.node.core.early_parts import EarlyParts
 
 V = 1000  # the stage vector's bytes
 

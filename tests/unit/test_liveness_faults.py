@@ -14,7 +14,7 @@ from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.dispatch import CoordinatorCore
 from protolearn.coordinator.core.verdicts import VerdictPolicy
 from protolearn.coordinator.errors import Refusal
-from protolearn.node.balancer import Balancer
+from protolearn.node.core.routing import RouteCore
 from protolearn.protocol import coordination as cm
 
 from tests.unit.test_attacks_ledger import SETTINGS, Swarm, make_core
@@ -235,49 +235,51 @@ def test_the_core_routes_liveness_reports_to_the_stage_majority_rule() -> None:
     assert not r.banned
 
 
-# -- the node's balancer: microbatches acknowledged and never answered ------------------------------------
-def test_the_balancer_gives_up_on_unanswered_microbatches_and_stops_choosing_their_peer() -> None:
-    b = Balancer()
+# -- the node's routing core: microbatches acknowledged and never answered --------------------------------
+def test_the_routing_core_gives_up_on_unanswered_microbatches_and_stops_choosing_their_peer() -> None:
+    r = RouteCore()
+    b, handed = r.balancer, r.tickets.handed
     # Honest round trips of about 0.3 s set the deadline to 4x that, but at least 2 s.
     for i in range(4):
-        b.on_handed((0, i), "good", 0.0)
-        b.on_returned((0, i), 0.3)
-    assert b.deadline_s(cap_s=60.0) == 2.0
-    b.on_handed((1, 0), "hole", 1.0)
-    b.on_handed((1, 1), "good", 1.0)
-    assert b.overdue(2.5, cap_s=60.0) == []
-    b.on_returned((1, 1), 1.4)
-    assert b.overdue(3.5, cap_s=60.0) == [((1, 0), "hole")]
-    assert b.lost("hole") == 1 and b.lost("good") == 0
+        handed((0, i), "good", 0.0)
+        r.returned((0, i), 0.3)
+    assert r.deadline_s(cap_s=60.0) == 2.0
+    handed((1, 0), "hole", 1.0)
+    handed((1, 1), "good", 1.0)
+    assert r.overdue(2.5, cap_s=60.0) == []
+    r.returned((1, 1), 1.4)
+    assert r.overdue(3.5, cap_s=60.0) == [((1, 0), "hole")]
+    assert r.lost("hole") == 1 and r.lost("good") == 0
     assert b.choose(["good", "hole"], 3.5).peer == "good"
     # Losses in a row double the penalty; one returned microbatch resets the count.
     for i in range(2, 5):
-        b.on_handed((1, i), "hole", 4.0)
-    assert len(b.overdue(10.0, cap_s=60.0)) == 3 and b.lost("hole") == 4
+        handed((1, i), "hole", 4.0)
+    assert len(r.overdue(10.0, cap_s=60.0)) == 3 and r.lost("hole") == 4
     assert b.expected_finish_s("hole", 10.0) > 8 * b.failure_penalty_s
-    b.on_handed((2, 0), "hole", 10.0)
-    b.on_returned((2, 0), 10.1)
-    assert b.lost("hole") == 0
+    handed((2, 0), "hole", 10.0)
+    r.returned((2, 0), 10.1)
+    assert r.lost("hole") == 0
 
 
 def test_the_overdue_deadline_follows_slow_round_trips_and_is_capped() -> None:
-    b = Balancer()
-    assert b.deadline_s(cap_s=7.0) == 7.0  # nothing measured yet: the caller's cap
-    b.on_handed((0, 0), "p", 0.0)
-    b.on_returned((0, 0), 5.0)  # a slow (loaded) round trip raises the deadline at once
-    assert b.deadline_s(cap_s=60.0) == 20.0 and b.deadline_s(cap_s=7.0) == 7.0
-    b.on_handed((0, 1), "p", 5.0)
-    assert b.overdue(20.0, cap_s=60.0) == []
-    b.forget("p")
-    assert b.overdue(1e9, cap_s=60.0) == []
+    r = RouteCore()
+    assert r.deadline_s(cap_s=7.0) == 7.0  # nothing measured yet: the caller's cap
+    r.tickets.handed((0, 0), "p", 0.0)
+    r.returned((0, 0), 5.0)  # a slow (loaded) round trip raises the deadline at once
+    assert r.deadline_s(cap_s=60.0) == 20.0 and r.deadline_s(cap_s=7.0) == 7.0
+    r.tickets.handed((0, 1), "p", 5.0)
+    assert r.overdue(20.0, cap_s=60.0) == []
+    r.forget("p")
+    assert r.overdue(1e9, cap_s=60.0) == []
 
 
 def test_stage0_restarts_overdue_tickets_elsewhere_and_reports_a_peer_that_keeps_losing_them() -> None:
-    """The driver's liveness pass (node/driver.py) with the real lease core and balancer and a fake link."""
+    """The driver's liveness pass (node/driver.py) with the real lease core and routing core and a fake link."""
     from types import SimpleNamespace
 
     import trio
-    from protolearn.node import leasing as lc
+    from protolearn.node.core import leasing as lc
+    from protolearn.node.core.accounting import Accounting
     from protolearn.node.driver import REPORT_AFTER_LOST, TicketDriver
 
     reports: list[tuple[str, str]] = []
@@ -293,16 +295,18 @@ def test_stage0_restarts_overdue_tickets_elsewhere_and_reports_a_peer_that_keeps
     config = SimpleNamespace(max_in_flight=8, lease_block=4, request_timeout_s=30.0)
     run_ = SimpleNamespace(stages=SimpleNamespace(num_stages=2))
     now = [0.0]
-    d = TicketDriver(config, run_, Link(), Progress(), clock=lambda: now[0])  # type: ignore[arg-type]
-    router = SimpleNamespace(balancer=Balancer(), sent_to={})
-    d.router = router  # type: ignore[assignment]
+    routes = RouteCore()
+
+    async def start(step: int, ticket: int) -> bool:
+        raise AssertionError("the liveness pass starts nothing itself")
+
+    d = TicketDriver(config, run_, Link(), Progress(), accounting=Accounting(4, 8, 2), routes=routes, start=start,  # type: ignore[arg-type]
+                     clock=lambda: now[0])
     d.core.begin(5, [], 0.0)
     d.core.handle(lc.Leased(5, [0, 1, 2, 3]), 0.0)
     for t in range(4):
-        peer = "hole" if t < REPORT_AFTER_LOST else "good"
-        router.sent_to[(5, t)] = peer
-        router.balancer.on_handed((5, t), peer, 0.0)
-    router.balancer.on_returned((5, 3), 0.5)  # the good peer answers: round trips of 0.5 s
+        routes.tickets.handed((5, t), "hole" if t < REPORT_AFTER_LOST else "good", 0.0)
+    routes.returned((5, 3), 0.5)  # the good peer answers: round trips of 0.5 s
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -315,4 +319,4 @@ def test_stage0_restarts_overdue_tickets_elsewhere_and_reports_a_peer_that_keeps
 
     trio.run(main)
     assert [t for t, _ in reports] == ["hole"] and reports[0][1].startswith("liveness: 3 microbatches")
-    assert router.balancer.choose(["good", "hole"], 3.0).peer == "good"
+    assert routes.balancer.choose(["good", "hole"], 3.0).peer == "good"

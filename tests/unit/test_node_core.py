@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from protolearn.node import core as nc
-from protolearn.node import events as ev
-from protolearn.node import leasing as lc
+from protolearn.node.core import closed_step as nc
+from protolearn.node.core import events as ev
+from protolearn.node.core import leasing as lc
 from protolearn.protocol.states import NodeState
 
 CONFIG = nc.CoreConfig(microbatches_per_step=4, max_in_flight=4, max_deferred=4, averaging_timeout_s=10.0)
@@ -36,7 +36,7 @@ def emitted(actions: list[ev.Action]) -> list[str]:
 def test_the_node_core_loads_no_trio_libp2p_socket_or_torch() -> None:
     probe = (
         "import json, sys\n"
-        "import protolearn.node.core, protolearn.node.events, protolearn.node.leasing, protolearn.node.accounting\n"
+        "import protolearn.node.core.closed_step, protolearn.node.core.events, protolearn.node.core.leasing, protolearn.node.core.accounting\n"
         "print(json.dumps([m for m in ('trio', 'libp2p', 'socket', 'torch') if m in sys.modules]))\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)

@@ -20,7 +20,7 @@ import random
 
 import pytest
 
-from protolearn.node import events as ev
+from protolearn.node.core import events as ev
 from tests.unit.node_sim import Sim, SimNode
 
 SEEDS = range(*map(int, os.environ.get("PROTOLEARN_SIM_SEEDS", "0:1040").split(":")))

@@ -27,8 +27,13 @@ Key = tuple[int, int]  # (step, ticket)
 
 @dataclass(frozen=True)
 class Admission:
+    """What to do with the work, why (for the log and the refusal), and, for a refusal, the code the
+    sender's retry logic keys on (``busy``: try again or elsewhere; ``stale``, ``ahead``, ``duplicate``,
+    ``unknown``, ``invalid``)."""
+
     action: Literal["process", "defer", "refuse"]
     reason: str
+    code: str = ""
 
 
 @dataclass
@@ -69,23 +74,23 @@ class Accounting:
         """An activation for (step, ticket) arrived, or stage 0 wants to start that ticket."""
         bad = self._check_ticket(step, ticket)
         if bad:
-            return Admission("refuse", bad)
+            return Admission("refuse", bad, "invalid")
         key = (step, ticket)
         if step < self.applied:
-            return Admission("refuse", f"stale step {step}: this replica has already applied it (now at step {self.applied})")
+            return Admission("refuse", f"stale step {step}: this replica has already applied it (now at step {self.applied})", "stale")
         if step > self.applied + 1:
-            return Admission("refuse", f"step {step} is ahead: this replica is at step {self.applied}")
+            return Admission("refuse", f"step {step} is ahead: this replica is at step {self.applied}", "ahead")
         if any(k == key for k, _ in self._deferred):
-            return Admission("refuse", f"duplicate microbatch (step {step}, ticket {ticket}) already held for the next step")
+            return Admission("refuse", f"duplicate microbatch (step {step}, ticket {ticket}) already held for the next step", "duplicate")
         if key in self._in_flight:
             return Admission("process", f"redo of step {step} ticket {ticket}: replaces the attempt in flight here")
         if step == self.applied + 1:
             if len(self._deferred) >= self.max_deferred:
-                return Admission("refuse", f"busy: {len(self._deferred)} next-step microbatches already waiting")
+                return Admission("refuse", f"busy: {len(self._deferred)} next-step microbatches already waiting", "busy")
             self._deferred.append((key, payload))
             return Admission("defer", f"held until step {self.applied} is applied")
         if len(self._in_flight) >= self.max_in_flight:
-            return Admission("refuse", f"busy: {len(self._in_flight)} microbatches in flight (limit {self.max_in_flight})")
+            return Admission("refuse", f"busy: {len(self._in_flight)} microbatches in flight (limit {self.max_in_flight})", "busy")
         self._in_flight.add(key)
         if ticket in self._accumulated.get(step, ()):
             return Admission("process", f"redo of step {step} ticket {ticket}: replaces its earlier gradients here")
@@ -94,9 +99,9 @@ class Accounting:
     def admit_backward(self, step: int, ticket: int) -> Admission:
         """A gradient for (step, ticket) arrived from the next stage."""
         if (step, ticket) not in self._in_flight:
-            return Admission("refuse", f"unknown microbatch (step {step}, ticket {ticket}): no forward pass of it is held here")
+            return Admission("refuse", f"unknown microbatch (step {step}, ticket {ticket}): no forward pass of it is held here", "unknown")
         if (step, ticket) in self._backward_pending:
-            return Admission("refuse", f"unknown attempt: a gradient for (step {step}, ticket {ticket}) is already being applied here")
+            return Admission("refuse", f"unknown attempt: a gradient for (step {step}, ticket {ticket}) is already being applied here", "unknown")
         self._backward_pending.add((step, ticket))
         return Admission("process", f"gradient for step {step} ticket {ticket}")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from protolearn.node.events import Emit
+from protolearn.node.core.events import Emit
 
 # Pause after an empty lease (every ticket of the step is taken) and after a failed lease request.
 LEASE_RETRY_S = 0.05

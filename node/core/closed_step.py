@@ -42,8 +42,8 @@ import logging
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from protolearn.node.accounting import Accounting, contribution
-from protolearn.node.events import (
+from protolearn.node.core.accounting import Accounting, contribution
+from protolearn.node.core.events import (
     Action,
     Applied,
     Apply,

@@ -1,4 +1,4 @@
-"""The node core's vocabulary: the events it takes and the actions it returns (see :mod:`protolearn.node.core`).
+"""The node core's vocabulary: the events it takes and the actions it returns (see :mod:`protolearn.node.core.closed_step`).
 
 Each action that asks something is answered by exactly one event: :class:`AskReported` by
 :class:`Reported`, :class:`Average` by :class:`RoundDone` or :class:`RoundFailed`, :class:`Fetch` by

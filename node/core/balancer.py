@@ -11,13 +11,14 @@ A failure adds a penalty that decays over ``penalty_half_life_s``, so a flaky pe
 while and then tried again; a banned peer is never chosen. Ties go to the smaller peer id, so the
 choice is deterministic for a given history. :meth:`Balancer.choose` returns the peer and the reason.
 
-Liveness (issue 11): a peer can Ack a microbatch and never send its gradient back (a blackhole). The
-balancer remembers each microbatch handed to a peer (:meth:`Balancer.on_handed`) until its gradient
-returns (:meth:`Balancer.on_returned`, which also measures the round trip). :meth:`Balancer.overdue`
-gives up on those older than a deadline: ``overdue_factor`` times the slowest round trip seen lately
-(so a loaded swarm is not mistaken for a blackhole), at least ``min_deadline_s`` and at most the
-caller's cap. Each lost microbatch doubles the peer's penalty (so the blackhole stops getting work
-after a few) and counts in :meth:`Balancer.lost`; a returned one resets that count.
+Liveness (issue 11): a peer can Ack a microbatch and never send its gradient back (a blackhole). Which
+hand-overs are still awaited is the ticket record's (:mod:`.tickets`); the balancer keeps what follows
+for each peer. :meth:`Balancer.on_returned` measures a gradient's round trip and resets the peer's
+losses in a row; :meth:`Balancer.deadline_s` is how long a hand-over may stay unanswered:
+``overdue_factor`` times the slowest round trip seen lately (so a loaded swarm is not mistaken for a
+blackhole), at least ``min_deadline_s`` and at most the caller's cap. Each lost microbatch
+(:meth:`Balancer.on_lost`) doubles the peer's penalty (so the blackhole stops getting work after a few)
+and counts in :meth:`Balancer.lost`. :mod:`.routing` puts the two together.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ PENALTY_HALF_LIFE_S = 10.0
 # trip (at least MIN_DEADLINE_S) is lost.
 OVERDUE_FACTOR = 4.0
 MIN_DEADLINE_S = 2.0
-# Most microbatches remembered as handed out (older ones are forgotten first; I5).
-MAX_HANDED = 65_536
 
 
 @dataclass(frozen=True)
@@ -70,8 +69,6 @@ class Balancer:
     min_deadline_s: float = MIN_DEADLINE_S
     _stats: dict[str, PeerStats] = field(default_factory=dict)
     _banned: set[str] = field(default_factory=set)
-    # key → (peer, when handed), for microbatches whose gradient is awaited (insertion-ordered)
-    _handed: dict[tuple[int, int], tuple[str, float]] = field(default_factory=dict)
     # Slowest round trip (hand-over to gradient back) seen lately: an EMA that jumps up at once.
     _round_trip_s: float | None = None
 
@@ -126,21 +123,10 @@ class Balancer:
         st.penalty_at = now
         st.failures += 1
 
-    # -- liveness: handed microbatches whose gradient must come back ------------------------------
-    def on_handed(self, key: tuple[int, int], peer: str, now: float) -> None:
-        """Microbatch ``key`` (step, ticket) was accepted by ``peer``: its gradient is now awaited."""
-        self._handed.pop(key, None)
-        while len(self._handed) >= MAX_HANDED:
-            del self._handed[next(iter(self._handed))]
-        self._handed[key] = (peer, now)
-
-    def on_returned(self, key: tuple[int, int], now: float) -> None:
-        """The gradient of ``key`` came back (from the peer it was handed to)."""
-        got = self._handed.pop(key, None)
-        if got is None:
-            return
-        peer, at = got
-        rtt = max(0.0, now - at)
+    # -- liveness: microbatches whose gradient must come back ------------------------------------
+    def on_returned(self, peer: str, round_trip_s: float) -> None:
+        """A gradient came back from ``peer``, ``round_trip_s`` after it took the microbatch."""
+        rtt = max(0.0, round_trip_s)
         prev = self._round_trip_s
         self._round_trip_s = rtt if prev is None or rtt > prev else (1 - self.alpha) * prev + self.alpha * rtt
         st = self._stats.get(peer)
@@ -153,19 +139,14 @@ class Balancer:
             return cap_s
         return min(cap_s, max(self.min_deadline_s, self.overdue_factor * self._round_trip_s))
 
-    def overdue(self, now: float, cap_s: float) -> list[tuple[tuple[int, int], str]]:
-        """Give up on the handed microbatches older than :meth:`deadline_s`: (key, peer) of each. The
-        peer's penalty doubles per lost microbatch in a row (it soon gets no more work)."""
-        limit = self.deadline_s(cap_s)
-        out = [(k, p) for k, (p, at) in self._handed.items() if now - at > limit]
-        for key, peer in out:
-            del self._handed[key]
-            st = self._get(peer)
-            st.lost += 1
-            st.failures += 1
-            st.penalty_s = self._penalty(st, now) + self.failure_penalty_s * 2 ** min(st.lost - 1, 10)
-            st.penalty_at = now
-        return out
+    def on_lost(self, peer: str, now: float) -> None:
+        """A microbatch ``peer`` took never came back within :meth:`deadline_s`: its penalty doubles per
+        loss in a row (it soon gets no more work)."""
+        st = self._get(peer)
+        st.lost += 1
+        st.failures += 1
+        st.penalty_s = self._penalty(st, now) + self.failure_penalty_s * 2 ** min(st.lost - 1, 10)
+        st.penalty_at = now
 
     def lost(self, peer: str) -> int:
         """Microbatches handed to ``peer`` in a row that never came back."""
@@ -182,4 +163,3 @@ class Balancer:
     def forget(self, peer: str) -> None:
         """The peer left the swarm; drop its history (it may rejoin as a new node)."""
         self._stats.pop(peer, None)
-        self._handed = {k: v for k, v in self._handed.items() if v[0] != peer}

@@ -1,0 +1,105 @@
+"""The router's decisions, as a sans-IO core: which next-stage peer gets a microbatch, whether a gradient
+belongs to the attempt held here, and which hand-overs are lost.
+
+:class:`RouteCore` decides over two owners: the per-ticket record (:class:`~.tickets.Tickets`: the
+attempt held, where each output went, the hand-overs whose gradient is awaited) and the balancer's
+per-peer statistics (:class:`~.balancer.Balancer`: service times, queues, penalties, losses in a row).
+The router (:mod:`protolearn.node.router`) reports what happened on the wire and carries out the
+answers; stage 0's driver (:mod:`protolearn.node.driver`) asks it which hand-overs are overdue and
+which tickets a failed peer held.
+
+- **Forward.** :meth:`RouteCore.choose` picks among the next stage's live replicas (the node's view,
+  :attr:`RouteCore.next_peers`) those not yet tried for this microbatch, or all of them again when every
+  one was tried. An accepted send (:meth:`RouteCore.accepted`) feeds the balancer its service time and
+  the peer's queue and records the hand-over; a refused or broken one penalises the peer.
+- **Backward.** A gradient that the accounting admits is still refused when its route up to this
+  replica is not that of the attempt held here (:meth:`RouteCore.admit_gradient`): the ticket was
+  redone along another route, and the graph held belongs to the new attempt (I1).
+- **Liveness** (issue 11): a peer can accept an activation and never send its gradient back. A
+  hand-over awaited longer than the balancer's deadline (:meth:`Balancer.deadline_s`) is given up
+  (:meth:`RouteCore.overdue`), and each loss in a row doubles its peer's penalty, so it soon gets no
+  more work; one returned gradient resets the count and measures the round trip the deadline follows.
+"""
+
+from __future__ import annotations
+
+from protolearn.node.core.accounting import Admission
+from protolearn.node.core.balancer import Balancer, Choice
+from protolearn.node.core.tickets import Key, Tickets
+
+
+class RouteCore:
+    """The routing decisions of one stage replica, over its ticket record and its balancer."""
+
+    def __init__(self, tickets: Tickets | None = None, balancer: Balancer | None = None) -> None:
+        self.tickets = tickets if tickets is not None else Tickets()
+        self.balancer = balancer if balancer is not None else Balancer()
+        # The next stage's live replicas in the node's view (empty on the last stage).
+        self.next_peers: list[str] = []
+
+    @property
+    def has_next_stage(self) -> bool:
+        return bool(self.next_peers)
+
+    # -- forward ---------------------------------------------------------------------------------
+    def choose(self, tried: set[str], now: float) -> Choice:
+        """The next-stage peer for a microbatch already offered to ``tried`` (all again once all were)."""
+        candidates = [p for p in self.next_peers if p not in tried] or list(self.next_peers)
+        return self.balancer.choose(candidates, now)
+
+    def sending(self, peer: str) -> None:
+        self.balancer.on_sent(peer)
+
+    def accepted(self, key: Key, peer: str, *, service_s: float, queue_len: float, now: float) -> None:
+        """``peer`` took the activation of ``key`` after ``service_s`` and reports ``queue_len`` queued."""
+        self.balancer.on_done(peer, service_s)
+        self.balancer.on_queue_report(peer, queue_len)
+        self.tickets.handed(key, peer, now)
+
+    def failed(self, peer: str, now: float) -> None:
+        """``peer`` refused the activation, timed out or broke the stream."""
+        self.balancer.on_failure(peer, now)
+
+    # -- backward --------------------------------------------------------------------------------
+    def admit_gradient(self, key: Key, route_here: list[str], admission: Admission) -> Admission:
+        """The accounting's ``admission`` of a gradient whose route up to this replica is ``route_here``,
+        refused when that is not the route of the attempt held here."""
+        held = self.tickets.route(key)
+        if admission.action == "process" and held is not None and route_here != held:
+            step, ticket = key
+            return Admission("refuse", f"unknown attempt of (step {step}, ticket {ticket}): it was redone along another route", "unknown")
+        return admission
+
+    def returned(self, key: Key, now: float) -> None:
+        """The gradient of ``key`` came back."""
+        got = self.tickets.returned(key, now)
+        if got is not None:
+            self.balancer.on_returned(*got)
+
+    # -- liveness --------------------------------------------------------------------------------
+    def deadline_s(self, cap_s: float) -> float:
+        return self.balancer.deadline_s(cap_s)
+
+    def overdue(self, now: float, cap_s: float) -> list[tuple[Key, str]]:
+        """Give up on the hand-overs older than :meth:`deadline_s` (at most ``cap_s``): (key, peer) of each."""
+        lost = self.tickets.overdue(now, self.balancer.deadline_s(cap_s))
+        for _, peer in lost:
+            self.balancer.on_lost(peer, now)
+        return lost
+
+    def lost(self, peer: str) -> int:
+        """Hand-overs to ``peer`` in a row whose gradient never came back."""
+        return self.balancer.lost(peer)
+
+    def handed_to(self, step: int, peer: str) -> list[int]:
+        """Tickets of ``step`` whose activation ``peer`` accepted last."""
+        return self.tickets.handed_to(step, peer)
+
+    # -- membership ------------------------------------------------------------------------------
+    def ban(self, peer: str) -> None:
+        self.balancer.ban(peer)
+
+    def forget(self, peer: str) -> None:
+        """The peer left the swarm: drop its statistics and await nothing more from it."""
+        self.balancer.forget(peer)
+        self.tickets.forget_peer(peer)

@@ -1,0 +1,78 @@
+"""A volunteer node's lifecycle: join → sync state → train its stage step by step → leave.
+
+:func:`run_node` opens the libp2p host, joins the coordinator (checking its peer ID and the run hash),
+builds only its stage, takes the stage's state from a live replica (or initialises it deterministically
+on a fresh run), and trains until the run's last step or until cancelled, then leaves gracefully.
+When the coordinator moves the node to another stage it builds that one at the next step boundary, and
+trains on (:mod:`protolearn.node.node` holds the joined node and what it does per stage).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import trio
+from protolearn.node.config import NodeConfig
+from protolearn.node.errors import StateSyncError
+from protolearn.node.join import join_coordinator
+from protolearn.node.node import Node
+from protolearn.node.progress import Progress
+from protolearn.protocol.identity import Identity
+from protolearn.protocol.transport import RelayLimits, TransportConfig, open_host
+
+
+async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -> int:
+    """Join, train and leave. Returns the number of steps this node's stage has applied."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    tconfig = TransportConfig(request_timeout_s=config.request_timeout_s)
+    # Whether to relay is decided before the host opens; the node announces it only if it turns out public.
+    relay = RelayLimits() if config.relay else None
+    async with open_host(identity, [config.listen], tconfig, relay=relay) as host:
+        progress.event("start", peer_id=host.peer_id, addrs=host.addrs(), pid=os.getpid())
+        link, joined, run, reach = await join_coordinator(host, config, on_wait=progress.say)
+        progress.event(
+            "reachability", verdict=reach.verdict, relay=reach.relay, reason=reach.reason, addrs=reach.addrs,
+            observed_port=reach.observed_port, local_port=reach.local_port, rewrites_ports=reach.rewrites_ports,
+        )
+        progress.say(f"joined {link.peer[-8:]}: run {run.name} ({run.run_hash()[:12]}), stage {joined.stage}, step {joined.step}; peer id {host.peer_id}")
+        progress.event("joined", stage=joined.stage, step=joined.step, run_hash=joined.run_hash, reason=joined.reason, members=len(joined.members))
+        node = Node(config, host, link, joined, run, progress, reach)
+        if joined.step >= node.target_steps:
+            progress.say(f"run {run.name} is already at step {joined.step} of {node.target_steps}: nothing left to train")
+            progress.event("finished", applied=0, reason="the run had finished before this node joined")
+            await node.leave("finished")
+            return 0
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(link.heartbeat_loop, node.make_heartbeat, node.on_heartbeat)
+                await nursery.start(node.hashes.check_loop, node.heartbeat_s, lambda: node.stage)
+                await nursery.start(node.relay_watch.watch)
+                stage, open_step = joined.stage, joined.step
+                while True:
+                    await node.build(stage)
+                    async with trio.open_nursery() as stage_nursery:
+                        await stage_nursery.start(node.router.serve)
+                        try:
+                            await node.sync_state(open_step)
+                        except StateSyncError:
+                            if link.step < node.target_steps:
+                                raise
+                            # The replicas finished the run and left while this node started up.
+                            progress.say(f"run {run.name} finished (step {link.step}) while this node was syncing; nothing left to train")
+                            stage_nursery.cancel_scope.cancel()
+                            break
+                        finished = await node.train()
+                        stage_nursery.cancel_scope.cancel()
+                    if finished:
+                        break
+                    stage, open_step = link.stage, link.step
+                progress.event("finished", applied=node.applied)
+                await link.heartbeat(node.make_heartbeat())
+                await node.hashes.check(node.stage)
+                nursery.cancel_scope.cancel()
+        finally:
+            await node.at_leave()
+            await node.leave("finished" if node.applied >= node.target_steps else "stopped")
+        return node.applied
