@@ -1,0 +1,200 @@
+"""The report's sections for the suites that came before the home links (their tables were in the README).
+
+Each ``render_*`` takes the suite's stored result and returns the section's markdown (tables from the
+JSON the suite printed, and a figure where one helps); see ``scripts/bench_report.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+_spec = importlib.util.spec_from_file_location("protolearn_report_format", Path(__file__).with_name("report_format.py"))
+assert _spec is not None and _spec.loader is not None
+fmt = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = fmt
+_spec.loader.exec_module(fmt)
+table, num, dec, get, bars = fmt.table, fmt.num, fmt.dec, fmt.get, fmt.bars
+
+
+def render_reference(r: dict[str, Any], figs: Path, plt: Any) -> str:
+    out = [table(["run", "params", "stages", "threads", "tokens/s", "s/step", "last loss"], [[
+        r.get("run"), num(r.get("params")), r.get("num_stages"), r.get("threads"), num(r.get("tokens_per_s")), num(r.get("s_per_step")),
+        dec(r.get("last_loss"), 3)]])]
+    if plt is not None:
+        out += ["", bars(plt, figs / "reference.png", [f"{r.get('run')}, {r.get('threads')} threads"], {"tokens/s": [r.get("tokens_per_s")]},
+                         ylabel="tokens/s", title="the single-process trainer")]
+    return "\n".join(out)
+
+
+def render_swarm(r: dict[str, Any], figs: Path, plt: Any) -> str:
+    out = [
+        f"A local swarm ({r.get('stages')} stages × 1 replica, {r.get('threads_per_node')} thread each, codec none) against the "
+        f"reference trainer ({r.get('reference_threads')} threads, before and after) on the same run; goal `ratio` ≥ 0.90.",
+        "",
+        table(["swarm tokens/s", "reference tokens/s (before, after)", "`ratio`", "swarm s/step", "averaging s/step (mean)", "last loss"], [[
+            num(r.get("swarm_tokens_per_s")), f"{num(r.get('reference_tokens_per_s'))} ({', '.join(num(x) for x in r.get('reference_tokens_per_s_before_after', []))})",
+            f"**{dec(r.get('ratio'), 3)}**", num(r.get("swarm_s_per_step")), num(r.get("averaging_s_mean")), dec(r.get("swarm_last_loss"), 3)]]),
+    ]
+    if plt is not None:
+        out += ["", bars(plt, figs / "swarm.png", ["reference", "swarm"], {"tokens/s": [r.get("reference_tokens_per_s"), r.get("swarm_tokens_per_s")]},
+                         ylabel="tokens/s", title="swarm vs reference trainer")]
+    return "\n".join(out)
+
+
+def render_transport(r: dict[str, Any], figs: Path, plt: Any) -> str:
+    out = [
+        "4 MiB tensor frames on a libp2p stream vs raw bytes on a bare py-libp2p stream, and the same frames over the bulk lane, "
+        "between two processes; a request round trip on a new stream.",
+        "",
+        table(["framed stream MiB/s", "raw stream MiB/s", "`ratio`", "bulk lane MiB/s", "`bulk_vs_stream`", "request round trip ms"], [[
+            num(r.get("frame_mib_s")), num(r.get("raw_mib_s")), dec(r.get("ratio"), 3), num(r.get("bulk_mib_s")), dec(r.get("bulk_vs_stream"), 3),
+            num(r.get("request_ms_median"))]]),
+    ]
+    codecs = r.get("codecs")
+    if codecs:
+        out += ["", "Codec speed on a (1024, 4096) float32 activation (`scripts/bench_codecs.py`, part of this suite):", "",
+                table(["codec", "encode MiB/s", "decode MiB/s", "wire / raw bytes", "relative error"], [
+                    [f"`{c}`", num(get(v, "encode_mib_s")), num(get(v, "decode_mib_s")), dec(get(v, "ratio"), 3), num(get(v, "rel_error"), 2)]
+                    for c, v in codecs.items()])]
+    if plt is not None:
+        out += ["", bars(plt, figs / "transport.png", ["raw stream", "framed stream", "bulk lane"],
+                         {"MiB/s": [r.get("raw_mib_s"), r.get("frame_mib_s"), r.get("bulk_mib_s")]}, ylabel="MiB/s", title="one transfer path each")]
+    return "\n".join(out)
+
+
+def render_recovery(r: dict[str, Any], figs: Path, plt: Any) -> str:
+    rows = [
+        ["all-reduce, no fault (`allreduce_s`)", num(r.get("allreduce_s")), f"{r.get('clean_lane_parts')} of {r.get('clean_parts')} parts on the lane"],
+        ["all-reduce, a peer SIGKILLed mid-scatter", num(r.get("allreduce_with_failure_s")),
+         f"`ratio_failure` {dec(r.get('ratio_failure'), 3)} (goal < 3); survivors identical: {num(r.get('failure_identical'))}"],
+        ["hivemind `DecentralizedAverager`, same size", num(r.get("hivemind_allreduce_s")),
+         f"`ratio_vs_hivemind` {dec(r.get('ratio_vs_hivemind'), 3)} (goal ≤ 0.5)" if r.get("ratio_vs_hivemind") else (r.get("hivemind_error") or "not run (`--no-hivemind`)")],
+        ["swarm: a replica SIGKILLed → steps at speed (`recover_s`)", num(r.get("recover_s")), "goal ≤ 2 s"],
+        ["restarted replica: join → first microbatch", num(r.get("join_to_first_microbatch_s")), f"goal ≤ 5 s; {num(r.get('start_to_first_microbatch_s'))} s from process start"],
+    ]
+    out = [f"Our fault-tolerant all-reduce of {r.get('mib')} MiB over {r.get('peers')} processes, then a local swarm on the demo run.", "",
+           table(["what", "seconds", "notes"], rows)]
+    if plt is not None:
+        labels = ["all-reduce", "with failure", "hivemind", "recover_s", "join→1st mb"]
+        vals = [r.get("allreduce_s"), r.get("allreduce_with_failure_s"), r.get("hivemind_allreduce_s"), r.get("recover_s"), r.get("join_to_first_microbatch_s")]
+        out += ["", bars(plt, figs / "recovery.png", labels, {"seconds": vals}, ylabel="seconds", title="all-reduce and recovery")]
+    return "\n".join(out)
+
+
+def render_hivemind(r: dict[str, Any], figs: Path, plt: Any) -> str:
+    rows = [[label, num(get(f, "seconds")), num(get(f, "completed")), num(get(f, "identical")), ", ".join(map(str, get(f, "hung", default=[]))) or "–"]
+            for label, f in r.get("hivemind_failures", {}).items()]
+    out = [
+        f"hivemind {r.get('hivemind')} `DecentralizedAverager`, {r.get('mb')} MB over {r.get('peers')} loopback peers: "
+        f"{num(r.get('hivemind_allreduce_s'))} s per all-reduce (rounds {r.get('hivemind_allreduce_rounds_s')}); then peer "
+        f"{r.get('killed_peer')} SIGKILLed mid-round:", "",
+        table(["timeouts", "seconds", "completed", "survivors identical", "hung"], rows)]
+    failures = r.get("hivemind_failures", {})
+    if plt is not None:
+        out += ["", bars(plt, figs / "hivemind.png", ["no fault", *failures], {"seconds": [r.get("hivemind_allreduce_s"), *(get(f, "seconds") for f in failures.values())]},
+                         ylabel="seconds", title="hivemind's all-reduce, and with a peer SIGKILLed")]
+    return "\n".join(out)
+
+
+def render_restart(r: dict[str, Any], figs: Path, plt: Any) -> str:
+    out = [table(["clients", "restarts", "reconnect median s", "reconnect max s", "goal", "within goal"], [[
+        r.get("clients"), r.get("restarts"), num(r.get("reconnect_median_s")), num(r.get("reconnect_max_s")), f"≤ {r.get('goal_reconnect_s')} s",
+        num(r.get("within_goal"))]])]
+    if plt is not None and r.get("reconnect_s"):
+        labels = [f"restart {i + 1}" for i in range(len(r["reconnect_s"]))]
+        series = {f"client {c}": [per[c] if c < len(per) else None for per in r["reconnect_s"]] for c in range(r.get("clients", 0))}
+        out += ["", bars(plt, figs / "restart.png", labels, series, ylabel="seconds", title="coordinator restart: each client's reconnect")]
+    return "\n".join(out)
+
+
+def render_coordinator(r: dict[str, Any], figs: Path, plt: Any) -> str:
+    sizes = r.get("sizes", [])
+    keys = [("heartbeat_ms", "heartbeat ms"), ("join_ms", "join ms"), ("lease_ms", "lease ms"), ("status_ms", "status ms"),
+            ("join_reply_bytes", "join reply bytes"), ("view_reply_bytes", "changed view, snapshot bytes"), ("view_delta_bytes", "changed view, delta bytes")]
+    rows = [[label] + [num(r.get(f"{k}_{n}")) for n in sizes] for k, label in keys]
+    out = [f"`CoordinatorCore.handle` (no network), {r.get('stages')} stages, every heartbeat a training/averaging flip. "
+           f"`heartbeat_growth` {dec(r.get('heartbeat_growth'), 3)} (goal ≤ 2, and ≤ 0.3 ms at 10,000).", "",
+           table(["members"] + [num(n) for n in sizes], rows)]
+    if plt is not None and sizes:
+        out += ["", bars(plt, figs / "coordinator.png", [num(n) for n in sizes],
+                         {label: [r.get(f"{k}_{n}") for n in sizes] for k, label in keys[:4]}, ylabel="ms per request", title="request paths vs members", log=True)]
+    return "\n".join(out)
+
+
+def render_abuse(r: dict[str, Any], figs: Path, plt: Any) -> str:
+    rows = []
+    for name, a in r.get("attacks", {}).items():
+        refused = sum(v for k, v in a.items() if isinstance(v, int) and "reject" in k)
+        bans = sum(v for k, v in a.items() if isinstance(v, int) and "ban" in k)
+        ops = ", ".join(a.get("honest_ms", {}))
+        before = " / ".join(num(v) for v in a.get("baseline_ms", {}).values())
+        during = " / ".join(num(v) for v in a.get("honest_ms", {}).values())
+        rows.append([f"`{name}`", ops, f"{before} → {during}", num(a.get("latency_ratio")), num(a.get("mem_growth_bytes")), f"{refused} / {bans}",
+                     num(a.get("honest_ok"))])
+    out = [f"Each attack from this process against a target process while an honest peer works; honest latency in ms without → with "
+           f"the attack; `mem_growth_bytes` is the target's RSS growth. Background heartbeats missed: {r.get('background_heartbeats_missed')}; "
+           f"all honest ok: {num(r.get('all_honest_ok'))}.", "",
+           table(["attack", "honest ops", "ms without → with", "`latency_ratio`", "`mem_growth_bytes`", "refused / temp bans", "`honest_ok`"], rows)]
+    if plt is not None and rows:
+        names = list(r["attacks"])
+        out += ["", bars(plt, figs / "abuse.png", [n.replace("_", "\n") for n in names], {"latency_ratio": [r["attacks"][n].get("latency_ratio") for n in names]},
+                         ylabel="honest latency, with ÷ without", title="attacks", hline=1.0)]
+    return "\n".join(out)
+
+
+def render_integrity(r: dict[str, Any], figs: Path, plt: Any) -> str:
+    rows = []
+    for kind, k in r.get("kinds", {}).items():
+        reason = next(iter(k.get("bans", {}).values()), "") if isinstance(k.get("bans"), dict) else ""
+        loss = k.get("loss_ratio") if kind != "blackhole" else None
+        rows.append([kind, num(k.get("detected")), num(k.get("microbatches_to_ban")), num(k.get("false_positives")),
+                     dec(loss, 3) if loss is not None else (f"tokens/s after the ban: {dec(k.get('throughput_ratio_after_ban'), 3)} × honest" if kind == "blackhole" else "–"),
+                     f"`{reason[:90]}`" if reason else "–"])
+    runs = r.get("honest_runs", [])
+    out = [f"Every adversary kind in a real local swarm (2 + 2 honest nodes, a 30-step 2-stage run; the adversary joins as a newcomer). "
+           f"Honest runs: {len(runs)}, banning {r.get('false_positives', {}).get('honest', '–')} nodes; final losses "
+           f"{', '.join(dec(h.get('final_loss'), 3) for h in runs)}.", "",
+           table(["kind", "banned", "microbatches to ban", "honest nodes banned", "final loss / honest run's", "the ban reason starts"], rows)]
+    if r.get("overhead"):
+        o = r["overhead"]
+        out += ["", f"Overhead of the checks (off vs on, alternating): {fmt.pct(o.get('overhead'))} "
+                f"(off {o.get('tokens_per_s_off')}, on {o.get('tokens_per_s_on')} tokens/s over {o.get('steps')} steps)."]
+    if plt is not None and rows:
+        kinds = list(r["kinds"])
+        out += ["", bars(plt, figs / "integrity.png", kinds, {"microbatches to ban": [r["kinds"][k].get("microbatches_to_ban") for k in kinds]},
+                         ylabel="count", title="corrupted microbatches (leases for the blackhole) before the ban")]
+    return "\n".join(out)
+
+
+def render_compression(r: dict[str, Any], figs: Path, plt: Any) -> str:
+    out = [f"At equal tokens ({r.get('steps')} steps, seeds {r.get('seeds')}), every codec passed through the boundary codec in "
+           f"`train-local`; {num(r.get('seconds'))} s. The full tables and the plot: [compression.md](compression.md). Per model, the "
+           "headline codec (the best at a ratio of 64 or more):", ""]
+    rows = []
+    for model, m in r.get("models", {}).items():
+        rows.append([model, m.get("d_model"), num(m.get("params")), m.get("headline"), dec(m.get("ratio"), 3), dec(m.get("loss_subspace"), 4),
+                     dec(m.get("loss_none"), 4), fmt.pct(m.get("loss_rel_diff")), num(get(r, "goal_met", model))])
+    out += [table(["model", "D", "params", "headline codec", "ratio", "final val loss", "`none`'s", "vs none", "goal met"], rows), "",
+            "![compression](compression.png)"]
+    return "\n".join(out)
+
+
+def render_nat(r: dict[str, Any], figs: Path, plt: Any) -> str:
+    punched = r.get("path_after") == "hole-punched"
+    rows = [
+        ["relayed (through the relay in \"public\")", f"reservation {num(r.get('reserve_ms'))} ms, circuit dial {num(r.get('circuit_dial_ms'))} ms", num(r.get("relayed_mib_s"))],
+        ["hole-punched" if punched else "after the punch attempt (still relayed)", f"punch {num(r.get('punch_s'))} s after the circuit opened" if punched else "no punch",
+         f"{num(r.get('second_mib_s'))}" + (f" ({num(r.get('punched_vs_relayed'))}× relayed)" if punched else "")],
+        ["direct, B dials a public host through its NAT", r.get("direct_path", ""), num(r.get("direct_mib_s"))],
+    ]
+    out = [f"Real NATs in network namespaces (`random_fully` {num(r.get('random_fully'))}: "
+           f"{'port-randomising routers' if r.get('random_fully') else 'routers keep source ports'}); B sends {r.get('mib')} MiB in 4 MiB tensors per path.", "",
+           table(["path", "set-up", "MiB/s"], rows)]
+    if plt is not None:
+        name = "nat-random.png" if r.get("random_fully") else "nat.png"
+        out += ["", bars(plt, figs / name, ["relayed", "second stream", "direct"], {"MiB/s": [r.get("relayed_mib_s"), r.get("second_mib_s"), r.get("direct_mib_s")]},
+                         ylabel="MiB/s", title="paths through NATs")]
+    return "\n".join(out)
