@@ -52,6 +52,9 @@ class CoordinatorSettings(BaseModel):
     # Departed (left or expired) members are remembered this long so a rejoin gets its old stage.
     departed_retention_s: float = Field(24 * 3600.0, ge=0)
     max_members: int = Field(100_000, ge=1)
+    # Keep the finished run's model: once its last step commits, members are told (heartbeat replies'
+    # ``final``) to stay until the coordinator's adapter has fetched every stage (coordinator start does).
+    keep_final: bool = False
     # Step accounting under attack (issue 12). A closed step reopens at most this many times; a redo past
     # it is refused (``revision_cap``) and the last revision stands. At most the round ids a step has.
     max_revisions: int = Field(32, ge=1, le=REVISIONS_PER_STEP)

@@ -7,12 +7,13 @@ the process-global ``REGISTRY``, so two coordinators in one process do not colli
 :func:`exposition` writes that registry with prometheus_client's ``generate_latest``: escaping, number
 formatting and the ``HELP``/``TYPE`` lines are the library's.
 
-:func:`serve_metrics` answers every ``GET`` on the port with that text. It reads at most
+:func:`serve_metrics` answers every ``GET`` on the port with that text, with the process's own
+``process_*`` metrics (CPU, memory, open files) beside the coordinator's. It reads at most
 :data:`MAX_REQUEST_BYTES` of the request within :data:`READ_TIMEOUT_S` and serves at most
 :data:`MAX_CONNECTIONS` clients at once, so a slow or hostile scraper cannot hold memory or a task
 for long.
 
-Why this endpoint is our own (about 40 lines of trio) rather than prometheus_client's
+The HTTP endpoint is :mod:`protolearn.metrics_endpoint` (nodes serve theirs with it too). Why it is our own (about 40 lines of trio) rather than prometheus_client's
 ``start_http_server``. Measured with prometheus_client 0.26: that server starts one OS thread per
 connection, with no read deadline and no cap, so 200 clients that send half a request head held 200
 threads for as long as they stayed (still 200 after 10 s; back to 2 only when they hung up), where
@@ -24,26 +25,19 @@ thread between two coordinator events.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
-from typing import Any
 
-import trio
-from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from protolearn.coordinator.core.dispatch import CoordinatorCore
 from protolearn.coordinator.core.status import build_status
+from protolearn.metrics_endpoint import CONTENT_TYPE, exposition, serve_metrics
 
-MAX_REQUEST_BYTES = 8192
-READ_TIMEOUT_S = 5.0
-MAX_CONNECTIONS = 16
+__all__ = ["CONTENT_TYPE", "CoordinatorCollector", "exposition", "metrics_registry", "serve_metrics"]
+
 PREFIX = "protolearn_"
-# The classic text format, which every Prometheus server reads (the library's LATEST says version=1.0.0).
-CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
-
-log = logging.getLogger("protolearn.coordinator")
 
 
 class CoordinatorCollector(Collector):
@@ -89,7 +83,6 @@ class CoordinatorCollector(Collector):
         yield CounterMetricFamily(PREFIX + "tickets_reissued", "Expired leases re-issued.", value=core.reissued)
         desk = core.integrity
         yield CounterMetricFamily(PREFIX + "integrity_reports", "Integrity reports that reached a verdict (ban or flag).", value=sum(desk.against.values()))
-        yield GaugeMetricFamily(PREFIX + "bans", "Banned peers.", value=len(core.verdicts.bans))
         passed = sum(c.passed for by in desk.checks.values() for c in by.values())
         failed = sum(c.failed for by in desk.checks.values() for c in by.values())
         checks = GaugeMetricFamily(PREFIX + "spot_checks", "Spot checks of live members as their checkers last reported them.", labels=["result"])
@@ -99,58 +92,8 @@ class CoordinatorCollector(Collector):
 
 
 def metrics_registry(core: CoordinatorCore, clock: Callable[[], float]) -> CollectorRegistry:
-    """A registry of its own holding the coordinator's collector."""
+    """A registry of its own holding the coordinator's collector and this process's ``process_*`` metrics."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(CoordinatorCollector(core, clock))
+    ProcessCollector(registry=registry)
     return registry
-
-
-def exposition(registry: CollectorRegistry) -> bytes:
-    """The registry in the Prometheus text format (version 0.0.4, :data:`CONTENT_TYPE`)."""
-    return generate_latest(registry)
-
-
-async def serve_metrics(
-    registry: CollectorRegistry,
-    port: int,
-    host: str = "127.0.0.1",
-    *,
-    task_status: Any = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve ``registry`` over HTTP on ``host:port`` (0 picks a free port) until cancelled.
-
-    ``task_status.started`` receives the bound port.
-    """
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    bound = listeners[0].socket.getsockname()[1]
-    limiter = trio.CapacityLimiter(MAX_CONNECTIONS)
-
-    async def handle(stream: trio.SocketStream) -> None:
-        async with limiter, stream:
-            try:
-                await _answer(stream, registry)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as err:
-                log.info("metrics client went away: %s", err)
-
-    log.info("metrics on http://%s:%d/metrics", host, bound)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, handle, listeners)
-        task_status.started(bound)
-
-
-async def _answer(stream: trio.SocketStream, registry: CollectorRegistry) -> None:
-    request = b""
-    with trio.move_on_after(READ_TIMEOUT_S):
-        while b"\r\n\r\n" not in request and len(request) < MAX_REQUEST_BYTES:
-            chunk = await stream.receive_some(MAX_REQUEST_BYTES - len(request))
-            if not chunk:
-                break
-            request += chunk
-    if request.startswith(b"GET "):
-        body = exposition(registry)
-        head = f"HTTP/1.1 200 OK\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    else:
-        body = b"only GET is served\n"
-        head = f"HTTP/1.1 405 Method Not Allowed\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    with trio.move_on_after(READ_TIMEOUT_S):
-        await stream.send_all(head.encode() + body)

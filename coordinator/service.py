@@ -45,7 +45,9 @@ from protolearn.coordinator.store import DB_FILE, Store
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import Identity, load_or_create_identity
+from protolearn.protocol.interfaces import parse_announce
 from protolearn.protocol.log_digest import LogDigest, Summary
+from protolearn.protocol.link import LinkSpec
 from protolearn.protocol.transport import Host, RelayLimits, TransportConfig, open_host
 from protolearn.protocol.wire import Message
 
@@ -91,6 +93,8 @@ class Running:
     metrics_port: int | None
     core: CoordinatorCore
     host: Host
+    # Where the coordinator keeps its state (and the finished run's model: protolearn/cli/final_model.py).
+    data_dir: Path
     # The host that dials reachability checks back (its peer ID is not the coordinator's).
     checker: Host | None = None
 
@@ -133,7 +137,7 @@ def persisted_run_toml(data_dir: Path) -> str | None:
 class _Service:
     def __init__(
         self, core: CoordinatorCore, store: Store, host: Host, clock: Callable[[], float],
-        *, checker: Host | None = None, relay: bool = False,
+        *, checker: Host | None = None, relay: bool = False, announce: Sequence[str] = (),
     ) -> None:
         self.core = core
         self.store = store
@@ -143,6 +147,8 @@ class _Service:
         # main host relays (then it is the first relay offered).
         self.checker = checker
         self.relay = relay
+        # Full addresses (with /p2p/) the operator announced: offered first to nodes that need a relay.
+        self.announce = list(announce)
         self._check_slots = trio.Semaphore(MAX_CHECKS)
         self._checks_queued = 0  # running or waiting for a slot
         # Closing a libp2p connection takes ~200 ms (yamux), far longer than the dial: the checker drops
@@ -188,7 +194,8 @@ class _Service:
             if isinstance(msg, cm.ReachabilityRequest):
                 reply: Message = await self._check_reachability(peer, msg)
             else:
-                reply = self.core.handle(peer, msg, self.clock())
+                conns = self.host.num_connections(peer) if isinstance(msg, cm.Join) else 1
+                reply = self.core.handle(peer, msg, self.clock(), connections=conns)
         except Refusal as r:
             write, due = self._refusals.note(peer, r.code, (msg.KIND, r.code, r.reason), self.host.clock())
             _log_refusal_summaries(due)
@@ -238,7 +245,7 @@ class _Service:
                 busy = True
                 verdict = BUSY
             log.info("reachability peer=%s verdict=%s reason=%s", peer, verdict.verdict, verdict.reason)
-            own = self.host.addrs() if self.relay else []
+            own = [*self.announce, *self.host.addrs()] if self.relay else []
             return self.core.reachability_reply(peer, verdict, observed, own)
         finally:
             self.core.end_reachability(peer, None if busy else verdict)
@@ -341,17 +348,20 @@ async def serve(
     transport: TransportConfig | None = None,
     clock: Callable[[], float] = time.time,
     relay: bool = False,
+    announce: Sequence[str] = (),
+    link: LinkSpec | None = None,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the coordinator for ``run`` (a RunConfig) until cancelled; ``relay``: its host also relays for
-    nodes behind NATs (and offers itself to them as their relay)."""
+    nodes behind NATs (and offers itself to them as their relay, at the ``announce`` addresses first);
+    ``link``: an emulated link for its host."""
     settings = settings or CoordinatorSettings()
     listen = [listen] if isinstance(listen, str) else list(listen)
     data_dir = Path(data_dir)
     store, core, resumed = open_state(run, data_dir, settings, clock())
     identity = load_or_create_identity(data_dir)
     # A long poll holds a stream for up to MAX_WAIT_S, so requests need a longer deadline than that.
-    transport = transport or TransportConfig(request_timeout_s=cm.MAX_WAIT_S + 5.0)
+    transport = transport or TransportConfig(request_timeout_s=cm.MAX_WAIT_S + 5.0, link=link)
     svc: _Service | None = None
     try:
         async with (
@@ -359,7 +369,9 @@ async def serve(
             # The reachability checker: its own throwaway identity, so its dials are fresh connections.
             open_host(Identity.generate(), [CHECKER_LISTEN], TransportConfig(connect_timeout_s=DIAL_TIMEOUT_S, bulk=False)) as checker,
         ):
-            svc = _Service(core, store, host, clock, checker=checker, relay=relay)
+            svc = _Service(
+                core, store, host, clock, checker=checker, relay=relay, announce=[parse_announce(a, host.peer_id) for a in announce],
+            )
             host.relay.admit = core.may_reserve
             host.on_connection = lambda peer, up: core.connection_changed(peer, up, clock())
             host.serve(
@@ -385,7 +397,7 @@ async def serve(
                     "coordinator peer=%s run=%s step=%d members=%d resumed=%s",
                     host.peer_id, core.run.name, core.ledger.step, core.registry.num_live, resumed,
                 )
-                task_status.started(Running(host.peer_id, host.addrs(), port, core, host, checker=checker))
+                task_status.started(Running(host.peer_id, host.addrs(), port, core, host, Path(data_dir), checker=checker))
     finally:
         if svc is not None:
             svc.flush_refusal_log(everything=True)  # no count is lost at shutdown

@@ -19,6 +19,7 @@ Never torch.load. The exported whole model is in :mod:`protolearn.node.export`.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -284,6 +285,8 @@ def write_atomic(path: Path, blob: bytes) -> None:
         finally:
             os.close(fd)
     except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CheckpointError(str(path), f"cannot write: {err.strerror}: the disk is full; free some space there") from None
         raise CheckpointError(str(path), f"cannot write: {err.strerror}; check the folder exists and is writable") from None
     finally:
         if tmp.exists():  # left behind only when writing failed
@@ -341,13 +344,22 @@ def save_checkpoint(
     return path
 
 
+def run_folder(run: RunConfig) -> str:
+    """The folder a node keeps one run's checkpoints in, under ``<data dir>/checkpoints``: its name and hash."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", run.name)[:64] or "run"
+    return f"{name}-{run.run_hash()[:12]}"
+
+
 def list_checkpoints(directory: str | Path) -> list[CheckpointInfo]:
-    """The readable stage checkpoints in ``directory`` (temp files and other names are ignored)."""
+    """The readable stage checkpoints in ``directory`` and its immediate subfolders (one per run, see
+    :func:`run_folder`); temp files and other names are ignored."""
     d = Path(directory)
     if not d.is_dir():
         return []
     infos = []
-    for p in sorted(d.iterdir()):
+    files = sorted(p for p in d.iterdir() if p.is_file())
+    files += sorted(f for sub in sorted(d.iterdir()) if sub.is_dir() for f in sub.iterdir() if f.is_file())
+    for p in files:
         m = _FILE.match(p.name)
         if m is None or not p.is_file():
             continue

@@ -9,8 +9,10 @@ to do (``not_member``: join again; ``duplicate``: the ticket was already counted
 
 Retried writes are made idempotent here: if a ``Complete`` is retried after its reply was lost, a
 ``duplicate`` or ``step_closed`` refusal means the first attempt was counted, and the call returns
-normally. A ``Join`` answered ``already_joined`` (its earlier reply was lost, or the node restarted
-before the coordinator noticed) makes the link leave and join again, which gives back the same stage.
+normally. Every join and heartbeat carries the link's :attr:`~CoordinatorLink.session` (random, one per
+link): a join retried after its reply was lost is answered again with the same stage, while another
+process with this node's key is refused (``identity_in_use``), and a heartbeat refused as ``superseded``
+(another process with the key took this one's place) stops the node with :class:`IdentityInUse`.
 
 :meth:`CoordinatorLink.heartbeat_loop` is a service (``task_status.started()``) that sends a
 heartbeat every interval, keeps :attr:`members`, :attr:`bans` and :attr:`stage` current, and rejoins
@@ -21,12 +23,13 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import trio
-from protolearn.node.errors import Banned
+from protolearn.node.errors import Banned, IdentityInUse
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.status_schema import Status
 from protolearn.protocol.boundary import OutputEvidence
@@ -84,8 +87,9 @@ def coordinator_peer_id(addr: str) -> str:
 
 
 class CoordinatorLink:
-    def __init__(self, host: Any, coordinator: str, *, retry: RetryPolicy | None = None) -> None:
+    def __init__(self, host: Any, coordinator: str, *, retry: RetryPolicy | None = None, session: str = "") -> None:
         self.host = host
+        self.session = session or secrets.token_hex(8)
         self.addr = coordinator
         self.peer = coordinator_peer_id(coordinator)
         self.retry = retry or RetryPolicy()
@@ -103,6 +107,8 @@ class CoordinatorLink:
         self.last_closed = -1
         self.rejoins = 0
         self._beat_now = trio.Event()
+        # Since when (trio time) every request has failed to reach the coordinator; None while it answers.
+        self.unreachable_since: float | None = None
 
     async def _request(self, msg: Message, reply_type: type[R], *, timeout: float | None = None) -> tuple[R, int]:
         """Send with retries; returns the reply and how many attempts failed before it."""
@@ -120,13 +126,17 @@ class CoordinatorLink:
                         raise
                     # Not connected yet (or the address was forgotten): dial the full multiaddr.
                     reply = await self.host.request(self.addr, cm.COORDINATOR, msg, reply_type, timeout=limit)
+                self.unreachable_since = None
                 return reply, failures
             except Refused as err:
+                self.unreachable_since = None  # it answered, if only to refuse
                 refusal = err if isinstance(err, CoordinatorRefused) else _parse_refusal(self.peer, err)
                 refusal.after_failures = failures
                 raise refusal from None
             except (PeerUnavailable, PeerTimeout) as err:
                 failures += 1
+                if self.unreachable_since is None:
+                    self.unreachable_since = trio.current_time()
                 if trio.current_time() + backoff > deadline:
                     raise
                 log.info("coordinator unreachable (%s); retrying in %.2f s", err.reason, backoff)
@@ -134,16 +144,9 @@ class CoordinatorLink:
                 backoff = min(backoff * 2, self.retry.max_backoff_s)
 
     async def join(self, msg: cm.Join) -> cm.JoinReply:
-        self._join = msg
-        try:
-            reply, _ = await self._request(msg, cm.JoinReply)
-        except CoordinatorRefused as err:
-            if err.code != "already_joined":
-                raise
-            # Our earlier join went through but its reply was lost, or this node restarted before the
-            # coordinator noticed: leave and rejoin, which gives back the same stage.
-            await self._request(cm.Leave(reason="rejoin after a lost join reply"), cm.LeaveReply)
-            reply, _ = await self._request(msg, cm.JoinReply)
+        """Join (or join again) with this link's session, which a retry after a lost reply repeats."""
+        msg = self._join = msg.model_copy(update={"session": self.session})
+        reply, _ = await self._request(msg, cm.JoinReply)
         self.joined = reply
         self.stage, self.step = reply.stage, reply.step
         self.members, self.view_version, self.bans = list(reply.members), reply.view_version, list(reply.bans)
@@ -152,7 +155,7 @@ class CoordinatorLink:
     async def heartbeat(self, hb: cm.Heartbeat) -> cm.HeartbeatReply:
         """One heartbeat. The view comes as deltas of this node's neighbourhood (its own and the adjacent
         stages: all a replica routes to or averages with), merged here, or as a bounded snapshot."""
-        hb = hb.model_copy(update={"view_version": self.view_version, "view_delta": True})
+        hb = hb.model_copy(update={"view_version": self.view_version, "view_delta": True, "session": self.session})
         reply, _ = await self._request(hb, cm.HeartbeatReply)
         self.stage, self.step, self.last_closed = reply.stage, reply.step, reply.last_closed
         self.bans = list(reply.bans)
@@ -185,6 +188,8 @@ class CoordinatorLink:
             except CoordinatorRefused as err:
                 if err.code == "banned":
                     raise Banned(f"the coordinator banned this node ({err.detail}); it stopped training") from None
+                if err.code == "superseded":
+                    raise IdentityInUse(f"this node stopped training: {err.detail}") from None
                 if err.code != "not_member":
                     raise
                 log.warning("coordinator no longer knows this node (%s); joining again", err.reason)
@@ -275,7 +280,7 @@ class CoordinatorLink:
     async def check_corpus(self, fingerprint: str, *, wait_s: float = CORPUS_WAIT_S) -> cm.CorpusCheckReply:
         """Check this node's training data against the swarm's (refused with ``corpus_mismatch``).
 
-        Stage 0's majority decides the swarm's data (coordinator/corpus.py): while stage 0 has not said
+        Stage 0's majority decides the swarm's data (coordinator/core/corpus.py): while stage 0 has not said
         (``corpus_pending``) or is split evenly (``corpus_disputed``), the check is repeated for up to
         ``wait_s``; a dispute still open then counts as a mismatch.
         """

@@ -19,5 +19,9 @@ class Banned(NodeError):
     """The coordinator banned this node (its reason says why); it cannot rejoin the run."""
 
 
+class IdentityInUse(NodeError):
+    """Another process with this node's identity key joined in its place; one identity runs in one process."""
+
+
 class SelfTestError(NodeError):
     """This node's stage output on the run's self-test input differs from its replicas': a faulty device."""

@@ -33,6 +33,7 @@ from protolearn.node.checkpoint import (
 )
 from protolearn.stages.config import RunConfig
 from protolearn.stages.optim import make_optimizer
+from protolearn.stages.model import Transformer
 from protolearn.stages.partition import PartitionPlan
 from protolearn.stages.stage import StageModule, build_stage
 
@@ -165,3 +166,12 @@ def load_model(path: str | Path, stages: Sequence[StageModule]) -> ModelInfo:
     for name, p in params.items():
         p.copy_(tensors[name].to(p.device))
     return info
+
+
+def load_transformer(path: str | Path, device: str = "cpu") -> tuple[Transformer, ModelInfo]:
+    """The whole model of an exported file in one :class:`~protolearn.stages.model.Transformer` (for sampling)."""
+    info = read_model_info(path)
+    run = info.run()
+    model = Transformer(run.model, run.seed)
+    load_model(path, [model])  # type: ignore[list-item]  # the same global parameter names as the stages'
+    return model.to(device).eval(), info

@@ -43,6 +43,7 @@ from protolearn.node.core.events import (
     Resync,
     RoundDone,
     RoundFailed,
+    Skip,
     StartHeld,
     WaitClosed,
     WaitCommit,
@@ -50,6 +51,7 @@ from protolearn.node.core.events import (
 from protolearn.node.core.closed_step import NodeCore
 from protolearn.node.driver import emit
 from protolearn.node.progress import Progress
+from protolearn.node.step_timing import StepTimer
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
@@ -93,8 +95,10 @@ class Finisher:
         resync: Callable[[int], Awaitable[None]],
         start_held: Callable[[list], None],
         clock: Callable[[], float] = trio.current_time,
+        timing: StepTimer | None = None,
     ) -> None:
         self.core = core
+        self.timing = timing
         self.worker = worker
         self.averager = averager
         self.link = link
@@ -124,6 +128,8 @@ class Finisher:
                     return StepResult(0)
                 if isinstance(a, Apply):
                     return StepResult(0, await self._apply(a))
+                if isinstance(a, Skip):
+                    return StepResult(0, await self._skip(a))
                 got = await self._carry(a)
                 if got is not None:
                     event = got
@@ -134,6 +140,8 @@ class Finisher:
             emit(self.progress, a)
             return None
         if isinstance(a, AskReported):
+            if a.delay_s:
+                await trio.sleep(a.delay_s)
             hashes = await self.reported_hashes(a.step)
             return Reported(a.step, bool(hashes))
         if isinstance(a, Average):
@@ -167,7 +175,7 @@ class Finisher:
                 reply = await self.link.redo(a.step, a.tickets, a.reason, revision=a.revision)
             except CoordinatorRefused as err:
                 log.log(logging.INFO if a.expected else logging.WARNING, "redo refused step=%d tickets=%s reason=%s", a.step, a.tickets, err.reason)
-                return RedoAnswer(a.step, a.revision, granted=False, reason=err.reason)
+                return RedoAnswer(a.step, a.revision, granted=False, reason=err.reason, code=err.code)
             except ProtocolError as err:  # unreachable or no answer in time: not a refusal
                 return RedoAnswer(a.step, a.revision, granted=None, reason=err.reason)
             self.progress.event("redo", step=a.step, tickets=a.tickets, reason=a.reason, reopened=reply.reopened)
@@ -178,12 +186,16 @@ class Finisher:
             return await self._reopened(a)
         if isinstance(a, WaitCommit):
             self.progress.event("averaged", step=a.step, revision=a.revision, seconds=round(self.core.averaging_seconds(self.clock()), 4))
+            if self.timing is not None:
+                self.timing.phase("commit")
             try:
                 committed = await self.link.wait_committed(
                     a.step, a.revision, report=a.report, poll_s=COMMIT_POLL_S, result_hash=self._result_hash
                 )
             except CoordinatorRefused as err:  # result_mismatch: the stage's majority holds another result
                 return CommitAnswer(a.step, a.revision, False, refused=err.reason)
+            if committed and self.timing is not None:
+                self.timing.phase("apply")
             return CommitAnswer(a.step, a.revision, committed)
         if isinstance(a, StartHeld):
             self.start_held(a.payloads)
@@ -199,6 +211,17 @@ class Finisher:
         except ProtocolError as err:
             return ReopenAnswer(a.step, a.revision, reopened=None, reason=err.reason)
         return ReopenAnswer(a.step, a.revision, reopened=info.closed or info.open_step == a.step)
+
+    async def _skip(self, a: Skip) -> str:
+        """Count ``a.step`` applied with no update (its result is lost to this stage; see the node core)."""
+        async with self.compute:
+            param_hash = await trio.to_thread.run_sync(self.worker.param_hash)
+            self.worker.applied = a.step + 1
+            follow = self.core.handle(Applied(a.step, param_hash), self.clock())
+        await trio.to_thread.run_sync(self.worker.forget, a.step, limiter=self.compute)
+        for b in follow:
+            await self._carry(b)
+        return param_hash
 
     async def _apply(self, a: Apply) -> str:
         result = self._result

@@ -114,7 +114,7 @@ class Integrity:
         self.timeout_s = timeout_s
         self.run_hash = run.run_hash()
         cfg = run.integrity
-        self.tolerance = tolerance(run.codec, cfg.check_tolerance)
+        self.tolerance = tolerance(run.codec, cfg.check_tolerance, tuple(cfg.precisions))
         self.monitor = BoundaryMonitor(codec=run.codec) if cfg.monitors else None
         self.rng = random.Random(seed)
         self.checks = cfg.spot_check_rate > 0  # 0: no spot checks at all (probation included)

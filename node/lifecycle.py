@@ -15,7 +15,9 @@ import torch
 import trio
 from protolearn.node.config import NodeConfig
 from protolearn.node.errors import StateSyncError
+from protolearn.node.final_wait import stay_for_final_model
 from protolearn.node.join import join_coordinator
+from protolearn.node.link_watch import serve_node_metrics, watch_link
 from protolearn.node.node import Node
 from protolearn.node.progress import Progress
 from protolearn.protocol.identity import Identity
@@ -26,7 +28,7 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
     """Join, train and leave. Returns the number of steps this node's stage has applied."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    tconfig = TransportConfig(request_timeout_s=config.request_timeout_s)
+    tconfig = TransportConfig(request_timeout_s=config.request_timeout_s, link=config.link)
     # Whether to relay is decided before the host opens; the node announces it only if it turns out public.
     relay = RelayLimits() if config.relay else None
     async with open_host(identity, [config.listen], tconfig, relay=relay) as host:
@@ -47,6 +49,9 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(link.heartbeat_loop, node.make_heartbeat, node.on_heartbeat)
+                await nursery.start(watch_link, link, progress.update)
+                if config.metrics_port is not None:
+                    await nursery.start(serve_node_metrics, config, link, progress)
                 await nursery.start(node.hashes.check_loop, node.heartbeat_s, lambda: node.stage)
                 await nursery.start(node.relay_watch.watch)
                 stage, open_step = joined.stage, joined.step
@@ -69,7 +74,9 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
                         break
                     stage, open_step = link.stage, link.step
                 progress.event("finished", applied=node.applied)
-                await link.heartbeat(node.make_heartbeat())
+                if host.link is not None:  # what the emulated link carried, on its own clock
+                    progress.event("link", **host.link.snapshot())
+                await stay_for_final_model(link, node.make_heartbeat, progress.say, every_s=node.heartbeat_s)
                 await node.hashes.check(node.stage)
                 nursery.cancel_scope.cancel()
         finally:

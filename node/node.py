@@ -47,6 +47,7 @@ from protolearn.node.relay_watch import RelayWatch
 from protolearn.node.replica_hashes import ReplicaHashes
 from protolearn.node.router import Router
 from protolearn.node.state_sync import Snapshot, StateServer
+from protolearn.node.step_timing import StepTimer
 from protolearn.node.syncing import StageSync
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
@@ -82,8 +83,10 @@ class Node:
         self.view = Membership(joined.view_version, list(joined.members))
         self.heartbeat_s = joined.heartbeat_interval_s
         self.device = resolve_device(config.device)
+        # Where each step's time goes (node/step_timing.py): one ``step_times`` event per step.
+        self.timing = StepTimer(progress, clock)
         # Held for every compute step, and while a step is applied together with the applied count.
-        self.compute = trio.CapacityLimiter(1)
+        self.compute = self.timing.limiter(trio.CapacityLimiter(1))
         self.last_loss: float | None = None
         self.target_steps = min(run.steps, config.max_steps) if config.max_steps else run.steps
         self.hashes = ReplicaHashes(link, progress, host.peer_id, applied=lambda: self.applied)
@@ -162,7 +165,7 @@ class Node:
         router = self.router = Router(
             self.host, run, self.worker, corpus, core.accounting, self.compute, routes=self.routes, integrity=self.integrity,
             outbound=outbound, on_complete=self.driver.complete, on_peer_down=self.driver.peer_down if self.worker.first else None,
-            send_timeout_s=self.config.request_timeout_s, clock=self.clock,
+            send_timeout_s=self.config.request_timeout_s, clock=self.clock, timing=self.timing,
         )
         self.averager = Averager(self.host, stage, self.worker.numel, timeout_s=self.config.averaging_timeout_s,
                                  window=lambda: core.next_round, clock=self.clock,
@@ -178,13 +181,15 @@ class Node:
         self.finisher = Finisher(
             core, self.worker, self.averager, self.link, self.compute, self.progress,
             reported_hashes=self.syncer.reported_hashes, resync=self.resync, start_held=self.router.release, clock=self.clock,
+            timing=self.timing,
         )
         StateServer(self.host, stage, self.run_hash, self._snapshot).register()
         self.core = core
         self._apply_view()
-        self.progress.update(stage=f"{stage}/{self.worker.module.plan.num_stages}")
+        self.progress.update(stage=stage, num_stages=self.worker.module.plan.num_stages, steps=self.target_steps)
         self.progress.event(
             "built", stage=stage, device=self.device, params=self.worker.numel, layers=list(self.worker.module.layers), check_seed=self.integrity_seed,
+            precision=self.worker.precision,
         )
 
     async def _snapshot(self) -> Snapshot | None:
@@ -204,6 +209,11 @@ class Node:
         self.worker.applied = -1  # weights being replaced: no spot check recomputes with them meanwhile
         applied = await self.syncer.sync(open_step)
         self.worker.applied = applied
+        if applied > 0:
+            # Report the installed state's hash at once, not only after the next applied step: a stage whose
+            # replicas all just synced (and cannot apply yet) would otherwise report none, and every joiner
+            # would wait for "its replicas' parameter hashes" forever.
+            self.hashes.record(applied - 1, await trio.to_thread.run_sync(self.worker.param_hash, limiter=self.compute))
         self.core.handle(Synced(applied), self.clock())
 
     async def _integrity_report(self, target: str, reason: str, evidence: OutputEvidence | None, fault: ReducerFault | None = None) -> bool:
@@ -320,8 +330,10 @@ class Node:
                 self.progress.event("moved", stage=self.stage, to=self.link.stage, applied=core.applied)
                 return False
             step = core.applied
+            self.timing.begin(step)
             revision = 1
             while revision:
+                self.timing.phase("train")
                 closed = trio.Event()
                 async with trio.open_nursery() as nursery:
                     if self.worker.first:
@@ -329,11 +341,14 @@ class Node:
                     info = await self._wait_closed(step, revision)
                     # Not a cancel: a lease request cut off mid-flight would strand tickets until their lease expires.
                     closed.set()
+                self.timing.phase("averaging")
                 # 0 once applied (or resynced); otherwise the step was reopened to redo tickets and closes again later.
                 done = await self.finisher.finish(step, info)
+                self.timing.phase("other")
                 revision = done.revision
                 if not revision and done.param_hash:
                     await self._after_apply(step, info, done.param_hash)
+            self.timing.end(step)
         return True
 
     async def _after_apply(self, step: int, info: cm.StepInfo, param_hash: str) -> None:

@@ -1,7 +1,8 @@
 """A node's stage on disk: periodic checkpoints, and where a (re)starting node takes its stage's state from.
 
 Checkpoints. Every ``checkpoint_every`` applied steps (and when the node leaves or finishes) the node
-writes its stage, parameters plus AdamW state plus step and run hash, into ``<data dir>/checkpoints``
+writes its stage, parameters plus AdamW state plus step and run hash, into
+``<data dir>/checkpoints/<run name>-<run hash>`` (one folder per run, so two runs never mix)
 with :func:`~protolearn.node.checkpoint.save_checkpoint` (atomic: temp file, fsync, rename; the newest
 ``checkpoint_keep`` are kept). Every replica writes on the same steps, so the stage files of one step
 form a consistent whole model, which ``protolearn export --checkpoints`` assembles.
@@ -48,6 +49,7 @@ from protolearn.node.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     read_checkpoint_info,
+    run_folder,
     save_checkpoint,
 )
 from protolearn.node.config import NodeConfig
@@ -122,7 +124,7 @@ def plan_restore(
         return RestorePlan("init", f"stage {stage}: {lost_why}; the run has not stepped yet, so the deterministic init is its state")
     return RestorePlan(
         "lost",
-        f"stage {stage} {lost_why} and the run is at step {open_step}, and this node has no checkpoint of it; "
+        f"stage {stage}: {lost_why}, the run is at step {open_step}, and this node has no checkpoint of it; "
         f"restart with `node join --checkpoint stage-{stage}-step-<t>.safetensors` (a checkpoint of this run)",
     )
 
@@ -131,7 +133,9 @@ class StagePersistence:
     """The node's checkpoint writer and restore planner; the node calls it at its hooks."""
 
     def __init__(self, config: NodeConfig, run: RunConfig, progress: Progress, compute: trio.CapacityLimiter) -> None:
-        self.dir = config.data_dir / CHECKPOINT_DIR
+        # This run's checkpoints are written to a folder of their own; any run's are read from all of them.
+        self.root = config.data_dir / CHECKPOINT_DIR
+        self.dir = self.root / run_folder(run)
         self.every = config.checkpoint_every
         self.keep = config.checkpoint_keep
         self.given = config.checkpoint
@@ -139,6 +143,7 @@ class StagePersistence:
         self.progress = progress
         self.compute = compute
         self._saved: tuple[int, int] | None = None  # (stage, applied) of the last write
+        self._failing = False  # the last write failed (a full disk): the next failure is not news
         self._warned_given = False
 
     # -- which checkpoint --------------------------------------------------------------------
@@ -154,7 +159,7 @@ class StagePersistence:
             if not self._warned_given:
                 self._warned_given = True
                 self.progress.say(f"note: --checkpoint holds stage {info.stage}, but the coordinator assigned stage {stage}; not using it")
-        mine = [i for i in list_checkpoints(self.dir) if i.stage == stage and i.run_hash == run_hash]
+        mine = [i for i in list_checkpoints(self.root) if i.stage == stage and i.run_hash == run_hash]
         return max(mine, key=lambda i: i.step, default=None)
 
     # -- hooks -------------------------------------------------------------------------------
@@ -177,6 +182,7 @@ class StagePersistence:
         if plan.source == "init":
             got = await trio.to_thread.run_sync(worker.param_hash, limiter=self.compute)
             self.progress.event("init", stage=stage, hash=got, reason=plan.reason)
+            self.progress.say(f"stage {stage}: the run's deterministic initial state (a fresh run)")
             return 0
         info = plan.checkpoint
         if info is None:  # plan_restore always names the checkpoint of a local or checkpoint plan
@@ -190,9 +196,12 @@ class StagePersistence:
         got = await trio.to_thread.run_sync(install, limiter=self.compute)
         self._saved = (stage, info.step)
         if plan.source == "checkpoint":
-            self.progress.say(plan.reason)
             if info.step < open_step:
-                log.warning("%s", plan.reason)
+                log.warning("%s", plan.reason)  # shown on the terminal too
+            else:
+                self.progress.say(plan.reason)
+        else:
+            self.progress.say(f"stage {stage}: {plan.reason}")
         self.progress.event("restored", source=plan.source, path=str(info.path), checkpoint_step=info.step, applied=plan.applied, hash=got, reason=plan.reason)
         return plan.applied
 
@@ -220,9 +229,12 @@ class StagePersistence:
         try:
             n, path = await trio.to_thread.run_sync(save, limiter=self.compute)
         except CheckpointError as err:
-            # A full disk must not stop training; the user sees it once per failure in the log and on stderr.
-            log.error("checkpoint not written: %s", err)
+            # A full disk must not stop training: the user is told once (and again after a write that
+            # worked); every failure is in the event log.
+            log.log(logging.INFO if self._failing else logging.ERROR, "checkpoint not written (training goes on without it): %s", err)
+            self._failing = True
             self.progress.event("checkpoint_failed", stage=stage, reason=str(err))
             return
+        self._failing = False
         self._saved = (stage, n)
         self.progress.event("checkpoint", stage=stage, step=n, path=str(path))

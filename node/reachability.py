@@ -2,7 +2,7 @@
 
 Before it joins, a node sends its listen addresses in a
 :class:`~protolearn.protocol.coordination.ReachabilityRequest`; the coordinator dials it back on a fresh
-connection (see ``coordinator/reachability.py``) and answers with a verdict:
+connection (see ``coordinator/core/reachability.py``) and answers with a verdict:
 
 - ``public``: the addresses the dial-back reached are advertised first, then the node's own. With
   ``--relay`` the node also offers to relay for private nodes.
@@ -29,6 +29,7 @@ from protolearn.node.config import NodeConfig
 from protolearn.node.errors import JoinError
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.interfaces import WILDCARD, dialable, parse_announce
 
 log = logging.getLogger("protolearn.node")
 
@@ -76,6 +77,16 @@ def joinable(addrs: Iterable[str]) -> list[str]:
         if len(a) <= cm.MAX_ADDR and a not in out:
             out.append(a)
     return out[: cm.MAX_ADDRS]
+
+
+def dialable_addrs(host: Any, listen: str) -> list[str]:
+    """The host's own addresses as other machines should try them: for a wildcard listener, every
+    interface's address (the default route's first), loopback last; otherwise what it listens on."""
+    own = list(host.addrs())
+    if not listen.startswith(f"/ip4/{WILDCARD}/") or not own:
+        return own
+    port = own[0].split("/")[4]
+    return [d.addr for d in dialable([f"/ip4/{WILDCARD}/tcp/{port}"], host.peer_id)]
 
 
 def relay_candidates(relay_via: Sequence[str], offered: Sequence[str]) -> list[str]:
@@ -164,12 +175,16 @@ async def establish(
     """Check this node's reachability and decide what it advertises (see the module docstring);
     a private node without a relay slot raises one JoinError line."""
     say = say or log.warning
-    own = list(host.addrs())
+    # Announced addresses first (port forwarding: no interface holds them), then the interfaces' own.
+    own = [parse_announce(a, host.peer_id) for a in config.announce] + dialable_addrs(host, config.listen)
     timeout = min(REACHABILITY_TIMEOUT_S, config.request_timeout_s)
     reply = await ask_reachability(host, coordinator, own, timeout=timeout)
     seen = {"observed_ip": reply.observed_ip, "observed_port": reply.observed_port, "local_port": host.local_port(coordinator)}
     if reply.verdict == "public":
-        return Reachability("public", reply.reason, joinable([*reply.reachable, *own]), **seen)
+        found = Reachability("public", reply.reason, joinable([*reply.reachable, *own]), **seen)
+        if found.addrs:
+            say(f"reachable from other machines at {found.addrs[0]} (the coordinator dialled it back)")
+        return found
     if reply.verdict == "unknown":
         log.warning("could not tell whether this node is reachable from the internet (%s); advertising its own addresses", reply.reason)
         return Reachability("unknown", reply.reason, joinable(own), **seen)

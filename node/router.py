@@ -35,6 +35,7 @@ from protolearn.node.core.accounting import Accounting
 from protolearn.node.core.routing import RouteCore
 from protolearn.node.integrity import Integrity, Received
 from protolearn.node.outbound import PASS_THROUGH, Outbound
+from protolearn.node.step_timing import StepTimer, timed_transfer
 from protolearn.node.worker import StageWorker
 from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.codecs import CodecContext, Encoder, decode, make_encoder, token_ids
@@ -99,6 +100,7 @@ class Router:
         outbound: Outbound = PASS_THROUGH,
         on_peer_down: Callable[[str], None] | None = None,
         clock: Callable[[], float] = trio.current_time,
+        timing: StepTimer | None = None,
     ) -> None:
         """``routes``: the routing decisions and the per-ticket record they rest on (node/core/routing.py).
         ``on_complete``: stage 0's driver, told of each ticket whose gradient came home. ``integrity``:
@@ -107,6 +109,7 @@ class Router:
         told of each next-stage peer a forward send to failed (stage 0 then restarts the tickets it
         handed that peer, without waiting for the membership)."""
         self.host = host
+        self.timing = timing  # counts the sends and receives below as boundary transfer (node/step_timing.py)
         self.run = run
         self.worker = worker
         self.stage = worker.stage
@@ -135,6 +138,8 @@ class Router:
         self._limits = TensorLimits(max_elements=n, max_bytes=8 * n + 4096)
         self._nursery: trio.Nursery | None = None
         self.queue_len = 0
+        # Records of steps before this one are forgotten (see _forget_applied).
+        self._forgotten_before = 0
 
     # -- wiring ----------------------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -154,12 +159,20 @@ class Router:
     def release(self, payloads: list) -> None:
         """Start the work that was held until the previous step was applied."""
         assert self._nursery is not None
-        applied = self.accounting.applied
-        self.tickets.prune(applied)
-        if self.integrity is not None:
-            self.integrity.prune(applied)
+        self._forget_applied()
         for p in payloads:
             self._nursery.start_soon(self._forward_received, *p)
+
+    def _forget_applied(self) -> None:
+        """Forget the ticket records (frames included) and served checks of the steps this replica has
+        applied. Called as work arrives, so records of step t go with the first work after t is applied,
+        whether or not any work was held for the next step: they never pile up step after step."""
+        applied = self.accounting.applied
+        if applied != self._forgotten_before:
+            self._forgotten_before = applied
+            self.tickets.prune(applied)
+            if self.integrity is not None:
+                self.integrity.prune(applied)
 
     def _encoder(self, peer: str, direction: str) -> Encoder:
         key = (peer, direction)
@@ -213,6 +226,7 @@ class Router:
     async def start_ticket(self, step: int, ticket: int) -> bool:
         """Run ticket (step, ticket) through stage 0 and send it on. False if it could not be sent."""
         assert self.worker.first and self.corpus is not None
+        self._forget_applied()
         decision = self.accounting.admit_forward(step, ticket)
         if decision.action != "process":
             log.warning("ticket not started step=%d ticket=%d reason=%s", step, ticket, decision.reason)
@@ -232,9 +246,11 @@ class Router:
         return await self._send_forward(step, ticket, route, hidden)
 
     # -- forward ---------------------------------------------------------------------------------
+    @timed_transfer
     async def _on_activation(self, peer: str, s: FramedStream) -> None:
         msg = await s.receive(Activation)
         frame, hidden = await self._read_tensor(peer, s, "fwd")
+        self._forget_applied()
         if self.outbound.withholds(msg.step):
             await s.send(Ack(queue_len=0))
             return
@@ -280,6 +296,7 @@ class Router:
         out = await self._run(self.worker.forward, key, hidden)
         await self._send_forward(step, ticket, route, out)
 
+    @timed_transfer
     async def _send_forward(self, step: int, ticket: int, route: list[str], hidden: torch.Tensor) -> bool:
         key = (step, ticket)
         tried: set[str] = set()
@@ -325,9 +342,11 @@ class Router:
         return False
 
     # -- backward --------------------------------------------------------------------------------
+    @timed_transfer
     async def _on_gradient(self, peer: str, s: FramedStream) -> None:
         msg = await s.receive(Gradient)
         frame, grad = await self._read_tensor(peer, s, "bwd")
+        self._forget_applied()
         if self.outbound.withholds(msg.step):
             await s.send(Ack(queue_len=0))
             return
@@ -336,20 +355,30 @@ class Router:
             await self._refuse(s, peer, "invalid", f"gradient route does not pass through this replica at stage {self.stage} from this sender")
             return
         key = (msg.step, msg.ticket)
-        decision = self.routes.admit_gradient(key, route[: self.stage + 1], self.accounting.admit_backward(msg.step, msg.ticket))
-        if decision.action != "process":
-            await self._refuse(s, peer, decision.code, decision.reason)
-            return
-        got = await self._received(peer, s, "bwd", msg, frame, grad)
-        if got is None:
-            return
-        self.routes.returned(key, self.clock())
-        await s.send(Ack(queue_len=self.queue_len))
-        self.tickets.received(key, "grad", frame)
-        if self.integrity is not None:
-            self.integrity.observe(got)
-        assert self._nursery is not None
-        self._nursery.start_soon(self._backward_received, msg.step, msg.ticket, route, msg.loss, grad, msg.ack)
+        admission = self.accounting.admit_backward(msg.step, msg.ticket)
+        decision = self.routes.admit_gradient(key, route[: self.stage + 1], admission)
+        # From here on the accounting counts this gradient as being applied: every way out that does not
+        # start its backward must say it is moot, or the held attempt's own gradient would be refused as
+        # "already being applied" and the ticket would never complete.
+        started = False
+        try:
+            if decision.action != "process":
+                await self._refuse(s, peer, decision.code, decision.reason)
+                return
+            got = await self._received(peer, s, "bwd", msg, frame, grad)
+            if got is None:
+                return
+            await s.send(Ack(queue_len=self.queue_len))
+            self.routes.returned(key, self.clock())
+            self.tickets.received(key, "grad", frame)
+            if self.integrity is not None:
+                self.integrity.observe(got)
+            assert self._nursery is not None
+            self._nursery.start_soon(self._backward_received, msg.step, msg.ticket, route, msg.loss, grad, msg.ack)
+            started = True
+        finally:
+            if admission.action == "process" and not started:
+                self.accounting.gradient_moot(msg.step, msg.ticket)
 
     async def _backward_received(
         self, step: int, ticket: int, route: list[str], loss: float, grad: torch.Tensor, ack: bytes | None,
@@ -370,6 +399,7 @@ class Router:
             return
         await self._send_backward(step, ticket, route, loss, grad_in, ack)
 
+    @timed_transfer
     async def _send_backward(
         self, step: int, ticket: int, route: list[str], loss: float, grad: torch.Tensor | None, ack: bytes | None,
     ) -> None:

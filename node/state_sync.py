@@ -47,27 +47,31 @@ class StateServer:
     def register(self) -> None:
         self.host.serve_stream(STATE, self._handle, max_inbound=4)
 
+    async def snapshot_of(self, stage: int) -> Snapshot | Refuse:
+        """The state to serve for a request of ``stage``, or why not (a server of several stages overrides this)."""
+        if stage != self.stage:
+            return Refuse(code="stage", reason=f"this replica serves stage {self.stage}, not {stage}")
+        snap = await self.take_snapshot()
+        return Refuse(code="state", reason="this replica is still syncing its own state") if snap is None else snap
+
     async def _handle(self, peer: str, s: FramedStream) -> None:
         req = await s.receive(StateRequest)
-        if req.stage != self.stage:
-            await s.send(Refuse(code="stage", reason=f"this replica serves stage {self.stage}, not {req.stage}"))
-            return
-        snap = await self.take_snapshot()
-        if snap is None:
-            await s.send(Refuse(code="state", reason="this replica is still syncing its own state"))
+        snap = await self.snapshot_of(req.stage)
+        if isinstance(snap, Refuse):
+            await s.send(snap)
             return
         if req.part >= req.parts:
             await s.send(Refuse(code="state", reason=f"part {req.part} of {req.parts} does not exist"))
             return
         applied, param_hash, entries, self_test = snap
         await s.send(StateInfo(
-            stage=self.stage, applied=applied, run_hash=self.run_hash, param_hash=param_hash, num_tensors=len(entries), self_test=self_test,
+            stage=req.stage, applied=applied, run_hash=self.run_hash, param_hash=param_hash, num_tensors=len(entries), self_test=self_test,
         ))
         for i, (name, t) in enumerate(entries):
             if i % req.parts == req.part:
                 await s.send(StateChunk(index=i, name=name))
                 await s.send_tensor(to_frame(t))
-        log.info("state served peer=%s stage=%d applied=%d part=%d/%d", peer, self.stage, applied, req.part, req.parts)
+        log.info("state served peer=%s stage=%d applied=%d part=%d/%d", peer, req.stage, applied, req.part, req.parts)
 
 
 async def fetch_state(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import trio
+from protolearn.node.coordinator_link import coordinator_peer_id
 from protolearn.node.errors import NodeError, StateSyncError
 from protolearn.node.export import ExportResult, write_model
 from protolearn.node.state_sync import fetch_state
@@ -36,6 +37,13 @@ MAX_ROUNDS = 20
 
 class ExportError(NodeError):
     """The swarm could not be exported: a stage has no live replica, or its replicas kept failing."""
+
+
+def _stages_phrase(stages: list[int]) -> str:
+    """"stage 1 has" or "stages 0 and 1 have" (or "stages 0, 1 and 2 have")."""
+    if len(stages) == 1:
+        return f"stage {stages[0]} has"
+    return f"stages {', '.join(map(str, stages[:-1]))} and {stages[-1]} have"
 
 
 async def fetch_members(host: Host, coordinator: str, *, timeout_s: float) -> cm.Members:
@@ -82,9 +90,16 @@ async def _export(host: Host, coordinator: str, out: Path, timeout_s: float) -> 
         raise ExportError(f"the coordinator's run hash {members.run_hash[:12]} does not match its run config; it runs another protolearn version")
     num_stages = run.stages.num_stages
     by_stage = {s: sorted(m.peer_id for m in members.members if m.stage == s and m.state.live) for s in range(num_stages)}
+    if members.final_step >= 0 and not any(by_stage.values()):
+        # The run finished and its nodes left: the coordinator serves the final model it kept.
+        by_stage = {s: [coordinator_peer_id(coordinator)] for s in range(num_stages)}
     empty = [s for s, peers in by_stage.items() if not peers]
     if empty:
-        raise ExportError(f"stage {', '.join(map(str, empty))} has no live replica, so its parameters cannot be fetched; export from checkpoints with `protolearn export --checkpoints DIR`")
+        raise ExportError(
+            f"{_stages_phrase(empty)} no live replica, so {'its' if len(empty) == 1 else 'their'} parameters cannot be fetched; "
+            "export from the nodes' checkpoints instead: gather every stage's stage-<s>-step-<t>.safetensors (from each node's "
+            "<data dir>/checkpoints) into one folder and run `protolearn export --checkpoints DIR`"
+        )
     for m in members.members:
         if m.addrs:
             try:

@@ -26,7 +26,8 @@ and installs a state only if it is the stage's, by this rule (a donor can lie ab
 
 After a download, a **self-test** (``IntegrityConfig.self_test``): each donor sent its stage's output on
 a fixed input from the run seed, computed with the very state it sent; this node computes the same with
-the state it installed and must agree with the majority of its donors within 10 × ``check_tolerance``.
+the state it installed and must agree with the majority of its donors within 10 × ``check_tolerance``
+plus the allowance for the precisions the run admits (``protolearn/precision.py``).
 A broken GPU or driver thus stops the node with one line (:class:`~protolearn.node.errors.SelfTestError`)
 before it touches training. A state from the init or a checkpoint skips the test and says so.
 
@@ -52,6 +53,7 @@ from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
 from protolearn.node.state_sync import fetch_state, fetch_state_split
 from protolearn.node.worker import StageWorker
+from protolearn.precision import allowance
 from protolearn.protocol.boundary import distance
 from protolearn.protocol.coordination import HASH_HISTORY
 from protolearn.protocol.errors import ProtocolError
@@ -214,6 +216,8 @@ class StageSync:
             # The donors' own reports of this step may be a heartbeat behind their state: ask again.
             await trio.sleep(CHECK_POLL_S)
         self.progress.event("synced", donor=donors[0], donors=donors, applied=applied, hash=got)
+        who = ", ".join(d[-8:] for d in donors)
+        self.progress.say(f"stage {self.stage}: took the state after {applied} steps from replica{'s' if len(donors) > 1 else ''} {who} (hash {got[:12]})")
 
     async def _self_test(self, outputs: dict[str, bytes]) -> None:
         """Known-answer self-test: this device's output on the run's self-test input must match what the donors
@@ -225,7 +229,8 @@ class StageSync:
             self.progress.event("self_test", result="skipped")
             return
         mine = await trio.to_thread.run_sync(self.worker.self_test, limiter=self.compute)
-        tol = SELF_TEST_TOLERANCE_FACTOR * self.worker.run.integrity.check_tolerance
+        cfg = self.worker.run.integrity
+        tol = SELF_TEST_TOLERANCE_FACTOR * cfg.check_tolerance + allowance(tuple(cfg.precisions))
         far: dict[str, float] = {}
         for donor, raw in outputs.items():
             if len(raw) != 4 * mine.numel():

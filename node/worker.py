@@ -4,6 +4,8 @@ Every method of :class:`StageWorker` that touches tensors is meant to run throug
 ``trio.to_thread.run_sync`` with the node's single compute limiter, so the event loop keeps reading
 streams (yamux resets a stream whose reader pauses for 5 s) and no two torch calls race on the
 module. Tensors handed in and out live on the CPU; the worker moves them to and from its device.
+With ``bf16_autocast`` it computes under bf16 autocast on its device, the CPU included (so the
+mixed-precision path runs in tests here); what the run allows for that is ``protolearn/precision.py``.
 
 Parameter gradients are kept **per ticket** until the step closes: each backward runs with empty
 ``.grad`` and its result is moved into a per-ticket store. At step close the node sums exactly the
@@ -41,7 +43,7 @@ class StageWorker:
         self.params = [params[n] for n in self.names]
         self.optimizer = make_optimizer(self.module.parameters(), run.optim)
         self.numel = sum(p.numel() for p in self.params)
-        self._autocast = bf16_autocast and self.device.type == "cuda"
+        self._autocast = bf16_autocast
         # Microbatches whose graph the module holds (forward done, backward not yet).
         self._keys: set[Hashable] = set()
         # Per-ticket parameter gradients (one tensor or None per parameter), summed at step close.
@@ -58,8 +60,13 @@ class StageWorker:
     def last(self) -> bool:
         return self.module.last
 
+    @property
+    def precision(self) -> str:
+        """What this worker computes in (protolearn/precision.py): what its node declares at join."""
+        return "bf16" if self._autocast else "fp32"
+
     def _ctx(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self._autocast else nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self._autocast else nullcontext()
 
     # -- pipeline compute ------------------------------------------------------------------------
     def forward(self, key: Hashable, inputs: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The wire protocol: message schemas, framing, tensor frames, codecs, identity and signatures.
 
 Everything here is pure (no trio, no libp2p) except :mod:`protolearn.protocol.transport`, the one
-adapter that binds the protocol to libp2p streams; ``tests/unit/test_purity.py`` walks this package and
+adapter that binds the protocol to libp2p streams; ``tests/integration/test_purity.py`` walks this package and
 checks every other module. The layout:
 
 - The envelope and its limits: ``wire.py`` (messages, the msgpack envelope), ``bounds.py`` (limits and

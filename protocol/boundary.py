@@ -14,8 +14,8 @@ step, bit for bit):
 A **spot check** sends the same inputs to other replicas of the stage, which recompute and sign the
 same kind of statement over their own output. Relative L2 distances between the decoded outputs
 then decide: within :func:`tolerance` (the codec's own error plus the run's ``check_tolerance``,
-which covers nondeterministic kernels) they agree. Three signed statements over the same inputs,
-two of which agree with each other and not with the third, convict the third: the coordinator checks
+which covers nondeterministic kernels, plus the allowance for the precisions the run admits,
+``protolearn/precision.py``) they agree. Three signed statements over the same inputs, two of which agree with each other and not with the third, convict the third: the coordinator checks
 the signatures, the common inputs, and the distances itself (:func:`verify_evidence`), so no peer's
 word is taken on its own. A signed frame that holds NaN or Inf convicts its signer alone.
 
@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 from pydantic import Field
 
 from protolearn.codec_spec import CodecSpecError, parse_codec_spec
+from protolearn.precision import allowance
 from protolearn.protocol.bounds import PeerId, Signature, StageIndex, Step, Ticket
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.frames import TensorFrame, TensorLimits
@@ -89,15 +90,20 @@ def boundary_statement(run_hash: str, step: int, ticket: int, direction: str, st
     ])
 
 
-def tolerance(codec: str, check_tolerance: float) -> float:
-    """The relative L2 distance within which two outputs of the same inputs agree."""
+def tolerance(codec: str, check_tolerance: float, precisions: tuple[str, ...] = ("fp32",)) -> float:
+    """The relative L2 distance within which two outputs of the same inputs agree, in a run admitting
+    ``precisions`` (protolearn/precision.py: one run-wide allowance for the loosest pair)."""
+    return _codec_tolerance(codec) + check_tolerance + allowance(precisions)
+
+
+def _codec_tolerance(codec: str) -> float:
     try:
         spec = parse_codec_spec(codec, field="codec")
     except CodecSpecError:
-        return CODEC_TOLERANCE["topk"] + check_tolerance
+        return CODEC_TOLERANCE["topk"]
     if spec.name == "subspace":
-        return CODEC_TOLERANCE[spec.inner or "fp16"] + _SUBSPACE_ROUNDING + check_tolerance
-    return CODEC_TOLERANCE.get(spec.name, CODEC_TOLERANCE["topk"]) + check_tolerance
+        return CODEC_TOLERANCE[spec.inner or "fp16"] + _SUBSPACE_ROUNDING
+    return CODEC_TOLERANCE.get(spec.name, CODEC_TOLERANCE["topk"])
 
 
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -147,11 +153,12 @@ class OutputEvidence(Message):
 def verify_evidence(
     ev: OutputEvidence, *, run_hash: str, codec: str, check_tolerance: float, shape: Sequence[int],
     verify: Callable[[str, bytes, bytes], None], limits: TensorLimits, subspace: Subspace | None = None,
+    precisions: tuple[str, ...] = ("fp32",),
 ) -> str:
     """Check ``ev`` completely; return the reason to convict ``ev.accused``, or raise ProtocolError.
 
     ``verify(peer, data, signature)`` raises on a bad signature; ``shape`` is the boundary tensor's;
-    ``subspace`` is the run's (needed to decode ``subspace`` frames).
+    ``subspace`` is the run's (needed to decode ``subspace`` frames); ``precisions`` the ones it admits.
     The caller checks who the signers are (live replicas of ``ev.stage``).
     """
     import torch
@@ -183,7 +190,7 @@ def verify_evidence(
     others = [p for p in signers if p != ev.accused]
     if len(others) < 2:
         raise ProtocolError(ev.accused, "a mismatch needs two other replicas' outputs to convict")
-    tol = tolerance(codec, check_tolerance)
+    tol = tolerance(codec, check_tolerance, precisions)
     a, b = (tensors[p] for p in others)
     if distance(a, b) > tol:
         raise ProtocolError(ev.accused, "the two other replicas disagree with each other: no majority")

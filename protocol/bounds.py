@@ -21,6 +21,11 @@ MAX_PARTICIPANTS = 1024
 # (an Ed25519 signature is 64 bytes): room for another algorithm, not for a payload.
 MAX_HASH = 128
 MAX_SIGNATURE = 128
+# The memory a node says its stage may use, in GB (0: not said). A claim: it only ever restricts where its
+# own node is placed (docs/SECURITY.md), and 1 PB is more than any one device holds.
+MAX_MEMORY_GB = 1e6
+# Microbatches a node says it lets in at once (its activation memory; 0: not said, the run's batch).
+MAX_IN_FLIGHT = 1024
 
 PeerId = Annotated[str, Field(min_length=1, max_length=MAX_PEER_ID)]
 Step = Annotated[int, Field(ge=0, lt=2**62)]
@@ -29,8 +34,13 @@ StageIndex = Annotated[int, Field(ge=0, lt=MAX_STAGES)]
 Ticket = Annotated[int, Field(ge=0, lt=2**31)]
 Hash = Annotated[str, Field(max_length=MAX_HASH)]
 Signature = Annotated[bytes, Field(max_length=MAX_SIGNATURE)]
+MemoryGB = Annotated[float, Field(ge=0.0, le=MAX_MEMORY_GB, allow_inf_nan=False)]
+InFlight = Annotated[int, Field(ge=0, le=MAX_IN_FLIGHT)]
+# A node process's random session id (hex; "": not said): it tells a node's own retry or restart from a
+# second process with its key (coordinator/core/admission.py).
+Session = Annotated[str, Field(max_length=32, pattern="^[0-9a-f]*$")]
 
 __all__ = [
-    "MAX_HASH", "MAX_PARTICIPANTS", "MAX_PEER_ID", "MAX_SIGNATURE", "MAX_STAGES", "Hash", "PeerId", "Signature", "StageIndex", "Step",
-    "Ticket",
+    "MAX_HASH", "MAX_IN_FLIGHT", "MAX_MEMORY_GB", "MAX_PARTICIPANTS", "MAX_PEER_ID", "MAX_SIGNATURE", "MAX_STAGES", "Hash", "InFlight",
+    "MemoryGB", "PeerId", "Session", "Signature", "StageIndex", "Step", "Ticket",
 ]

@@ -6,18 +6,16 @@ and bounded here: a peer cannot make the coordinator allocate without bound (I4)
 
 Request → reply:
 
-- :class:`ReachabilityRequest` → :class:`ReachabilityReply`: before it joins, a node asks whether the
-  internet can reach it. The coordinator dials it back from a second host, on a fresh connection, at
-  the node's own observed IP only (see ``coordinator/reachability.py``), and offers relays to a
-  private node.
-- :class:`Join` → :class:`JoinReply`: the run config (TOML) and its hash, the assigned stage, the
-  membership view and the bans.
+- :class:`ReachabilityRequest` → :class:`ReachabilityReply`: can the internet reach a node about to join? The
+  coordinator dials it back from a second host, on a fresh connection, at the node's own observed IP only
+  (``coordinator/core/reachability.py``), and offers relays to a private node.
+- :class:`Join` → :class:`JoinReply`: the run config (TOML) and its hash, the assigned stage, the view and bans.
 - :class:`Heartbeat` → :class:`HeartbeatReply`: the node's state in, the current step, bans, the
   (possibly changed) stage assignment, the replicas per stage and the membership view out. The view
   holds a bounded number of members of each stage and is sent only when it changed since the view
   version the node holds: as a snapshot that replaces its list, or, when the node asks with
   ``view_delta``, as the changed members of its own and the neighbouring stages plus the peers to
-  drop (``removed``). See ``coordinator/view.py``.
+  drop (``removed``). See ``coordinator/core/view.py``.
 - :class:`Lease` → :class:`LeaseReply`, :class:`Release` → :class:`ReleaseReply`: tickets of the
   open step, in small blocks (stage-0 nodes only).
 - :class:`Complete` → :class:`CompleteReply`: a ticket's backward pass reached stage 0, with the last
@@ -29,22 +27,23 @@ Request → reply:
   revision with every contribution in, and names the result's hash. The step *commits* once a strict
   majority of every stage's live replicas reported the same hash and every live replica reported; only
   then does any replica apply it (the commit barrier, I1). A replica whose hash is not the majority's is
-  refused with ``result_mismatch`` and resyncs (see ``coordinator/commit.py``).
+  refused with ``result_mismatch`` and resyncs (see ``coordinator/core/commit.py``).
 - :class:`Redo` → :class:`RedoReply`: un-complete tickets whose route broke (fault tolerance, I1).
 - :class:`CorpusCheck` → :class:`CorpusCheckReply`: a node that reads the training data (stage 0 or the
   last stage) checks its corpus fingerprint against the swarm's; the first one sets it.
 - :class:`Report` → :class:`ReportReply`: a fault report about a peer, with optional signed evidence.
 - :class:`Leave` → :class:`LeaveReply`.
 - :class:`StatusRequest` → :class:`~protolearn.protocol.status_schema.Status`: the swarm view (its
-  schema: ``protocol/status_schema.py``; built by ``coordinator/status.py``).
+  schema: ``protocol/status_schema.py``; built by ``coordinator/core/status.py``).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
+from protolearn.precision import Precision
 from protolearn.protocol.boundary import OutputEvidence
-from protolearn.protocol.bounds import MAX_HASH, MAX_STAGES, Hash, PeerId, Signature, StageIndex, Step, Ticket
+from protolearn.protocol.bounds import MAX_HASH, MAX_STAGES, Hash, InFlight, MemoryGB, PeerId, Session, Signature, StageIndex, Step, Ticket
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.states import NodeState
 from protolearn.protocol.wire import Message, Record
@@ -83,10 +82,12 @@ Addr = Annotated[str, Field(min_length=1, max_length=MAX_ADDR)]
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
 Rate = Annotated[float, Field(ge=0.0, le=1e15, allow_inf_nan=False)]
 RunToml = Annotated[str, Field(max_length=MAX_RUN_TOML)]
-# The coordinator's verdict on whether a node can be dialled from the internet (coordinator/reachability.py).
+# The coordinator's verdict on whether a node can be dialled from the internet (coordinator/core/reachability.py).
 Reachability = Literal["public", "private", "unknown"]
 # How a node's stage peers reach it now: "" until it says.
 NodePath = Literal["", "direct", "relayed", "hole-punched"]
+# Where the finished run's model is (see HeartbeatReply.final).
+FinalState = Literal["", "collecting", "saved"]
 # Relay addresses a ReachabilityReply offers: the coordinator's own (with --relay) and a few public members'.
 MAX_RELAYS = 4
 
@@ -129,7 +130,12 @@ class Join(Message):
     KIND: ClassVar[str] = "coord.join"
     addrs: list[Addr] = Field(max_length=MAX_ADDRS)
     device: Annotated[str, Field(max_length=64)] = "cpu"
-    memory_gb: Rate = 0.0
+    # The memory its stage may use and the microbatches it lets in at once (0: not said): the coordinator
+    # places it only in a stage whose footprint (stages/footprint.py) fits.
+    memory_gb: MemoryGB = 0.0
+    max_in_flight: InFlight = 0
+    # What it computes in (protolearn/precision.py): a claim, refused unless the run admits it.
+    precision: Precision = "fp32"
     # Measured throughput in layer-tokens per second (stage independent: the node has no stage yet).
     throughput: Rate = 0.0
     name: Annotated[str, Field(max_length=64)] = ""
@@ -137,6 +143,9 @@ class Join(Message):
     reachability: Reachability = "unknown"
     # The node offers to relay for private nodes (the coordinator offers it only once its verdict is public).
     relay: bool = False
+    # This process's session, and the one its data dir's previous process used (its lock says that one ended).
+    session: Session = ""
+    previous_session: Session = ""
 
 
 class JoinReply(Message):
@@ -153,7 +162,7 @@ class JoinReply(Message):
     lease_s: float
     bans: list[str]
     view_version: int
-    # Every stage's members, bounded: see coordinator/view.py.
+    # Every stage's members, bounded: see coordinator/core/view.py.
     members: list[MemberView]
 
 
@@ -200,6 +209,7 @@ class Heartbeat(Message):
     # The addresses peers should dial it at now, when they changed since it joined (a node behind a NAT
     # whose relay went away reserved on another); empty: unchanged.
     addrs: list[Addr] = Field(default_factory=list, max_length=MAX_ADDRS)
+    session: Session = ""  # the session it joined with: another process's heartbeats are refused
 
 
 class HeartbeatReply(Message):
@@ -221,6 +231,9 @@ class HeartbeatReply(Message):
     # Per stage, the replicas serving it now (training or averaging): which stages have none, also
     # for a node whose (delta) view holds only its neighbourhood.
     stage_replicas: list[int] = Field(default_factory=list)
+    # The finished run's model: "collecting" while the coordinator fetches it from the replicas (a member
+    # that finished the run stays and serves its stage until then), "saved" once it holds it, "" otherwise.
+    final: FinalState = ""
 
 
 class Lease(Message):
@@ -432,3 +445,5 @@ class Members(Message):
     run_hash: str
     step: int
     members: list[MemberView]
+    # The step of the finished run's model the coordinator holds and serves itself (-1: none).
+    final_step: int = -1

@@ -11,7 +11,7 @@ evidence.
 Why the derivation (two constant byte prefixes) is written here rather than taken from
 ``libp2p.peer.id.ID.from_pubkey``: this module is pure, and importing ``libp2p.peer.id`` loads libp2p
 and trio with it (measured on py-libp2p 0.8: about 1,200 modules and 0.7-2 s in a fresh interpreter,
-against 9 modules and under 25 ms for ``base58``), so ``tests/unit/test_purity.py`` would fail and
+against 9 modules and under 25 ms for ``base58``), so ``tests/integration/test_purity.py`` would fail and
 every pure user of identities would pay for the whole network stack. ``tests/unit/test_identity.py``
 checks the result against libp2p's own ``ID.from_pubkey`` for many keys.
 

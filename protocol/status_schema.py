@@ -1,7 +1,7 @@
 """The swarm status a coordinator serves (:class:`~protolearn.protocol.coordination.StatusRequest` →
 :class:`Status`): the run, each stage, each node, the loss history and the bans.
 
-This is the schema only; ``coordinator/status.py`` builds it from the coordinator's state (bounded in
+This is the schema only; ``coordinator/core/status.py`` builds it from the coordinator's state (bounded in
 size at any swarm size) and documents its JSON form, which is what ``swarm status --json`` prints
 (``status.model_dump(mode="json")``). Its records reuse the coordination messages' field types, so a
 state or a reachability verdict reads the same in a heartbeat and in the status.
@@ -10,6 +10,8 @@ state or a reachability verdict reads the same in a heartbeat and in the status.
 from __future__ import annotations
 
 from typing import ClassVar, Literal
+
+from pydantic import Field
 
 from protolearn.protocol.coordination import NodePath, ParamHash, Reachability, State
 from protolearn.protocol.wire import Message, Record
@@ -21,6 +23,8 @@ class RunView(Record):
     num_stages: int
     microbatches_per_step: int
     tokens_per_step: int
+    # The run's optimizer steps (schema 4; 0: not said).
+    steps: int = 0
 
 
 class StageView(Record):
@@ -36,6 +40,8 @@ class StageView(Record):
 
 class NodeView(Record):
     peer_id: str
+    # The name it joined with (``--name``, schema 4; "": none given).
+    name: str = ""
     stage: int
     state: State
     last_seen_s: float
@@ -81,8 +87,14 @@ class Status(Message):
     last_closed: int
     last_committed: int = -1
     healthy: bool
-    verdict: Literal["healthy", "degraded", "halted"]
+    verdict: Literal["healthy", "degraded", "halted", "finished"]
     verdict_reason: str
+    # Schema 4: stages one failure away from halting (a single live replica), healthy or not.
+    at_risk: list[int] = Field(default_factory=list)
+    # Seconds until the run's last step at the recent pace (None: not training, or finished).
+    eta_s: float | None = None
+    # The step of the finished run's model the coordinator holds (-1: none; `swarm export` fetches it).
+    final_step: int = -1
     tokens_per_s: float
     loss: float | None
     loss_history: list[LossPoint]

@@ -27,6 +27,11 @@ SUITES: dict[str, str] = {
     "integrity": "scripts/bench_integrity.py",
     "compression": "scripts/bench_compression.py",
     "nat": "scripts/bench_nat.py",
+    "links": "scripts/bench_links.py",
+    "internet": "scripts/bench_internet.py",
+    "pipeline": "scripts/bench_pipeline.py",
+    "linkrecovery": "scripts/bench_linkrecovery.py",
+    "report": "scripts/bench_report.py",
 }
 
 

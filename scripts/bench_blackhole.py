@@ -94,20 +94,12 @@ def _swarm_run(
     tokens_per_step = RunConfig.from_toml_text(run_toml).batch.tokens_per_step
 
     class Swarm(LocalSwarm):
-        def start_coordinator(self, listen: str = "/ip4/127.0.0.1/tcp/0") -> None:
-            self.workdir.mkdir(parents=True, exist_ok=True)
-            config = self.workdir / "run.toml"
-            config.write_text(self.run_toml, encoding="utf-8")
-            self.coordinator = self._popen(
-                ["coordinator", "start", "--config", str(config), "--listen", listen, "--data-dir", str(self.workdir / "coordinator"),
-                 "--log-level", "info", "--lease-s", str(lease_s)], "coordinator")
-
         def _node_args(self, k: int) -> list[str]:
             args = super()._node_args(k)
             return args + ["--adversary", hole] if (k == 0 and hole) else args
 
     os.environ["PROTOLEARN_ALLOW_ADVERSARY"] = "1"  # inherited by the nodes; only node 0 gets --adversary
-    swarm = Swarm(workdir, run_toml, num_nodes, threads=1)
+    swarm = Swarm(workdir, run_toml, num_nodes, threads=1, coordinator_args=["--log-level", "info", "--lease-s", str(lease_s)])
     t0 = time.monotonic()
 
     async def follow() -> Any:

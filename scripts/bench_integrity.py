@@ -57,6 +57,7 @@ max_bytes = 200000
 [integrity]
 monitors = {monitors}
 spot_check_rate = {rate}
+precisions = {precisions}
 """
 
 NODES = 5
@@ -109,17 +110,24 @@ async def _watch(swarm, timeout_s: float, may_fail: set[int]):
 
 def scenario(
     workdir: Path, *, kind: str | None = None, from_step: int = 0, steps: int = 30, seed: int = 0, codec: str = "none",
-    rate: float = 0.25, monitors: bool = True, timeout_s: float = 300.0,
+    rate: float = 0.25, monitors: bool = True, timeout_s: float = 300.0, bf16: bool = False,
 ) -> dict:
-    """One swarm run; ``kind`` None is the honest run. See the module docstring for what it returns."""
+    """One swarm run; ``kind`` None is the honest run. See the module docstring for what it returns.
+
+    ``bf16``: the run admits bf16 and a sixth node, ``node5``, joins with ``--bf16`` (CPU autocast) after
+    ``node4`` as the third replica of the other stage; it must never be banned."""
     import trio
 
     from protolearn.cli.demo import LocalSwarm
 
-    run_toml = TINY.format(seed=seed, steps=steps, codec=codec, rate=rate, monitors=str(monitors).lower())
+    precisions = '["fp32", "bf16"]' if bf16 else '["fp32"]'
+    run_toml = TINY.format(seed=seed, steps=steps, codec=codec, rate=rate, monitors=str(monitors).lower(), precisions=precisions)
     per_node = {ADVERSARY: ["--adversary", f"{kind}:{from_step}"]} if kind else {}
+    if bf16:
+        per_node[ADVERSARY + 1] = ["--bf16"]
+    num_nodes = NODES + bf16
     os.environ[ENV] = "1"  # the adversary node needs it; an honest node ignores it
-    swarm = LocalSwarm(workdir, run_toml, NODES, threads=1, per_node_args=per_node)
+    swarm = LocalSwarm(workdir, run_toml, num_nodes, threads=1, per_node_args=per_node)
     t0 = time.monotonic()
     try:
         swarm.start_coordinator()
@@ -134,13 +142,18 @@ def scenario(
                 assert time.monotonic() < deadline and swarm.nodes[k].poll() is None, f"node{k} did not build a stage: {swarm.tail(f'node{k}')}"
                 time.sleep(0.1)
         swarm.start_node()
+        if bf16:  # once the fifth node has its stage, so the bf16 node goes to the other one
+            while swarm.stage_of(ADVERSARY) is None:
+                assert time.monotonic() < deadline + START_S, f"node{ADVERSARY} did not build a stage: {swarm.tail(f'node{ADVERSARY}')}"
+                time.sleep(0.1)
+            swarm.start_node()
         status = trio.run(_watch, swarm, timeout_s, {ADVERSARY} if kind else set())
     finally:
         swarm.stop()
     wall = time.monotonic() - t0
-    stages = [swarm.stage_of(k) for k in range(NODES)]
+    stages = [swarm.stage_of(k) for k in range(num_nodes)]
     names = {}
-    for k in range(NODES):
+    for k in range(num_nodes):
         started = _events(workdir, k, "start")
         if started:
             names[started[0]["peer_id"]] = f"node{k}"

@@ -16,6 +16,7 @@ The node logs give the per-step averaging time, reported as ``averaging_s_mean``
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -26,37 +27,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _reference(config: str | None, steps: int, warmup: int) -> dict:
+def _reference(config: str | None, steps: int, warmup: int, threads: int | None = None) -> dict:
     argv = [sys.executable, str(ROOT / "scripts" / "bench.py"), "reference", "--json", "--steps", str(steps), "--warmup", str(warmup)]
     if config:
         argv += ["--config", config]
+    if threads:
+        argv += ["--threads", str(threads)]
     out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=1800)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _swarm(config: str | None, stages: int, steps: int, warmup: int, threads: int, workdir: Path) -> dict:
-    import trio
-    from protolearn.stages.config import RunConfig
-
-    from protolearn.cli.demo import LocalSwarm, demo_run_toml, watch
-
-    total = steps + warmup
-    run_toml = demo_run_toml(Path(config) if config else None, stages=stages, steps=total, codec="none")
-    run = RunConfig.from_toml_text(run_toml)
-    swarm = LocalSwarm(workdir, run_toml, stages, threads=threads)
-    t0 = time.monotonic()
-    try:
-        swarm.start_coordinator()
-        status = trio.run(watch, swarm, None, 0.5)
-    finally:
-        swarm.stop()
-    wall = time.monotonic() - t0
-    history = list(status.loss_history) if status is not None else []
-    if len(history) < total:
-        raise SystemExit(f"error: the swarm closed {len(history)} of {total} steps; logs in {workdir}")
-    # Step `warmup - 1` closing starts the clock: `steps` steps follow it.
-    span = history[-1].closed_at - history[warmup - 1].closed_at if warmup else history[-1].closed_at - history[0].closed_at
-    timed = steps if warmup else steps - 1
+    spec = importlib.util.spec_from_file_location("protolearn_bench_internet", ROOT / "scripts" / "bench_internet.py")
+    assert spec is not None and spec.loader is not None
+    internet = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = internet
+    spec.loader.exec_module(internet)
+    r = internet.swarm_run(workdir, nodes=stages, stages=stages, steps=steps, warmup=warmup, threads=threads, config=Path(config) if config else None)
     averaging = []
     for log in workdir.glob("node*/node.jsonl"):
         for line in log.read_text().splitlines():
@@ -64,11 +51,12 @@ def _swarm(config: str | None, stages: int, steps: int, warmup: int, threads: in
             if d["event"] == "step" and d["step"] >= warmup:
                 averaging.append(d["averaging_s"])
     return {
-        "swarm_tokens_per_s": run.batch.tokens_per_step * timed / span,
-        "swarm_s_per_step": span / timed,
-        "swarm_wall_s": wall,
-        "swarm_last_loss": history[-1].loss,
+        "swarm_tokens_per_s": r["tokens_per_s"],
+        "swarm_s_per_step": r["s_per_step"],
+        "swarm_wall_s": r["wall_s"],
+        "swarm_last_loss": r["final_loss"],
         "averaging_s_mean": sum(averaging) / len(averaging) if averaging else 0.0,
+        "breakdown": r["breakdown"],
     }
 
 
@@ -103,7 +91,9 @@ def run(argv: list[str]) -> dict:
     }
 
 
-def recovery_keys(config: str | None = None, *, steps: int = 24, warmup: int = 4, threads: int = 1, workdir: Path | None = None) -> dict:
+def recovery_keys(
+    config: str | None = None, *, steps: int = 24, warmup: int = 4, threads: int = 1, workdir: Path | None = None, node_args: list[str] | None = None,
+) -> dict:
     """``recover_s`` and ``join_to_first_microbatch_s`` on a local swarm of 3 nodes over 2 stages.
 
     After ``warmup`` steps, one replica of a stage that has two is SIGKILLed. ``recover_s`` runs from the
@@ -111,7 +101,9 @@ def recovery_keys(config: str | None = None, *, steps: int = 24, warmup: int = 4
     rates taken from when this process saw consecutive steps close. The victim is then restarted on
     its data dir; ``join_to_first_microbatch_s`` runs from the coordinator accepting its join (its
     ``joined`` event) to the first microbatch it processed, and ``start_to_first_microbatch_s`` from
-    the process launch (Python and torch start-up included). ``scripts/bench_recovery.py`` calls this.
+    the process launch (Python and torch start-up included); ``kill_to_next_close_s`` from the kill to
+    the next step that closed. ``node_args`` go to every node (``bench_linkrecovery.py`` gives them a
+    ``--link``). ``scripts/bench_recovery.py`` calls this.
     """
     import trio
 
@@ -120,7 +112,7 @@ def recovery_keys(config: str | None = None, *, steps: int = 24, warmup: int = 4
     workdir = workdir or Path(tempfile.mkdtemp(prefix="protolearn-bench-recovery-"))
     run_toml = demo_run_toml(Path(config) if config else None, stages=2, steps=steps, codec="none")
     n = 3
-    swarm = LocalSwarm(workdir, run_toml, n, threads=threads)
+    swarm = LocalSwarm(workdir, run_toml, n, threads=threads, node_args=list(node_args or []))
     out: dict = {"recovery_nodes": n, "recovery_workdir": str(workdir)}
 
     def events(k: int, name: str) -> list[dict]:
@@ -174,6 +166,8 @@ def recovery_keys(config: str | None = None, *, steps: int = 24, warmup: int = 4
                 await trio.to_thread.run_sync(swarm.kill_node, victim)
                 while "recover_s" not in out:
                     await poll()
+                    if len(seen) > killed_at_step and "kill_to_next_close_s" not in out:
+                        out["kill_to_next_close_s"] = seen[killed_at_step] - t_kill
                     for i in range(max(killed_at_step, 1), len(seen)):
                         # The step's full interval: one that held the kill and still closed at speed lost nothing.
                         if seen[i] - seen[i - 1] <= before * n / (n - 1):
@@ -187,6 +181,10 @@ def recovery_keys(config: str | None = None, *, steps: int = 24, warmup: int = 4
                     joined = [d for d in events(victim, "joined") if d["t"] >= t_launch]
                     first = [d for d in events(victim, "first_microbatch") if d["at"] >= t_launch]
                     if joined and first:
+                        built = [d for d in events(victim, "built") if d["t"] >= t_launch]
+                        synced = [d for d in events(victim, "synced") if d["t"] >= t_launch]
+                        out["victim_params"] = built[0]["params"] if built else None
+                        out["join_to_synced_s"] = synced[0]["t"] - joined[-1]["t"] if synced else None
                         out["join_to_first_microbatch_s"] = first[0]["at"] - joined[-1]["t"]
                         out["start_to_first_microbatch_s"] = first[0]["at"] - t_launch
                         return

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from protolearn.codec_spec import CodecSpec, parse_codec_spec
 from protolearn.errors import ConfigError
+from protolearn.precision import PRECISIONS, Precision
 
 DEMO_RUN = "demo"
 
@@ -140,6 +141,16 @@ class IntegrityConfig(_Frozen):
     spot_check_rate: float = Field(0.05, ge=0.0, le=1.0)
     probation_half_life: int = Field(8, ge=1, le=1_000_000)
     check_tolerance: float = Field(1e-3, gt=0.0, le=1.0)
+    # The precisions a replica may compute in (protolearn/precision.py): a node declaring another is refused
+    # at join, and every comparison of two replicas' outputs allows for the loosest pair of them.
+    precisions: tuple[Precision, ...] = Field(("fp32",), min_length=1, max_length=len(PRECISIONS))
+
+    @field_validator("precisions")
+    @classmethod
+    def _distinct(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"{list(v)} names a precision twice")
+        return v
     # A joiner runs its stage on a fixed input from the run seed and compares with its donor's output.
     self_test: bool = True
     # How the replicas of a stage combine their gradients (protocol/collective/robust.py): "mean" (the default), "trimmed_mean"

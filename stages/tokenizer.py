@@ -1,9 +1,8 @@
-"""The byte tokenizer: token ids 0..255 are raw bytes, then BOS (256) and EOS (257).
+"""The byte tokenizer: token ids 0..255 are raw bytes, then BOS (256), EOS (257) and PAD (258).
 
 Byte-level tokens need no vocabulary file and no training, so every node rebuilds identical token
 ids from identical text. ``VOCAB_SIZE`` (259) is what :class:`~protolearn.stages.config.ModelConfig`
-defaults to: it counts id 258 too, a padding id that nothing emits, which keeps the embedding of every
-run config that takes the default the same shape as before.
+defaults to. Training never emits PAD; the Hugging Face export names it as the padding id.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ import numpy as np
 
 BOS = 256
 EOS = 257
+PAD = 258
 VOCAB_SIZE = 259
 
 

@@ -1,7 +1,7 @@
 """The coordinator's decision cores: sans-IO objects that turn (peer, request, ``now``) into a reply.
 
 Everything in this package is pure: no trio, no libp2p, no sockets, no files
-(``tests/unit/test_coord_purity.py`` imports every module here and checks). The entry point is
+(``tests/integration/test_purity.py`` imports every module here and checks). The entry point is
 :class:`~protolearn.coordinator.core.dispatch.CoordinatorCore`, whose ``handle(peer, msg, now)``
 answers every request; its parts (membership, the ticket ledger, the commit barrier, verdicts, lease
 discipline, redo limits, reachability decisions, the status view) are the modules beside it. The

@@ -2,7 +2,8 @@
 
 Every request passes the per-peer rate limit (``ratelimit.py``) and the ban check before it is looked
 at (:meth:`Admission.admit`); most also need the sender to be a live member
-(:meth:`Admission.live_member`). A refused request raises :class:`~protolearn.coordinator.errors.Refusal`
+(:meth:`Admission.live_member`); a join must also be the only process with its identity
+(:meth:`Admission.one_identity`, by the sessions it names) and compute in a precision the run admits (:meth:`Admission.precision`). A refused request raises :class:`~protolearn.coordinator.errors.Refusal`
 (a code and a reason) and leaves the state unchanged. Each refusal is counted by its code for the
 metrics (:attr:`Admission.refusals`): those the core raises, through :func:`counted` on its entry
 points, and those an adapter raises itself (:meth:`Admission.refuse`, e.g. the service's ``busy``).
@@ -20,6 +21,7 @@ from protolearn.coordinator.core.ratelimit import RateLimiter
 from protolearn.coordinator.core.registry import Registry
 from protolearn.coordinator.core.verdicts import VerdictPolicy
 from protolearn.coordinator.errors import Refusal
+from protolearn.protocol import coordination as cm
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -49,6 +51,51 @@ class Admission:
             state = "has not joined" if m is None else f"is {m.status}"
             raise Refusal("not_member", f"{peer} {state}; join first")
         return m
+
+    def one_identity(self, peer: str, own_peer_id: str, connections: int, msg: cm.Join) -> bool:
+        """Refuse a join that would put one identity in two processes; True: the join replaces ``peer``'s
+        live entry, which is to be taken back first (as a leave would).
+
+        A peer ID in two processes gets the other's streams (libp2p keys connections by peer ID), so its
+        peers cannot tell them apart. The coordinator's own peer ID is refused. A live member's identity
+        joins again only by proof that it is that member's process or its successor, never because a
+        connection happened to be down: the join carries the member's own session (its reply was lost),
+        or names it as its ``previous_session`` (the process that restarted on the member's data dir, whose
+        lock says the member's process ended). Any other join of a live member is a second process with
+        its key (a copied key, or a copied data dir whose original runs on) and is refused, as is one
+        while another connection with the identity is open; a member that really died expires, and then
+        its identity joins as any departed one. A join without a session is answered ``already_joined``.
+        """
+        if peer == own_peer_id:
+            raise Refusal(
+                "own_identity", "this node runs with the coordinator's own identity key (it was started with the coordinator's "
+                "data dir, or --name coordinator); give it its own --data-dir or --name",
+            )
+        old = self.registry.members.get(peer)
+        if old is None or old.status != LIVE:
+            return False
+        ours = msg.session != "" and msg.session == old.session
+        successor = msg.previous_session != "" and msg.previous_session == old.session
+        if ours or (successor and connections <= 1):
+            return True
+        if not msg.session and connections <= 1:
+            return False
+        raise Refusal(
+            "identity_in_use", f"another process with this node's identity is a live member (stage {old.stage}): one identity "
+            "runs in one process; stop the other one, or give this node its own --data-dir or --name (a node restarted on "
+            f"another data dir joins once the coordinator expires the old one, {self.settings.expiry_s:g} s after its last heartbeat)",
+        )
+
+    @staticmethod
+    def precision(declared: str, admitted: tuple[str, ...]) -> None:
+        """Refuse a joiner computing in a precision the run does not admit (protolearn/precision.py): its
+        outputs could be further from the others' than the run's tolerance allows."""
+        if declared not in admitted:
+            flag = "with --bf16" if "bf16" in admitted else "without --bf16"
+            raise Refusal(
+                "precision", f"this run admits only {' and '.join(admitted)} (its integrity.precisions) and this node "
+                f"computes in {declared}: join {flag}",
+            )
 
     def count(self, refusal: Refusal) -> None:
         self.refusals[refusal.code] = self.refusals.get(refusal.code, 0) + 1

@@ -132,12 +132,14 @@ def balance_quality(loads: Sequence[StageLoad], shares: Sequence[float]) -> floa
     return swarm_rate(loads, shares) / (total / sum(shares))
 
 
-def choose_stage(loads: Sequence[StageLoad], shares: Sequence[float]) -> Choice:
-    """The stage a joiner should take: the least throughput relative to its share."""
-    if not loads:
-        raise ValueError("a run has at least one stage")
+def choose_stage(loads: Sequence[StageLoad], shares: Sequence[float], fits: Sequence[bool] | None = None) -> Choice:
+    """The stage a joiner should take: the least throughput relative to its share (among those that
+    ``fits`` allows, all by default)."""
+    candidates = [s for s in range(len(loads)) if fits is None or fits[s]]
+    if not candidates:
+        raise ValueError("a run has at least one stage, and a joiner fits at least one")
     best = min(
-        range(len(loads)),
+        candidates,
         key=lambda s: (loads[s].throughput / shares[s], loads[s].replicas / shares[s], s),
     )
     load = loads[best]
@@ -150,12 +152,13 @@ def choose_stage(loads: Sequence[StageLoad], shares: Sequence[float]) -> Choice:
     )
 
 
-def place(loads: Sequence[StageLoad], shares: Sequence[float], previous: int | None) -> Choice:
+def place(loads: Sequence[StageLoad], shares: Sequence[float], previous: int | None, fits: Sequence[bool] | None = None) -> Choice:
     """The stage a joiner gets: :func:`choose_stage`'s, or, for a returning identity, the stage it held
     before (``previous``): its local state is worth reusing, but a halted stage comes first, so not when
-    another stage has no replica while its old one has some."""
-    choice = choose_stage(loads, shares)
-    if previous is not None and 0 <= previous < len(loads):
+    another stage has no replica while its old one has some. With ``fits`` (per stage, whether the joiner's
+    memory holds it: fit.py; at least one does) only those stages are candidates."""
+    choice = choose_stage(loads, shares, fits)
+    if previous is not None and 0 <= previous < len(loads) and (fits is None or fits[previous]):
         halted_elsewhere = loads[choice.stage].replicas == 0 and loads[previous].replicas > 0
         if not halted_elsewhere:
             return Choice(previous, f"rejoined its previous stage {previous}")

@@ -3,7 +3,8 @@
 :class:`CoordinatorCore` ties the parts of the core together: the registry (``registry.py``), the ticket
 ledger and its commit barrier (``tickets.py``, ``commit.py``), the verdict policy (``verdicts.py``), the
 reports desk (``reports.py``), the lease discipline (``leases.py``), the redo budget (``redo.py``), the
-reachability decisions (``reachability.py``) and the rate limiter. Every request passes the per-peer
+reachability decisions (``reachability.py``), the finished run's final model (``final_model.py``) and the
+rate limiter. Every request passes the per-peer
 rate limit and the ban check first; a refused request raises :class:`~protolearn.coordinator.errors.Refusal`
 (code + reason), counted by code for the metrics, and leaves the state unchanged. The service
 (``coordinator/service.py``) is a thin trio adapter: it calls :meth:`CoordinatorCore.handle` with the
@@ -37,6 +38,7 @@ from protolearn.coordinator.core.admission import Admission, counted
 from protolearn.coordinator.core.assignment import shares_from_layers
 from protolearn.coordinator.core.changes import Changes
 from protolearn.coordinator.core.corpus import CorpusDesk
+from protolearn.coordinator.core.final_model import FinalModelDesk
 from protolearn.coordinator.core.history import LossRecord, StepHistory
 from protolearn.coordinator.core.integrity import EvidenceRecord, IntegrityDesk
 from protolearn.coordinator.core.leases import LeaseDiscipline
@@ -83,7 +85,7 @@ class CoordinatorCore:
         self.peer_id = peer_id
         self.started_at = started_at
         self.verify = verify
-        self.registry = Registry(run.num_stages, shares_from_layers(run.layers), settings)
+        self.registry = Registry(run.num_stages, shares_from_layers(run.layers), settings, run.footprints)
         # An untrained model's loss is about ln(V); no honest microbatch is max_loss_factor times worse.
         max_loss = settings.max_loss_factor * math.log(run.vocab_size) if run.vocab_size >= 2 else math.inf
         self.ledger = TicketLedger(
@@ -107,6 +109,8 @@ class CoordinatorCore:
         self.corpus_desk = CorpusDesk(self.registry)
         # Reachability checks running and the verdicts (reachability.py); the service dials.
         self.reachability = ReachabilityDesk()
+        # Whether the run finished, and the final model the adapter keeps (final_model.py, settings.keep_final).
+        self.final_model = FinalModelDesk(run, self.ledger, keep=settings.keep_final)
 
     # -- restore ------------------------------------------------------------------------------
 
@@ -140,8 +144,11 @@ class CoordinatorCore:
     # -- requests -----------------------------------------------------------------------------
 
     @counted
-    def handle(self, peer: str, msg: Message, now: float) -> Message:
-        """Answer one request (everything except the long-poll wait, see :meth:`check_wait`)."""
+    def handle(self, peer: str, msg: Message, now: float, *, connections: int = 1) -> Message:
+        """Answer one request (everything except the long-poll wait, see :meth:`check_wait`).
+
+        ``connections``: how many connections with ``peer``'s identity are open now (a join checks it).
+        """
         self.admission.admit(peer, now)
         if isinstance(msg, cm.StatusRequest):
             return build_status(self, now, msg.loss_history)
@@ -152,9 +159,12 @@ class CoordinatorCore:
             )
         if isinstance(msg, cm.MembersRequest):
             members = self.registry.view.snapshot(range(self.run.num_stages), peer)
-            return cm.Members(run_toml=self.run.run_toml, run_hash=self.run.run_hash, step=self.ledger.step, members=members)
+            return cm.Members(
+                run_toml=self.run.run_toml, run_hash=self.run.run_hash, step=self.ledger.step, members=members,
+                final_step=self.final_model.held_step,
+            )
         if isinstance(msg, cm.Join):
-            return self._join(peer, msg, now)
+            return self._join(peer, msg, now, connections)
         member = self.admission.live_member(peer)
         if isinstance(msg, cm.Heartbeat):
             return self._heartbeat(peer, msg, now)
@@ -213,11 +223,14 @@ class CoordinatorCore:
         (``own_relays``, the coordinator's addresses when it relays, first)."""
         return build_reply(verdict, observed, own_relays, partial(self.registry.relays, peer))
 
-    def _join(self, peer: str, msg: cm.Join, now: float) -> cm.JoinReply:
-        """Register ``peer`` and answer it; a join whose reply cannot be built within the frame cap is
-        taken back (the peer is not registered), so that its retry is a plain join again."""
+    def _join(self, peer: str, msg: cm.Join, now: float, connections: int = 1) -> cm.JoinReply:
+        """Register ``peer`` and answer it; a join whose reply cannot be built within the frame cap is taken back (the
+        peer is not registered), so its retry is a plain join again. One identity is one process (Admission.one_identity)."""
         if self.verdicts.is_banned(peer):
             raise Refusal("banned", "banned")
+        if self.admission.one_identity(peer, self.peer_id, connections, msg):
+            self._leave(peer, cm.Leave(reason="its own process joined again"), now)
+        self.admission.precision(msg.precision, self.run.precisions)
         old = self.registry.members.get(peer)
         # The coordinator's own verdict, never the node's claim (msg.reachability).
         d = self.registry.join(peer, JoinInfo.of(msg, self.reachability.verdict_of(peer)), now)
@@ -284,6 +297,7 @@ class CoordinatorCore:
             view_delta=view is not None and view.delta,
             removed=[] if view is None else view.removed,
             stage_replicas=self.registry.working_counts(),
+            final=self.final_model.phase(),
         )
 
     def _lease(self, member: Member, msg: cm.Lease, now: float) -> cm.LeaseReply:

@@ -148,7 +148,7 @@ class IntegrityDesk:
             why = verify_evidence(
                 ev, run_hash=self.run.run_hash, codec=self.run.codec, check_tolerance=self.run.check_tolerance,
                 shape=list(self.run.boundary_shape), verify=verify_peer, limits=TensorLimits(max_elements=n, max_bytes=8 * n + 4096),
-                subspace=None if self.run.subspace is None else make_subspace(*self.run.subspace),
+                subspace=None if self.run.subspace is None else make_subspace(*self.run.subspace), precisions=self.run.precisions,
             )
         except ProtocolError as err:
             raise Refusal("bad_evidence", err.reason) from None

@@ -61,6 +61,8 @@ class Member:
     reachability: str = "unknown"
     relay: bool = False
     path: str = ""
+    # The session of the process that joined as it ("": not said; protocol/bounds.py Session).
+    session: str = ""
 
     def __post_init__(self) -> None:
         self.state = NodeState(self.state)  # the store keeps it as its string value
@@ -88,11 +90,14 @@ class JoinInfo:
     # and the node's offer to relay.
     reachability: str = "unknown"
     relay: bool = False
+    # The microbatches it lets in at once (0: not said): with memory_gb, which stages fit it (fit.py).
+    max_in_flight: int = 0
+    session: str = ""  # its process's session ("": not said)
 
     @classmethod
     def of(cls, msg: cm.Join, reachability: str) -> JoinInfo:
         """What ``msg`` claims, with the coordinator's own ``reachability`` verdict for the node's."""
-        return cls(list(msg.addrs), msg.device, msg.memory_gb, msg.throughput, msg.name, reachability, msg.relay)
+        return cls(list(msg.addrs), msg.device, msg.memory_gb, msg.throughput, msg.name, reachability, msg.relay, msg.max_in_flight, msg.session)
 
 
 @dataclass(frozen=True)
@@ -108,12 +113,13 @@ class HeartbeatInfo:
     recent: tuple[tuple[int, str], ...] = ()
     path: str = ""  # how its stage peers reach it ("": not said)
     addrs: tuple[str, ...] = ()  # where it is to be dialled now, if that changed since it joined (): unchanged)
+    session: str = ""  # the session it joined with ("": not said)
 
     @classmethod
     def of(cls, msg: cm.Heartbeat) -> HeartbeatInfo:
         return cls(
             msg.state, msg.throughput, msg.queue_len, msg.step, msg.param_hash, msg.loss, msg.stage, tuple((r.step, r.hash) for r in msg.recent),
-            msg.path, tuple(msg.addrs),
+            msg.path, tuple(msg.addrs), msg.session,
         )
 
 

@@ -2,7 +2,8 @@
 
 A sans-IO core: every method takes ``now`` and returns a decision with a reason. A member is ``live``
 from its join until it leaves, expires (no heartbeat for ``expiry_s``) or is banned. A second join
-of a live peer is refused. A departed peer (left or expired) may rejoin with the same ID and gets its
+of a live peer is refused, and so is a heartbeat from another session than the one the member joined
+with (``superseded``: another process with its key took its place; see admission.py). A departed peer (left or expired) may rejoin with the same ID and gets its
 old stage back, unless another stage has no replica while its old one has some
 (:func:`~.assignment.place`), and the reachability verdict it had unless a new check says otherwise.
 Departed entries are forgotten after ``departed_retention_s``.
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.assignment import Move, StageLoad, place, propose_move
+from protolearn.coordinator.core.fit import fitting, no_fit_reason
 from protolearn.coordinator.core.members import (
     BANNED,
     EXPIRED,
@@ -55,6 +57,10 @@ from protolearn.coordinator.core.tallies import StageTallies
 from protolearn.coordinator.core.view import SwarmView, first_version
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.states import NodeState
+from protolearn.stages.footprint import StageFootprint
+
+SUPERSEDED = ("another process with this node's identity joined after this one did: one identity runs in one process; "
+              "stop the other one, or give each its own --data-dir or --name")
 
 
 @dataclass
@@ -62,6 +68,8 @@ class Registry:
     num_stages: int
     shares: Sequence[float]
     settings: CoordinatorSettings
+    # Each stage's memory footprint (stages/footprint.py; empty: placement ignores memory, fit.py).
+    footprints: Sequence[StageFootprint] = ()
     members: dict[str, Member] = field(default_factory=dict)
     # The first view version (see view.first_version): distinct per coordinator run.
     first_version: int = 0
@@ -169,7 +177,10 @@ class Registry:
             return MemberDecision(False, "banned", f"{peer_id} is banned")
         if old is None and self.num_live >= self.settings.max_members:
             return MemberDecision(False, "full", f"the swarm is at its limit of {self.settings.max_members} members")
-        choice = place(self.loads(), self.shares, None if old is None else old.stage)
+        fits = fitting(self.footprints, info.memory_gb, info.max_in_flight) if self.footprints else None
+        if fits is not None and not any(fits):
+            return MemberDecision(False, "no_fit", no_fit_reason(self.footprints, info.memory_gb, info.max_in_flight))
+        choice = place(self.loads(), self.shares, None if old is None else old.stage, fits)
         rejoined = old is not None
         m = Member(
             peer_id=peer_id,
@@ -184,6 +195,7 @@ class Registry:
             moved_at=now,
             reachability=old.reachability if info.reachability == "unknown" and old is not None else info.reachability,
             relay=info.relay,
+            session=info.session,
         )
         if old is not None:
             m.step, m.param_hash = old.step, old.param_hash
@@ -217,6 +229,8 @@ class Registry:
             return MemberDecision(False, "not_member", f"{peer_id} has not joined; join first")
         if m.status != LIVE:
             return MemberDecision(False, "not_member", f"{peer_id} is {m.status}; join again")
+        if hb.session and m.session and hb.session != m.session:
+            return MemberDecision(False, "superseded", SUPERSEDED)
         state = NodeState(hb.state)
         step, param_hash = hb.step, hb.param_hash
         if frontier is not None and step >= frontier:
@@ -335,7 +349,7 @@ class Registry:
         cooldown = self.settings.move_cooldown_s
         move = propose_move(
             (
-                (m.peer_id, m.stage, m.throughput, m.state is NodeState.TRAINING and now - m.moved_at >= cooldown)
+                (m.peer_id, m.stage, m.throughput, m.state is NodeState.TRAINING and now - m.moved_at >= cooldown and self._fits_all(m))
                 for m in self.live()
             ),
             self.shares,
@@ -350,6 +364,11 @@ class Registry:
             self.tallies.count(m, 1)
             self._touch(m, True)
         return move
+
+    def _fits_all(self, m: Member) -> bool:
+        """Whether ``m`` holds every stage with the whole step in flight: only such a member is moved (its
+        own ``max_in_flight`` is not kept), so no move hands a member a stage it cannot hold."""
+        return all(fitting(self.footprints, m.memory_gb, 0))
 
     def restore(self, members: Iterable[Member], now: float) -> None:
         """Load the persisted members after a restart; live ones get a fresh term (:meth:`restore_grace`).

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protolearn.stages.footprint import StageFootprint
+
 
 @dataclass(frozen=True)
 class RunInfo:
@@ -20,6 +22,8 @@ class RunInfo:
     layers: tuple[int, ...]
     microbatches_per_step: int
     tokens_per_step: int
+    # The run's optimizer steps (0: not said): the run is finished once step ``steps - 1`` committed.
+    steps: int = 0
     # The model's vocabulary (bounds a plausible loss); 0: unknown, no upper bound beyond finiteness.
     vocab_size: int = 0
     # What a spot check's evidence is checked against (coordinator/core/integrity.py): the boundary tensor's
@@ -27,6 +31,9 @@ class RunInfo:
     boundary_shape: tuple[int, ...] = ()
     codec: str = "none"
     check_tolerance: float = 1e-3
+    # The precisions the run admits (protolearn/precision.py): a join declaring another is refused, and
+    # evidence is judged with their allowance.
+    precisions: tuple[str, ...] = ("fp32",)
     # The collective's aggregation (a reducer's proof is checked against it): as IntegrityConfig names them.
     aggregation: str = "mean"
     trim_fraction: float = 0.25
@@ -35,6 +42,8 @@ class RunInfo:
     # The run's subspace (protolearn/subspace.py) as (seed, vocab_size, d_model, rank, init_std), None
     # without one: what decodes a ``subspace`` frame in evidence.
     subspace: tuple[int, int, int, int, float] | None = None
+    # Each stage's memory footprint (stages/footprint.py): a joiner goes only where it fits (fit.py).
+    footprints: tuple[StageFootprint, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -42,6 +51,7 @@ class RunInfo:
 
     @classmethod
     def from_run(cls, run) -> RunInfo:  # run: protolearn.stages.config.RunConfig
+        from protolearn.stages.footprint import stage_footprints
         from protolearn.stages.partition import PartitionPlan
 
         return cls(
@@ -51,13 +61,16 @@ class RunInfo:
             layers=tuple(PartitionPlan.from_config(run).layers),
             microbatches_per_step=run.batch.microbatches_per_step,
             tokens_per_step=run.batch.tokens_per_step,
+            steps=run.steps,
             vocab_size=run.model.vocab_size,
             boundary_shape=(run.batch.microbatch_size, run.batch.seq_len, run.model.d_model),
             codec=run.codec,
             check_tolerance=run.integrity.check_tolerance,
+            precisions=tuple(run.integrity.precisions),
             aggregation=run.integrity.aggregation,
             trim_fraction=run.integrity.trim_fraction,
             clip_tau=run.integrity.clip_tau,
             clip_iters=run.integrity.clip_iters,
             subspace=run.subspace_key,
+            footprints=stage_footprints(run),
         )

@@ -7,10 +7,16 @@ described by :data:`STATUS_JSON_SCHEMA`, which is stable: fields may be added in
 
 The verdict, in order of precedence:
 
+- ``finished``: every step of the run has committed (schema 4; the nodes have left or are leaving, and
+  ``final_step`` says whether the coordinator holds the final model, which ``swarm export`` fetches);
 - ``halted``: no member at all, or a stage with zero replicas (training cannot proceed);
 - ``degraded``: training proceeds but something needs attention: a stage's replicas have no
   majority parameter hash (I2), a member has missed heartbeats, or no step has closed for a long time;
 - ``healthy`` otherwise. ``healthy`` (the boolean) is ``verdict == "healthy"``.
+
+``at_risk`` (schema 4) lists the stages with a single live replica: one failure halts them (a table
+shows such a swarm as AT RISK rather than HEALTHY). ``eta_s`` is the time to the run's last step at the
+pace of the recent steps, ``run.steps`` the run's steps, and each node's ``name`` what it joined with.
 
 Node flags: ``stale`` (missed two heartbeats), ``hash-mismatch`` (its parameter hash differs from
 its stage's majority at the same step), ``behind`` (it reports an older step than its stage's),
@@ -46,6 +52,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol, get_args
 
 from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.core.final_model import FinalModelDesk
 from protolearn.coordinator.core.history import LossRecord
 from protolearn.coordinator.core.integrity import IntegrityDesk
 from protolearn.coordinator.core.members import Member
@@ -57,9 +64,10 @@ from protolearn.protocol import coordination as cm
 from protolearn.protocol import status_schema as ss
 from protolearn.protocol.majority import majority_state
 
-# 2: nodes carry integrity, probation, checks_passed, checks_failed and evidence (issue 11).
-# 3: nodes carry reachability and path (issue 14, NAT traversal).
-SCHEMA_VERSION = 3
+# 2: nodes carry integrity, probation, checks_passed, checks_failed and evidence.
+# 3: nodes carry reachability and path (NAT traversal).
+# 4: nodes carry their name; the run its steps; the status at_risk, eta_s, final_step; a "finished" verdict.
+SCHEMA_VERSION = 4
 # tokens/s is measured over this many of the most recent closed steps.
 RATE_WINDOW = 10
 # No step closed for this long (and this many average step times) while not halted: degraded.
@@ -84,7 +92,7 @@ def _obj(props: dict[str, Any]) -> dict[str, Any]:
 STATUS_JSON_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "protolearn swarm status",
-    "description": "Output of `protolearn swarm status --json` (schema_version 3).",
+    "description": "Output of `protolearn swarm status --json` (schema_version 4).",
     **_obj(
         {
             "schema_version": {"const": SCHEMA_VERSION},
@@ -97,6 +105,7 @@ STATUS_JSON_SCHEMA: dict[str, Any] = {
                     "num_stages": _INT,
                     "microbatches_per_step": _INT,
                     "tokens_per_step": _INT,
+                    "steps": {**_INT, "description": "the run's optimizer steps (0: not said)"},
                 }
             ),
             "step": {**_INT, "description": "the open step (the next to close)"},
@@ -107,8 +116,11 @@ STATUS_JSON_SCHEMA: dict[str, Any] = {
                 "below last_closed while the stages average it",
             },
             "healthy": {"type": "boolean", "description": "verdict == healthy"},
-            "verdict": {"enum": ["healthy", "degraded", "halted"]},
+            "verdict": {"enum": ["healthy", "degraded", "halted", "finished"]},
             "verdict_reason": _STR,
+            "at_risk": {"type": "array", "items": _INT, "description": "stages with a single live replica: one failure halts them"},
+            "eta_s": {"type": ["number", "null"], "description": "seconds to the run's last step at the recent pace; null when not training"},
+            "final_step": {**_INT, "description": "the step of the finished run's model the coordinator holds, -1 if none"},
             "tokens_per_s": _NUM,
             "loss": {"type": ["number", "null"], "description": "mean loss of the last closed step"},
             "loss_history": {
@@ -137,6 +149,7 @@ STATUS_JSON_SCHEMA: dict[str, Any] = {
                 "items": _obj(
                     {
                         "peer_id": _STR,
+                        "name": {**_STR, "description": "the name it joined with (node join --name); empty if none"},
                         "stage": _INT,
                         "state": {"enum": list(cm.NODE_STATES)},
                         "last_seen_s": _NUM,
@@ -206,6 +219,8 @@ class StatusSource(Protocol):
     def history(self) -> Iterable[LossRecord]: ...
     @property
     def integrity(self) -> IntegrityDesk: ...
+    @property
+    def final_model(self) -> FinalModelDesk: ...
 
 
 def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.Status:
@@ -266,7 +281,7 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.S
         score, probation, passed, failed = core.integrity.summary(m.peer_id, core.registry.is_live)
         nodes.append(
             ss.NodeView(
-                peer_id=m.peer_id, stage=m.stage, state=m.state, last_seen_s=float(since),
+                peer_id=m.peer_id, name=m.name[:64], stage=m.stage, state=m.state, last_seen_s=float(since),
                 throughput=float(m.throughput), queue_len=m.queue_len, step=m.step,
                 loss=None if m.loss is None else float(m.loss), flags=f,
                 integrity=score, probation=probation, checks_passed=passed, checks_failed=failed,
@@ -276,7 +291,13 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.S
             )
         )
 
-    verdict, why = _verdict(stages, nodes, history, now)
+    final = core.final_model
+    finished, final_step = final.finished, final.held_step
+    if finished:
+        verdict, why = "finished", _finished_reason(run.steps, history, final.state if settings.keep_final else "off", final_step)
+    else:
+        verdict, why = _verdict(stages, nodes, history, now)
+    rate = tokens_per_s(history, run.tokens_per_step, now)
     if len(nodes) > MAX_STATUS_NODES:  # flagged nodes first, then by stage and peer ID
         nodes = sorted(sorted(nodes, key=lambda n: not n.flags)[:MAX_STATUS_NODES], key=lambda n: (n.stage, n.peer_id))
     return ss.Status(
@@ -285,7 +306,7 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.S
         uptime_s=float(max(0.0, now - core.started_at)),
         run=ss.RunView(
             name=run.name, run_hash=run.run_hash, num_stages=run.num_stages,
-            microbatches_per_step=run.microbatches_per_step, tokens_per_step=run.tokens_per_step,
+            microbatches_per_step=run.microbatches_per_step, tokens_per_step=run.tokens_per_step, steps=run.steps,
         ),
         step=ledger.step,
         last_closed=ledger.last_closed,
@@ -293,13 +314,35 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.S
         healthy=verdict == "healthy",
         verdict=verdict,
         verdict_reason=why,
-        tokens_per_s=float(tokens_per_s(history, run.tokens_per_step, now)),
+        at_risk=[st.index for st in stages if st.replicas == 1],
+        eta_s=None if finished else eta_s(history, run.steps, ledger.committed_through, rate, run.tokens_per_step),
+        final_step=final_step,
+        tokens_per_s=float(rate),
         loss=history[-1].loss if history else None,
         loss_history=history[-history_len:] if history_len else [],
         stages=stages,
         nodes=nodes,
         bans=[ss.BanView(peer_id=b.peer_id, reason=b.reason, at=float(b.at)) for b in core.verdicts.bans.values()],
     )
+
+
+def eta_s(history: list[ss.LossPoint], steps: int, committed: int, rate: float, tokens_per_step: int) -> float | None:
+    """Seconds to the run's last step at the recent pace (``rate`` tokens/s); None while not training."""
+    if steps <= 0 or rate <= 0 or tokens_per_step <= 0:
+        return None
+    return max(0, steps - 1 - committed) * tokens_per_step / rate
+
+
+def _finished_reason(steps: int, history: list[ss.LossPoint], final_state: str, final_step: int) -> str:
+    loss = f", final loss {history[-1].loss:.4f}" if history else ""
+    if final_state == "saved":
+        where = f"the coordinator holds the model after step {final_step}: `protolearn swarm export` fetches it"
+    elif final_state in ("failed", "off"):
+        why = "could not fetch" if final_state == "failed" else "does not keep"
+        where = f"the coordinator {why} the final model: export it from the nodes' checkpoints (protolearn export --checkpoints)"
+    else:
+        where = "the nodes stay until the coordinator has fetched the final model"
+    return f"all {steps} steps done{loss}; {where}"
 
 
 def _verdict(stages: list[ss.StageView], nodes: list[ss.NodeView], history: list[ss.LossPoint], now: float) -> tuple[str, str]:

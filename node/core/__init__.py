@@ -1,6 +1,6 @@
 """The node's decision cores: plain objects that turn (event, ``now``) into (state, actions), with no IO.
 
-Nothing here imports trio or libp2p (``tests/unit/test_purity.py`` checks it); the modules one level up
+Nothing here imports trio or libp2p (``tests/integration/test_purity.py`` checks it); the modules one level up
 (``node/*.py``) are the adapters that carry the actions out over the network and the compute thread.
 
 - :mod:`.closed_step`: :class:`NodeCore`, what a replica does with a closed step (average, fetch, redo,

@@ -23,7 +23,17 @@ stage, which peer accounts for which tickets):
 4. **The commit barrier.** Every replica waits until every stage has averaged t at r. If the step
    reopened meanwhile, it waits for it to close again; otherwise it applies the identical update. If the
    coordinator refused its result (its stage's majority holds another hash), it resyncs instead.
-5. A refused redo is followed by the question "did the step reopen anyway?" (another replica may have
+5. **A step that committed without this replica** (the coordinator refuses its redo with
+   ``step_committed``: it counted this replica as gone, e.g. its connection dropped, and the stage's other
+   replicas committed alone): if a live replica of the stage reports having applied it, this one resyncs
+   from it. If none does, asked again a few heartbeats apart, every replica that held the result died
+   right after the commit, and no replica can finish the step any more: redoing it is refused, its
+   result is nowhere, and a resync would only return the same state, one step behind, forever. Then
+   this stage's update of that step is lost: the replica counts it applied with no update
+   (:class:`Skip`, loud ``step_lost``), as a checkpoint older than the swarm's step does
+   (:mod:`protolearn.node.persistence`), and trains on. Every survivor of the stage decides the same
+   from the same answers, so they stay identical (I2).
+6. A refused redo is followed by the question "did the step reopen anyway?" (another replica may have
    asked first). A coordinator error is not an answer: the question is asked again, for a bounded
    time, and only then does the replica fall back to the safe choice (a resync, which never applies
    anything of its own). Every refusal is handled alike, whatever its code: the coordinator's bounds on
@@ -63,6 +73,7 @@ from protolearn.node.core.events import (
     Resync,
     RoundDone,
     RoundFailed,
+    Skip,
     StartHeld,
     Synced,
     WaitClosed,
@@ -76,6 +87,10 @@ from protolearn.protocol.states import NodeState
 FETCH_TRY_S = 3.0
 # A coordinator error while asking whether the step reopened: ask again after this long.
 ASK_AGAIN_S = 1.0
+# A step committed without this replica: ask this many times, this far apart (a replica that just applied
+# it reports that with its next heartbeat), whether a live replica holds it, before counting it lost.
+HOLDER_CHECKS = 3
+HOLDER_CHECK_S = 1.0
 
 
 class Phase(Enum):
@@ -131,6 +146,8 @@ class NodeCore:
         self._lost: tuple[list[int], list[str]] = ([], [])
         self._redo_all_next = False
         self._last_redo = Redo(-1, 0, [], "")
+        # The step committed without this replica: how many times it asked whether a live replica holds it.
+        self._holder_checks = 0
 
     # -- facts -------------------------------------------------------------------------------------
     @property
@@ -214,6 +231,7 @@ class NodeCore:
         self._step, self._revision, self._loss = event.step, event.revision, event.loss
         self._account = {p: sorted(ts) for p, ts in event.account.items()}
         self._counted, self._started_at = None, now
+        self._holder_checks = 0
         self.state = NodeState.AVERAGING
         if not self._account:
             return self._resync(f"step {event.step} closed without an accounting for stage {self.stage}")
@@ -247,6 +265,8 @@ class NodeCore:
 
     def _reported(self, event: Reported) -> list[Action]:
         self._expect(Phase.ASK_REPORTED, event)
+        if self._holder_checks:
+            return self._holders_answer(event)
         missing = self._missing
         if event.applied_elsewhere:
             return self._resync(f"step {self._step}: accounted tickets {missing} have no gradients here; a replica applied the step")
@@ -291,6 +311,11 @@ class NodeCore:
         self._expect(Phase.REDOING, event)
         if event.granted:
             return self._reopened()
+        if event.code == "step_committed":
+            # Committed without this replica's result: does a live replica hold it? (Point 5 above.)
+            self.phase = Phase.ASK_REPORTED
+            self._holder_checks = 1
+            return [AskReported(self._step)]
         if event.granted is None:
             # Unanswered is not refused: a refusal taken from a restarting coordinator would apply a sum
             # that misses the tickets. Ask again while the step may still be finished in time.
@@ -330,6 +355,18 @@ class NodeCore:
                          f"step {self._step} applied without tickets {lost} of dead replicas {excluded}: the coordinator refused to redo them"),
                     *self._commit()]
         return self._resync(f"step {self._step}: the coordinator refused the redo and the step did not reopen")
+
+    def _holders_answer(self, event: Reported) -> list[Action]:
+        if event.applied_elsewhere:
+            return self._resync(f"step {self._step} committed without this replica; a replica that applied it holds the stage's state")
+        if self._holder_checks < HOLDER_CHECKS:
+            self._holder_checks += 1
+            return [AskReported(self._step, HOLDER_CHECK_S)]
+        why = (f"step {self._step} committed, but no live replica of stage {self.stage} holds its result (the replicas that "
+               f"applied it are gone): this stage's update of step {self._step} is lost; continuing at step {self._step + 1}")
+        self.phase = Phase.APPLYING
+        return [Emit("step_lost", {"step": self._step, "revision": self._revision}, logging.ERROR, why),
+                Skip(self._step, self._revision, why)]
 
     def _reopened(self) -> list[Action]:
         self.phase = Phase.IDLE

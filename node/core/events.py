@@ -3,7 +3,7 @@
 Each action that asks something is answered by exactly one event: :class:`AskReported` by
 :class:`Reported`, :class:`Average` by :class:`RoundDone` or :class:`RoundFailed`, :class:`Fetch` by
 :class:`Fetched`, :class:`Redo` by :class:`RedoAnswer`, :class:`AskReopened` by :class:`ReopenAnswer`,
-:class:`WaitCommit` by :class:`CommitAnswer` and :class:`Apply` by :class:`Applied`. The rest
+:class:`WaitCommit` by :class:`CommitAnswer`, and :class:`Apply` and :class:`Skip` by :class:`Applied`. The rest
 (:class:`Emit`, :class:`StartHeld`, :class:`Resync`, :class:`WaitClosed`) need no answer.
 """
 
@@ -67,6 +67,8 @@ class RedoAnswer:
     revision: int
     granted: bool | None
     reason: str = ""
+    # The refusal's code (``step_committed``: the step committed without this replica's result).
+    code: str = ""
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,8 @@ Event = Closed | Reported | RoundDone | RoundFailed | Fetched | RedoAnswer | Reo
 @dataclass(frozen=True)
 class AskReported:
     step: int
+    # Ask after this long (a replica that just applied the step reports it with its next heartbeat).
+    delay_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,16 @@ class Apply:
 
 
 @dataclass(frozen=True)
+class Skip:
+    """The step committed, but no live replica of this stage holds its result: count it applied with no
+    update (the parameters stay as they are), answered by :class:`Applied`."""
+
+    step: int
+    revision: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Resync:
     step: int
     reason: str
@@ -198,4 +212,4 @@ class Emit:
     message: str = ""
 
 
-Action = AskReported | Average | Fetch | Redo | AskReopened | WaitCommit | Apply | Resync | StartHeld | WaitClosed | Emit
+Action = AskReported | Average | Fetch | Redo | AskReopened | WaitCommit | Apply | Skip | Resync | StartHeld | WaitClosed | Emit

@@ -56,6 +56,7 @@ from protolearn.protocol.errors import PeerTimeout, ProtocolError
 from protolearn.protocol.transport.bulk_offers import BulkOffer, Offer, OfferTable
 from protolearn.protocol.transport.clock import MONOTONIC, Clock
 from protolearn.protocol.transport.config import TransportConfig
+from protolearn.protocol.transport.link import LinkShaper
 from protolearn.protocol.transport.seal import CHUNK_BYTES, KEY_BYTES, TOKEN_BYTES, confirmation, dial, receive_chunks, send_chunks
 
 HELLO_TIMEOUT_S = 2.0  # a connection must present its token this fast (it has it before it dials)
@@ -98,9 +99,10 @@ class BulkLane:
         self, *, min_bytes: int, connect_timeout_s: float, max_pending: int, max_pending_bytes: int, offer_ttl_s: float,
         clock: Clock = MONOTONIC, max_pending_per_peer: int | None = None, max_pending_bytes_per_peer: int | None = None,
         max_hellos_per_ip: int = MAX_HELLOS, message_deadline_s: float = math.inf, min_rate: float = math.inf,
-        on_over_limit: Callable[[str, str], None] | None = None,
+        on_over_limit: Callable[[str, str], None] | None = None, link: LinkShaper | None = None,
     ) -> None:
         self.clock = clock
+        self.link = link  # the host's emulated link: the lane's bytes pass it too (transport/link.py)
         self.min_bytes = min_bytes
         self.connect_timeout_s = connect_timeout_s
         self.offers = OfferTable(
@@ -124,8 +126,11 @@ class BulkLane:
         self._receive_threads = trio.CapacityLimiter(MAX_THREADS)
 
     @classmethod
-    def from_config(cls, config: TransportConfig, clock: Clock, *, on_over_limit: Callable[[str, str], None] | None = None) -> BulkLane:
-        """The lane of a host with ``config``: its bounds, and an offer lives as long as a chunk may take plus a dial."""
+    def from_config(
+        cls, config: TransportConfig, clock: Clock, *, on_over_limit: Callable[[str, str], None] | None = None, link: LinkShaper | None = None,
+    ) -> BulkLane:
+        """The lane of a host with ``config``: its bounds, and an offer lives as long as a chunk may take plus a dial;
+        ``link``: the host's emulated link, which the lane's bytes pass too."""
         return cls(
             min_bytes=config.bulk_min_bytes, connect_timeout_s=config.bulk_connect_timeout_s,
             max_pending=config.max_inbound_streams, max_pending_bytes=config.bulk_max_pending_bytes,
@@ -134,7 +139,7 @@ class BulkLane:
             max_pending_bytes_per_peer=config.bulk_max_pending_bytes_per_peer,
             max_hellos_per_ip=config.bulk_max_hellos_per_ip,
             message_deadline_s=config.message_deadline_s, min_rate=config.min_rate_bytes_per_s,
-            on_over_limit=on_over_limit,
+            on_over_limit=on_over_limit, link=link,
         )
 
     # -- receiving side ---------------------------------------------------------------------------
@@ -199,6 +204,8 @@ class BulkLane:
             if waiter is None:
                 self._refuse(conn, reason or "the offer was given up")
                 return
+            if self.link is not None:  # this side's share of the dial's two round trips
+                await self.link.wait_handshake()
             try:
                 with trio.move_on_after(HELLO_TIMEOUT_S):
                     await conn.send(confirmation(offer.key, token))  # 16 bytes: one send takes them
@@ -251,10 +258,13 @@ class BulkLane:
                 raise PeerTimeout(peer, f"bulk lane: no connection with the offered token within {chunk_timeout:g} s")
             out = bytearray(offer.num_bytes)  # the validated size, nothing more
             sock, waiter.sock = waiter.sock, None
+            paced = self.link.paced(sock) if self.link is not None else sock
             await _in_thread(
-                self._receive_threads, sock, receive_chunks, offer.key, out, peer=peer, chunk_timeout=chunk_timeout, clock=self.clock,
+                self._receive_threads, paced, receive_chunks, offer.key, out, peer=peer, chunk_timeout=chunk_timeout, clock=self.clock,
                 total_timeout=self.total_timeout(offer.num_bytes),
             )
+            if self.link is not None:  # the payload is whole once its last byte has crossed the link
+                await self.link.sleep_until(paced.last_arrive)
         finally:
             self.withdraw(offer)
         self.stats.num_received += 1
@@ -278,18 +288,25 @@ class BulkLane:
             raise ProtocolError(peer, f"malformed bulk offer (port {offer.port}, {len(offer.token)}-byte token, {len(offer.key)}-byte key)")
         try:
             with trio.fail_after(self.connect_timeout_s + 1):
-                return await _dial_in_thread(self._send_threads, ip, offer.port, offer.token, offer.key, self.connect_timeout_s)
+                sock = await _dial_in_thread(self._send_threads, ip, offer.port, offer.token, offer.key, self.connect_timeout_s)
         except (OSError, trio.TooSlowError) as err:
             self._unreachable[peer] = self.clock() + UNREACHABLE_S
             if len(self._unreachable) > 4096:  # bounded: forget the oldest marks
                 for old in sorted(self._unreachable, key=self._unreachable.__getitem__)[:1024]:
                     del self._unreachable[old]
             return f"could not reach bulk lane {ip}:{offer.port} ({type(err).__name__}: {err})"[:300]
+        if self.link is not None:  # this side's share of the dial's two round trips
+            try:
+                await self.link.wait_handshake()
+            except BaseException:
+                sock.close()
+                raise
+        return sock
 
     async def send(self, sock: socket.socket, key: bytes, data: memoryview, *, peer: str, chunk_timeout: float) -> None:
         """Send ``data`` sealed with ``key`` on a socket from :meth:`connect` (which this closes)."""
         await _in_thread(
-            self._send_threads, sock, send_chunks, key, data, peer=peer, chunk_timeout=chunk_timeout,
+            self._send_threads, self.link.paced(sock) if self.link is not None else sock, send_chunks, key, data, peer=peer, chunk_timeout=chunk_timeout,
             total_timeout=self.total_timeout(len(data)), clock=self.clock,
         )
         self.stats.num_sent += 1

@@ -8,11 +8,14 @@ minimum rate).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from protolearn.errors import ConfigError
 
 from protolearn.protocol import wire
 from protolearn.protocol.frames import DEFAULT_LIMITS, TensorLimits
 from protolearn.protocol.gate import DEFAULT_ABUSE_THRESHOLD, DEFAULT_ABUSE_WINDOW_S, DEFAULT_MAX_TRACKED, DEFAULT_TEMP_BAN_S
+from protolearn.protocol.link import LinkSpec
 from protolearn.protocol.log_digest import DEFAULT_INTERVAL_S, DEFAULT_MAX_PEERS
 
 
@@ -57,6 +60,28 @@ class TransportConfig(BaseModel):
     # summarised with counts at the interval's end; at most this many peers are counted apart.
     rejection_log_interval_s: float = Field(default=DEFAULT_INTERVAL_S, gt=0)
     rejection_log_max_peers: int = Field(default=DEFAULT_MAX_PEERS, gt=0)
+    # The host's emulated access link (protocol/link.py, protocol/transport/link.py): None, unshaped.
+    link: LinkSpec | None = None
+
+    @model_validator(mode="after")
+    def _link_fast_enough(self) -> TransportConfig:
+        # Peers cut a message that arrives slower than min_rate; a link must carry a couple at once.
+        floor = 2 * self.min_rate_bytes_per_s * 8
+        if self.link is not None and min(self.link.up_bits, self.link.down_bits) < floor:
+            raise ValueError(
+                f"link {self.link.text}: a rate below {floor / 1e6:.1f}mbit is too slow for the transport, which drops a peer that "
+                f"sends slower than {self.min_rate_bytes_per_s * 8 / 1e6:.1f}mbit (min_rate_bytes_per_s)"
+            )
+        return self
 
 
-__all__ = ["TransportConfig"]
+def usable_link(spec: LinkSpec) -> LinkSpec:
+    """``spec`` if the transport (with its default limits) can run over it, else ConfigError saying why."""
+    try:
+        TransportConfig(link=spec)
+    except ValidationError as err:
+        raise ConfigError(str(err.errors(include_url=False)[0]["msg"]).removeprefix("Value error, ")) from None
+    return spec
+
+
+__all__ = ["TransportConfig", "usable_link"]

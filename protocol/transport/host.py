@@ -42,6 +42,7 @@ from protolearn.protocol.transport.dialing import Dialer
 from protolearn.protocol.transport.gatekeeper import ConnectionWatch, Gatekeeper
 from protolearn.protocol.transport.holepunch import HolePuncher
 from protolearn.protocol.transport.libp2p_errors import reset_quietly, single_leaf, why
+from protolearn.protocol.transport.link import LinkShaper, pumps
 from protolearn.protocol.transport.names import parse_peer_id, protocol_id
 from protolearn.protocol.transport.relay import Relay
 from protolearn.protocol.transport.serving import RawHandler, RequestHandler, Server, StreamHandler
@@ -71,8 +72,12 @@ class Host:
         self.peer_id = str(lp.get_id())
         self._keeper = Gatekeeper(lp, config, clock)
         self.gate = self._keeper.gate
+        # The emulated access link (config.link): it shapes every TCP connection and the bulk lane.
+        self.link = LinkShaper(config.link, clock=clock) if config.link is not None else None
         # None when config.bulk is off; host.bulk.stats counts what went over the lane.
-        self.bulk = BulkLane.from_config(config, clock, on_over_limit=self._keeper.bulk_over_limit) if config.bulk else None
+        self.bulk = (
+            BulkLane.from_config(config, clock, on_over_limit=self._keeper.bulk_over_limit, link=self.link) if config.bulk else None
+        )
         # DCUtR (holepunch.py); ``public_ip`` (below) is the address a punch offers.
         self.puncher = puncher
         self._connections = Connections(lp, puncher)
@@ -142,6 +147,10 @@ class Host:
         """Reserve a slot on the relay at ``relay_addr``; this host's circuit address through it, which
         peers can dial. Renewed in the background while the host runs. PeerUnavailable or Refused if not."""
         return await self.relay.reserve(relay_addr, timeout=timeout)
+
+    def num_connections(self, peer_id: str) -> int:
+        """How many live connections this host has with ``peer_id`` (two: two processes share one identity)."""
+        return len(self._connections.live(peer_id))
 
     def path_to(self, peer_id: str) -> str | None:
         """How this host reaches ``peer_id`` now: "direct", "hole-punched", "relayed", or None."""
@@ -331,6 +340,8 @@ async def open_host(
         enable_upnp=False,
     )
     host = Host(lp, cfg, clock=clock, relay=relay, puncher=HolePuncher(lp))
+    if host.link is not None:
+        host.link.install(lp)
     host.relay.install()
     lp.get_network().register_notifee(ConnectionWatch(host._keeper, host._connection_changed))
     # The swarm and the host's services run in a task of their own under a shield, so a cancel from
@@ -369,7 +380,8 @@ async def _run_services(
 ) -> None:
     """Run the libp2p swarm and the host's own services inside ``services`` until ``stop`` is set."""
     with services:
-        async with lp.run(listen_addrs), trio.open_nursery() as nursery:
+        # The link's pumps stop last: the swarm's connections still flush through them as they close.
+        async with pumps(host.link), lp.run(listen_addrs), trio.open_nursery() as nursery:
             try:
                 # py-libp2p's auto-connector dials peers from the peerstore to keep about 200
                 # connections: every 30 s (every 10 s while below 50) and after each disconnect. Here

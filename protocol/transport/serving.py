@@ -7,7 +7,8 @@ in total or from that peer, or from peers a ``known`` check says no to (they sha
 Sybils cannot crowd known peers out). Then :meth:`Server.serve` reads one request within its byte
 limit and the base deadline, and answers it: a handler's :class:`~protolearn.errors.ProtolearnError`
 becomes an :class:`~protolearn.protocol.wire.ErrorReply`, a request that fails to decode gets one
-naming the reason. :meth:`Server.serve_stream` hands the framed stream to its handler instead. The one
+naming the reason; a request its caller abandons before its first byte, or a reply it went away before, is
+logged at info and not counted as a rejection. :meth:`Server.serve_stream` hands the framed stream to its handler instead. The one
 broad catch of the transport is here: a handler's failure is logged with the peer, the protocol and
 the reason, the stream is reset, and the host keeps serving.
 """
@@ -21,7 +22,7 @@ import trio
 from libp2p.abc import IHost, INetStream
 
 from protolearn.errors import ProtolearnError
-from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.errors import PeerUnavailable, ProtocolError
 from protolearn.protocol.transport.config import TransportConfig
 from protolearn.protocol.transport.gatekeeper import Gatekeeper
 from protolearn.protocol.transport.libp2p_errors import reset_quietly
@@ -75,6 +76,16 @@ class Server:
             try:
                 # An honest caller writes its request at once: an idle stream is let go after the base deadline.
                 request = await s.receive(request_type, timeout=min(self.config.request_timeout_s, self.config.message_deadline_s))
+            except PeerUnavailable as err:
+                if not s.bytes_received:
+                    # It closed the stream before a byte of its request: a caller that gave up (e.g. a lease
+                    # request cancelled when its step closed), normal operation, not a bad request.
+                    log.info("request abandoned peer=%s protocol=%s reason=%s", peer, name, err.reason)
+                    await s.reset()
+                    return
+                gate.reject(peer, name, type(err).__name__, err.reason, clock())
+                await self._refuse(s, err)
+                return
             except ProtocolError as err:
                 gate.reject(peer, name, type(err).__name__, err.reason, clock())
                 await self._refuse(s, err)
@@ -87,7 +98,13 @@ class Server:
             except ProtolearnError as err:
                 self._keeper.log_refusal(peer, name, type(err).__name__, str(err))
                 reply = ErrorReply(code=type(err).__name__, reason=str(err))
-            await s.send(reply, timeout=self.config.request_timeout_s)
+            try:
+                await s.send(reply, timeout=self.config.request_timeout_s)
+            except PeerUnavailable as err:
+                # The caller went away before its reply (it was cancelled, or died): nothing to refuse.
+                log.info("reply undelivered peer=%s protocol=%s reason=%s", peer, name, err.reason)
+                await s.reset()
+                return
             if not isinstance(reply, ErrorReply):
                 self.requests_served += 1
 

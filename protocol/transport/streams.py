@@ -134,7 +134,7 @@ class FramedStream:
                 raise ProtocolError(self.peer_id, f"read returned {len(piece)} bytes, asked for {want}")
             pieces.append(piece)
             got += len(piece)
-        self.bytes_received += n
+            self.bytes_received += len(piece)  # counted as it arrives: a cut-off message still shows it began
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def _broken(self, err: BaseException, what: str, got: int, n: int) -> str:

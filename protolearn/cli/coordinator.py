@@ -1,7 +1,13 @@
 """``protolearn coordinator start``: run the coordinator of a training run.
 
 Prints exactly one line on stdout, the multiaddr (with ``/p2p/<peer id>``) to paste into
-``protolearn node join``; everything else (other reachable addresses, the log) goes to stderr.
+``protolearn node join`` on other machines: with a wildcard ``--listen``, the ``--announce`` address if
+given, else the address of a real interface (the default route's first; never loopback while another
+exists). Everything else goes to stderr: which address is which, the other addresses it listens on,
+and the log. One process per data dir (a lock); a start that fails on a fresh data dir leaves nothing
+that claims its run. When the run's last step commits, the coordinator fetches the final model from
+the replicas into ``<data dir>/final`` (:mod:`protolearn.cli.final_model`), so ``swarm export`` works
+after every node has left.
 Identity and state live in ``--data-dir``, so a restart with the same data dir is the same
 coordinator with the same members, step, leases and bans. When ``--listen`` asks for port 0 and the
 data dir remembers a port, that port is reused, so nodes reconnect to the address they know. Ctrl-C or
@@ -12,14 +18,15 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
-import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from protolearn.errors import ConfigError
+
+if TYPE_CHECKING:
+    from protolearn.protocol.link import LinkSpec
 
 coordinator_app = typer.Typer(help="Run the coordinator of a training run.", no_args_is_help=True)
 
@@ -29,28 +36,6 @@ PORT_WAIT_S = 30.0
 # How often to look again: nodes are retrying, so every moment the port is free but unused counts.
 PORT_RETRY_S = 0.2
 log = logging.getLogger("protolearn.coordinator")
-
-
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(stream=sys.stderr, level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # libp2p logs every connection-manager tick at INFO.
-    logging.getLogger("libp2p").setLevel(logging.WARNING)
-
-
-def _interface_ips() -> list[str]:
-    """Non-loopback IPv4 addresses of this machine, found without sending anything."""
-    ips: list[str] = []
-    try:
-        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
-    except OSError:
-        return ips
-    for info in infos:
-        ip = str(info[4][0])
-        if not ip.startswith("127.") and ip not in ips:
-            ips.append(ip)
-    return ips
 
 
 def _with_port(listen: str, data_dir: Path) -> str:
@@ -83,31 +68,43 @@ def _remember_port(data_dir: Path, addrs: list[str]) -> None:
             store.close()
 
 
+def _forget_fresh_state(data_dir: Path) -> None:
+    """A start that failed on a fresh data dir must not leave the dir claiming its run (the next start,
+    with another --config, would be refused): remove the store it created."""
+    from protolearn.coordinator.store import DB_FILE
+
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        (data_dir / f"{DB_FILE}{suffix}").unlink(missing_ok=True)
+
+
 def _start(
-    config: Annotated[Path | None, typer.Option("--config", help="Run config TOML (default: the run in --data-dir, else the built-in demo run).")] = None,
-    listen: Annotated[str, typer.Option("--listen", help="Multiaddr to listen on, e.g. /ip4/0.0.0.0/tcp/7700.")] = DEFAULT_LISTEN,
-    data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Identity and state (default: ~/.protolearn/coordinator).")] = None,
-    metrics_port: Annotated[int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics on this port.")] = None,
-    log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")] = "info",
+    config: Annotated[Path | None, typer.Option("--config", metavar="FILE", help="Run config TOML (default: the run in --data-dir, else the built-in demo run).")] = None,
+    listen: Annotated[str, typer.Option("--listen", metavar="MULTIADDR", help="Multiaddr to listen on, e.g. /ip4/0.0.0.0/tcp/7700.")] = DEFAULT_LISTEN,
+    announce: Annotated[list[str] | None, typer.Option(
+        "--announce", metavar="MULTIADDR",
+        help="The address other machines reach this coordinator at, when no interface holds it (port forwarding, a public IP on the router), e.g. /ip4/203.0.113.5/tcp/7700; printed first; repeatable.",
+    )] = None,
+    data_dir: Annotated[Path | None, typer.Option("--data-dir", metavar="DIR", help="Identity and state (default: ~/.protolearn/coordinator); one process per data dir.")] = None,
+    metrics_port: Annotated[int | None, typer.Option("--metrics-port", metavar="PORT", help="Serve Prometheus metrics on this port (0: any free port).")] = None,
+    log_level: Annotated[str, typer.Option("--log-level", metavar="LEVEL", help="debug, info, warning or error.")] = "info",
     ban_on_evidence: Annotated[bool, typer.Option(
         "--ban-on-evidence", help="Ban a member at once when a report proves it signed two contradicting statements (off by default).",
     )] = False,
     relay: Annotated[bool, typer.Option(
         "--relay", help="Also relay traffic for nodes behind NATs (circuit relay v2) and offer this coordinator to them as their relay.",
     )] = False,
+    link: Annotated[str | None, typer.Option(
+        "--link", metavar="SPEC", help="Emulate a home link for the coordinator's traffic too (RATE,DELAY[,JITTER]); off by default: it carries no tensors.",
+    )] = None,
     lease_s: Annotated[float | None, typer.Option(
         "--lease-s", help="Ticket lease term in seconds (tests and benchmarks shrink it; default 20).", hidden=True,
     )] = None,
 ) -> None:
     """Start the coordinator and print the address nodes join with."""
-    import trio
-
-    from protolearn.cli.runner import run_trio
-    from protolearn.coordinator.config import CoordinatorSettings
-    from protolearn.coordinator.service import Running, persisted_run_toml, serve
-    from protolearn.protocol.addresses import PortInUse
+    from protolearn.data_dir_lock import DataDirLock
     from protolearn.protocol.identity import default_data_dir
-    from protolearn.stages.config import RunConfig, load_run_config
+    from protolearn.protocol.link import parse_link
+    from protolearn.protocol.transport.config import usable_link
 
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"--log-level={log_level!r} is not one of debug, info, warning, error")
@@ -115,15 +112,41 @@ def _start(
         raise ConfigError(f"--lease-s={lease_s} must be a positive number of seconds")
     if metrics_port is not None and not 0 <= metrics_port < 65536:
         raise ConfigError(f"--metrics-port={metrics_port} is not a TCP port (0-65535)")
-    setup_logging(log_level)
+    spec = usable_link(parse_link(link)) if link is not None else None
     data_dir = data_dir or default_data_dir("coordinator")
+    with DataDirLock(data_dir, what="--data-dir"):
+        _serve(config, listen, announce or [], data_dir, metrics_port, log_level, ban_on_evidence, relay, lease_s, spec)
+
+
+def _serve(
+    config: Path | None, listen: str, announce: list[str], data_dir: Path, metrics_port: int | None, log_level: str,
+    ban_on_evidence: bool, relay: bool, lease_s: float | None, link: LinkSpec | None,
+) -> None:
+    import trio
+
+    from protolearn.cli.final_model import keep_final_model
+    from protolearn.cli.logs import configure_stderr_logging
+    from protolearn.cli.runner import run_trio
+    from protolearn.coordinator.config import CoordinatorSettings
+    from protolearn.coordinator.service import Running, persisted_run_toml, serve
+    from protolearn.protocol.addresses import PortInUse
+    from protolearn.protocol.identity import load_or_create_identity
+    from protolearn.protocol.interfaces import dialable, parse_announce
+    from protolearn.stages.config import RunConfig, load_run_config
+
+    configure_stderr_logging(log_level)
+    saved = persisted_run_toml(data_dir)
     if config is None:
-        saved = persisted_run_toml(data_dir)
         run = RunConfig.from_toml_text(saved, source=f"run saved in {data_dir}") if saved else load_run_config(None)
     else:
         run = load_run_config(config)
+    peer_id = load_or_create_identity(data_dir).peer_id
+    for addr in announce:
+        parse_announce(addr, peer_id)  # a malformed --announce is one line before anything starts
     listen_on = _with_port(listen, data_dir)
-    metrics_host = "0.0.0.0" if "/ip4/0.0.0.0/" in listen_on else "127.0.0.1"
+    wildcard = "/ip4/0.0.0.0/" in listen_on
+    metrics_host = "0.0.0.0" if wildcard else "127.0.0.1"
+    printed = False
 
     async def start_service(nursery: trio.Nursery) -> Running:
         # A remembered port is busy while the previous coordinator is still shutting down (sockets in
@@ -136,8 +159,10 @@ def _start(
                 return await nursery.start(
                     lambda task_status: serve(
                         run, data_dir, listen_on, metrics_port=metrics_port, metrics_host=metrics_host,
-                        settings=CoordinatorSettings(ban_on_evidence=ban_on_evidence, **({} if lease_s is None else {"lease_s": lease_s})),
-                        relay=relay, task_status=task_status,
+                        settings=CoordinatorSettings(
+                            ban_on_evidence=ban_on_evidence, keep_final=True, **({} if lease_s is None else {"lease_s": lease_s}),
+                        ),
+                        relay=relay, announce=announce, link=link, task_status=task_status,
                     )
                 )
             except PortInUse as err:
@@ -149,23 +174,39 @@ def _start(
                 await trio.sleep(PORT_RETRY_S)
 
     async def main() -> None:
+        nonlocal printed
         async with trio.open_nursery() as nursery:
             running = await start_service(nursery)
             _remember_port(data_dir, running.addrs)
-            print(running.addrs[0], flush=True)
-            if "/ip4/0.0.0.0/" in listen_on:
-                tail = running.addrs[0].split("/", 3)[3]  # tcp/<port>/p2p/<id>
-                for ip in _interface_ips():
-                    log.info("reachable from other machines at /ip4/%s/%s", ip, tail)
-            if running.metrics_port is not None:
-                log.info("metrics at http://%s:%d/metrics", metrics_host, running.metrics_port)
+            port = running.addrs[0].split("/")[4]
+            heard = [f"/ip4/0.0.0.0/tcp/{port}"] if wildcard else running.addrs
+            addrs = dialable(heard, running.peer_id, announce=announce)
+            print(addrs[0].addr, flush=True)
+            printed = True
+            _say_addresses(addrs, wildcard)
+            await nursery.start(keep_final_model, running, addrs[-1].addr, addrs[0].addr)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
                     log.info("received %s; shutting down", signal.Signals(signum).name)
                     nursery.cancel_scope.cancel()
                     break
 
-    run_trio(main)
+    try:
+        run_trio(main)
+    except BaseException:
+        if saved is None and not printed:
+            _forget_fresh_state(data_dir)
+        raise
+
+
+def _say_addresses(addrs: list, wildcard: bool) -> None:
+    """Say on stderr which printed address is which: the one to paste, and where else it listens."""
+    first = addrs[0]
+    if first.note == "this machine only" and wildcard:
+        log.warning("no network interface besides loopback: other machines cannot reach %s; pass --announce ADDR", first.addr)
+    log.info("nodes on other machines join with: protolearn node join --coordinator %s  (%s)", first.addr, first.note)
+    for other in addrs[1:]:
+        log.info("also reachable at %s  (%s)", other.addr, other.note)
 
 
 def register(app: typer.Typer) -> None:

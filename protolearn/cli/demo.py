@@ -1,12 +1,11 @@
 """``protolearn demo``: a whole swarm on this machine, a coordinator and N nodes as real processes.
 
-:class:`LocalSwarm` writes the run config, starts ``protolearn coordinator start`` and N ``protolearn
-node join`` processes on 127.0.0.1 (the real CLI, real libp2p), all in one process group, and stops
-them all on completion, on error and on Ctrl-C, so nothing is left behind. The demo shows the swarm
-status live (the same view as ``swarm status --watch``) and ends with a summary: loss from start to
-end, tokens/s and wall time. ``scripts/bench_swarm.py`` uses the same class.
+:class:`LocalSwarm` writes the run config, starts ``protolearn coordinator start`` and N ``protolearn node join``
+processes on 127.0.0.1 (the real CLI, real libp2p), all in one process group, and stops them all on completion,
+on error and on Ctrl-C, so nothing is left behind. The demo shows the swarm status live (the same view as
+``swarm status --watch``) and ends with a summary: loss from start to end, tokens/s and wall time (bench_swarm.py uses the class too).
 
-With ``--chaos``, a :class:`ChaosPlan` (plain object: ``tick(now, closed_steps)`` returns the next
+With ``--chaos``, a :class:`~protolearn.cli.chaos.ChaosPlan` (plain object: ``tick(now, closed_steps)`` returns the next
 actions) SIGKILLs a random node every few seconds, restarts it on the same data dir a moment later,
 and once SIGKILLs and restarts the coordinator on the same port and data dir. Each fault is printed
 with its recovery time, measured from the kill until the next step closes (the swarm trained again).
@@ -14,12 +13,9 @@ with its recovery time, measured from the kill until the next step closes (the s
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -28,12 +24,14 @@ from typing import Annotated, Any
 
 import typer
 
+from protolearn.cli.chaos import ChaosPlan
+from protolearn.cli.final_model import final_model_path
+from protolearn.cli.links import LinkOption, LinksOption, link_flags, link_note
 from protolearn.codec_spec import CODECS
 from protolearn.errors import ConfigError, ProtolearnError
+from protolearn.supervisor import ProcessExited, Supervisor
 
-CLI = [sys.executable, "-m", "protolearn.cli.main"]
 STARTUP_S = 120.0
-STOP_GRACE_S = 10.0
 
 
 class DemoError(ProtolearnError):
@@ -42,7 +40,8 @@ class DemoError(ProtolearnError):
 
 @dataclass
 class LocalSwarm:
-    """A coordinator and ``num_nodes`` nodes as subprocesses of this one, logs under ``workdir``."""
+    """A coordinator and ``num_nodes`` nodes (``node0``, ``node1``, ...) run by one :class:`Supervisor`, logs
+    under ``workdir``."""
 
     workdir: Path
     run_toml: str
@@ -51,38 +50,32 @@ class LocalSwarm:
     node_args: list[str] = field(default_factory=list)
     # Extra arguments of single nodes (by index), e.g. an --adversary for the integrity benchmark.
     per_node_args: dict[int, list[str]] = field(default_factory=dict)
+    # Extra arguments of the coordinator (they override the defaults, e.g. --log-level info).
+    coordinator_args: list[str] = field(default_factory=list)
     address: str = ""
-    coordinator: subprocess.Popen | None = None
     nodes: list[subprocess.Popen] = field(default_factory=list)
     # Nodes killed on purpose (--chaos) and not yet restarted: not failures, not running.
     killed: set[int] = field(default_factory=set)
-    _pgid: int | None = None
+    processes: Supervisor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.processes = Supervisor(self.workdir)
+
+    @property
+    def coordinator(self) -> subprocess.Popen | None:
+        return self.processes.procs.get("coordinator")
 
     def _popen(self, args: list[str], name: str) -> subprocess.Popen:
-        out = (self.workdir / f"{name}.out").open("w")
-        err = (self.workdir / f"{name}.err").open("w")
-        # One process group for the whole swarm: stop() signals it at once and leaves no orphan.
-        kwargs: dict[str, Any] = {"process_group": self._pgid if self._pgid is not None else 0}
-        proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kwargs)
-        out.close()
-        err.close()
-        if self._pgid is None:
-            self._pgid = proc.pid
-        return proc
+        return self.processes.spawn(name, *args)
 
     def start_coordinator(self, listen: str = "/ip4/127.0.0.1/tcp/0") -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "run.toml"
         config.write_text(self.run_toml, encoding="utf-8")
-        self.coordinator = self._popen(
-            ["coordinator", "start", "--config", str(config), "--listen", listen,
-             "--data-dir", str(self.workdir / "coordinator"), "--log-level", "warning"], "coordinator")
+        self.processes.spawn("coordinator", *Supervisor.coordinator_args(config, self.workdir / "coordinator", listen, *self.coordinator_args))
 
     def kill_coordinator(self) -> None:
-        assert self.coordinator is not None
-        self.coordinator.send_signal(signal.SIGKILL)
-        self.coordinator.wait()
+        self.processes.kill("coordinator")
 
     def restart_coordinator(self) -> None:
         """Start the coordinator again on its old port and data dir (its identity and state live there)."""
@@ -91,8 +84,7 @@ class LocalSwarm:
 
     def kill_node(self, k: int) -> None:
         self.killed.add(k)
-        self.nodes[k].send_signal(signal.SIGKILL)
-        self.nodes[k].wait()
+        self.processes.kill(f"node{k}")
 
     def restart_node(self, k: int) -> None:
         """Start node ``k`` again on the same data dir: same identity, and whatever state it kept."""
@@ -101,37 +93,21 @@ class LocalSwarm:
 
     def stage_of(self, k: int) -> int | None:
         """The stage node ``k`` last built, from its event log (None before it built one)."""
-        path = self.workdir / f"node{k}" / "node.jsonl"
-        if not path.exists():
-            return None
-        stage = None
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            if '"built"' in line:
-                try:
-                    stage = json.loads(line).get("stage")
-                except json.JSONDecodeError:
-                    continue  # a line cut off by a SIGKILL
-        return stage
+        built = self.processes.events(f"node{k}", "built")
+        return built[-1].get("stage") if built else None
 
     def poll_address(self) -> str:
         """The coordinator's address once it printed it, else ''. Raises if it died."""
-        if self.address:
-            return self.address
-        text = (self.workdir / "coordinator.out").read_text(encoding="utf-8")
-        if text.endswith("\n"):
-            self.address = text.splitlines()[0].strip()
-            return self.address
-        assert self.coordinator is not None
-        if self.coordinator.poll() is not None:
-            raise DemoError(f"the coordinator exited with code {self.coordinator.returncode}: {self.tail('coordinator')}")
-        return ""
+        if not self.address:
+            try:
+                self.address = self.processes.first_line("coordinator")
+            except ProcessExited as err:
+                raise DemoError(str(err)) from None
+        return self.address
 
     def _node_args(self, k: int) -> list[str]:
-        args = ["node", "join", "--coordinator", self.address, "--device", "cpu", "--listen", "/ip4/127.0.0.1/tcp/0",
-                "--data-dir", str(self.workdir / f"node{k}"), "--name", f"node{k}", *self.node_args, *self.per_node_args.get(k, [])]
-        if self.threads:
-            args += ["--threads", str(self.threads)]
-        return args
+        return self.processes.node_args(f"node{k}", self.address, *self.node_args, *self.per_node_args.get(k, []), threads=self.threads,
+                                        listen="/ip4/127.0.0.1/tcp/0")
 
     def start_nodes(self) -> None:
         for _ in range(len(self.nodes), self.num_nodes):
@@ -153,109 +129,11 @@ class LocalSwarm:
         return all(p.poll() is not None for k, p in enumerate(self.nodes) if k not in self.killed)
 
     def tail(self, name: str) -> str:
-        path = self.workdir / f"{name}.err"
-        lines = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()] if path.exists() else []
-        return (lines[-1] if lines else "(no output)") + f" (log: {path})"
+        return self.processes.tail(name)
 
     def stop(self) -> None:
-        """SIGTERM the group (nodes leave gracefully), then SIGKILL whatever is left after a grace period."""
-        procs = [p for p in [*self.nodes, self.coordinator] if p is not None]
-        if self._pgid is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
-            if all(p.poll() is not None for p in procs):
-                break
-            try:
-                os.killpg(self._pgid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-                time.sleep(0.05)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-
-
-@dataclass
-class Fault:
-    """One SIGKILL of ``target`` (``node<k>`` or ``coordinator``) and what followed."""
-
-    target: str
-    killed_at: float
-    closed_at_kill: int
-    restarted_at: float | None = None
-    # The restarted process is in the swarm again (a node joined; the coordinator answers).
-    back: bool = False
-    # Seconds from the kill until the next step closed.
-    recovered_s: float | None = None
-
-
-@dataclass
-class ChaosPlan:
-    """Decides when to kill and restart what (sans-IO: :meth:`tick` returns actions, the caller does them).
-
-    One fault at a time: the next comes ``interval_s`` after the previous one recovered. A node is only
-    killed if its stage keeps another live replica; the ``coordinator_fault``-th fault (counting from 0)
-    is the coordinator. No fault is started in the last ``quiet_steps`` steps, so the run can end.
-    """
-
-    num_nodes: int
-    steps: int
-    rng: random.Random
-    interval_s: float = 4.0
-    restart_after_s: float = 1.0
-    coordinator_fault: int = 1
-    quiet_steps: int = 3
-    faults: list[Fault] = field(default_factory=list)
-    _next_at: float | None = None
-
-    def tick(
-        self, now: float, closed_steps: int, stages: dict[int, int | None], alive: set[int], back: set[str] = frozenset(),  # type: ignore[assignment]
-    ) -> list[tuple[str, Any]]:
-        """Actions: ("recovered", fault), ("restart", target), ("kill", target).
-
-        ``back`` names restarted targets seen in the swarm again; no new fault starts before every
-        restarted target is back (a node still joining would fail to reach a killed coordinator).
-        """
-        actions: list[tuple[str, Any]] = []
-        for f in self.faults:
-            if f.restarted_at is not None and not f.back and f.target in back:
-                f.back = True
-                self._next_at = max(self._next_at or now, now + self.interval_s)
-            if f.recovered_s is None and closed_steps > f.closed_at_kill:
-                f.recovered_s = now - f.killed_at
-                self._next_at = now + self.interval_s
-                actions.append(("recovered", f))
-            if f.restarted_at is None and now - f.killed_at >= self.restart_after_s:
-                f.restarted_at = now
-                actions.append(("restart", f.target))
-        if any(f.recovered_s is None or not f.back for f in self.faults):
-            return actions
-        if closed_steps < 2 or closed_steps >= self.steps - self.quiet_steps:
-            return actions
-        if self._next_at is None:
-            self._next_at = now + self.interval_s
-        if now < self._next_at:
-            return actions
-        self._next_at = now + self.interval_s
-        if len(self.faults) == self.coordinator_fault:
-            target = "coordinator"
-        else:
-            per_stage: dict[int, int] = {}
-            for k in alive:
-                st = stages.get(k)
-                if st is not None:
-                    per_stage[st] = per_stage.get(st, 0) + 1
-            # Killing a stage's last replica would stall the run: chaos tests recovery, not loss of a stage.
-            candidates = sorted(k for k in alive if stages.get(k) is not None and per_stage[stages[k]] >= 2)  # type: ignore[index]
-            if not candidates:
-                return actions
-            target = f"node{self.rng.choice(candidates)}"
-        self.faults.append(Fault(target, now, closed_steps))
-        actions.append(("kill", target))
-        return actions
+        """SIGTERM every process (nodes leave gracefully), then SIGKILL whatever is left after a grace period."""
+        self.processes.stop()
 
 
 def demo_run_toml(config: Path | None, *, stages: int, steps: int, codec: str) -> str:
@@ -268,7 +146,7 @@ def demo_run_toml(config: Path | None, *, stages: int, steps: int, codec: str) -
         "optim.total_steps": steps, "optim.warmup_steps": warmup,
     }
     if codec.startswith("subspace") and run.subspace.rank is None:
-        # The subspace codec needs a constrained model: k = D/32 (README "Compression").
+        # The subspace codec needs a constrained model: k = D/32 (docs/HOW-IT-WORKS.md, "Compression").
         updates["subspace.rank"] = max(1, run.model.d_model // 32)
     return run.replace(**updates).to_toml()
 
@@ -313,7 +191,7 @@ async def watch(swarm: LocalSwarm, live: Any | None, interval_s: float = 1.0, ch
     """
     import trio
 
-    from protolearn.cli.swarm import render
+    from protolearn.cli.status_view import render
     from protolearn.node.coordinator_link import CoordinatorLink, RetryPolicy
     from protolearn.protocol.errors import ProtocolError
     from protolearn.protocol.identity import Identity
@@ -337,7 +215,7 @@ async def watch(swarm: LocalSwarm, live: Any | None, interval_s: float = 1.0, ch
             if status is not None:
                 last = status
                 # Once the last step has closed the nodes leave; keep showing the last view that had them.
-                if live is not None and status.nodes:
+                if live is not None and (status.nodes or status.verdict == "finished"):
                     live.update(render(status))
             if chaos is not None:
                 closed = len(last.loss_history) if last is not None else 0
@@ -399,6 +277,7 @@ def _demo(
     threads: Annotated[int, typer.Option("--threads", help="Torch threads per node.")] = 1,
     chaos: Annotated[bool, typer.Option("--chaos", help="SIGKILL and restart random nodes (and once the coordinator) while training.")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of --chaos's choice of victims.")] = 0,
+    link: LinkOption = None, links: LinksOption = None,  # emulated home links (protolearn/cli/links.py)
 ) -> None:
     """Run a whole swarm on this machine: a coordinator and N nodes over libp2p on 127.0.0.1."""
     import trio
@@ -414,11 +293,9 @@ def _demo(
     run_toml = demo_run_toml(config, stages=stages, steps=steps, codec=codec)
     work = workdir or Path(tempfile.mkdtemp(prefix="protolearn-demo-"))
     console = Console(stderr=True)
-    console.print(f"demo: {nodes} nodes, {stages} stages, {steps} steps, codec {codec}; logs in {work}")
-    swarm = LocalSwarm(work, run_toml, nodes, threads=threads)
-    t0 = time.monotonic()
-    status = None
-    plan: ChaosPlan | None = None
+    console.print(f"demo: {nodes} nodes, {stages} stages, {steps} steps, codec {codec}{link_note(link, links)}; logs in {work}")
+    swarm = LocalSwarm(work, run_toml, nodes, threads=threads, per_node_args=link_flags(nodes, link, links))
+    t0, status, plan = time.monotonic(), None, None
     try:
         swarm.start_coordinator()
         with Live(console=console, refresh_per_second=4, transient=False) as live:
@@ -435,8 +312,9 @@ def _demo(
     history = list(status.loss_history) if status is not None else []
     if len(history) < steps:
         raise DemoError(f"the swarm finished only {len(history)} of {steps} steps; see the logs in {work}")
-    span = max(1e-9, history[-1].closed_at - history[0].closed_at)
-    tokens = status.run.tokens_per_step * (len(history) - 1)
+    span, tokens = max(1e-9, history[-1].closed_at - history[0].closed_at), status.run.tokens_per_step * (len(history) - 1)
+    if (model := final_model_path(work / "coordinator")).exists():
+        print(f"demo: the trained model is {model}; sample text from it: protolearn generate --model {model} --prompt 'def '")
     print(f"demo: loss {history[0].loss:.3f} -> {history[-1].loss:.3f} over {len(history)} steps; "
           f"{tokens / span:,.0f} tokens/s; wall time {wall:.1f} s; logs in {work}")
     if plan is not None:

@@ -31,6 +31,9 @@ when setup fails halfway.
 
 Needs root, ``ip`` (iproute2) and ``iptables`` with conntrack and MASQUERADE support in the kernel;
 ``netns_unavailable()`` says why not when they are missing, for ``pytest.skip``.
+
+:func:`lan` builds a smaller topology: two namespaces on one veth (198.18.7.1 and .2), no router and no
+default route, for tests of the addresses a user pastes from one machine to another.
 """
 
 from __future__ import annotations
@@ -156,25 +159,8 @@ def kill_namespace_processes(ns: str) -> None:
         time.sleep(0.02)
 
 
-@dataclass(frozen=True)
-class NatTopology:
-    """Names and addresses of a built topology, and ways to run commands in its namespaces."""
-
-    public: str
-    router_a: str
-    router_b: str
-    home_a: str
-    home_b: str
-    random_fully: bool
-    public_ip: str = PUBLIC_IP
-    router_a_wan_ip: str = ROUTER_A_WAN_IP
-    router_b_wan_ip: str = ROUTER_B_WAN_IP
-    home_a_ip: str = HOME_A_IP
-    home_b_ip: str = HOME_B_IP
-
-    @property
-    def namespaces(self) -> tuple[str, ...]:
-        return (self.public, self.router_a, self.router_b, self.home_a, self.home_b)
+class _InNamespaces:
+    """Running commands inside a topology's namespaces."""
 
     def argv(self, ns: str, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside namespace ``ns``."""
@@ -192,6 +178,27 @@ class NatTopology:
     ) -> subprocess.CompletedProcess[Any]:
         """Run ``argv`` in ``ns`` to completion, within ``timeout`` seconds."""
         return subprocess.run(self.argv(ns, argv), timeout=timeout, **kw)
+
+
+@dataclass(frozen=True)
+class NatTopology(_InNamespaces):
+    """Names and addresses of a built topology, and ways to run commands in its namespaces."""
+
+    public: str
+    router_a: str
+    router_b: str
+    home_a: str
+    home_b: str
+    random_fully: bool
+    public_ip: str = PUBLIC_IP
+    router_a_wan_ip: str = ROUTER_A_WAN_IP
+    router_b_wan_ip: str = ROUTER_B_WAN_IP
+    home_a_ip: str = HOME_A_IP
+    home_b_ip: str = HOME_B_IP
+
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        return (self.public, self.router_a, self.router_b, self.home_a, self.home_b)
 
 
 def _build(topo: NatTopology, made: list[str]) -> None:
@@ -259,5 +266,56 @@ def nat_topology(*, random_fully: bool = False) -> Iterator[NatTopology]:
     try:
         _build(topo, made)
         yield topo
+    finally:
+        _teardown(made)
+
+
+# Two machines on one network, with no router and no default route (like a LAN without internet): the
+# only way one reaches the other is the address on its interface.
+LAN_A_IP = "198.18.7.1"
+LAN_B_IP = "198.18.7.2"
+
+
+@dataclass(frozen=True)
+class Lan(_InNamespaces):
+    """Two namespaces joined by one veth pair, ``eth0`` in each."""
+
+    a: str
+    b: str
+    a_ip: str = LAN_A_IP
+    b_ip: str = LAN_B_IP
+
+
+def lan_unavailable() -> str | None:
+    """Why :func:`lan` cannot be built here (None when it can): it needs root and ``ip``."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "'ip' (iproute2) is not on PATH"
+    probe = _new_prefix() + "-probe"
+    try:
+        _cmd(["ip", "netns", "add", probe])
+        _cmd(["ip", "netns", "del", probe])
+    except NetnsError as err:
+        return f"cannot create a network namespace: {err}"
+    return None
+
+
+@contextmanager
+def lan() -> Iterator[Lan]:
+    """Build the two-machine LAN, yield it, and always remove it (processes, namespaces, interfaces)."""
+    prefix = _new_prefix()
+    net = Lan(a=f"{prefix}-a", b=f"{prefix}-b")
+    made: list[str] = []
+    try:
+        for ns in (net.a, net.b):
+            _cmd(["ip", "netns", "add", ns])
+            made.append(ns)
+            _cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
+        _cmd(["ip", "-n", net.a, "link", "add", "name", "eth0", "type", "veth", "peer", "name", "eth0", "netns", net.b])
+        for ns, ip in ((net.a, net.a_ip), (net.b, net.b_ip)):
+            _cmd(["ip", "-n", ns, "addr", "add", f"{ip}/{PREFIX_LEN}", "dev", "eth0"])
+            _cmd(["ip", "-n", ns, "link", "set", "eth0", "up"])
+        yield net
     finally:
         _teardown(made)

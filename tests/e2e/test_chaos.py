@@ -15,7 +15,8 @@ import signal
 import time
 from pathlib import Path
 
-from tests.e2e.test_swarm import TINY, Swarm, reference_losses
+from tests.support.swarm import Swarm, TINY, reference_losses
+from tests.support.waiting import wait_for
 
 STEPS, B = 40, 4
 DEADLINE_S = 150.0
@@ -25,13 +26,19 @@ def _stage_of(s: Swarm, name: str) -> int:
     return s.events(name, "built")[0]["stage"]
 
 
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+def _steps_by_stage(s: Swarm, names: list[str]) -> dict[int, dict[str, dict[int, dict]]]:
+    """stage -> node -> step -> the node's ``step`` record, each under the stage the node held when it applied
+    that step: a node the coordinator moves (after its restart a stage may look empty until its replicas
+    rejoin) logs a new ``built`` before its first step in the new stage."""
+    out: dict[int, dict[str, dict[int, dict]]] = {}
+    for n in names:
+        stage = None
+        for d in s.events(n):
+            if d["event"] == "built":
+                stage = d["stage"]
+            elif d["event"] == "step" and stage is not None:
+                out.setdefault(stage, {}).setdefault(n, {})[d["step"]] = d
+    return out
 
 
 def _steps_logged(s: Swarm, name: str) -> int:
@@ -81,7 +88,7 @@ def test_kills_and_a_coordinator_restart_lose_no_ticket(tmp_path: Path, rng: ran
         names = [f"n{k}" for k in range(6)]
         for n in names:
             s.start_node(n, addr)
-        _wait_for(lambda: all((tmp_path / n / "node.jsonl").exists() and s.events(n, "built") for n in names), 90, "all nodes built")
+        wait_for("all nodes built", lambda: all((tmp_path / n / "node.jsonl").exists() and s.events(n, "built") for n in names), 90)
         by_stage: dict[int, list[str]] = {}
         for n in names:
             by_stage.setdefault(_stage_of(s, n), []).append(n)
@@ -91,20 +98,20 @@ def test_kills_and_a_coordinator_restart_lose_no_ticket(tmp_path: Path, rng: ran
         # The first victim dies at a random moment of a step; the second in the hardest window, while
         # the closed step is averaged and another stage has already averaged it (the commit barrier
         # keeps that stage from applying until the dead replica's tickets are redone).
-        _wait_for(lambda: _steps_logged(s, by_stage[0][0]) >= 2, 90, "two steps")
+        wait_for("two steps", lambda: _steps_logged(s, by_stage[0][0]) >= 2, 90)
         victim1, victim2 = by_stage[1][0], by_stage[2][0]
         time.sleep(rng.uniform(0.0, 1.5))  # the suite's seed picks the moment (printed; PROTOLEARN_TEST_SEED)
         _kill(s, victim1)
         in_window = _kill_while_its_stage_averages(s, victim2, by_stage[0][0])
         at_kill = _steps_logged(s, by_stage[0][0])
-        _wait_for(lambda: _steps_logged(s, by_stage[0][0]) >= at_kill + 1, 60, "a step after the kills")
+        wait_for("a step after the kills", lambda: _steps_logged(s, by_stage[0][0]) >= at_kill + 1, 60)
         s.start_node(victim2, addr)  # same data dir: it rejoins with the same identity and syncs
         restarted_at = _steps_logged(s, by_stage[0][0])
-        _wait_for(lambda: s.events(victim2, "synced") or s.events(victim2, "restored"), 90, f"{victim2} to sync again")
+        wait_for(f"{victim2} to sync again", lambda: s.events(victim2, "synced") or s.events(victim2, "restored"), 90)
 
         # The coordinator dies and comes back on the same port and data dir.
         back_at = _steps_logged(s, by_stage[0][0])
-        _wait_for(lambda: _steps_logged(s, by_stage[0][0]) >= back_at + 2, 60, "steps after the restart")
+        wait_for("steps after the restart", lambda: _steps_logged(s, by_stage[0][0]) >= back_at + 2, 60)
         port = addr.split("/tcp/")[1].split("/")[0]
         s.procs["coord"].send_signal(signal.SIGKILL)
         s.procs["coord"].wait(10)
@@ -117,10 +124,10 @@ def test_kills_and_a_coordinator_restart_lose_no_ticket(tmp_path: Path, rng: ran
     finally:
         s.stop()
 
-    for stage, members in by_stage.items():
-        records: dict[str, dict[int, dict]] = {}
-        for n in members:
-            records[n] = {d["step"]: d for d in s.events(n, "step")}
+    applied = _steps_by_stage(s, names)
+    assert sorted(applied) == [0, 1, 2], sorted(applied)
+    for stage, records in applied.items():
+        members = list(records)
         for t in range(STEPS):
             logged = [records[n][t] for n in members if t in records[n]]
             assert logged, f"stage {stage}: no replica logged step {t}"
@@ -148,7 +155,7 @@ def test_kills_and_a_coordinator_restart_lose_no_ticket(tmp_path: Path, rng: ran
     # A replica that died with its tickets in the step's accounting: the step was redone, never applied short.
     for n in names:
         assert not s.events(n, "tickets_lost"), s.events(n, "tickets_lost")
-    losses = {d["step"]: d["loss"] for n in by_stage[2] for d in s.events(n, "step")}
+    losses = {t: d["loss"] for steps in applied[2].values() for t, d in steps.items()}
     assert sorted(losses) == list(range(STEPS))
     final = losses[STEPS - 1]
     assert abs(final - ref[-1]) <= 0.02 * abs(ref[-1]), f"final loss {final} vs fault-free {ref[-1]}"
@@ -156,7 +163,7 @@ def test_kills_and_a_coordinator_restart_lose_no_ticket(tmp_path: Path, rng: ran
 
 
 def test_chaos_plan_kills_one_at_a_time_spares_last_replicas_and_hits_the_coordinator_once() -> None:
-    from protolearn.cli.demo import ChaosPlan
+    from protolearn.cli.chaos import ChaosPlan
 
     plan = ChaosPlan(num_nodes=3, steps=20, rng=random.Random(0), interval_s=5.0, restart_after_s=1.0)
     stages = {0: 0, 1: 1, 2: 1}

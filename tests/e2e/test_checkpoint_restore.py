@@ -8,35 +8,19 @@ where it was rather than restarting from the init.
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 from protolearn.node.checkpoint import latest_checkpoint
 
 from tests.e2e.test_chaos import _kill_while_its_stage_averages
-from tests.e2e.test_swarm import CLI, TINY, Swarm, reference_losses
+from tests.support.cli import swarm_status
+from tests.support.swarm import Swarm, TINY, reference_losses
+from tests.support.waiting import wait_for
 
 TIMEOUT_S = 120
-
-
-def status(addr: str) -> dict:
-    r = subprocess.run([*CLI, "swarm", "status", "--coordinator", addr, "--json", "--history", "0"], check=False, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
-
-
-def wait_for(what: str, check, timeout: float = TIMEOUT_S, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def test_emptied_stage_restores_from_its_checkpoint_and_training_resumes(tmp_path: Path) -> None:
@@ -58,14 +42,14 @@ def test_emptied_stage_restores_from_its_checkpoint_and_training_resumes(tmp_pat
         ckpt = latest_checkpoint(tmp_path / "head" / "checkpoints", stage=0)
         assert ckpt is not None and ckpt.step >= 4
 
-        halted = wait_for("swarm status to report stage 0 halted", lambda: (st := status(addr))["verdict"] == "halted" and st)
+        halted = wait_for("swarm status to report stage 0 halted", lambda: (st := swarm_status(addr, "--history", "0"))["verdict"] == "halted" and st)
         assert "stage 0 has no replicas" in halted["verdict_reason"]
         assert [x["replicas"] for x in halted["stages"]] == [0, 1]
         # The stages' state is after the last committed step; a step that closed but did not commit is redone.
         open_step = halted["last_committed"] + 1
         assert halted["step"] == open_step + (1 if halted["last_closed"] > halted["last_committed"] else 0)
         time.sleep(2.0)
-        assert status(addr)["last_committed"] == open_step - 1, "training went on without stage 0"
+        assert swarm_status(addr, "--history", "0")["last_committed"] == open_step - 1, "training went on without stage 0"
         print(f"stage 0 killed while a step was averaged: {in_window}; open step {halted['step']}, resuming at {open_step}")
 
         # A user copies the checkpoint to a new machine and restores the stage from it.
@@ -85,7 +69,7 @@ def test_emptied_stage_restores_from_its_checkpoint_and_training_resumes(tmp_pat
         init_loss, last_loss = before[0]["loss"], before[-1]["loss"]
         assert last_loss < init_loss - 0.2, (init_loss, last_loss)
         assert after[0]["loss"] < last_loss + 0.25 * (init_loss - last_loss), (init_loss, last_loss, after[0]["loss"])
-        st = status(addr)
+        st = swarm_status(addr, "--history", "0")
         assert st["verdict"] != "halted" and st["last_closed"] >= open_step + 2
         s.stop()  # the reference below gets the CPU to itself
         if ckpt.step == open_step:
@@ -123,7 +107,7 @@ def test_full_swarm_restart_resumes_from_the_last_checkpoints(tmp_path: Path) ->
         # Everything restarts with its data dir: the coordinator keeps its step, the nodes their stages.
         addr = s.start_coordinator()
         # The nodes resume after the last committed step (a step stopped mid-averaging is redone).
-        step = status(addr)["last_committed"] + 1
+        step = swarm_status(addr, "--history", "0")["last_committed"] + 1
         for n in names:
             s.start_node(n, addr, "--checkpoint-every", "3")
         wait_for("both nodes to train again", lambda: all(

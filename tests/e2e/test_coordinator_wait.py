@@ -7,29 +7,16 @@ waits for; when the time is up it exits 1 with the one error line it always prin
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from protolearn.protocol.identity import load_or_create_identity
-from tests.e2e.test_swarm import CLI, TINY, Swarm
+from tests.support.cli import CLI
+from tests.support.ports import free_port
+from tests.support.swarm import Swarm, TINY
 
 STARTUP_S = 90.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_for_text(s: Swarm, name: str, text: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in s.err(name):
-        assert s.procs[name].poll() is None, f"{name} exited {s.procs[name].returncode}: {s.err(name)}"
-        assert time.monotonic() < deadline, f"no {text!r} from {name} in {timeout:.0f} s: {s.err(name)}"
-        time.sleep(0.05)
 
 
 def test_a_node_started_before_the_coordinator_waits_then_joins_and_trains(tmp_path: Path) -> None:
@@ -37,12 +24,12 @@ def test_a_node_started_before_the_coordinator_waits_then_joins_and_trains(tmp_p
     config.write_text(TINY.format(steps=2, codec="none", layers=1, stages=1))
     # The coordinator's address is known before it runs: its key is in its data dir, its port chosen here.
     coord_dir = tmp_path / "coord"
-    addr = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{load_or_create_identity(coord_dir).peer_id}"
+    addr = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{load_or_create_identity(coord_dir).peer_id}"
     s = Swarm(tmp_path, config)
     try:
         s.start_node("n0", addr, "--coordinator-wait", "120")
         # Down long enough for the node to retry twice (about 3 s with the coordinator's own start).
-        _wait_for_text(s, "n0", f"waiting for the coordinator at {addr} (attempt 2, retry in", STARTUP_S)
+        s.wait_alive("its retry line", lambda: f"waiting for the coordinator at {addr} (attempt 2, retry in" in s.err("n0"), STARTUP_S, "n0")
         s.spawn("coord", "coordinator", "start", "--config", str(config), "--listen", addr.rpartition("/p2p/")[0],
                 "--data-dir", str(coord_dir), "--log-level", "warning")
         s.wait_nodes(["n0"], 240)
@@ -53,7 +40,7 @@ def test_a_node_started_before_the_coordinator_waits_then_joins_and_trains(tmp_p
 
 
 def test_with_a_short_wait_and_no_coordinator_a_node_exits_1_with_one_error_line(tmp_path: Path) -> None:
-    addr = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{load_or_create_identity(tmp_path / 'nobody').peer_id}"
+    addr = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{load_or_create_identity(tmp_path / 'nobody').peer_id}"
     started = time.monotonic()
     r = subprocess.run([*CLI, "node", "join", "--coordinator", addr, "--data-dir", str(tmp_path / "n"), "--coordinator-wait", "2"],
                        capture_output=True, text=True, timeout=STARTUP_S, check=False)

@@ -12,7 +12,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.e2e.test_swarm import CLI, TINY, Swarm
+from tests.support.cli import CLI
+from tests.support.swarm import Swarm, TINY
 
 
 def _write_corpus(folder: Path, seed: int) -> None:

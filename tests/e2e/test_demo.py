@@ -6,28 +6,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-CLI = [sys.executable, "-m", "protolearn.cli.main"]
+from tests.support.cli import CLI
+from tests.support.swarm import DEMO_TOML as TINY
 
-TINY = """
-name = "tiny"
-steps = 100
-[model]
-d_model = 64
-n_layers = 2
-n_heads = 4
-d_ff = 128
-max_seq_len = 64
-[batch]
-microbatches_per_step = 4
-microbatch_size = 4
-seq_len = 32
-[data]
-max_bytes = 200000
-"""
 
 
 def _pids(workdir: Path) -> list[int]:

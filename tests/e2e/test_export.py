@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,12 +12,8 @@ import pytest
 from protolearn.node.checkpoint import save_checkpoint
 from protolearn.stages.config import load_run_config
 from protolearn.stages.reference import ReferenceTrainer
+from tests.support.cli import cli
 
-PROTOLEARN = Path(sys.executable).with_name("protolearn")
-
-
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(PROTOLEARN), *args], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +73,29 @@ def test_export_and_evaluate_fail_with_one_line(swarm_dir: tuple[Path, float], t
     ev = cli("evaluate", "--model", str(tmp_path / "junk.safetensors"), cwd=tmp_path)
     assert ev.returncode == 1
     assert ev.stderr.strip().count("\n") == 0 and "not valid JSON" in ev.stderr and "Traceback" not in ev.stderr
+
+
+def test_generate_from_checkpoints_prints_the_prompt_and_its_continuation(swarm_dir: tuple[Path, float], tmp_path: Path) -> None:
+    root, _ = swarm_dir
+    out = cli("generate", "--checkpoints", str(root / "ckpt"), "--prompt", "def ", "--tokens", "40", "--seed", "3", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("def ") and len(out.stdout.rstrip("\n")) > len("def ")
+    assert "assembled from" in out.stderr and "Traceback" not in out.stderr
+    again = cli("generate", "--checkpoints", str(root / "ckpt"), "--prompt", "def ", "--tokens", "40", "--seed", "3", cwd=tmp_path)
+    assert again.stdout == out.stdout  # the seed repeats the sample
+    greedy = cli("generate", "--checkpoints", str(root / "ckpt"), "--prompt", "line ", "--tokens", "20", "--temperature", "0", cwd=tmp_path)
+    assert greedy.returncode == 0 and greedy.stdout.startswith("line "), greedy.stderr
+    # Exactly one source of the model, said in one line.
+    both = cli("generate", "--checkpoints", str(root / "ckpt"), "--model", str(root / "x.safetensors"), cwd=tmp_path)
+    assert both.returncode == 1 and both.stderr.strip().count("\n") == 0 and "exactly one of" in both.stderr
+
+
+def test_export_writes_a_hugging_face_llama_folder(swarm_dir: tuple[Path, float], tmp_path: Path) -> None:
+    root, _ = swarm_dir
+    out = cli("export", "--checkpoints", str(root / "ckpt"), "--out", str(tmp_path / "hf"), "--format", "hf", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    assert summary["format"] == "hf" and summary["step"] == 2
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 2
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_size > 0

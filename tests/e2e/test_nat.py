@@ -15,7 +15,6 @@ Skips only where network namespaces cannot be made here (not root, or no ``ip``/
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -24,12 +23,12 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.netns import NatTopology, nat_topology, netns_unavailable
-from tests.e2e.test_swarm import TINY, Swarm
+from tests.support.cli import CLI
+from tests.support.swarm import Swarm, TINY
 
 pytestmark = pytest.mark.timeout(300)
 
 UNAVAILABLE = netns_unavailable()
-CLI = [sys.executable, "-m", "protolearn.cli.main"]
 STEPS = 40
 COORD_PORT = 4001
 BENCH_NAT = Path(__file__).resolve().parents[2] / "scripts" / "bench_nat.py"
@@ -46,11 +45,7 @@ class NatSwarm(Swarm):
         self.topo = topo
 
     def spawn_in(self, ns: str, name: str, *args: str) -> subprocess.Popen:
-        with (self.tmp / f"{name}.out").open("w") as out, (self.tmp / f"{name}.err").open("w") as err:
-            p = self.topo.popen(ns, [*CLI, *args], stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.procs[name] = p
-        return p
+        return self.spawn(name, *args, prefix=self.topo.argv(ns, []))
 
     def start_coordinator_in_public(self, *extra: str) -> str:
         self.spawn_in(self.topo.public, "coord", "coordinator", "start", "--config", str(self.config),
@@ -61,10 +56,6 @@ class NatSwarm(Swarm):
     def start_node_in(self, ns: str, name: str, coordinator: str, *extra: str) -> subprocess.Popen:
         return self.spawn_in(ns, name, "node", "join", "--coordinator", coordinator, "--listen", "/ip4/0.0.0.0/tcp/4002",
                              "--data-dir", str(self.tmp / name), "--name", name, "--device", "cpu", "--threads", "1", *extra)
-
-    def events(self, name: str, event: str) -> list[dict]:
-        """As test_swarm's, and none yet while the node has not started its log."""
-        return super().events(name, event) if (self.tmp / name / "node.jsonl").exists() else []
 
     def status(self, coordinator: str) -> dict | None:
         r = self.topo.run(self.topo.public, [*CLI, "swarm", "status", "--coordinator", coordinator, "--json", "--timeout", "5"],

@@ -8,28 +8,12 @@ steps, and `train-local --init` must start from exactly that model.
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from pathlib import Path
 
-from tests.e2e.test_swarm import CLI, TINY, Swarm
+from tests.support.cli import cli
+from tests.support.swarm import Swarm, TINY
 
 TIMEOUT_S = 120
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], check=False, capture_output=True, text=True, timeout=TIMEOUT_S)
-
-
-def wait_steps(s: Swarm, names: list[str], n: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all((s.tmp / m / "node.jsonl").exists() and len(s.events(m, "step")) >= n for m in names):
-            return
-        for m in names:
-            assert s.procs[m].poll() is None, f"{m} exited: {s.err(m)}"
-        time.sleep(0.2)
-    raise AssertionError(f"{names} did not apply {n} steps in {timeout:.0f} s")
 
 
 def test_swarm_export_reproduces_the_reference_validation_loss(tmp_path: Path) -> None:
@@ -43,7 +27,7 @@ def test_swarm_export_reproduces_the_reference_validation_loss(tmp_path: Path) -
         names = ["n0", "n1"]
         for n in names:
             s.start_node(n, addr, "--checkpoint-every", "0")
-        wait_steps(s, names, 3, TIMEOUT_S)
+        s.wait_alive("both nodes to apply 3 steps", lambda: all(len(s.events(m, "step")) >= 3 for m in names), TIMEOUT_S, *names)
         r = cli("swarm", "export", "--coordinator", addr, "--out", str(out), "--json", "--timeout", "60")
     finally:
         s.stop()
@@ -76,3 +60,33 @@ def test_swarm_export_from_an_unreachable_coordinator_is_one_line(tmp_path: Path
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: cannot get the membership from the coordinator")
     assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_swarm_export_works_after_the_run_finished_and_every_node_left(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    steps = 4
+    config.write_text(TINY.format(steps=steps, codec="none", layers=2, stages=2))
+    s = Swarm(tmp_path, config)
+    out = tmp_path / "final.safetensors"
+    try:
+        addr = s.start_coordinator()
+        names = ["n0", "n1"]
+        for n in names:
+            s.start_node(n, addr, "--checkpoint-every", "0")
+        s.wait_nodes(names, 240)  # the run ends; the nodes stay until the coordinator kept the model, then leave
+        st = json.loads(cli("swarm", "status", "--coordinator", addr, "--json", timeout=TIMEOUT_S).stdout)
+        assert st["verdict"] == "finished" and st["nodes"] == [] and st["final_step"] == steps, st["verdict_reason"]
+        r = cli("swarm", "export", "--coordinator", addr, "--out", str(out), "--json", "--timeout", "60")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["step"] == steps
+        gen = cli("generate", "--coordinator", addr, "--prompt", "def ", "--tokens", "16", timeout=TIMEOUT_S)
+        assert gen.returncode == 0 and gen.stdout.startswith("def "), gen.stderr
+    finally:
+        s.stop()
+    # The model the coordinator kept is the swarm's after its last step: the reference's, as for a live export.
+    ev = cli("evaluate", "--model", str(out), "--json", "--threads", "1")
+    ref = cli("train-local", "--config", str(config), "--steps", str(steps), "--threads", "1", "--eval-every", "1000",
+              "--log", str(tmp_path / "ref.jsonl"), "--json")
+    assert ev.returncode == 0 and ref.returncode == 0, ev.stderr + ref.stderr
+    val, ref_val = json.loads(ev.stdout)["val_loss"], json.loads(ref.stdout)["final_val_loss"]
+    assert abs(val - ref_val) <= 1e-3 * ref_val, (val, ref_val)

@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 from protolearn.node.checkpoint import save_checkpoint
 from protolearn.stages.config import load_run_config
 from protolearn.stages.optim import lr_at
 from protolearn.stages.reference import ReferenceTrainer
+from tests.support.cli import PROTOLEARN
 
-PROTOLEARN = Path(sys.executable).with_name("protolearn")
 
 
 def test_train_local_demo_lowers_the_loss(tmp_path: Path) -> None:

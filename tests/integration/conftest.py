@@ -8,31 +8,23 @@ to dial each other by peer ID (their addresses are exchanged); leaving the block
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import trio
 
 from protolearn.protocol.identity import Identity
-from protolearn.protocol.transport import Host, TransportConfig, open_host
+from protolearn.protocol.transport import TransportConfig
+
+from tests.support.hosts import open_mesh
 
 # Short deadlines so failure paths finish fast; generous enough for a busy 2-core CI box.
 FAST_CONFIG = TransportConfig(request_timeout_s=5.0, chunk_timeout_s=5.0, connect_timeout_s=5.0)
 
 
-@asynccontextmanager
-async def _open_hosts(n: int, config: TransportConfig | None = None, *, introduce: bool = True) -> AsyncIterator[list[Host]]:
-    cfg = FAST_CONFIG if config is None else config
-    async with AsyncExitStack() as stack:
-        hosts = [await stack.enter_async_context(open_host(Identity.generate(), config=cfg)) for _ in range(n)]
-        if introduce:
-            for h in hosts:
-                for other in hosts:
-                    if other is not h:
-                        h.add_peer_addrs(other.peer_id, other.addrs())
-        yield hosts
+def _open_hosts(n: int, config: TransportConfig | None = None, *, introduce: bool = True) -> Any:
+    return open_mesh([Identity.generate() for _ in range(n)], FAST_CONFIG if config is None else config, introduce=introduce)
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 from collections.abc import Iterator
-from contextlib import AsyncExitStack
 
 import pytest
 import torch
@@ -32,6 +31,7 @@ from protolearn.protocol.reducer_check import peer_id_public_key, verify_reducer
 from protolearn.protocol.collective.robust import Aggregation, robust_reduce
 from protolearn.protocol.statements import fin_statement, members_mask, round_digest, verify_ed25519
 from protolearn.protocol.transport import TransportConfig, open_host
+from tests.support.hosts import open_mesh
 
 # Killing a host while a survivor is dialling it can leave that survivor's half-made py-libp2p socket to
 # the garbage collector. Collect after each test so it is reported here, and ignore only that warning.
@@ -197,12 +197,7 @@ def test_a_lying_fin_fails_the_honest_replicas_round_with_evidence(run_trio) -> 
         ids = sorted((Identity.generate() for _ in range(3)), key=lambda i: i.peer_id)
         weights = {i.peer_id: 1.0 for i in ids}
         outcome: dict[str, object] = {}
-        async with AsyncExitStack() as stack:
-            hosts = [await stack.enter_async_context(open_host(i, config=CONFIG)) for i in ids]
-            for h in hosts:
-                for other in hosts:
-                    if other is not h:
-                        h.add_peer_addrs(other.peer_id, other.addrs())
+        async with open_mesh(ids, CONFIG) as hosts:
             kinds = [Averager, LyingAverager, Averager]
             avgs = [kind(h, STAGE, 513, timeout_s=20.0, first_round=ROUND, sign=i.sign) for kind, h, i in zip(kinds, hosts, ids)]
             for a in avgs:
@@ -272,12 +267,7 @@ def test_a_tampering_reducer_is_vetoed_with_evidence_over_real_hosts(run_trio, t
         gen = torch.Generator().manual_seed(5)
         vectors = [torch.randn(numel, generator=gen) * (k + 1) for k in range(3)]
         outcome: dict[int, object] = {}
-        async with AsyncExitStack() as stack:
-            hosts = [await stack.enter_async_context(open_host(i, config=CONFIG)) for i in ids]
-            for h in hosts:
-                for other in hosts:
-                    if other is not h:
-                        h.add_peer_addrs(other.peer_id, other.addrs())
+        async with open_mesh(ids, CONFIG) as hosts:
             avgs = [Averager(h, STAGE, numel, timeout_s=20.0, first_round=ROUND, sign=i.sign, aggregation=agg, cross_check=True,
                              part_filter=(lambda j, part: part + 1.0) if k == tamperer else None)
                     for k, (h, i) in enumerate(zip(hosts, ids))]

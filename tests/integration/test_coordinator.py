@@ -347,3 +347,35 @@ def test_a_dead_stage0_nodes_leases_go_to_another_replica_long_before_they_expir
             nursery.cancel_scope.cancel()
 
     run_trio(main, timeout=30)
+
+
+def test_a_host_with_the_coordinators_identity_or_a_members_second_process_is_refused_and_the_member_stays(run_trio, tmp_path):
+    """One identity is one process: a real host holding the coordinator's own key, and a second real host
+    holding a live member's key (while that member is connected), are refused at join; the member
+    keeps heartbeating as before."""
+    from protolearn.protocol.identity import Identity, load_or_create_identity
+    from protolearn.protocol.transport import open_host
+
+    mine = Identity.generate()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            # A long expiry: a loaded machine must not expire the member, which would hide what this checks.
+            coord = await start(nursery, tmp_path, settings=FAST.model_copy(update={"expiry_s": 30.0}))
+            async with open_host(mine, ["/ip4/127.0.0.1/tcp/0"]) as member:
+                link = CoordinatorLink(member, coord.addrs[0], retry=RETRY)
+                joined = await link.join(join_msg(member))
+                async with trio.open_nursery() as beats:
+                    await beats.start(link.heartbeat_loop, lambda: cm.Heartbeat(state="training", throughput=100.0))
+                    for ident, code in ((load_or_create_identity(tmp_path), "own_identity"), (mine, "identity_in_use")):
+                        async with open_host(ident, ["/ip4/127.0.0.1/tcp/0"]) as twin:
+                            with pytest.raises(CoordinatorRefused) as err:
+                                await CoordinatorLink(twin, coord.addrs[0], retry=RETRY).join(join_msg(twin))
+                            assert err.value.code == code, err.value
+                    reply = await link.heartbeat(cm.Heartbeat(state="training", throughput=100.0))
+                    assert reply.stage == joined.stage and coord.core.registry.is_live(member.peer_id)
+                    assert link.rejoins == 0  # it never lost its membership to the twin
+                    beats.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+
+    run_trio(main, timeout=60)

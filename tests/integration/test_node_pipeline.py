@@ -135,3 +135,79 @@ def test_last_stage_hop_matches_the_reference_and_refuses_bad_input(open_hosts, 
         run_trio(main, timeout=60)
     text = caplog.text
     assert "shape" in text and "NaN" in text and "unknown microbatch" in text
+
+
+RUN3 = RunConfig.model_validate({
+    "name": "hops", "model": {"d_model": 32, "n_layers": 3, "n_heads": 2, "d_ff": 64, "max_seq_len": 32}, "stages": {"num_stages": 3},
+    "batch": {"microbatches_per_step": 2, "microbatch_size": 2, "seq_len": 16}, "data": {"max_bytes": 100_000},
+})
+
+
+def test_a_redo_through_another_upstream_replica_completes_and_applied_steps_leave_no_records(open_hosts, run_trio) -> None:
+    """A middle stage gets ticket (0, 0) from one stage-0 replica, then its redo from another. The earlier
+    attempt's gradient is refused for its route, and the held attempt's gradient is still taken (it used
+    to be refused as "already being applied", and the ticket never completed). Once step 0 is applied,
+    the first work of step 1 finds no record of step 0 left, though nothing was held for step 1."""
+    hidden = torch.randn(RUN3.batch.microbatch_size, RUN3.batch.seq_len, RUN3.model.d_model, generator=torch.Generator().manual_seed(3))
+
+    async def main() -> None:
+        async with open_hosts(4) as (up1, up2, mid, down):
+            acc = Accounting(RUN3.batch.microbatches_per_step, max_in_flight=4, max_deferred=2)
+            routes = RouteCore()
+            routes.next_peers = [down.peer_id]
+            router = Router(mid, RUN3, StageWorker(RUN3, 1), None, acc, trio.CapacityLimiter(1), routes=routes,
+                            on_complete=None, send_timeout_s=5.0)  # type: ignore[arg-type]
+            forwarded: list[list[str]] = []
+            came_back: dict[str, trio.Event] = {up1.peer_id: trio.Event(), up2.peer_id: trio.Event()}
+            sent_on = trio.Event()
+
+            async def on_activation(peer: str, s) -> None:  # the next stage takes every activation
+                msg = await s.receive(Activation)
+                await s.receive_tensor()
+                forwarded.append(list(msg.route))
+                await s.send(Ack())
+                sent_on.set()
+
+            def on_gradient_at(host):
+                async def handler(peer: str, s) -> None:
+                    await s.receive(Gradient)
+                    await s.receive_tensor()
+                    await s.send(Ack())
+                    came_back[host.peer_id].set()
+                return handler
+
+            down.serve_stream(ACTIVATION, on_activation)
+            up1.serve_stream(GRADIENT, on_gradient_at(up1))
+            up2.serve_stream(GRADIENT, on_gradient_at(up2))
+            async with trio.open_nursery() as nursery:
+                await nursery.start(router.serve)
+                m = mid.peer_id
+                for up in (up1, up2):  # the first attempt, then the redo through the other stage-0 replica
+                    sent_on = trio.Event()
+                    r = await send(up, m, ACTIVATION, Activation(step=0, ticket=0, route=[up.peer_id]), hidden)
+                    assert isinstance(r, Ack)
+                    with trio.fail_after(20):
+                        await sent_on.wait()
+                assert forwarded == [[up1.peer_id, m], [up2.peer_id, m]]
+                grad = torch.ones_like(hidden)
+                r = await send(down, m, GRADIENT, Gradient(step=0, ticket=0, route=[up1.peer_id, m, down.peer_id], loss=1.0), grad)
+                assert isinstance(r, Refuse) and r.code == "unknown" and "another route" in r.reason
+                r = await send(down, m, GRADIENT, Gradient(step=0, ticket=0, route=[up2.peer_id, m, down.peer_id], loss=1.0), grad)
+                assert isinstance(r, Ack), r
+                with trio.fail_after(20):
+                    await came_back[up2.peer_id].wait()
+                assert not came_back[up1.peer_id].is_set()
+                assert acc.accumulated(0) == [0]
+                assert len(router.tickets) == 1
+
+                acc.applied_step(0)  # no work was held for step 1
+                sent_on = trio.Event()
+                r = await send(up1, m, ACTIVATION, Activation(step=1, ticket=1, route=[up1.peer_id]), hidden)
+                assert isinstance(r, Ack)
+                with trio.fail_after(20):
+                    await sent_on.wait()
+                assert router.tickets.route((0, 0)) is None and router.tickets.frame((0, 0), "input") is None
+                assert len(router.tickets) == 1  # step 1's ticket only
+                nursery.cancel_scope.cancel()
+
+    run_trio(main, timeout=60)

@@ -306,3 +306,21 @@ def test_unknown_protocol_version_and_plaintext_peer_cannot_get_in(open_hosts, r
 
 def _maddr(text: str) -> multiaddr.Multiaddr:
     return multiaddr.Multiaddr(text)
+
+
+def test_a_request_its_caller_abandons_is_no_rejection(open_hosts, run_trio, caplog):
+    """A caller cancelled before it wrote a byte (a lease request cut off when its step closed) is normal
+    operation: the server counts no rejection and writes no warning, and goes on serving that peer."""
+    caplog.set_level(logging.WARNING, logger="protolearn.protocol")
+
+    async def main():
+        async with open_hosts(2) as (server, client):
+            serve_all(server)
+            for _ in range(5):
+                async with client.open_stream(server.peer_id, "ping") as s:
+                    await s.close()  # nothing written: the server reads EOF at once
+            assert (await client.request(server.peer_id, "ping", Ping(text="ok", n=1), Pong)).text == "ok"
+            assert sum(server.gate.rejected.values()) == 0
+
+    run_trio(main, timeout=60)
+    assert not [r for r in caplog.records if r.getMessage().startswith("rejected")]

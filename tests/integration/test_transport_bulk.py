@@ -19,6 +19,7 @@ from protolearn.protocol.transport.bulk import HELLO_TIMEOUT_S, UNREACHABLE_S
 from protolearn.protocol.transport.bulk_offers import BulkChoice, BulkOffer, Offer, OfferTable
 from protolearn.protocol.transport.clock import MONOTONIC
 from protolearn.protocol.transport.seal import CHUNK_BYTES, TAG_BYTES, dial, seal_chunks
+from tests.support.ports import free_port
 
 MiB = 1024 * 1024
 CONFIG = TransportConfig(request_timeout_s=5.0, chunk_timeout_s=5.0, connect_timeout_s=5.0)
@@ -81,12 +82,6 @@ async def _send(sender: Host, receiver: Host, sink: Sink, t: torch.Tensor) -> to
     return sink.tensors[-1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed again: a dial there is refused
-
-
 def test_64_mib_tensor_goes_over_the_lane_bit_identical(run_trio):
     sent = torch.randn(16 * MiB, generator=torch.Generator().manual_seed(5))  # 64 MiB of float32
     small = torch.arange(1000, dtype=torch.float32)  # 4 KB: below bulk_min_bytes, stays in-stream
@@ -111,7 +106,7 @@ def test_unreachable_lane_falls_back_to_the_stream_and_is_skipped_afterwards(run
         async with AsyncExitStack() as stack:
             sender, receiver, sink = await _pair(stack, sender_clock=clock)
             assert sender.clock is clock and sender.bulk.clock is clock
-            receiver.bulk.port = _free_port()  # what its offers advertise: nothing listens there (as behind NAT)
+            receiver.bulk.port = free_port()  # what its offers advertise: nothing listens there (as behind NAT)
             assert torch.equal(await _send(sender, receiver, sink, sent), sent)
             assert sender.bulk.stats.num_fallbacks == 1 and receiver.bulk.stats.num_received == 0
             # The failed dial is remembered: the next tensor does not ask for the lane at all ...

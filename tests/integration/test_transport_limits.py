@@ -9,7 +9,6 @@ in-process counters under a deadline; the attackers' pauses are their attack's p
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
 from contextlib import AsyncExitStack
 from typing import ClassVar
 
@@ -29,6 +28,7 @@ from protolearn.protocol.tensors import from_frame, to_frame
 from protolearn.protocol.transport import FramedStream, Host, TensorHeader, TransportConfig, open_host
 from protolearn.protocol.transport.bulk_offers import BulkDecline, BulkOffer
 from protolearn.protocol.wire import Message
+from tests.support.waiting import wait_until
 
 MiB = 1024 * 1024
 
@@ -46,14 +46,6 @@ class Pong(Message):
 async def pong(peer: str, req: Message) -> Message:
     assert isinstance(req, Ping)
     return Pong(n=req.n + 1)
-
-
-async def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    with trio.move_on_after(timeout):
-        while not predicate():
-            await trio.sleep(0.02)
-        return
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 async def honest_requests(client: Host, server: Host, n: int) -> list[int]:
@@ -82,8 +74,8 @@ def test_idle_stream_hogs_are_capped_per_peer_and_the_honest_peer_is_served(open
                 for a in attackers:
                     for _ in range(6):  # twice what one peer may hold
                         nursery.start_soon(hold_idle, a, server)
-                await wait_for(lambda: server.gate.rejected["stream_limit"] >= 9 and server.active_streams("ping") == 9,
-                               "each attacker at its limit and its extra streams refused")
+                await wait_until(lambda: server.gate.rejected["stream_limit"] >= 9 and server.active_streams("ping") == 9,
+                               "each attacker at its limit and its extra streams refused", timeout=15.0)
                 for a in attackers:
                     assert server.active_streams("ping", a.peer_id) == 3
                 # Three identities hold 9 of 12 slots; before per-peer limits they held all 12.
@@ -106,9 +98,9 @@ def test_repeated_limit_abuse_bans_the_peer_for_a_while_and_others_go_on(open_ho
             async with trio.open_nursery() as nursery:
                 for _ in range(12):
                     nursery.start_soon(hold_idle, attacker, server)
-                await wait_for(lambda: server.ban_reason(attacker.peer_id) is not None, "the attacker's temporary ban")
+                await wait_until(lambda: server.ban_reason(attacker.peer_id) is not None, "the attacker's temporary ban", timeout=15.0)
                 # Banned: its connection is closed, and it holds nothing.
-                await wait_for(lambda: server.active_streams("ping", attacker.peer_id) == 0, "the banned peer's streams to end")
+                await wait_until(lambda: server.active_streams("ping", attacker.peer_id) == 0, "the banned peer's streams to end", timeout=15.0)
                 assert server.gate.abuse.num_bans == 1 and server.ban_reason(honest.peer_id) is None
                 assert "temporarily banned for 600 s" in server.ban_reason(attacker.peer_id)
                 assert not server.is_banned(attacker.peer_id)  # temporary only: no permanent ban
@@ -171,7 +163,7 @@ def test_a_trickle_is_cut_off_by_the_whole_message_deadline_and_the_honest_peer_
                 async with honest.open_stream(server.peer_id, "sink") as s:
                     await s.send_tensor(to_frame(torch.ones(1000)))
                     assert (await s.receive(Pong)).n == 1000
-                await wait_for(lambda: server.gate.rejected["PeerTimeout"] >= 2, "both trickles cut off")
+                await wait_until(lambda: server.gate.rejected["PeerTimeout"] >= 2, "both trickles cut off", timeout=15.0)
             waited, err = cut[attacker.peer_id]
             assert err.peer == attacker.peer_id and "not complete within 2 s" in err.reason and "too slow" in err.reason
             assert 1.5 < waited < 2.0 + 5.0, waited  # bounded by the 2 s deadline (+ a loaded machine's margin)
@@ -258,8 +250,8 @@ def test_sybils_outside_the_stage_share_a_quarter_of_the_collective_slots_and_a_
                 for h in sybils:  # 4 identities x 8 streams: each within its per-peer limit of 8
                     for _ in range(8):
                         nursery.start_soon(hold, h)
-                await wait_for(lambda: node.active_streams(COLLECTIVE) == 16 and node.gate.rejected["stream_limit"] >= 16,
-                               "the outsiders' 16 slots full and the rest refused")
+                await wait_until(lambda: node.active_streams(COLLECTIVE) == 16 and node.gate.rejected["stream_limit"] >= 16,
+                               "the outsiders' 16 slots full and the rest refused", timeout=15.0)
                 refused = [r for r in node.gate.recent if r.kind == "stream_limit"]
                 assert all("unknown peers hold their limit of 16" in r.reason for r in refused)
                 # A member of the stage still gets its streams (48 slots are left for members).
@@ -330,7 +322,7 @@ def test_one_peer_cannot_hold_more_than_its_bulk_lane_offers_or_one_ips_hello_sl
                     await sock.bind(("127.0.0.2", 0))
                     await sock.connect((lane.ip, lane.port))
                     silent.append(sock)
-                await wait_for(lambda: lane.stats.num_refused >= 6, "the connections over the per-IP hello limit closed")
+                await wait_until(lambda: lane.stats.num_refused >= 6, "the connections over the per-IP hello limit closed", timeout=15.0)
                 assert sum("connections from 127.0.0.2 waiting" in r for r in lane.stats.refused_reasons) == 6
 
                 # The honest peer's transfer still goes over the lane, while the attacker holds its share.

@@ -15,7 +15,6 @@ from contextlib import AsyncExitStack
 
 import pytest
 import torch
-import trio
 
 from protolearn.protocol.errors import PeerUnavailable, ProtocolError, Refused
 from protolearn.protocol.identity import Identity
@@ -25,6 +24,7 @@ from protolearn.protocol.transport import FramedStream, Host, TransportConfig, o
 from protolearn.protocol.transport.holepunch import DCUTR, DCUTR_PROTOCOL
 from protolearn.protocol.transport.relay import HOP, STOP, STOP_PROTOCOL
 from protolearn.protocol.wire import Message
+from tests.support.waiting import wait_until
 
 CONFIG = TransportConfig(request_timeout_s=5.0, chunk_timeout_s=5.0, connect_timeout_s=5.0)
 MiB = 1024 * 1024
@@ -38,14 +38,6 @@ class Ping(Message):
 class Pong(Message):
     KIND = "test.relay.pong"
     n: int
-
-
-async def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    with trio.move_on_after(timeout):
-        while not predicate():
-            await trio.sleep(0.02)
-        return
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def serve_ping(host: Host) -> None:
@@ -97,7 +89,7 @@ def test_the_relay_is_full_until_a_holder_leaves(run_trio: Callable[..., object]
             assert any(r.protocol == HOP for r in relay.gate.recent)
             # a leaves: its slot is free at once, not when its reservation would have lapsed.
             await a.disconnect(relay.peer_id)
-            await wait_for(lambda: relay.path_to(a.peer_id) is None, "the relay to see a leave")
+            await wait_until(lambda: relay.path_to(a.peer_id) is None, "the relay to see a leave")
             await b.reserve(relay.addrs()[0], timeout=5)
 
     run_trio(main)
@@ -124,10 +116,10 @@ def test_a_circuit_over_its_bytes_is_cut_and_the_relay_serves_others(run_trio: C
                 async with b.open_stream(a.peer_id, "sink") as s:
                     for _ in range(4):
                         await s.send_tensor(frame)
-                    await wait_for(lambda: len(got) == 4, "4 MiB through a 2 MiB circuit")
-            await wait_for(lambda: relay.relay.cut == 1, "the relay to cut the circuit")
+                    await wait_until(lambda: len(got) == 4, "4 MiB through a 2 MiB circuit")
+            await wait_until(lambda: relay.relay.cut == 1, "the relay to cut the circuit")
             assert len(got) < 4
-            await wait_for(lambda: b.path_to(a.peer_id) is None, "b's circuit to close")
+            await wait_until(lambda: b.path_to(a.peer_id) is None, "b's circuit to close")
             # Everyone else is still served: c reaches a through the same relay.
             assert (await c.request(a.peer_id, "ping", Ping(n=7), Pong)).n == 8
 
@@ -149,7 +141,7 @@ def test_circuits_per_peer_and_duration_are_limited(run_trio: Callable[..., obje
             with pytest.raises(ProtocolError, match="RESOURCE_LIMIT_EXCEEDED"):
                 await b.request(a2.peer_id, "ping", Ping(n=1), Pong)
             # The first circuit is cut when its time is up, even though it is idle...
-            await wait_for(lambda: b.path_to(a1.peer_id) is None, "the circuit's time to run out", timeout=8)
+            await wait_until(lambda: b.path_to(a1.peer_id) is None, "the circuit's time to run out", timeout=8)
             # ...which frees b's slot.
             assert (await b.request(a2.peer_id, "ping", Ping(n=5), Pong)).n == 6
 
@@ -165,11 +157,11 @@ def test_a_stranger_cannot_open_circuits_into_a_node(run_trio: Callable[..., obj
             # a refuses before reading a byte (the reset may even overtake the protocol negotiation)
             with contextlib.suppress(PeerUnavailable):
                 await mallory.open_raw_stream(a.peer_id, STOP_PROTOCOL)
-            await wait_for(lambda: any(r.protocol == STOP for r in a.gate.recent), "a to refuse the STOP stream")
+            await wait_until(lambda: any(r.protocol == STOP for r in a.gate.recent), "a to refuse the STOP stream")
             # Nor can it make a dial addresses of its choosing: hole punching runs over relayed connections only.
             with contextlib.suppress(PeerUnavailable):
                 await mallory.open_raw_stream(a.peer_id, DCUTR_PROTOCOL)
-            await wait_for(lambda: any(r.protocol == DCUTR for r in a.gate.recent), "a to refuse the DCUtR stream")
+            await wait_until(lambda: any(r.protocol == DCUTR for r in a.gate.recent), "a to refuse the DCUtR stream")
             assert a.puncher is not None and a.puncher.attempts == 0
             assert a.path_to(mallory.peer_id) == "direct"  # no relayed connection came of it
 

@@ -321,8 +321,11 @@ class Sim:
         if isinstance(a, ev.Emit):
             node.events.append(f"{self.now:.2f} {a.event} {a.fields}")
         elif isinstance(a, ev.AskReported):
-            applied = any(o is not node and o.live(self.now) and o.core.applied > a.step for o in self.stage_nodes(node.stage))
-            self._answer(node, HOP_S, lambda: ev.Reported(a.step, applied))
+            def reported() -> ev.Event:
+                applied = any(o is not node and o.live(self.now) and o.core.applied > a.step for o in self.stage_nodes(node.stage))
+                return ev.Reported(a.step, applied)
+
+            self._answer(node, a.delay_s + HOP_S, reported)
         elif isinstance(a, ev.Average):
             self._average(node, a)
         elif isinstance(a, ev.Fetch):
@@ -332,7 +335,7 @@ class Sim:
                 try:
                     self.request(node.peer, cm.Redo(step=a.step, indices=a.tickets, reason=a.reason[:100], revision=a.revision))
                 except Refusal as err:
-                    return ev.RedoAnswer(a.step, a.revision, granted=False, reason=str(err))
+                    return ev.RedoAnswer(a.step, a.revision, granted=False, reason=str(err), code=err.code)
                 except Unavailable as err:
                     return ev.RedoAnswer(a.step, a.revision, granted=None, reason=str(err))
                 return ev.RedoAnswer(a.step, a.revision, granted=True)
@@ -348,10 +351,12 @@ class Sim:
             self._answer(node, a.delay_s + HOP_S, ask)
         elif isinstance(a, ev.WaitCommit):
             self._wait_commit(node, a.step, a.revision, a.report)
-        elif isinstance(a, ev.Apply):
-            assert node.result is not None, f"{node.peer} applies step {a.step} without a result"
-            node.params.append(node.result)
-            node.decisions[(a.step, a.revision)] = "apply"
+        elif isinstance(a, (ev.Apply, ev.Skip)):
+            if isinstance(a, ev.Apply):
+                assert node.result is not None, f"{node.peer} applies step {a.step} without a result"
+            # A skipped step is applied with no update: the stage's result of it is lost.
+            node.params.append(node.result if isinstance(a, ev.Apply) else ())  # type: ignore[arg-type]
+            node.decisions[(a.step, a.revision)] = "apply" if isinstance(a, ev.Apply) else "skip"
             node.grads.pop(a.step, None)
             node.finishing = False
             for b in node.core.handle(ev.Applied(a.step, _hash(node.params)), self.now):

@@ -12,7 +12,6 @@ import math
 import pytest
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.dispatch import CoordinatorCore
-from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.tickets import TicketLedger
 from protolearn.coordinator.errors import Refusal
 from protolearn.node.core import events as ev
@@ -22,6 +21,7 @@ from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.identity import Identity
 from protolearn.protocol.rounds import REVISIONS_PER_STEP, round_id
 from pydantic import ValidationError
+from tests.support.coordinator import make_core, run_info
 
 B = 8
 VOCAB = 259
@@ -31,12 +31,7 @@ SETTINGS = CoordinatorSettings(
 )
 
 
-def make_core(settings: CoordinatorSettings = SETTINGS, *, stages: int = 2) -> CoordinatorCore:
-    run = RunInfo(
-        name="attacks", run_hash="ab" * 32, run_toml="", layers=(1,) * stages, microbatches_per_step=B,
-        tokens_per_step=B * 16, vocab_size=VOCAB,
-    )
-    return CoordinatorCore(run, settings, peer_id="coord", started_at=0.0)
+RUN = run_info(2, name="attacks", run_hash="ab" * 32, microbatches=B, vocab_size=VOCAB)
 
 
 class Swarm:
@@ -100,7 +95,7 @@ def node_core(me: str, *, applied: int = 0) -> NodeCore:
 
 # -- attack 3: a redo storm ------------------------------------------------------------------------
 def test_a_redo_storm_is_capped_per_peer_and_flagged_and_never_overflows_the_round_id() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     swarm = Swarm(core, per_stage=2)
     attacker, honest = swarm.stages[1]
     granted, codes = 0, []
@@ -130,7 +125,7 @@ def test_a_redo_storm_is_capped_per_peer_and_flagged_and_never_overflows_the_rou
 
 def test_revisions_per_step_are_capped_however_many_peers_collude() -> None:
     settings = SETTINGS.model_copy(update={"max_revisions": 5, "max_redos_per_peer": 100})
-    core = make_core(settings)
+    core = make_core(RUN, settings)
     swarm = Swarm(core, per_stage=3)
     step = swarm.close_step(0.0)
     codes = []
@@ -155,7 +150,7 @@ def test_at_the_revision_cap_the_commit_waits_only_for_the_live_participants() -
     """At the cap a dead participant's tickets cannot be redone: the survivors apply what their round has
     and serve no result, so a left-out replica could never report; the step commits without it."""
     settings = SETTINGS.model_copy(update={"max_revisions": 2})
-    core = make_core(settings)
+    core = make_core(RUN, settings)
     swarm = Swarm(core, per_stage=3)
     a, b, left_out = swarm.stages[1]
     step = swarm.close_step(0.0, width=2)
@@ -193,7 +188,7 @@ def test_the_node_core_takes_a_capped_redo_as_a_refusal_and_never_raises(code: s
 
 # -- attack 5: commit a stage alone ----------------------------------------------------------------
 def test_a_lone_liar_cannot_commit_its_stage_and_cannot_block_the_honest_majority() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     swarm = Swarm(core, per_stage=3)
     step = swarm.close_step(0.0)
     liar, h1, h2 = swarm.stages[1]
@@ -215,7 +210,7 @@ def test_a_lone_liar_cannot_commit_its_stage_and_cannot_block_the_honest_majorit
 
 
 def test_a_liar_reporting_after_the_majority_is_refused_at_once_and_the_step_commits_without_it() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     swarm = Swarm(core, per_stage=3)
     step = swarm.close_step(0.0)
     liar, h1, h2 = swarm.stages[0]
@@ -229,7 +224,7 @@ def test_a_liar_reporting_after_the_majority_is_refused_at_once_and_the_step_com
 
 
 def test_two_replicas_that_disagree_never_commit_on_either_word() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     swarm = Swarm(core, per_stage=2)
     step = swarm.close_step(0.0)
     for p in swarm.stages[0]:
@@ -253,7 +248,7 @@ def test_the_node_core_resyncs_when_its_result_is_refused() -> None:
 
 # -- attack 6: complete work it never did ------------------------------------------------------------
 def test_a_completion_needs_the_last_stages_signed_ack_of_its_route_and_loss() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     swarm = Swarm(core, per_stage=1)
     s0, s1 = swarm.stages[0][0], swarm.stages[1][0]
     route = [s0, s1]
@@ -273,7 +268,7 @@ def test_a_completion_needs_the_last_stages_signed_ack_of_its_route_and_loss() -
 
 
 def test_a_one_stage_run_needs_no_ack() -> None:
-    core = make_core(stages=1)
+    core = make_core(run_info(1, name="attacks", run_hash="ab" * 32, microbatches=B, vocab_size=VOCAB), SETTINGS)
     swarm = Swarm(core, per_stage=1)
     s0 = swarm.stages[0][0]
     i = core.handle(s0, cm.Lease(max_tickets=1), 0.0).indices[0]
@@ -283,7 +278,7 @@ def test_a_one_stage_run_needs_no_ack() -> None:
 
 @pytest.mark.parametrize("loss", [1.7e308, 10 * math.log(VOCAB) + 1e-6, -1e-9, -5.0])
 def test_an_implausible_loss_is_refused_even_with_a_colluding_last_stage(loss: float) -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     swarm = Swarm(core, per_stage=1)
     s0, s1 = swarm.stages[0][0], swarm.stages[1][0]
     i = core.handle(s0, cm.Lease(max_tickets=1), 0.0).indices[0]
@@ -304,7 +299,7 @@ def test_a_non_finite_loss_never_reaches_the_ledger(loss: float) -> None:
 
 
 def test_a_lease_sitter_loses_share_and_the_step_still_closes_within_one_lease_term() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     swarm = Swarm(core, per_stage=2)
     sitter, honest = swarm.stages[0]
     s1 = swarm.stages[1][0]
@@ -370,7 +365,7 @@ def test_a_replica_that_fetched_the_result_reports_the_participants_result_hash(
 
 
 def test_completing_one_ticket_of_a_block_does_not_buy_the_right_to_sit_on_the_rest() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     swarm = Swarm(core, per_stage=1)
     sitter, s1 = swarm.stages[0][0], swarm.stages[1][0]
     lease = core.handle(sitter, cm.Lease(max_tickets=4), 0.0).indices

@@ -15,7 +15,6 @@ import pytest
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.dispatch import CoordinatorCore
 from protolearn.coordinator.core.members import EXPIRED, Member
-from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.view import VIEW_MAX
 from protolearn.coordinator.errors import Refusal
 from protolearn.node.syncing import judge_state
@@ -23,6 +22,8 @@ from protolearn.protocol import coordination as cm
 from protolearn.protocol.majority import majority_state
 from protolearn.protocol.bounds import MAX_HASH, MAX_PEER_ID
 from protolearn.protocol.wire import encode
+from tests.support.coordinator import join as join_core
+from tests.support.coordinator import make_core, run_info
 
 SETTINGS = CoordinatorSettings(rate_per_s=1e9, rate_burst=1e9, expiry_s=3.0, move_cooldown_s=0.0, max_members=1_000_000)
 # protocol/transport TransportConfig.max_message_bytes: the largest frame a node reads.
@@ -30,15 +31,9 @@ FRAME_CAP = 16 * 1024 * 1024
 ADDR = ["/ip4/10.0.0.2/tcp/1"]
 
 
-def make_core(num_stages: int = 2, settings: CoordinatorSettings = SETTINGS) -> CoordinatorCore:
-    run = RunInfo(name="a", run_hash="h" * 64, run_toml="", layers=(1,) * num_stages, microbatches_per_step=4, tokens_per_step=64)
-    return CoordinatorCore(run, settings, peer_id="coord", started_at=0.0)
-
-
 def join(core: CoordinatorCore, peer: str, now: float = 0.0, throughput: float = 100.0) -> int:
-    reply = core.handle(peer, cm.Join(addrs=ADDR, throughput=throughput), now)
-    assert isinstance(reply, cm.JoinReply)
-    return reply.stage
+    """The stage ``peer`` is given."""
+    return join_core(core, peer, now, throughput=throughput, addrs=ADDR).stage
 
 
 def refused(core: CoordinatorCore, peer: str, msg: cm.Message, now: float = 1.0) -> str:
@@ -51,7 +46,7 @@ def refused(core: CoordinatorCore, peer: str, msg: cm.Message, now: float = 1.0)
 
 
 def test_a_throughput_claim_of_1e15_does_not_steer_joiners_away_from_the_liars_stage() -> None:
-    core = make_core(2)
+    core = make_core(run_info(2), SETTINGS)
     for k in range(4):
         join(core, f"honest{k}")
     liar_stage = join(core, "liar", throughput=1e15)
@@ -64,7 +59,7 @@ def test_a_throughput_claim_of_1e15_does_not_steer_joiners_away_from_the_liars_s
 
 
 def test_a_bogus_param_hash_does_not_flip_the_stages_agreed_hash() -> None:
-    core = make_core(2)
+    core = make_core(run_info(2), SETTINGS)
     core.ledger.barrier.committed_through = 5  # replicas can have applied steps up to 5
     stage0 = [p for p in ("a", "b", "c", "d", "e", "f") if join(core, p) == 0]
     honest, liar = stage0[:2], stage0[2]
@@ -83,7 +78,7 @@ def test_a_bogus_param_hash_does_not_flip_the_stages_agreed_hash() -> None:
 
 
 def test_a_claimed_step_of_2_62_is_not_recorded_and_no_stale_maximum_sticks() -> None:
-    core = make_core(2)
+    core = make_core(run_info(2), SETTINGS)
     core.ledger.barrier.committed_through = 5  # frontier 6: no replica has applied step 6 or later
     a, b = "a", "b"
     join(core, a), join(core, "s1"), join(core, b)
@@ -102,7 +97,7 @@ def test_a_claimed_step_of_2_62_is_not_recorded_and_no_stale_maximum_sticks() ->
 
 
 def test_200_state_flips_in_0_8_s_bump_the_view_version_a_bounded_number_of_times() -> None:
-    core = make_core(2)
+    core = make_core(run_info(2), SETTINGS)
     join(core, "liar"), join(core, "watcher")
     core.handle("liar", cm.Heartbeat(state="training"), 0.1)
     watcher = core.handle("watcher", cm.Heartbeat(state="training"), 0.1).view_version
@@ -125,7 +120,7 @@ def test_200_state_flips_in_0_8_s_bump_the_view_version_a_bounded_number_of_time
 
 
 def test_a_corpus_check_from_stage_1_does_not_set_the_fingerprint() -> None:
-    core = make_core(2)
+    core = make_core(run_info(2), SETTINGS)
     s0, s1 = "a", "b"
     assert (join(core, s0), join(core, s1)) == (0, 1)
     assert refused(core, s1, cm.CorpusCheck(fingerprint="evil")) == "corpus_pending"
@@ -137,7 +132,7 @@ def test_a_corpus_check_from_stage_1_does_not_set_the_fingerprint() -> None:
 
 
 def test_a_lone_first_corpus_claimer_in_stage_0_is_outvoted_by_the_honest_replicas() -> None:
-    core = make_core(2)
+    core = make_core(run_info(2), SETTINGS)
     stage0 = [p for p in ("liar", "s1a", "h1", "s1b", "h2") if join(core, p) == 0]
     assert stage0 == ["liar", "h1", "h2"]
     assert core.handle("liar", cm.CorpusCheck(fingerprint="evil"), 1.0).first and core.corpus == "evil"
@@ -173,7 +168,7 @@ def test_the_longest_addresses_a_join_may_carry_are_few_and_short() -> None:
 
 def test_100000_members_keep_every_reply_under_the_frame_cap() -> None:
     num_stages, n = 4, 100_000
-    core = make_core(num_stages)
+    core = make_core(run_info(num_stages), SETTINGS)
     core.ledger.barrier.committed_through = 3
     core.restore(members=[_sybil(i, i % num_stages) for i in range(n)], step=4, tickets=[], closed=[], history=[], bans=[], now=0.0)
     sizes: dict[str, int] = {}
@@ -196,7 +191,7 @@ def test_100000_members_keep_every_reply_under_the_frame_cap() -> None:
 
 
 def test_a_delta_that_would_carry_more_than_the_view_bound_is_sent_as_a_snapshot() -> None:
-    core = make_core(2)
+    core = make_core(run_info(2), SETTINGS)
     join(core, "node")
     version = core.handle("node", cm.Heartbeat(state="training", view_delta=True), 0.5).view_version
     for k in range(VIEW_MAX + 100):
@@ -206,7 +201,7 @@ def test_a_delta_that_would_carry_more_than_the_view_bound_is_sent_as_a_snapshot
 
 
 def test_a_join_that_cannot_be_answered_is_not_registered_and_its_retry_works(monkeypatch: pytest.MonkeyPatch) -> None:
-    core = make_core(2)
+    core = make_core(run_info(2), SETTINGS)
     for k in range(20):
         join(core, f"m{k}")
     join(core, "back")
@@ -226,7 +221,7 @@ def test_a_join_that_cannot_be_answered_is_not_registered_and_its_retry_works(mo
 
 
 def test_an_expired_member_whose_rejoin_fails_keeps_its_old_entry(monkeypatch: pytest.MonkeyPatch) -> None:
-    core = make_core(2)
+    core = make_core(run_info(2), SETTINGS)
     join(core, "a"), join(core, "b")
     core.handle("a", cm.Heartbeat(state="training"), 2.5)
     core.housekeeping(4.0)
@@ -255,7 +250,7 @@ def test_a_donors_snapshot_a_few_steps_behind_its_latest_report_is_checked_again
     """The donor trains on while a joiner downloads: its snapshot (after step 22) is behind its latest
     heartbeat (after step 24), which also carries its hashes after steps 17..24. Before the history,
     a joiner of a one-donor stage refused every snapshot as "older than most replicas'" and never synced."""
-    core = make_core(2)
+    core = make_core(run_info(2), SETTINGS)
     core.ledger.barrier.committed_through = 24
     donor = next(p for p in ("a", "b", "c") if join(core, p) == 0)
     recent = [cm.RecentHash(step=s, hash=f"H{s}") for s in range(17, 25)]

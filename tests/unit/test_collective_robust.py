@@ -228,18 +228,12 @@ def test_a_veto_reaches_a_replica_that_already_holds_every_part() -> None:
         assert not done and failed
 
 
-def test_the_evidence_message_decodes_without_torch_and_bounds_match_the_collective() -> None:
-    import json
-    import subprocess
-    import sys
-
+def test_the_evidence_bounds_match_the_collective() -> None:
+    # (That the evidence message decodes without torch: tests/integration/test_purity.py.)
     from protolearn.protocol.collective import MAX_PARTICIPANTS
     from protolearn.protocol.collective.ownership import part_bounds
     from protolearn.protocol.reducer_check import MAX_PARTICIPANTS as FAULT_MAX, _part_bounds
 
-    probe = "import sys, json, protolearn.protocol.reducer_check; print(json.dumps('torch' in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
-    assert out.returncode == 0 and json.loads(out.stdout) is False, out.stderr[-2000:]
     assert FAULT_MAX == MAX_PARTICIPANTS
     assert all(_part_bounds(numel, n, j) == part_bounds(numel, n)[j] for numel in range(12) for n in range(1, 6) for j in range(n))
 

@@ -8,7 +8,6 @@ import jsonschema
 import pytest
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.dispatch import CoordinatorCore
-from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.status import STATUS_JSON_SCHEMA
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.store import Store
@@ -16,45 +15,10 @@ from protolearn.protocol import coordination as cm
 from protolearn.protocol import statements
 from protolearn.protocol.identity import Identity
 from protolearn.stages.config import default_run
+from tests.support.coordinator import STEP_SETTINGS, TEST_ACK, join, run_step
+from tests.support.coordinator import default_core as make_core
 
-SETTINGS = CoordinatorSettings(heartbeat_interval_s=1.0, expiry_s=3.0, lease_s=10.0, rate_per_s=1000, rate_burst=1000)
-
-
-# These tests name peers "a", "b", ...: a completion's last-stage acknowledgement is this stand-in (the real
-# signed ack is tested with real keys in test_attacks_ledger.py); signatures by real keys still verify.
-TEST_ACK = b"test-ack"
-
-
-def _verify(peer: str, data: bytes, signature: bytes) -> bool:
-    return signature == TEST_ACK or statements.verify_ed25519(peer, data, signature)
-
-
-def make_core(settings: CoordinatorSettings = SETTINGS) -> CoordinatorCore:
-    return CoordinatorCore(RunInfo.from_run(default_run()), settings, peer_id="coord", started_at=0.0, verify=_verify)
-
-
-def join(core: CoordinatorCore, peer: str, now: float = 0.0) -> cm.JoinReply:
-    reply = core.handle(peer, cm.Join(addrs=["/ip4/127.0.0.1/tcp/9"], throughput=100.0), now)
-    assert isinstance(reply, cm.JoinReply)
-    return reply
-
-
-def run_step(core: CoordinatorCore, s0: str, s1: str, now: float, *, commit: bool = True) -> cm.CompleteReply:
-    """Lease and complete a whole step through s0 → s1; ``commit``: both stages then report averaging it."""
-    B = core.run.microbatches_per_step
-    step = core.ledger.step
-    last = None
-    while core.ledger.step == step:
-        lease = core.handle(s0, cm.Lease(max_tickets=B), now)
-        assert isinstance(lease, cm.LeaseReply) and lease.indices, lease.reason
-        for i in lease.indices:
-            last = core.handle(s0, cm.Complete(ack=TEST_ACK, step=step, index=i, route=[s0, s1], loss=2.0 + i), now)
-    assert isinstance(last, cm.CompleteReply) and last.step_closed
-    if commit:
-        revision = core.ledger.closed[step].revision
-        assert not core.handle(s0, cm.Averaged(step=step, revision=revision), now).committed
-        assert core.handle(s1, cm.Averaged(step=step, revision=revision), now).committed
-    return last
+SETTINGS = STEP_SETTINGS
 
 
 def test_join_returns_the_run_and_a_stage() -> None:

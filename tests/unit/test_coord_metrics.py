@@ -1,40 +1,19 @@
-"""Coordinator metrics: the collector's families as a Prometheus server parses them, and the small
-HTTP endpoint (GET only, bounded reads) on loopback."""
+"""Coordinator metrics: the collector's families as a Prometheus server parses them (the HTTP endpoint:
+tests/integration/test_metrics_endpoint.py)."""
 
 from __future__ import annotations
 
 import pytest
-import trio
-from prometheus_client.parser import text_string_to_metric_families
-from protolearn.coordinator.core.dispatch import CoordinatorCore
-from protolearn.coordinator.errors import Refusal
-from protolearn.coordinator.metrics import CONTENT_TYPE, exposition, metrics_registry, serve_metrics
+from protolearn.coordinator.metrics import exposition, metrics_registry
 
-from tests.unit.test_coord_core import join, make_core, run_step
-
-
-def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def _trained_core() -> CoordinatorCore:
-    core = make_core()
-    join(core, "a")
-    join(core, "b")
-    with pytest.raises(Refusal):
-        join(core, "a")  # counted as an already_joined refusal
-    run_step(core, "a", "b", 1.0)
-    return core
+from tests.support.coordinator import default_core as make_core
+from tests.support.metrics import samples, trained_core
 
 
 def test_the_collector_reports_the_core_as_a_prometheus_server_reads_it() -> None:
-    core = _trained_core()
+    core = trained_core()
     text = exposition(metrics_registry(core, lambda: 2.0)).decode()
-    got = _samples(text)
+    got = samples(text)
     assert got[("protolearn_up", ())] == 1
     assert got[("protolearn_nodes", ())] == 2
     assert got[("protolearn_stage_replicas", (("stage", "0"),))] == 1
@@ -50,33 +29,24 @@ def test_the_collector_reports_the_core_as_a_prometheus_server_reads_it() -> Non
 def test_a_fresh_core_has_no_loss_and_registries_do_not_collide() -> None:
     a, b = metrics_registry(make_core(), lambda: 0.0), metrics_registry(make_core(), lambda: 0.0)
     for registry in (a, b):
-        got = _samples(exposition(registry).decode())
+        got = samples(exposition(registry).decode())
         assert ("protolearn_loss", ()) not in got and got[("protolearn_last_closed_step", ())] == -1
 
 
-async def _request(port: int, raw: bytes) -> bytes:
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        await stream.send_all(raw)
-        data = b""
-        while chunk := await stream.receive_some(65536):
-            data += chunk
-    return data
+def test_each_family_is_written_once_and_the_process_metrics_come_with_it() -> None:
+    text = exposition(metrics_registry(trained_core(), lambda: 2.0)).decode()
+    families = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(families) == len(set(families)), sorted(f for f in families if families.count(f) > 1)
+    assert samples(text)[("protolearn_bans", ())] == 0
+    assert "process_resident_memory_bytes" in families and "process_cpu_seconds" in " ".join(families)
 
 
-def test_the_endpoint_answers_get_with_the_text_and_refuses_other_methods() -> None:
-    registry = metrics_registry(_trained_core(), lambda: 2.0)
+def test_a_node_reports_its_status_line_as_metrics() -> None:
+    from protolearn.node.metrics import node_registry
 
-    async def main() -> None:
-        with trio.fail_after(10):
-            async with trio.open_nursery() as nursery:
-                port = await nursery.start(serve_metrics, registry, 0)
-                reply = await _request(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-                head, _, body = reply.partition(b"\r\n\r\n")
-                assert head.startswith(b"HTTP/1.1 200 OK") and f"Content-Type: {CONTENT_TYPE}".encode() in head
-                assert f"Content-Length: {len(body)}".encode() in head
-                assert _samples(body.decode())[("protolearn_nodes", ())] == 2
-                assert (await _request(port, b"POST /metrics HTTP/1.1\r\n\r\n")).startswith(b"HTTP/1.1 405")
-                nursery.cancel_scope.cancel()
-
-    trio.run(main)
+    fields = {"stage": 1, "step": 7, "steps": 40, "state": "training", "loss": 2.5, "tokens_per_s": 900.0, "peers": 3, "in_flight": 2}
+    got = samples(exposition(node_registry(lambda: fields, lambda: 12.0)).decode())
+    assert got[("protolearn_node_step", ())] == 7 and got[("protolearn_node_run_steps", ())] == 40
+    assert got[("protolearn_node_stage", ())] == 1 and got[("protolearn_node_loss", ())] == 2.5
+    assert got[("protolearn_node_coordinator_unreachable_seconds", ())] == 12.0
+    assert got[("protolearn_node_state", (("state", "training"),))] == 1 and got[("protolearn_node_state", (("state", "syncing"),))] == 0

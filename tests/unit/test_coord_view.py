@@ -16,20 +16,15 @@ from hypothesis import strategies as st
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.dispatch import CoordinatorCore
 from protolearn.coordinator.core.members import LIVE, Member
-from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.view import LOG_LEN, VIEW_MAX, VIEW_PER_STAGE, SwarmView
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.bounds import MAX_PEER_ID
 from protolearn.protocol.wire import decode, encode
+from tests.support.coordinator import make_core, run_info
 
 SETTINGS = CoordinatorSettings(rate_per_s=1e9, rate_burst=1e9, expiry_s=3.0, move_cooldown_s=0.0, max_members=1_000_000)
 # protocol/transport TransportConfig.max_message_bytes: the largest frame a node reads.
 FRAME_CAP = 16 * 1024 * 1024
-
-
-def make_core(num_stages: int, started_at: float = 0.0, settings: CoordinatorSettings = SETTINGS) -> CoordinatorCore:
-    run = RunInfo(name="v", run_hash="h" * 64, run_toml="", layers=(1,) * num_stages, microbatches_per_step=4, tokens_per_step=64)
-    return CoordinatorCore(run, settings, peer_id="coord", started_at=started_at)
 
 
 def member(i: int, stage: int, *, long: bool = False) -> Member:
@@ -40,7 +35,7 @@ def member(i: int, stage: int, *, long: bool = False) -> Member:
 
 
 def populated(num_stages: int, per_stage: int, *, long: bool = False, now: float = 0.0) -> CoordinatorCore:
-    core = make_core(num_stages, now)
+    core = make_core(run_info(num_stages), SETTINGS, started_at=now)
     members = [member(i, i % num_stages, long=long) for i in range(num_stages * per_stage)]
     core.restore(members=members, step=0, tickets=[], closed=[], history=[], bans=[], now=now)
     return core
@@ -175,7 +170,7 @@ def test_a_node_further_behind_than_the_log_or_from_another_run_gets_a_snapshot(
     assert reply.view_changed and not reply.view_delta
     assert {p: m.stage for p, m in node.view.items()} == truth(core, {0, 1})
     members = list(core.registry.members.values())
-    again = make_core(2, started_at=1000.0)
+    again = make_core(run_info(2), SETTINGS, started_at=1000.0)
     again.restore(members=members, step=0, tickets=[], closed=[], history=[], bans=[], now=1000.0)
     assert again.registry.view_version > core.registry.view_version  # a later run's versions never meet ours
     reply = again.handle("me", cm.Heartbeat(state="training", view_version=node.version, view_delta=True), 1001.0)
@@ -196,7 +191,7 @@ def test_snapshots_are_bounded_and_spread_over_a_large_stage() -> None:
 
 def test_a_snapshot_lists_a_large_stages_serving_replicas_first() -> None:
     """Else a node could see only syncing replicas of the next stage, and route nowhere."""
-    core = make_core(2)
+    core = make_core(run_info(2), SETTINGS)
     members = [member(i, i % 2) for i in range(4 * VIEW_PER_STAGE)]
     for m in members[:-4]:
         m.state = "syncing"
@@ -240,7 +235,7 @@ OPS = st.lists(
 @given(OPS, st.integers(0, 2**32))
 def test_simulated_nodes_views_always_match_their_neighbourhood(ops, seed: int) -> None:
     rng = random.Random(seed)
-    core = make_core(5, settings=SETTINGS.model_copy(update={"expiry_s": 100.0}))  # only the "expire" op silences members
+    core = make_core(run_info(5), SETTINGS.model_copy(update={"expiry_s": 100.0}))  # only the "expire" op silences members
     now = 0.0
     nodes = [FakeNode(core, f"node{k}", now, delta=k % 2 == 0) for k in range(6)]
     for op, k in ops:

@@ -4,9 +4,6 @@ is created private, reused on restart, and refused with one clear line when it i
 from __future__ import annotations
 
 import os
-import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -114,22 +111,6 @@ def test_peer_id_needs_a_32_byte_key() -> None:
         peer_id_from_public_key(bytes(31))
     with pytest.raises(ValueError):
         Identity.from_private_bytes(bytes(33))
-
-
-@posix_only
-def test_key_is_created_private_and_reused_across_processes(tmp_path: Path) -> None:
-    data_dir = tmp_path / "node-a"
-    ident = load_or_create_identity(data_dir)
-    key = data_dir / KEY_FILE
-    assert stat.S_IMODE(key.stat().st_mode) == 0o600
-    assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700
-    assert key.read_bytes() == ident.private_bytes
-    assert load_or_create_identity(data_dir).peer_id == ident.peer_id
-    # a restart is a new process
-    code = "import sys; from pathlib import Path; from protolearn.protocol.identity import load_or_create_identity as l; print(l(Path(sys.argv[1])).peer_id)"
-    out = subprocess.run([sys.executable, "-c", code, str(data_dir)], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.strip() == ident.peer_id
-    assert sorted(p.name for p in data_dir.iterdir()) == [KEY_FILE]  # no temp files left behind
 
 
 @posix_only

@@ -19,17 +19,14 @@ from protolearn.protocol import coordination as cm
 from protolearn.protocol.boundary import OutputEvidence, SignedOutput, boundary_statement, frame_digest
 from protolearn.protocol.codecs import CodecContext, make_encoder
 from protolearn.protocol.identity import Identity
+from tests.support.coordinator import make_core
 
 SHAPE = (2, 4, 8)
 SETTINGS = CoordinatorSettings(heartbeat_interval_s=1.0, expiry_s=1e6, lease_s=10.0, rate_per_s=1e6, rate_burst=1e6, rebalance_interval_s=1e9)
-
-
-def make_core(settings: CoordinatorSettings = SETTINGS) -> CoordinatorCore:
-    run = RunInfo(
-        name="integrity", run_hash="cd" * 32, run_toml="", layers=(3, 1), microbatches_per_step=6, tokens_per_step=6 * 32,
-        vocab_size=259, boundary_shape=SHAPE, codec="none", check_tolerance=1e-3,
-    )
-    return CoordinatorCore(run, settings, peer_id="coord", started_at=0.0)
+RUN = RunInfo(
+    name="integrity", run_hash="cd" * 32, run_toml="", layers=(3, 1), microbatches_per_step=6, tokens_per_step=6 * 32,
+    vocab_size=259, boundary_shape=SHAPE, codec="none", check_tolerance=1e-3,
+)
 
 
 class Swarm:
@@ -68,7 +65,7 @@ def refused(core: CoordinatorCore, reporter: str, target: str, ev: OutputEvidenc
 
 
 def test_two_agreeing_recomputations_convict_the_odd_replica_and_the_ban_persists(tmp_path) -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     sw = Swarm(core)
     liar, b, d = sw.stage[0]
     checker = sw.stage[1][0]
@@ -85,13 +82,13 @@ def test_two_agreeing_recomputations_convict_the_odd_replica_and_the_ban_persist
     store.apply(core.drain())
     loaded = store.load()
     store.close()
-    again = make_core()
+    again = make_core(RUN, SETTINGS)
     again.restore(**loaded, now=5.0)
     assert again.verdicts.is_banned(liar) and again.integrity.against[liar] == 1 and again.integrity.filed[checker] == 1
 
 
 def test_a_signed_nan_convicts_its_signer_alone() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     sw = Swarm(core)
     liar = sw.stage[0][0]
     bad = honest()
@@ -102,7 +99,7 @@ def test_a_signed_nan_convicts_its_signer_alone() -> None:
 
 
 def test_no_single_peer_can_frame_an_honest_replica() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     sw = Swarm(core, n0=3)
     a, b, d = sw.stage[0]
     checker = sw.stage[1][0]
@@ -128,7 +125,7 @@ def test_no_single_peer_can_frame_an_honest_replica() -> None:
 
 
 def test_codec_error_is_not_a_fault_but_a_scaled_output_is() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     core.run = RunInfo(**{**core.run.__dict__, "codec": "int8"})
     core.integrity.run = core.run
     sw = Swarm(core)
@@ -147,7 +144,7 @@ def test_subspace_frames_in_evidence_are_decoded_with_the_runs_subspace() -> Non
     # to decode the accused's subspace frame, then judges it like any other codec's.
     from protolearn.subspace import make_subspace
 
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     core.run = RunInfo(**{**core.run.__dict__, "codec": "subspace:fp16", "subspace": (5, 259, SHAPE[2], 3, 0.02)})
     core.integrity.run = core.run
     sub = make_subspace(5, 259, SHAPE[2], 3, 0.02)
@@ -165,7 +162,7 @@ def test_subspace_frames_in_evidence_are_decoded_with_the_runs_subspace() -> Non
 
 
 def test_a_report_without_evidence_flags_and_never_bans() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     sw = Swarm(core)
     target = sw.stage[0][0]
     for k in range(20):
@@ -178,7 +175,7 @@ def test_a_report_without_evidence_flags_and_never_bans() -> None:
 
 
 def test_status_shows_what_checkers_report_as_the_median() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     sw = Swarm(core, n0=3)
     target = sw.stage[0][0]
     checker = sw.stage[1][0]

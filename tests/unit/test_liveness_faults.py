@@ -17,7 +17,8 @@ from protolearn.coordinator.errors import Refusal
 from protolearn.node.core.routing import RouteCore
 from protolearn.protocol import coordination as cm
 
-from tests.unit.test_attacks_ledger import SETTINGS, Swarm, make_core
+from tests.support.coordinator import make_core
+from tests.unit.test_attacks_ledger import RUN, SETTINGS, Swarm
 
 TICK = SETTINGS.housekeeping_interval_s
 LATE_S = SETTINGS.lease_late_fraction * SETTINGS.lease_s
@@ -71,7 +72,7 @@ def run(
 
 
 def test_a_stage0_blackhole_is_expelled_within_20_leases_and_steps_then_close_at_the_honest_pace() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     swarm = Swarm(core, per_stage=3)
     hole, *honest = swarm.stages[0]
     parts = {p: Part() for p in honest} | {hole: Part(delay=None)}
@@ -93,7 +94,7 @@ def test_a_stage0_blackhole_is_expelled_within_20_leases_and_steps_then_close_at
 
 
 def test_a_slow_honest_replica_is_never_expelled_even_when_its_tickets_go_to_others() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     swarm = Swarm(core, per_stage=3)
     slow, *honest = swarm.stages[0]
     # It completes every ticket at 1.5 late windows: always late, struck, its leases ended early and
@@ -106,7 +107,7 @@ def test_a_slow_honest_replica_is_never_expelled_even_when_its_tickets_go_to_oth
 
 
 def test_a_slow_replica_that_completes_its_own_late_leases_is_never_expelled() -> None:
-    core = make_core(CoordinatorSettings(**(SETTINGS.model_dump() | {"expel_after_strikes": 2})))
+    core = make_core(RUN, CoordinatorSettings(**(SETTINGS.model_dump() | {"expel_after_strikes": 2})))
     swarm = Swarm(core, per_stage=2)
     slow, honest = swarm.stages[0]
     parts = {honest: Part(), slow: Part(delay=LATE_S + 1.0)}
@@ -115,7 +116,7 @@ def test_a_slow_replica_that_completes_its_own_late_leases_is_never_expelled() -
 
 
 def test_fake_late_completions_of_tickets_it_never_held_do_not_save_a_blackhole() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     swarm = Swarm(core, per_stage=3)
     hole, *honest = swarm.stages[0]
     s1 = swarm.stages[1][0]
@@ -137,7 +138,7 @@ def test_fake_late_completions_of_tickets_it_never_held_do_not_save_a_blackhole(
 
 def test_no_stage0_replica_is_expelled_when_none_completes_anything() -> None:
     """Every stage-0 replica sits: the fault is further down (a dead or blackholed stage 1), not theirs."""
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     swarm = Swarm(core, per_stage=2)
     parts = {p: Part(delay=None) for p in swarm.stages[0]}
     run(core, swarm, parts, until=60.0)
@@ -146,7 +147,7 @@ def test_no_stage0_replica_is_expelled_when_none_completes_anything() -> None:
 
 
 def test_expel_after_strikes_none_only_flags() -> None:
-    core = make_core(CoordinatorSettings(**(SETTINGS.model_dump() | {"expel_after_strikes": None})))
+    core = make_core(RUN, CoordinatorSettings(**(SETTINGS.model_dump() | {"expel_after_strikes": None})))
     swarm = Swarm(core, per_stage=3)
     hole, *honest = swarm.stages[0]
     run(core, swarm, {p: Part() for p in honest} | {hole: Part(delay=None)}, until=40.0)
@@ -219,7 +220,7 @@ def test_stage0_targets_and_a_disabled_policy_never_ban() -> None:
 
 
 def test_the_core_routes_liveness_reports_to_the_stage_majority_rule() -> None:
-    core = make_core()
+    core = make_core(RUN, SETTINGS)
     swarm = Swarm(core, per_stage=2)
     a, b = swarm.stages[0]
     x, y = swarm.stages[1]

@@ -31,6 +31,7 @@ from protolearn.stages.config import RunConfig
 from protolearn.stages.optim import apply_step
 from protolearn.stages.reference import ReferenceTrainer
 from protolearn.stages.sampling import microbatch
+from tests.support.runs import tiny_run
 
 CODECS = ("none", "int8", "topk:0.05")
 DIRECTIONS = ("fwd", "bwd")
@@ -62,18 +63,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # -- streams ---------------------------------------------------------------------------------------
 
 
-def tiny_run(seed: int) -> RunConfig:
-    return RunConfig.model_validate(
-        {
-            "name": "monitors",
-            "seed": seed,
-            "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 128, "max_seq_len": 32},
-            "stages": {"num_stages": 2},
-            "batch": {"microbatches_per_step": MBS, "microbatch_size": 4, "seq_len": 32},
-            "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5, "total_steps": REAL_STEPS},
-            # Real text: the running Python's stdlib, capped so loading stays quick.
-            "data": {"max_bytes": 300_000, "val_batches": 1},
-        }
+def monitored_run(seed: int) -> RunConfig:
+    # Real text: the running Python's stdlib, capped so loading stays quick.
+    return tiny_run(
+        seed=seed, name="monitors", model={"d_model": 64, "n_layers": 2, "d_ff": 128}, stages={"num_stages": 2, "layers": None},
+        batch={"microbatches_per_step": MBS, "microbatch_size": 4, "seq_len": 32},
+        optim={"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5, "total_steps": REAL_STEPS}, data={"max_bytes": 300_000, "val_batches": 1},
     )
 
 
@@ -82,7 +77,7 @@ Trace = list[list[dict[str, torch.Tensor]]]  # [step][microbatch] -> {"fwd", "bw
 
 def real_trace(seed: int, *, stale: bool) -> Trace:
     """Boundary tensors of a real run; with ``stale``, also those of weights STALE_STEPS steps old for the liar's tickets."""
-    run = tiny_run(seed)
+    run = monitored_run(seed)
     trainer = ReferenceTrainer(run)
     s0, s1 = trainer.stages
     history: list[list[dict[str, torch.Tensor]]] = []

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import pytest
 
@@ -31,17 +28,6 @@ def only(actions: list[ev.Action], kind: type) -> list:
 
 def emitted(actions: list[ev.Action]) -> list[str]:
     return [a.event for a in actions if isinstance(a, ev.Emit)]
-
-
-def test_the_node_core_loads_no_trio_libp2p_socket_or_torch() -> None:
-    probe = (
-        "import json, sys\n"
-        "import protolearn.node.core.closed_step, protolearn.node.core.events, protolearn.node.core.leasing, protolearn.node.core.accounting\n"
-        "print(json.dumps([m for m in ('trio', 'libp2p', 'socket', 'torch') if m in sys.modules]))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout) == []
 
 
 def test_a_participant_averages_its_accounted_tickets_waits_for_the_commit_and_applies() -> None:

@@ -6,28 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protolearn.stages.config import RunConfig
 from protolearn.stages.errors import MicrobatchStateError, StageInputError
 from protolearn.stages.model import Transformer
 from protolearn.stages.stage import build_stage
+from tests.support.runs import tiny_run
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 SPLITS = [[4], [2, 2], [1, 3], [3, 1], [1, 1, 2], [2, 1, 1], [1, 1, 1, 1]]
-
-
-def tiny_run(layers: list[int], seed: int = 7) -> RunConfig:
-    return RunConfig.model_validate(
-        {
-            "name": "tiny",
-            "seed": seed,
-            "model": {"d_model": 32, "n_layers": sum(layers), "n_heads": 4, "d_ff": 48, "max_seq_len": 32},
-            "stages": {"num_stages": len(layers), "layers": layers},
-            "batch": {"microbatches_per_step": 2, "microbatch_size": 3, "seq_len": 16},
-        }
-    )
 
 
 def tokens(seed: int, shape: tuple[int, int] = (3, 16)) -> torch.Tensor:
@@ -40,7 +28,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("layers", SPLITS, ids=str)
 def test_chained_stages_match_whole_model(layers: list[int]) -> None:
-    run = tiny_run(layers)
+    run = tiny_run(layers, seed=7)
     whole = Transformer(run.model, run.seed)
     stages = [build_stage(run, s) for s in range(len(layers))]
     x, y = tokens(1), tokens(2)
@@ -84,7 +72,7 @@ def test_chained_stages_match_whole_model(layers: list[int]) -> None:
 
 @pytest.mark.parametrize("layers", SPLITS, ids=str)
 def test_stage_built_alone_equals_stage_cut_from_whole_model(layers: list[int]) -> None:
-    run = tiny_run(layers)
+    run = tiny_run(layers, seed=7)
     whole = dict(Transformer(run.model, run.seed).named_parameters())
     for s in range(len(layers)):
         st = build_stage(run, s)
@@ -102,7 +90,7 @@ def test_init_depends_on_seed_and_parameter_only() -> None:
 
 
 def test_interleaved_microbatches_accumulate_like_sequential() -> None:
-    run = tiny_run([2, 2])
+    run = tiny_run([2, 2], seed=7)
     seq = [build_stage(run, s) for s in range(2)]
     inter = [build_stage(run, s) for s in range(2)]
     batches = [(tokens(10 + i), tokens(20 + i)) for i in range(3)]
@@ -124,7 +112,7 @@ def test_interleaved_microbatches_accumulate_like_sequential() -> None:
 
 
 def test_discard_frees_state_and_leaves_grads_untouched() -> None:
-    run = tiny_run([2, 2])
+    run = tiny_run([2, 2], seed=7)
     st = build_stage(run, 0)
     st(5, tokens(1))
     assert st.in_flight() == 1
@@ -137,7 +125,7 @@ def test_discard_frees_state_and_leaves_grads_untouched() -> None:
 
 
 def test_infer_equals_forward_and_keeps_no_state() -> None:
-    run = tiny_run([1, 3])
+    run = tiny_run([1, 3], seed=7)
     s0, s1 = build_stage(run, 0), build_stage(run, 1)
     x, y = tokens(3), tokens(4)
     h = s0.infer(x)
@@ -147,7 +135,7 @@ def test_infer_equals_forward_and_keeps_no_state() -> None:
 
 
 def test_bad_inputs_are_refused_with_the_reason() -> None:
-    run = tiny_run([2, 2])
+    run = tiny_run([2, 2], seed=7)
     s0, s1 = build_stage(run, 0), build_stage(run, 1)
     with pytest.raises(StageInputError, match="outside 0..258"):
         s0(0, torch.full((2, 4), 300, dtype=torch.int64))
@@ -173,7 +161,7 @@ def test_bad_inputs_are_refused_with_the_reason() -> None:
 
 
 def test_param_names_are_global_and_sorted() -> None:
-    run = tiny_run([1, 2, 1])
+    run = tiny_run([1, 2, 1], seed=7)
     names = build_stage(run, 1).param_names()
     assert names == sorted(names)
     assert {n.split(".")[1] for n in names} == {"1", "2"}

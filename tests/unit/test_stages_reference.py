@@ -9,29 +9,19 @@ import torch
 
 from protolearn.stages.config import RunConfig
 from protolearn.stages.reference import ReferenceTrainer
+from tests.support.runs import tiny_run, write_corpus
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def tiny_run(folder: Path, layers: list[int], clip: float | None = None) -> RunConfig:
-    for i in range(12):
-        (folder / f"f{i}.txt").write_text(f"file {i}\n" + "abcabcabc def def ghi\n" * 40)
-    return RunConfig.model_validate(
-        {
-            "name": "tiny",
-            "seed": 3,
-            "model": {"d_model": 32, "n_layers": sum(layers), "n_heads": 4, "d_ff": 48, "max_seq_len": 32},
-            "stages": {"num_stages": len(layers), "layers": layers},
-            "batch": {"microbatches_per_step": 2, "microbatch_size": 4, "seq_len": 32},
-            "optim": {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "total_steps": 30, "clip_norm": clip},
-            "data": {"path": str(folder), "val_batches": 2},
-        }
-    )
+def reference_run(folder: Path, layers: list[int], clip: float | None = None) -> RunConfig:
+    return tiny_run(layers, corpus=write_corpus(folder, 12, "abcabcabc def def ghi\n", 40), batch={"microbatch_size": 4, "seq_len": 32},
+                    optim={"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "total_steps": 30, "clip_norm": clip})
 
 
 def test_reference_learns_and_reports_each_step(tmp_path: Path) -> None:
-    trainer = ReferenceTrainer(tiny_run(tmp_path, [2, 2], clip=1.0))
+    trainer = ReferenceTrainer(reference_run(tmp_path, [2, 2], clip=1.0))
     initial = trainer.evaluate()
     seen: list[int] = []
     records = trainer.train(30, on_step=lambda r: seen.append(r["step"]), eval_every=10)
@@ -43,7 +33,7 @@ def test_reference_learns_and_reports_each_step(tmp_path: Path) -> None:
 
 
 def test_reference_is_deterministic(tmp_path: Path) -> None:
-    run = tiny_run(tmp_path, [1, 2], clip=0.5)
+    run = reference_run(tmp_path, [1, 2], clip=0.5)
     a, b = ReferenceTrainer(run), ReferenceTrainer(run)
     la = [r["loss"] for r in a.train(5, eval_every=100)]
     lb = [r["loss"] for r in b.train(5, eval_every=100)]
@@ -54,6 +44,6 @@ def test_reference_is_deterministic(tmp_path: Path) -> None:
 @pytest.mark.parametrize("layers", [[2, 2], [1, 1, 2], [1, 1, 1, 1]], ids=str)
 def test_split_does_not_change_training_without_clipping(tmp_path: Path, layers: list[int]) -> None:
     # Adam is per parameter, so without clipping the split changes nothing but float rounding.
-    one = [r["loss"] for r in ReferenceTrainer(tiny_run(tmp_path, [4])).train(6, eval_every=100)]
-    split = [r["loss"] for r in ReferenceTrainer(tiny_run(tmp_path, layers)).train(6, eval_every=100)]
+    one = [r["loss"] for r in ReferenceTrainer(reference_run(tmp_path, [4])).train(6, eval_every=100)]
+    split = [r["loss"] for r in ReferenceTrainer(reference_run(tmp_path, layers)).train(6, eval_every=100)]
     assert split == pytest.approx(one, rel=1e-5)

@@ -23,23 +23,18 @@ from protolearn.stages.config import RunConfig
 from protolearn.stages.reference import ReferenceTrainer
 from protolearn.stages.stage import build_stage
 from protolearn.subspace import make_subspace
+from tests.support.runs import tiny_run, write_corpus
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def tiny_run(folder: Path, *, layers: list[int], rank: int | None = 6, codec: str = "none", tail: int = 0, period: int = 1, seed: int = 3) -> RunConfig:
-    for i in range(8):
-        (folder / f"f{i}.txt").write_text(f"file {i}\n" + "def f(x):\n    return x + 1  # abc\n" * 30)
-    return RunConfig.model_validate({
-        "name": "tiny", "seed": seed, "codec": codec,
-        "model": {"d_model": 48, "n_layers": sum(layers), "n_heads": 4, "d_ff": 64, "max_seq_len": 32},
-        "stages": {"num_stages": len(layers), "layers": layers},
-        "batch": {"microbatches_per_step": 2, "microbatch_size": 3, "seq_len": 16},
-        "optim": {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "total_steps": 30, "clip_norm": 1.0},
-        "data": {"path": str(folder), "val_batches": 2},
-        "subspace": {"rank": rank, "tail_blocks": tail, "period": period},
-    })
+def subspace_run(folder: Path, *, layers: list[int], rank: int | None = 6, codec: str = "none", tail: int = 0, period: int = 1, seed: int = 3) -> RunConfig:
+    return tiny_run(
+        layers, seed=seed, codec=codec, corpus=write_corpus(folder, 8, "def f(x):\n    return x + 1  # abc\n", 30),
+        model={"d_model": 48, "d_ff": 64}, optim={"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "total_steps": 30, "clip_norm": 1.0},
+        subspace={"rank": rank, "tail_blocks": tail, "period": period},
+    )
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -78,7 +73,7 @@ def test_the_basis_is_orthonormal_the_fixed_embedding_orthogonal_to_it_and_both_
     ],
 )
 def test_an_impossible_subspace_config_is_one_line_naming_the_field(tmp_path: Path, updates: dict, field: str) -> None:
-    run = tiny_run(tmp_path, layers=[1, 1])
+    run = subspace_run(tmp_path, layers=[1, 1])
     with pytest.raises(ConfigError) as err:
         run.replace(**updates)
     assert field in str(err.value) and "\n" not in str(err.value)
@@ -115,7 +110,7 @@ class Checker:
 
 
 def test_decode_encode_is_exact_in_both_directions_at_every_boundary_while_the_model_trains(tmp_path: Path) -> None:
-    run = tiny_run(tmp_path, layers=[1, 1, 2], tail=1)  # 3 stages, 2 boundaries, the last block unconstrained
+    run = subspace_run(tmp_path, layers=[1, 1, 2], tail=1)  # 3 stages, 2 boundaries, the last block unconstrained
     check = Checker(run, "subspace:none")
     trainer = ReferenceTrainer(run, boundary=check)
     losses = [r["loss"] for r in trainer.train(12, eval_every=100)]
@@ -132,7 +127,7 @@ def test_decode_encode_is_exact_in_both_directions_at_every_boundary_while_the_m
 
 @pytest.mark.parametrize(("inner", "bound", "per_token"), [("fp16", 2e-3, (6 * 2 + 2, 6 * 2)), ("int8", 2e-2, (6 + 4 + 2, 6 + 4))])
 def test_a_narrow_inner_codec_costs_only_its_own_rounding(tmp_path: Path, inner: str, bound: float, per_token: tuple[int, int]) -> None:
-    run = tiny_run(tmp_path, layers=[1, 1])
+    run = subspace_run(tmp_path, layers=[1, 1])
     check = Checker(run, f"subspace:{inner}")
     ReferenceTrainer(run, boundary=check).train(3, eval_every=100)
     worst = max(max(v) for v in check.errors.values())
@@ -142,7 +137,7 @@ def test_a_narrow_inner_codec_costs_only_its_own_rounding(tmp_path: Path, inner:
 
 
 def test_training_through_the_codec_matches_training_the_model_step_by_step(tmp_path: Path) -> None:
-    run = tiny_run(tmp_path, layers=[1, 2], codec="subspace:none")
+    run = subspace_run(tmp_path, layers=[1, 2], codec="subspace:none")
     plain = ReferenceTrainer(run)
     links = LinkSimulator(run.codec_spec, plain.stages[0].subspace)
     wired = ReferenceTrainer(run, boundary=links, corpus=plain.corpus)
@@ -153,7 +148,7 @@ def test_training_through_the_codec_matches_training_the_model_step_by_step(tmp_
 
 
 def test_the_projection_period_projects_every_period_th_step_only(tmp_path: Path) -> None:
-    run = tiny_run(tmp_path, layers=[1, 1], period=3)
+    run = subspace_run(tmp_path, layers=[1, 1], period=3)
     stage = build_stage(run, 1)
     u = stage.subspace_basis
     w = stage.blocks["1"].attn.wo.weight.detach()  # the parameter itself, without autograd
@@ -172,7 +167,7 @@ def test_the_projection_period_projects_every_period_th_step_only(tmp_path: Path
 
 
 def test_an_unconstrained_model_is_refused_by_the_encoder_not_degraded(tmp_path: Path) -> None:
-    free = build_stage(tiny_run(tmp_path, layers=[1, 1], rank=None), 0)
+    free = build_stage(subspace_run(tmp_path, layers=[1, 1], rank=None), 0)
     sub = make_subspace(3, 259, 48, 6, 0.02)
     tokens = torch.randint(0, 259, (3, 16), generator=torch.Generator().manual_seed(0))
     h = free.infer(tokens)
@@ -190,7 +185,7 @@ def hostile(frame: TensorFrame, **changes) -> TensorFrame:
 
 
 def test_hostile_subspace_frames_are_refused_naming_the_peer(tmp_path: Path) -> None:
-    run = tiny_run(tmp_path, layers=[1, 1])
+    run = subspace_run(tmp_path, layers=[1, 1])
     stage = build_stage(run, 0)
     sub = stage.subspace
     tokens = torch.randint(0, 259, (3, 16), generator=torch.Generator().manual_seed(1))

@@ -45,7 +45,7 @@ def test_hivemind_suite_help_and_bad_args_need_no_hivemind() -> None:
 
 def test_compression_suite_reports_ratio_and_loss_gap_per_codec() -> None:
     # Two 2-step runs of the demo model (the fp32 baseline and subspace k=7): the numbers are not the
-    # point here, the report is. The full grid and its results are in README "Compression".
+    # point here, the report is. The full grid and its results are in docs/BENCHMARKS.md, "Boundary compression against loss".
     argv = [sys.executable, "scripts/bench.py", "compression", "--json", "--models", "demo", "--steps", "2", "--seeds", "0",
             "--workers", "1", "--only", "subspace:fp16 k=7"]
     out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=240)
