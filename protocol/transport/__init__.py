@@ -6,7 +6,9 @@ Public API (other packages code against these names)::
     async with open_host(identity, ["/ip4/127.0.0.1/tcp/0"], config) as host:
         host.peer_id -> str; host.addrs() -> list[str]            # full multiaddrs ending in /p2p/<id>
         await host.connect("/ip4/.../tcp/.../p2p/<id>", timeout=None) -> str   # the peer id
-        host.add_peer_addrs(peer_id, ["/ip4/.../tcp/..."])
+        host.add_peer_addrs(peer_id, ["/ip4/.../tcp/..."])    # new addresses also clear its failed dials
+        host.retain_dial_failures(members)   # the coordinator's view: others' failed dials are forgotten
+        host.dial_book -> DialBook           # whose dials failed lately; a dial by ID waits out its back-off
         host.serve(name, handler, request_type=Req, max_inbound=None, max_bytes=None, max_inbound_per_peer=None)  # -> reply
         host.serve_stream(name, handler, max_inbound=None, max_inbound_per_peer=None,   # handler(peer_id, FramedStream)
                           known=None, max_inbound_unknown=None)   # peers known(p) is False for share max_inbound_unknown
@@ -50,8 +52,12 @@ Three py-libp2p 0.8.1 behaviours are worked around here: it keeps a connection t
 then refuses to redial, it refuses any dial for 60 s after a failed one, and identify replaces the
 addresses we dialled with the ones the peer advertises (``/ip4/0.0.0.0/...`` for a wildcard
 listener, which another machine cannot dial). Each would leave a peer that restarts unreachable, so
-before dialling the host drops dead connections, forgets past dial failures and restores the
-addresses it was given (by ``connect`` or ``add_peer_addrs``).
+before dialling the host drops dead connections, forgets py-libp2p's record of past dial failures
+and restores the addresses it was given (by ``connect`` or ``add_peer_addrs``). In place of that 60 s
+refusal the host keeps its own, shorter one (:mod:`protolearn.protocol.dial_book`): after two failed
+dials in a row, a dial of that peer by ID is tried once per back-off (2 s, doubling to 16 s) and
+refused at once otherwise, until the peer connects or its addresses or membership change, so a dead
+replica is dialled a few times, not ten a second, before the coordinator's view drops it.
 
 Lifetime. The host works until its ``async with open_host(...)`` block exits, also while that block
 is being cancelled: the libp2p swarm and the host's own services run in a task of their own under a

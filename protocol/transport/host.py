@@ -14,7 +14,7 @@ node's leave on SIGTERM); "Lifetime" in the package docstring says why.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar
 
@@ -32,6 +32,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from protolearn.errors import ConfigError
 from protolearn.protocol.addresses import DEFAULT_LISTEN, advertised, check_port_free, parse_multiaddr
+from protolearn.protocol.dial_book import DialBook
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable
 from protolearn.protocol.relay_book import RelayLimits
 from protolearn.protocol.transport.bulk import BulkLane, lane_ip
@@ -84,7 +85,7 @@ class Host:
         self._server = Server(lp, config, self._keeper, self._wrap)
         # The relay protocol: always its client side, the relaying side when ``relay`` limits are given.
         self.relay = Relay(self, relay)
-        self._dialer = Dialer(lp, config, self._keeper, self._connections, self.relay, puncher)
+        self._dialer = Dialer(lp, config, self._keeper, self._connections, self.relay, puncher, clock=clock)
         # Told (peer, connected) when a peer connects or its last connection closes (e.g. it died);
         # it runs inside libp2p's notifier, so it must be quick and must not raise.
         self.on_connection: Callable[[str, bool], None] | None = None
@@ -138,6 +139,16 @@ class Host:
     def add_peer_addrs(self, peer_id: str, addrs: Sequence[str]) -> None:
         """Remember where ``peer_id`` listens, so requests can dial it by ID (relayed addresses too)."""
         self._dialer.add_peer_addrs(peer_id, addrs)
+
+    @property
+    def dial_book(self) -> DialBook:
+        """The peers whose last dials failed, and when each may be dialled again (see dialing.py)."""
+        return self._dialer.book
+
+    def retain_dial_failures(self, peers: Collection[str]) -> None:
+        """Forget the failed dials of every peer not in ``peers`` (the coordinator's view of the members):
+        one that left and joins again is dialled at once."""
+        self._dialer.book.retain(peers)
 
     async def connect(self, addr: str, *, timeout: float | None = None) -> str:
         """Dial ``addr`` (which must end in ``/p2p/<id>``) and return the peer ID (see :meth:`.Dialer.connect`)."""
@@ -233,6 +244,7 @@ class Host:
             with trio.fail_after(limit):
                 raw = await self._dialer.new_stream(pid, name)
         except trio.TooSlowError:
+            self._dialer.dial_timed_out(pid, limit)
             raise PeerUnavailable(peer, f"could not open {protocol_id(name)} within {limit:g} s") from None
         s = self._wrap(raw, peer, name)
         try:
@@ -303,7 +315,9 @@ class Host:
         )
 
     def _connection_changed(self, peer: str, connected: bool) -> None:
-        if not connected:
+        if connected:
+            self._dialer.book.succeeded(peer)  # it is alive, whoever dialled
+        else:
             self.relay.peer_gone(peer)
         if self.on_connection is not None:
             self.on_connection(peer, connected)
