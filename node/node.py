@@ -239,6 +239,7 @@ class Node:
                     self.host.add_peer_addrs(m.peer_id, m.addrs)
                 except ProtocolError as err:
                     log.warning("ignored member address peer=%s reason=%s", m.peer_id, err.reason)
+        self.host.retain_dial_failures({m.peer_id for m in self.view.members})  # one that left is dialled at once if it rejoins
         if self.stage + 1 < self.run.stages.num_stages:
             self.routes.next_peers = self.view.stage_peers(self.stage + 1)
         self.progress.update(peers=len(self.view.members) - 1)
