@@ -25,7 +25,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.exceptions import BaseLibp2pError
-from libp2p.network.config import ConnectionConfig
+from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
@@ -53,6 +53,9 @@ from protolearn.protocol.wire import Message
 log = logging.getLogger("protolearn.protocol")
 
 R = TypeVar("R", bound=Message)
+
+# Retries py-libp2p makes inside one dial after its first attempt fails (see open_host).
+DIAL_RETRIES = 1
 
 
 class HasSeed(Protocol):
@@ -353,6 +356,11 @@ async def open_host(
         enable_mDNS=False,
         enable_upnp=False,
     )
+    # py-libp2p retries a failed dial 3 times, 0.1 + 0.2 + 0.4 s apart, inside each dial: a dead peer's dial
+    # took 0.7 s to fail (collective probes waited that long) and cost 4 refused TCP attempts. Callers
+    # here retry with their own deadlines, and the dial book (dial_book.py) paces redials of a dead peer,
+    # so one quick retry is kept for a fluke and the rest is left to them. (new_host() takes no retry_config.)
+    lp.get_network().retry_config = RetryConfig(max_retries=DIAL_RETRIES)
     host = Host(lp, cfg, clock=clock, relay=relay, puncher=HolePuncher(lp))
     if host.link is not None:
         host.link.install(lp)
