@@ -10,7 +10,10 @@ From optimizer step ``from_step`` on, the node misbehaves in one way:
   so under those codecs a ``nan`` liar fails to send rather than sending NaN;
 - ``stale``: it serves outputs computed with the weights it had at ``from_step``;
 - ``reducer``: it corrupts the parts it reduces in the collective;
-- ``blackhole``: it accepts leases and activations and never answers, while it keeps heartbeating.
+- ``blackhole``: it accepts leases and activations and never answers, while it keeps heartbeating;
+- ``hang``: its compute hangs, as a stuck GPU kernel or driver does: from ``from_step`` on, the first
+  forward or backward it starts never returns (:class:`HangingWorker`), while its event loop,
+  heartbeats and connections stay up.
 
 The attack reaches the swarm from outside the production classes: :class:`Attack` builds the node's
 outbound filter (:class:`Lying`, a :class:`~protolearn.node.outbound.Outbound` that the router, integrity,
@@ -25,6 +28,7 @@ import copy
 import hashlib
 import logging
 import os
+import threading
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +47,7 @@ log = logging.getLogger("protolearn.node")
 
 ENV = "PROTOLEARN_ALLOW_ADVERSARY"
 TENSOR_KINDS = ("scale", "noise", "signflip", "zero", "random", "nan")
-KINDS = TENSOR_KINDS + ("stale", "reducer", "blackhole")
+KINDS = TENSOR_KINDS + ("stale", "reducer", "blackhole", "hang")
 # How hard the tensor kinds lie: ``scale`` multiplies by SCALE_FACTOR; ``nan`` poisons NAN_FRACTION of
 # the elements (at least one). ``noise`` adds, and ``random`` substitutes, Gaussian noise of the tensor's RMS.
 SCALE_FACTOR = 10.0
@@ -132,6 +136,8 @@ class Attack:
     def worker(self, run: RunConfig, stage: int, device: str, *, bf16_autocast: bool) -> StageWorker:
         if self.adversary.kind == "stale":
             return StaleWorker(run, stage, device, bf16_autocast=bf16_autocast, from_step=self.adversary.from_step)
+        if self.adversary.kind == "hang":
+            return HangingWorker(run, stage, device, bf16_autocast=bf16_autocast, from_step=self.adversary.from_step)
         return StageWorker(run, stage, device, bf16_autocast=bf16_autocast)
 
     def outbound(self, worker: StageWorker) -> Outbound:
@@ -213,3 +219,36 @@ class StaleWorker(StageWorker):
             finally:
                 self.module._in_flight = held
         return out
+
+
+class HangingWorker(StageWorker):
+    """The ``hang`` adversary's worker: once it has applied ``from_step`` steps, the next forward or
+    backward blocks its compute thread for good (until :meth:`release`, which only tests call), as a hung
+    device does. Nothing else about the node changes: its event loop keeps heartbeating and serving."""
+
+    def __init__(self, run: RunConfig, stage: int, device: str = "cpu", *, bf16_autocast: bool = False, from_step: int) -> None:
+        super().__init__(run, stage, device, bf16_autocast=bf16_autocast)
+        self.from_step = from_step
+        self._never = threading.Event()
+        self.hung = threading.Event()  # set once a call is stuck, for tests that wait on it
+
+    def release(self) -> None:
+        self._never.set()
+
+    def _maybe_hang(self) -> None:
+        if self.applied >= self.from_step and not self._never.is_set():
+            log.warning("adversary hang: compute blocked at applied step %d", self.applied)
+            self.hung.set()
+            self._never.wait()
+
+    def forward(self, key: Hashable, inputs: torch.Tensor) -> torch.Tensor:
+        self._maybe_hang()
+        return super().forward(key, inputs)
+
+    def forward_backward_last(self, key: Hashable, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+        self._maybe_hang()
+        return super().forward_backward_last(key, inputs, targets)
+
+    def backward(self, key: Hashable, grad_output: torch.Tensor) -> torch.Tensor | None:
+        self._maybe_hang()
+        return super().backward(key, grad_output)

@@ -9,11 +9,14 @@ trains on (:mod:`protolearn.node.node` holds the joined node and what it does pe
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 
 import torch
 import trio
 from protolearn.node.config import NodeConfig
+from protolearn.node.core.watchdog import Overdue
 from protolearn.node.errors import StateSyncError
 from protolearn.node.final_wait import stay_for_final_model
 from protolearn.node.join import join_coordinator
@@ -29,6 +32,24 @@ def warm_torch() -> None:
     this machine's CPUs). Done during the join, a node that joins a running swarm reaches its first
     microbatch seconds sooner, and the step it joins at waits that much less on it."""
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+
+
+EXIT_HUNG = 1  # the node's exit status when it gives up on its device
+
+
+async def give_up_on_device(node: Node, progress: Progress, late: Overdue) -> None:
+    """A compute call never returned (``late``): leave the swarm, so that nothing waits for this node, and
+    exit with one line. The thread cannot be killed and trio cannot cancel a wait on it, so the process
+    ends here, without the checkpoint at leave (writing it needs the compute thread)."""
+    line = late.line(node.stage)
+    progress.event("compute_hung", kind=late.kind, running_s=round(late.running_s, 3), median_s=late.median_s,
+                   bound_s=round(late.bound_s, 3), applied=node.applied)
+    await node.leave(f"compute hung ({late.kind} for {late.running_s:.0f} s)")
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    progress.__exit__(None, None, None)  # the live status line restores the terminal
+    os._exit(EXIT_HUNG)
+
 
 
 async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -> int:
@@ -59,6 +80,7 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(link.heartbeat_loop, node.make_heartbeat, node.on_heartbeat)
+                await nursery.start(node.compute_watch.watch, lambda late: give_up_on_device(node, progress, late))
                 await nursery.start(watch_link, link, progress.update)
                 if config.metrics_port is not None:
                     await nursery.start(serve_node_metrics, config, link, progress)

@@ -28,6 +28,7 @@ import trio
 from protolearn.node.adversary import Attack, parse_adversary
 from protolearn.node.averaging import Averager
 from protolearn.node.config import NodeConfig
+from protolearn.node.compute_watch import ComputeWatch
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
 from protolearn.node.core.closed_step import CoreConfig, NodeCore
 from protolearn.node.core.events import Synced
@@ -87,6 +88,8 @@ class Node:
         self.timing = StepTimer(progress, clock)
         # Held for every compute step, and while a step is applied together with the applied count.
         self.compute = self.timing.limiter(trio.CapacityLimiter(1))
+        # Times each forward, backward and optimizer step against this node's own medians (a hung device).
+        self.compute_watch = ComputeWatch()
         self.last_loss: float | None = None
         self.target_steps = min(run.steps, config.max_steps) if config.max_steps else run.steps
         self.hashes = ReplicaHashes(link, progress, host.peer_id, applied=lambda: self.applied)
@@ -135,6 +138,7 @@ class Node:
         self.worker = await trio.to_thread.run_sync(
             lambda: attack.worker(run, stage, self.device, bf16_autocast=bf16) if attack else StageWorker(run, stage, self.device, bf16_autocast=bf16)
         )
+        self.compute_watch.attach(self.worker)
         corpus = None
         if self.worker.first or self.worker.last:
             corpus = await trio.to_thread.run_sync(load_corpus, run.data)

@@ -1,0 +1,167 @@
+"""Who holds the commit up, and what that costs them (sans-IO): no single replica stalls the swarm.
+
+The commit barrier (``commit.py``) waits for every live serving replica of each stage to report the
+result it holds. A replica that never reports (its device hung, or it answers probes and sends nothing)
+would hold every later step with it, for as long as its heartbeats keep it live. :class:`Holdups` bounds
+that on the coordinator's own clock, from what the coordinator saw itself (a report that did not come),
+never on a peer's word:
+
+- a **holdout** of a stage is a live replica that has not reported while the others hold one result:
+  every other live replica of its stage reported it, or a strict majority of them did
+  (:meth:`~.commit.CommitBarrier.holdouts`); the time it has been one counts from when the coordinator
+  first saw it so;
+- once a holdout has held the commit for its **grace** (``commit_grace_s``, or 3 × the median of the
+  recent steps' close-to-commit times if that is longer, so a swarm on slow links gets a longer one), the
+  barrier stops waiting for it (:meth:`~.commit.CommitBarrier.excuse`): the step commits if the others
+  are a strict majority of the stage's live replicas (a 2-replica stage still needs both, or the
+  holdout's expulsion); the excused replica, if it comes back, reports the committed hash or resyncs;
+- a stage-0 replica struck for late leases of the step (``leases.py``: it sat on them, completing
+  nothing) that processed no ticket of it is excused at once: the coordinator saw it not working, and
+  it holds nothing of the step;
+- a replica excused on one step that has not reported since holds nothing of the next ones either: on
+  each later step it is excused at once (if it processed no ticket of it), while its hold goes on;
+- every grace it holds is a strike (flag ``commit_hold``), whatever anyone else is doing (no other
+  replica need be leasing), and ``expel_after_strikes`` of them with no report in between ban it
+  (``liveness: held the commit ...``). A report clears the count.
+
+Why a liar cannot use this against an honest replica: the clock starts only when every other live
+replica of the stage, or a strict majority of them, reported one hash; with honest replicas in the
+majority that includes an honest one holding the result the collective gave them, and an honest replica
+is struck only if it lags that by a grace. In a stage of two, one liar can start the clock on its honest partner; such a stage has
+no honest majority and halts either way (``commit.py``).
+
+:attr:`Holdups.waiting` names, for ``swarm status``, the stage and replica the commit waits on and for
+how long.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+
+from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.core.tickets import TicketLedger
+from protolearn.coordinator.core.verdicts import VerdictPolicy
+
+# Close-to-commit times kept for the grace's median.
+RECENT = 32
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """The last closed step waits on ``peer`` of ``stage``, for ``for_s`` seconds so far."""
+
+    step: int
+    stage: int
+    peer: str
+    for_s: float
+
+    def line(self) -> str:
+        return f"step {self.step} waits on stage {self.stage} replica {self.peer[-8:]} for {self.for_s:.0f} s (it has not reported its result)"
+
+
+class Holdups:
+    """The commit's holdouts, their grace and their strikes (module docstring)."""
+
+    def __init__(
+        self, settings: CoordinatorSettings, ledger: TicketLedger, verdicts: VerdictPolicy, *,
+        ban: Callable[[str, str, float], object],
+    ) -> None:
+        self.settings = settings
+        self.ledger = ledger
+        self.verdicts = verdicts
+        self.ban = ban
+        self._step = -1  # the last closed step the close time belongs to
+        self._closed_at: float | None = None
+        # A hold lasts from when the peer was first seen as a holdout until it reports (across steps: a
+        # replica that never reported step N holds nothing of step N+1 either).
+        self._since: dict[str, float] = {}
+        self._struck: dict[str, int] = {}  # strikes taken in the current hold
+        self._behind: set[str] = set()  # excused without reporting since: excused at once on later steps
+        self._latency: deque[float] = deque(maxlen=RECENT)
+        self.waiting: Waiting | None = None
+
+    def grace_s(self) -> float:
+        recent = 3 * statistics.median(self._latency) if self._latency else 0.0
+        return max(self.settings.commit_grace_s, recent)
+
+    def reported(self, peer: str) -> None:
+        """``peer`` reported a result: its hold, and its strikes, end."""
+        self._since.pop(peer, None)
+        self._struck.pop(peer, None)
+        self._behind.discard(peer)
+
+    def watch(self, needed: Callable[[int], Iterable[str]], now: float, sat_out: Collection[str] = ()) -> list[str]:
+        """A timer pass: strike and excuse the holdouts of the last closed step. ``sat_out``: stage-0
+        replicas struck for late leases of that step (the coordinator saw them sit on their tickets); one
+        of them that processed no ticket of the step is
+        excused at once, as is a replica excused on an earlier step that has not reported since. Returns
+        log lines."""
+        ledger = self.ledger
+        step = ledger.last_closed
+        closed = ledger.closed.get(step)
+        live = {p for s in range(ledger.num_stages) for p in needed(s)}
+        for peer in [p for p in self._since if p not in live]:  # it left, expired or was banned
+            self.reported(peer)
+        if step < 0 or closed is None or ledger.committed(step):
+            if self._closed_at is not None and ledger.committed(self._step):
+                self._latency.append(now - self._closed_at)
+            self._closed_at, self.waiting = None, None
+            return []
+        if step != self._step or self._closed_at is None:
+            self._step, self._closed_at = step, now  # a reopened step keeps its close time
+        waited = ledger.waited(needed)
+        grace = self.grace_s()
+        events: list[str] = []
+        longest: Waiting | None = None
+        account = closed.accounting()
+        for stage, peers in sorted(ledger.barrier.holdouts(waited).items()):
+            for peer in peers:
+                since = self._since.setdefault(peer, now)
+                if longest is None or now - since > longest.for_s:
+                    longest = Waiting(step, stage, peer, now - since)
+                participant = peer in account.get(stage, {})
+                at_once = not participant and (peer in sat_out or peer in self._behind)
+                if at_once and not ledger.barrier.excused(peer):
+                    ledger.barrier.excuse(peer, participant=False)
+                    why = "it sat on its leases of the step" if peer in sat_out else "it has not reported a result since an earlier step"
+                    events.append(f"commit excused peer={peer} step={step}: {why} and processed none of it")
+                due = int((now - since) // grace)
+                if due < 1:
+                    continue
+                ledger.barrier.excuse(peer, participant=participant)
+                self._behind.add(peer)
+                while peer in self._since and self._struck.get(peer, 0) < due:
+                    self._struck[peer] = self._struck.get(peer, 0) + 1
+                    events.extend(self._strike(peer, stage, step, now - since, now))
+        self.waiting = longest or self._unreported(step, waited, now)
+        if events:
+            d = ledger.try_commit(needed)
+            if d.committed:
+                events.append(f"step committed step={step} without the replicas that held it")
+        return events
+
+    def _unreported(self, step: int, waited: Callable[[int], Iterable[str]], now: float) -> Waiting | None:
+        """With no holdout: the first stage with a live replica that has not reported (a stage none of
+        whose replicas has, e.g. its only replica hung), timed from the step's close."""
+        reported = self.ledger.barrier.reporters
+        for stage in range(self.ledger.num_stages):
+            missing = sorted(set(waited(stage)) - reported(stage))
+            if missing:
+                return Waiting(step, stage, missing[0], now - (self._closed_at or now))
+        return None
+
+    def _strike(self, peer: str, stage: int, step: int, held_s: float, now: float) -> list[str]:
+        strikes = self._struck[peer]
+        why = f"held the commit of step {step} for {held_s:.1f} s without reporting a result, while the rest of stage {stage} had"
+        self.verdicts.flag(peer, "commit_hold", why, now)
+        out = [f"commit hold peer={peer} strikes={strikes} {why}"]
+        limit = self.settings.expel_after_strikes
+        if limit is not None and strikes >= limit:
+            self.reported(peer)  # the hold ends with the ban
+            reason = f"liveness: {why} ({strikes} graces in a row)"
+            self.ban(peer, reason, now)
+            out.append(f"expelled peer={peer} {reason}")
+        return out
