@@ -74,6 +74,11 @@ class CoordinatorSettings(BaseModel):
     # replica meanwhile, if the last stage's ack checks out) clears the count, so a slow honest replica
     # is never expelled. None: flag and shrink its share only.
     expel_after_strikes: int | None = Field(4, ge=1)
+    # A live replica that has not reported a closed step's result while the rest of its stage has, for
+    # this long (or 3 x the recent close-to-commit median, if longer), is no longer waited for by the
+    # commit, and takes a ``commit_hold`` strike per such grace; expel_after_strikes of them in a row ban
+    # it (coordinator/core/holdups.py).
+    commit_grace_s: float = Field(3.0, gt=0)
     # Reports of lost microbatches (a next-stage peer that Acks activations and never sends the gradient
     # back, reason ``liveness: ...``) ban the reported stage-s member only when at least 2 distinct live
     # replicas of stage s-1, and a strict majority of them, reported it within report_window_s; fewer

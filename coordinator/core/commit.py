@@ -38,6 +38,15 @@ another hash is refused too. Its reports are cleared whenever the last closed st
 reopens or closes again); their memory is bounded by the live members (one entry per reporting replica).
 Reports are not persisted: holders report again on every poll.
 
+**A replica that never reports** (a hung device, a peer that answers probes and sends nothing) is
+bounded by the coordinator's own clock (``holdups.py``): once it has been the only kind of replica its
+stage waits for (the others hold one result) for its grace, the barrier :meth:`excuses
+<CommitBarrier.excuse>` it: condition 2 no longer waits for it, and condition 1 still counts it if it
+processed a ticket of the step (it contributed to the round, so the round's other contributors need a
+strict majority without it), else not (it holds nothing of the step: ``L(s)`` loses it for this step,
+and it reports the committed hash later or resyncs). Each grace it keeps holding is a strike toward its
+expulsion.
+
 **At the revision cap** (``max_revisions``, see ``tickets.py``) the step waits only for each stage's
 live *participants* (:func:`waited_for`): a dead participant's tickets can no longer be redone, so its
 stage's survivors apply the round they have and serve no result to fetch, and a left-out replica, which
@@ -81,6 +90,10 @@ class CommitBarrier:
         self.committed_through = -1
         self.dirty = False
         self.hashes: dict[int, str] = {}
+        # Live replicas the commit no longer waits for (holdups.py): they held it past their grace; and
+        # those of them that took part in no ticket of the step, which no longer count in its majority.
+        self._excused: set[str] = set()
+        self._dropped: set[str] = set()
 
     def restore(self, committed_through: int, *, dirty: bool) -> None:
         self.committed_through, self.dirty, self.hashes = committed_through, dirty, {}
@@ -89,6 +102,43 @@ class CommitBarrier:
     def clear(self) -> None:
         for r in self._reports:
             r.clear()
+        self._excused.clear()
+        self._dropped.clear()
+
+    def excuse(self, peer: str, *, participant: bool) -> None:
+        """Stop waiting for ``peer``'s report of the last closed step (it held the commit past its grace;
+        see holdups.py). A ``participant`` (it processed a ticket of the step, by the coordinator's
+        accounting) still counts in its stage's majority, so excusing it never lets a minority of the
+        round's contributors commit; a replica that took part in nothing holds nothing of the step and
+        is dropped from the count too. Cleared with the reports."""
+        self._excused.add(peer)
+        if not participant:
+            self._dropped.add(peer)
+
+    def excused(self, peer: str) -> bool:
+        return peer in self._excused
+
+    def _live(self, stage: int, needed: Callable[[int], Iterable[str]]) -> set[str]:
+        return set(needed(stage)) - self._dropped
+
+    def reporters(self, stage: int) -> set[str]:
+        """The replicas of ``stage`` that reported the last closed step's current revision."""
+        return set(self._reports[stage])
+
+    def holdouts(self, needed: Callable[[int], Iterable[str]]) -> dict[int, list[str]]:
+        """Per stage, the live replicas ``needed(stage)`` that have not reported while the others hold one
+        result: every other live replica reported it (at least one), or a strict majority of the live
+        replicas did. Whoever the stage's commit then waits on is a holdout."""
+        out: dict[int, list[str]] = {}
+        for s in range(self.num_stages):
+            live, reports = set(needed(s)), self._reports[s]
+            done = live & set(reports)
+            missing = live - done
+            if not done or not missing or len({reports[p] for p in done}) != 1:
+                continue
+            if len(missing) == 1 or 2 * len(done) > len(live):
+                out[s] = sorted(missing)
+        return out
 
     def committed(self, step: int) -> bool:
         return step <= self.committed_through
@@ -123,7 +173,7 @@ class CommitBarrier:
                 False, False, f"step {step} is at revision {revision_now}, not {revision}; average that one", "stale_revision"
             )
         self.report(stage, peer, result_hash)
-        won = self.winner(stage, set(needed(stage)))
+        won = self.winner(stage, self._live(stage, needed))
         if won is not None and result_hash != won:
             self.try_commit(step, revision_now, needed)  # the dissenter has reported: the others may commit without it
             return AveragedDecision(
@@ -166,8 +216,8 @@ class CommitBarrier:
         if missing:
             return CommitCheck(False, f"waits for stages {missing} to average")
         for s in range(self.num_stages):
-            live = set(needed(s))
-            waiting = sorted(live - set(self._reports[s]))
+            live = self._live(s, needed)
+            waiting = sorted(live - set(self._reports[s]) - self._excused)
             if waiting:
                 return CommitCheck(False, f"waits for replicas {waiting} of stage {s} to hold its result")
             win = self.winner(s, live)

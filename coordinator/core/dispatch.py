@@ -40,6 +40,7 @@ from protolearn.coordinator.core.changes import Changes
 from protolearn.coordinator.core.corpus import CorpusDesk
 from protolearn.coordinator.core.final_model import FinalModelDesk
 from protolearn.coordinator.core.history import LossRecord, StepHistory
+from protolearn.coordinator.core.holdups import Holdups
 from protolearn.coordinator.core.integrity import EvidenceRecord, IntegrityDesk
 from protolearn.coordinator.core.leases import LeaseDiscipline
 from protolearn.coordinator.core.members import LIVE, HeartbeatInfo, JoinInfo, Member
@@ -98,6 +99,7 @@ class CoordinatorCore:
         self.leases = LeaseDiscipline(
             settings, self.registry, self.ledger, self.verdicts, ban=self.ban, acked=lambda msg: self._ack_refusal(msg) is None,
         )
+        self.holdups = Holdups(settings, self.ledger, self.verdicts, ban=self.ban)
         self.redos = RedoBudget(settings.max_redos_per_peer, self.verdicts)
         self.admission = Admission(settings, self.registry, self.verdicts)
         self.step_history = StepHistory(self.ledger)
@@ -361,6 +363,8 @@ class CoordinatorCore:
         d = self.ledger.averaged(
             member.peer_id, member.serving_stage, msg.step, msg.revision, result_hash=msg.result_hash, needed=self.registry.serving
         )
+        if d.code in ("ok", "result_mismatch"):
+            self.holdups.reported(member.peer_id)
         if d.code == "result_mismatch":
             self.verdicts.flag(member.peer_id, "result_mismatch", d.reason, now)
             log.warning("averaged result mismatch peer=%s step=%d: %s", member.peer_id, msg.step, d.reason)
@@ -426,6 +430,7 @@ class CoordinatorCore:
         if fresh:
             events.append(f"leases expired step={self.ledger.step} tickets={fresh} (re-issued on the next lease)")
         events += self.leases.strike(now)
+        events += self.holdups.watch(self.registry.serving, now, self.leases.sat_out(self.ledger.last_closed))
         self.verdicts.prune(now)
         # A replica the commit waited for may have died: the step can commit without it now.
         if self.ledger.try_commit(self.registry.serving).committed:

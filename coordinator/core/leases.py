@@ -74,6 +74,8 @@ class LeaseDiscipline:
         self._ended_early: dict[str, set[tuple[int, int]]] = {}
         # When each peer last completed a ticket (not pruned by time, unlike _last_completed).
         self._progress_at: dict[str, float] = {}
+        # The peers struck for late leases in each of the last two steps (sat_out).
+        self._late_in: dict[int, set[str]] = {}
 
     def share(self, peer: str) -> int:
         """The most tickets ``peer`` may hold at once: its share of the step, halved per strike (down to one)."""
@@ -106,6 +108,12 @@ class LeaseDiscipline:
         self._idle.pop(peer, None)
         self._ended_early.pop(peer, None)
 
+    def sat_out(self, step: int) -> set[str]:
+        """The peers the coordinator saw sit on leases of ``step``: struck for late leases in it (a
+        liveness strike that ended them included). Whether they then processed any ticket of the step is
+        the accounting's to say (holdups.py)."""
+        return set(self._late_in.get(step, ()))
+
     def strike(self, now: float) -> list[str]:
         """Strike each stage-0 peer holding a lease past the late fraction of ``lease_s`` that completed
         nothing for as long (once per lease term; O(B), the open step's tickets). Returns log lines."""
@@ -134,6 +142,10 @@ class LeaseDiscipline:
             if not self.registry.present(peer):
                 continue  # it left, expired or lost its connection: its leases are freed or ended anyway
             strikes = self._strikes[peer] = self._strikes.get(peer, 0) + 1
+            step = self.ledger.step
+            if step not in self._late_in:
+                self._late_in = {s: v for s, v in self._late_in.items() if s >= step - 1}
+            self._late_in.setdefault(step, set()).add(peer)
             why = f"held tickets {tickets} of step {self.ledger.step} past {late_s:g} s without completing any"
             self.verdicts.flag(peer, "late_leases", why, now)
             events.append(f"late leases peer={peer} strikes={strikes} {why}")

@@ -11,7 +11,9 @@ The verdict, in order of precedence:
   ``final_step`` says whether the coordinator holds the final model, which ``swarm export`` fetches);
 - ``halted``: no member at all, or a stage with zero replicas (training cannot proceed);
 - ``degraded``: training proceeds but something needs attention: a stage's replicas have no
-  majority parameter hash (I2), a member has missed heartbeats, or no step has closed for a long time;
+  majority parameter hash (I2), a member has missed heartbeats, no step has closed for a long time, or
+  the last closed step's commit has waited on one replica for a while (the verdict names its stage, the
+  replica and for how long: ``holdups.py``);
 - ``healthy`` otherwise. ``healthy`` (the boolean) is ``verdict == "healthy"``.
 
 ``at_risk`` (schema 4) lists the stages with a single live replica: one failure halts them (a table
@@ -21,7 +23,8 @@ pace of the recent steps, ``run.steps`` the run's steps, and each node's ``name`
 Node flags: ``stale`` (missed two heartbeats), ``hash-mismatch`` (its parameter hash differs from
 its stage's majority at the same step), ``behind`` (it reports an older step than its stage's),
 ``no-throughput`` (it has not measured any yet), and the verdict policy's conduct flags as
-``kind:strikes`` (``redo_storm``, ``result_mismatch``, ``late_leases``, ``lost_microbatches``, ``integrity``; see ``verdicts.py``).
+``kind:strikes`` (``redo_storm``, ``result_mismatch``, ``late_leases``, ``lost_microbatches``, ``integrity``,
+``commit_hold``; see ``verdicts.py``).
 
 NAT traversal (schema 3, ``coordinator/core/reachability.py``): each node's ``reachability`` is the
 coordinator's own verdict from dialling it back (``public``, ``private`` or ``unknown``), and ``path``
@@ -54,6 +57,7 @@ from typing import Any, Protocol, get_args
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.final_model import FinalModelDesk
 from protolearn.coordinator.core.history import LossRecord
+from protolearn.coordinator.core.holdups import Holdups, Waiting
 from protolearn.coordinator.core.integrity import IntegrityDesk
 from protolearn.coordinator.core.members import Member
 from protolearn.coordinator.core.registry import Registry
@@ -73,6 +77,9 @@ RATE_WINDOW = 10
 # No step closed for this long (and this many average step times) while not halted: degraded.
 STALL_S = 60.0
 STALL_STEPS = 5.0
+# The verdict names the replica the last closed step's commit waits on once it has waited this long, or
+# 2 step times if longer (a swarm on slow links averages for a while every step).
+WAITING_SHOWN_S = 5.0
 # Most nodes, and parameter hashes over all stages, one status lists (~0.2 KiB each; see the docstring).
 MAX_STATUS_NODES = 8192
 MAX_STATUS_HASHES = 4096
@@ -221,6 +228,8 @@ class StatusSource(Protocol):
     def integrity(self) -> IntegrityDesk: ...
     @property
     def final_model(self) -> FinalModelDesk: ...
+    @property
+    def holdups(self) -> Holdups: ...
 
 
 def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.Status:
@@ -296,7 +305,7 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.S
     if finished:
         verdict, why = "finished", _finished_reason(run.steps, history, final.state if settings.keep_final else "off", final_step)
     else:
-        verdict, why = _verdict(stages, nodes, history, now)
+        verdict, why = _verdict(stages, nodes, history, now, core.holdups.waiting)
     rate = tokens_per_s(history, run.tokens_per_step, now)
     if len(nodes) > MAX_STATUS_NODES:  # flagged nodes first, then by stage and peer ID
         nodes = sorted(sorted(nodes, key=lambda n: not n.flags)[:MAX_STATUS_NODES], key=lambda n: (n.stage, n.peer_id))
@@ -345,7 +354,9 @@ def _finished_reason(steps: int, history: list[ss.LossPoint], final_state: str, 
     return f"all {steps} steps done{loss}; {where}"
 
 
-def _verdict(stages: list[ss.StageView], nodes: list[ss.NodeView], history: list[ss.LossPoint], now: float) -> tuple[str, str]:
+def _verdict(
+    stages: list[ss.StageView], nodes: list[ss.NodeView], history: list[ss.LossPoint], now: float, waiting: Waiting | None = None,
+) -> tuple[str, str]:
     if not nodes:
         return "halted", "no nodes have joined; start one with `protolearn node join`"
     empty = [s.index for s in stages if s.replicas == 0]
@@ -353,6 +364,7 @@ def _verdict(stages: list[ss.StageView], nodes: list[ss.NodeView], history: list
         names = ", ".join(str(i) for i in empty)
         return "halted", f"stage {names} has no replicas: training is halted until a node joins it"
     problems = []
+    per_step = (history[-1].closed_at - history[0].closed_at) / max(1, len(history) - 1) if len(history) >= 2 else 0.0
     split = [s.index for s in stages if not s.hashes_agree]
     if split:
         problems.append(f"replicas of stage {', '.join(map(str, split))} disagree on their parameter hash")
@@ -360,10 +372,11 @@ def _verdict(stages: list[ss.StageView], nodes: list[ss.NodeView], history: list
     if stale:
         problems.append(f"{len(stale)} node(s) missed heartbeats")
     if len(history) >= 2:
-        per_step = (history[-1].closed_at - history[0].closed_at) / max(1, len(history) - 1)
         idle = now - history[-1].closed_at
         if _stalled(idle, per_step):
             problems.append(f"no step has closed for {idle:.0f} s")
+    if waiting is not None and waiting.for_s >= max(WAITING_SHOWN_S, 2 * per_step):
+        problems.append(waiting.line())
     if problems:
         return "degraded", "; ".join(problems)
     return "healthy", f"every stage has replicas ({', '.join(str(s.replicas) for s in stages)})"

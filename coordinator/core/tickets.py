@@ -192,6 +192,10 @@ class TicketLedger:
     def _needed(self, needed: Callable[[int], Iterable[str]]) -> Callable[[int], Iterable[str]]:
         return waited_for(needed, self.closed.get(self.last_closed), self.max_revisions)
 
+    def waited(self, needed: Callable[[int], Iterable[str]]) -> Callable[[int], Iterable[str]]:
+        """The replicas the last closed step's commit waits for, given each stage's live ``needed(stage)``."""
+        return self._needed(needed)
+
     @property
     def committed_through(self) -> int:
         """The last step that committed (every closed step before it did too)."""
