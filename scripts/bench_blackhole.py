@@ -1,4 +1,5 @@
-"""Bench ``blackhole`` (issue 11): a swarm's throughput with one node that accepts work and never delivers.
+"""Bench ``blackhole`` (issue 11) and ``hang`` (issue 28): a swarm's throughput with one node that accepts
+work and never delivers, or whose compute thread blocks for good while its network stays up.
 
 :func:`measure` runs the same local swarm twice on the same machine, one run after the other: honest
 (``num_nodes`` nodes), then with node 0 started as ``--adversary blackhole:FROM_STEP``. Each is a
@@ -15,9 +16,15 @@ start-up is excluded:
 - ``leases_until_ban``: the leases it sat on until the ban (from the ban reason), and
   ``steps_until_ban``: steps closed from its first blackholed step (``blackhole_from_step``: FROM_STEP,
   or the step it joined at when a loaded machine started it later) to the ban;
-- ``banned_reason``, ``honest_banned`` (must be empty), ``blackhole_wall_s`` / ``honest_wall_s``.
+- ``banned_reason``, ``honest_banned`` (must be empty), ``blackhole_wall_s`` / ``honest_wall_s``;
+- ``honest_step_s`` / ``adversary_step_s``: the median step time (between step closes) over each whole
+  run from the last node's first step, their ``step_time_ratio``, ``slow_steps`` (the adversary run's
+  steps that took more than 3 x the honest median) and ``max_step_s``;
+- with ``--kind hang`` (node 0 started as ``--adversary hang:FROM_STEP``): ``left_out_after_s``, how long
+  its compute call ran when its watchdog gave up and it left the swarm, and ``hung_error``, the one
+  line it exited with.
 
-``python scripts/bench_blackhole.py [--quick]`` prints the dict as JSON; ``scripts/bench.py`` may call
+``python scripts/bench_blackhole.py [--quick] [--kind hang --stages 2 --from-step 5]`` prints the dict as JSON; ``scripts/bench.py`` may call
 :func:`measure`.
 """
 
@@ -28,6 +35,7 @@ import json
 import math
 import os
 import re
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -111,10 +119,12 @@ def _swarm_run(
         with trio.fail_after(STARTUP_S):
             while not swarm.poll_address():
                 await trio.sleep(0.1)
-        # All at once (node 0 first); the timed windows start once every node joined (a loaded machine
-        # starts some seconds apart). With hole_stage 1, an honest node joins first and takes stage 0.
+        # The node(s) whose stage matters join first, one at a time: with hole_stage 1, an honest node
+        # takes stage 0 and node 0 then stage 1; with hole_stage 0 in a multi-stage run, node 0 takes stage
+        # 0 (a loaded machine would otherwise start them in any order). The rest start at once; the timed
+        # windows start once every node joined.
         procs: dict[int, Any] = {}
-        for k in ([1, 0] if hole_stage == 1 else []):
+        for k in ([1, 0] if hole_stage == 1 else [0] if stages > 1 else []):
             procs[k] = swarm._popen(swarm._node_args(k), f"node{k}")
             log = workdir / f"node{k}" / "node.jsonl"
             with trio.fail_after(STARTUP_S):
@@ -179,8 +189,27 @@ def _tokens_per_s(history: list[Any], after: float, tokens_per_step: int) -> tup
     return tokens_per_step * (len(times) - 1) / (times[-1] - times[0]), tokens_per_step / gaps[len(gaps) // 2]
 
 
+def _gaps(history: list[Any], after: float) -> list[float]:
+    times = sorted(p.closed_at for p in history if p.closed_at > after)
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def _hung(path: Path) -> dict:
+    """The ``compute_hung`` event a node's watchdog logged before it left, or {}."""
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        if '"compute_hung"' in line:
+            return json.loads(line)
+    return {}
+
+
+def _last_error(path: Path) -> str | None:
+    lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.startswith("error: ")] if path.exists() else []
+    return lines[-1] if lines else None
+
+
 def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: int | None = None, from_step: int = 2,
-            lease_s: float | None = None, warmup: int = 2, hole_stage: int = 0, workdir: Path | None = None) -> dict:
+            lease_s: float | None = None, warmup: int = 2, hole_stage: int = 0, workdir: Path | None = None,
+            kind: str = "blackhole") -> dict:
     """Run the honest and the blackhole swarm back to back and compare their tokens/s (module docstring)."""
     steps = steps or (40 if quick else 80)
     lease_s = lease_s or (2.0 if quick else 4.0)
@@ -191,7 +220,7 @@ def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: 
     honest = _swarm_run(workdir / "honest", stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s, hole=None, deadline_s=deadline,
                         hole_stage=hole_stage)
     hole = _swarm_run(workdir / "blackhole", stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s,
-                      hole=f"blackhole:{from_step}", deadline_s=deadline, hole_stage=hole_stage)
+                      hole=f"{kind}:{from_step}", deadline_s=deadline, hole_stage=hole_stage)
     h_hist = sorted(honest.history, key=lambda p: p.step)
     # The honest window: from the warmup-th step closed after the last node started training.
     all_in = max((at for _, at in honest.joined.values()), default=0.0)
@@ -212,6 +241,12 @@ def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: 
     first_bad = max(from_step, hole.joined.get(0, (0, 0.0))[0])
     steps_until_ban = sum(1 for p in b_hist if p.step >= first_bad and p.closed_at <= ban.at) if ban is not None else None
     (honest_mean, honest_tps), (hole_mean, hole_tps) = honest_tps, hole_tps
+    # Step times over the whole run from the last node's first step (a hung node stops training; its
+    # first step still bounds the window): the median, and the steps slower than 3 x the honest median.
+    honest_gaps, hole_gaps = _gaps(h_hist, all_in), _gaps(b_hist, max((at for _, at in hole.joined.values()), default=0.0))
+    honest_step = statistics.median(honest_gaps) if honest_gaps else None
+    hole_step = statistics.median(hole_gaps) if hole_gaps else None
+    hung = _hung(workdir / "blackhole" / "node0" / "node.jsonl")
     return {
         "honest_tokens_per_s": honest_tps,
         "blackhole_tokens_per_s": hole_tps,
@@ -235,6 +270,15 @@ def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: 
         "honest_wall_s": honest.wall_s,
         "blackhole_wall_s": hole.wall_s,
         "exit_codes": {"honest": honest.exit_codes, "blackhole": hole.exit_codes},
+        "honest_step_s": honest_step,
+        "adversary_step_s": hole_step,
+        "step_time_ratio": (hole_step / honest_step) if honest_step and hole_step else None,
+        "slow_steps": sum(1 for g in hole_gaps if honest_step and g > 3 * honest_step),
+        "max_step_s": max(hole_gaps, default=None),
+        # hang: the node's own watchdog (node/compute_watch.py) left the swarm: after how long, and the line.
+        "left_out_after_s": hung.get("running_s"),
+        "hung_error": _last_error(workdir / "blackhole" / "node0.err") if kind == "hang" else None,
+        "kind": kind,
         "workdir": str(workdir),
     }
 
@@ -248,10 +292,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--from-step", type=int, default=2)
     parser.add_argument("--lease-s", type=float, default=None)
     parser.add_argument("--hole-stage", type=int, default=0, help="1: the blackhole serves stage 1 (needs --stages 2 --nodes 4)")
+    parser.add_argument("--kind", default="blackhole", choices=("blackhole", "hang"), help="how node 0 misbehaves")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
     out = measure(quick=args.quick, stages=args.stages, num_nodes=args.nodes, steps=args.steps, from_step=args.from_step,
-                  lease_s=args.lease_s, hole_stage=args.hole_stage, workdir=Path(args.workdir) if args.workdir else None)
+                  lease_s=args.lease_s, hole_stage=args.hole_stage, kind=args.kind, workdir=Path(args.workdir) if args.workdir else None)
     print(json.dumps(out))
 
 

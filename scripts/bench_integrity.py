@@ -185,8 +185,10 @@ def scenario(
     return out
 
 
-def _blackhole(workdir: Path) -> dict:
-    """A blackhole among 3 stage-0 nodes, against the honest swarm in the same invocation (bench_blackhole.py)."""
+def _liveness(workdir: Path, kind: str) -> dict:
+    """A liveness fault against the honest swarm in the same invocation (bench_blackhole.py): a blackhole
+    among 3 stage-0 nodes, or a ``hang`` (its compute thread blocks for good from step 5) in a 2-stage
+    swarm of three (two in stage 0)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("protolearn_bench_blackhole", Path(__file__).with_name("bench_blackhole.py"))
@@ -194,9 +196,15 @@ def _blackhole(workdir: Path) -> dict:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
+    if kind == "hang":
+        r = module.measure(quick=True, workdir=workdir, kind="hang", stages=2, num_nodes=3, from_step=5)
+        return {
+            **r, "detected": r["left_out_after_s"] is not None, "false_positives": len(r["honest_banned"]),
+            "microbatches_to_ban": None, "throughput_ratio_after_ban": r["ratio"],
+        }
     r = module.measure(quick=True, workdir=workdir)
     return {
-        **r, "kind": "blackhole", "detected": bool(r["banned"]), "false_positives": len(r["honest_banned"]),
+        **r, "detected": bool(r["banned"]), "false_positives": len(r["honest_banned"]),
         "microbatches_to_ban": r["leases_until_ban"], "throughput_ratio_after_ban": r["ratio"],
     }
 
@@ -224,8 +232,8 @@ def run(argv: list[str]) -> dict:
     honest = scenario(root / "honest", steps=args.steps, seed=args.seed, rate=args.rate)
     per_kind = {}
     for kind in kinds:
-        if kind == "blackhole":  # a liveness fault: measured by throughput, scripts/bench_blackhole.py
-            per_kind[kind] = _blackhole(root / kind)
+        if kind in ("blackhole", "hang"):  # liveness faults: measured by throughput, scripts/bench_blackhole.py
+            per_kind[kind] = _liveness(root / kind, kind)
             continue
         r = scenario(root / kind, kind=kind, from_step=args.from_step, steps=args.steps, seed=args.seed, rate=args.rate)
         if r["final_loss"] and honest["final_loss"]:
