@@ -325,6 +325,8 @@ class Router:
                 log.warning("forward failed peer=%s step=%d ticket=%d reason=%s", peer, step, ticket, err.reason)
                 if self.on_peer_down is not None:
                     self.on_peer_down(peer)
+                if tried >= set(self.routes.next_peers):
+                    await trio.sleep(RETRY_PAUSE_S)  # every next-stage peer failed: pace the retries of the same ones
                 continue
             if isinstance(reply, Refuse):
                 self.routes.failed(peer, self.clock())

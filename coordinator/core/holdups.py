@@ -126,6 +126,7 @@ class Holdups:
                 at_once = not participant and (peer in sat_out or peer in self._behind)
                 if at_once and not ledger.barrier.excused(peer):
                     ledger.barrier.excuse(peer, participant=False)
+                    self._behind.add(peer)
                     why = "it sat on its leases of the step" if peer in sat_out else "it has not reported a result since an earlier step"
                     events.append(f"commit excused peer={peer} step={step}: {why} and processed none of it")
                 due = int((now - since) // grace)

@@ -148,6 +148,9 @@ class Dialer:
         that fails is entered in it."""
         peer = str(pid)
         if not self.connected(pid) and (reason := self.book.refusal(peer, self._clock())) is not None:
+            # A checkpoint first: a caller that retries on this error in a loop must not starve the event
+            # loop (heartbeats) while the refusal costs no I/O.
+            await trio.lowlevel.checkpoint()
             raise PeerUnavailable(peer, reason)
         try:
             stream = await self._new_stream(pid, name)

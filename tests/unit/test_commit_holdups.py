@@ -133,6 +133,12 @@ def test_a_stage0_replica_that_sat_on_its_leases_is_not_waited_for_at_all() -> N
     now = _wait(core, now + 0.5, now)
     assert core.ledger.committed(step), "committed within a housekeeping pass, not after a grace"
     assert not any(f.startswith("commit_hold") for f in core.verdicts.flags_of(hung))
+    # Nor on the next step, which it never leased: it has not reported since.
+    step = _close(core, s0, s1, now)
+    for p in (s0, s1, s1b):
+        core.handle(p, cm.Averaged(step=step, revision=1), now)
+    now = _wait(core, now + 0.5, now)
+    assert core.ledger.committed(step)
 
 
 def test_nobody_is_struck_while_more_than_one_replica_of_the_stage_has_not_reported() -> None:
