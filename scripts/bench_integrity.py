@@ -187,7 +187,7 @@ def scenario(
 
 def _liveness(workdir: Path, kind: str) -> dict:
     """A liveness fault against the honest swarm in the same invocation (bench_blackhole.py): a blackhole
-    among 3 stage-0 nodes, or a ``hang`` (its compute thread blocks for good from step 5) in a 2-stage
+    among 3 stage-0 nodes, or a ``hang`` (its compute thread blocks for good from step 20) in a 2-stage
     swarm of three (two in stage 0)."""
     import importlib.util
 
@@ -197,7 +197,7 @@ def _liveness(workdir: Path, kind: str) -> dict:
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     if kind == "hang":
-        r = module.measure(quick=True, workdir=workdir, kind="hang", stages=2, num_nodes=3, from_step=5)
+        r = module.measure(quick=True, workdir=workdir, kind="hang", stages=2, num_nodes=3, from_step=20)
         return {
             **r, "detected": r["left_out_after_s"] is not None, "false_positives": len(r["honest_banned"]),
             "microbatches_to_ban": None, "throughput_ratio_after_ban": r["ratio"],
