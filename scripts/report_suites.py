@@ -149,9 +149,16 @@ def render_integrity(r: dict[str, Any], figs: Path, plt: Any) -> str:
     rows = []
     for kind, k in r.get("kinds", {}).items():
         reason = next(iter(k.get("bans", {}).values()), "") if isinstance(k.get("bans"), dict) else ""
-        loss = k.get("loss_ratio") if kind != "blackhole" else None
-        rows.append([kind, num(k.get("detected")), num(k.get("microbatches_to_ban")), num(k.get("false_positives")),
-                     dec(loss, 3) if loss is not None else (f"tokens/s after the ban: {dec(k.get('throughput_ratio_after_ban'), 3)} × honest" if kind == "blackhole" else "–"),
+        loss = k.get("loss_ratio") if kind not in ("blackhole", "hang") else None
+        if kind == "blackhole":
+            effect = f"tokens/s after the ban: {dec(k.get('throughput_ratio_after_ban'), 3)} × honest"
+        elif kind == "hang":  # its own watchdog leaves; the coordinator waits on it for no step
+            effect = (f"left out after {dec(k.get('left_out_after_s'), 1)} s; step time {dec(k.get('step_time_ratio'), 2)} × honest, "
+                      f"{num(k.get('slow_steps'))} step(s) over 3 × (longest {dec(k.get('max_step_s'), 2)} s)")
+            reason = k.get("hung_error") or ""
+        else:
+            effect = dec(loss, 3) if loss is not None else "–"
+        rows.append([kind, num(k.get("detected")), num(k.get("microbatches_to_ban")), num(k.get("false_positives")), effect,
                      f"`{reason[:90]}`" if reason else "–"])
     runs = r.get("honest_runs", [])
     out = [f"Every adversary kind in a real local swarm (2 + 2 honest nodes, a 30-step 2-stage run; the adversary joins as a newcomer). "
