@@ -4,7 +4,9 @@
 call is timed from when the thread starts it to when it returns, not from when it queued for the compute
 limiter. :meth:`watch` wakes at the :class:`~protolearn.node.core.watchdog.Watchdog`'s next deadline (at
 most every :data:`POLL_S`, since a call that starts meanwhile moves it) and, when a call is overdue,
-hands its :class:`~protolearn.node.core.watchdog.Overdue` to ``on_hung`` once. :meth:`attach` wraps a
+hands its :class:`~protolearn.node.core.watchdog.Overdue` to ``on_hung`` once. A wake-up more than
+:data:`POLL_S` late means the whole process did not run (SIGSTOP, a starved loop): the running calls'
+clocks move on by that much instead. :meth:`attach` wraps a
 worker's compute methods in place.
 
 What the node does then (:func:`protolearn.node.lifecycle.run_node`): it leaves the swarm, so the
@@ -75,7 +77,14 @@ class ComputeWatch:
             with self._lock:
                 deadline = self.watchdog.next_deadline()
                 now = self.clock()
-            await trio.sleep(POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - now) + 0.01))
+            nap = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - now) + 0.01)
+            await trio.sleep(nap)
+            overslept = self.clock() - now - nap
+            if overslept > POLL_S:
+                # The process itself was stopped or starved: the running calls did not run either.
+                with self._lock:
+                    self.watchdog.suspended(overslept)
+                continue
             late = self.overdue()
             if late is not None:
                 self.fired = late

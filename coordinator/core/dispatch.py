@@ -347,9 +347,13 @@ class CoordinatorCore:
     def _redo(self, member: Member, msg: cm.Redo, now: float) -> cm.RedoReply:
         peer = member.peer_id
         self.redos.check(peer, msg.step, now)
+
+        def holds(p: str) -> bool:  # a participant that held the commit past its grace, silent since, holds nothing
+            return self.registry.present(p) and not self.holdups.silent(p)
+
         d = self.ledger.redo(
             msg.step, msg.indices, by=peer, by_stage=member.stage, revision=msg.revision,
-            orphaned=orphaned(self.ledger.closed.get(msg.step), member.stage, self.registry.present),
+            orphaned=orphaned(self.ledger.closed.get(msg.step), member.stage, holds),
         )
         if not d.accepted:
             raise Refusal(d.code, d.reason)

@@ -18,6 +18,10 @@ never on a peer's word:
 - a stage-0 replica struck for late leases of the step (``leases.py``: it sat on them, completing
   nothing) that processed no ticket of it is excused at once: the coordinator saw it not working, and
   it holds nothing of the step;
+- a stage none of whose replicas reported while every other stage's all did: its participants are its
+  holdouts (the replicas the accounting left out can only fetch from them). Once excused, they no
+  longer count as holding the stage's part of the step (:meth:`Holdups.silent`), so a left-out replica
+  may redo the whole step (``redo.py``'s orphaned rule) rather than resync for ever;
 - a replica excused on one step that has not reported since holds nothing of the next ones either: on
   each later step it is excused at once (if it processed no ticket of it), while its hold goes on;
 - every grace it holds is a strike (flag ``commit_hold``), whatever anyone else is doing (no other
@@ -117,7 +121,9 @@ class Holdups:
         events: list[str] = []
         longest: Waiting | None = None
         account = closed.accounting()
-        for stage, peers in sorted(ledger.barrier.holdouts(waited).items()):
+        holdouts = ledger.barrier.holdouts(waited)
+        holdouts.update(self._silent_stages(waited, account, holdouts))
+        for stage, peers in sorted(holdouts.items()):
             for peer in peers:
                 since = self._since.setdefault(peer, now)
                 if longest is None or now - since > longest.for_s:
@@ -143,6 +149,26 @@ class Holdups:
             if d.committed:
                 events.append(f"step committed step={step} without the replicas that held it")
         return events
+
+    def silent(self, peer: str) -> bool:
+        """Whether ``peer`` held a commit past its grace, or was excused, and has not reported since: for
+        the redo rule (``redo.py``'s ``orphaned``), it no longer holds its stage's part of the step."""
+        return peer in self._behind
+
+    def _silent_stages(
+        self, waited: Callable[[int], Iterable[str]], account: dict[int, dict[str, list[int]]], holdouts: dict[int, list[str]],
+    ) -> dict[int, list[str]]:
+        """A stage none of whose replicas reported while every other stage's did, in full: its
+        participants (they took part in the step, so only they can finish its round; the replicas the
+        accounting left out fetch from them) are its holdouts."""
+        reporters = self.ledger.barrier.reporters
+        quiet = [s for s in range(self.ledger.num_stages) if s not in holdouts and not reporters(s) & set(waited(s))]
+        if len(quiet) != 1:
+            return {}
+        (stage,) = quiet
+        others_done = all(set(waited(s)) <= reporters(s) for s in range(self.ledger.num_stages) if s != stage)
+        participants = sorted(p for p in account.get(stage, {}) if p in set(waited(stage)))
+        return {stage: participants} if others_done and participants else {}
 
     def _unreported(self, step: int, waited: Callable[[int], Iterable[str]], now: float) -> Waiting | None:
         """With no holdout: the first stage with a live replica that has not reported (a stage none of

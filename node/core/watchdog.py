@@ -71,6 +71,11 @@ class Watchdog:
         kind, began = self._running.pop(token)
         self._durations.setdefault(kind, deque(maxlen=self.window)).append(max(0.0, now - began))
 
+    def suspended(self, seconds: float) -> None:
+        """The whole process did not run for ``seconds`` (SIGSTOP, a suspended laptop, a starved event
+        loop): that time is no call's fault, so every running call's clock moves on by it."""
+        self._running = {t: (kind, began + seconds) for t, (kind, began) in self._running.items()}
+
     def median(self, kind: Kind) -> float | None:
         samples = self._durations.get(kind)
         return statistics.median(samples) if samples else None

@@ -72,6 +72,9 @@ class SimNode:
     lease: lc.LeaseCore | None
     alive: bool = True
     hung_until: float = 0.0
+    # Its compute hung for good while its event loop runs: it heartbeats (as "training") and nothing else.
+    compute_hung: bool = False
+    banned: bool = False
     # The worker: tickets whose parameter gradients are held, per step.
     grads: dict[int, set[int]] = field(default_factory=dict)
     # The parameters: the sorted ticket multiset of every applied step, in order.
@@ -134,11 +137,12 @@ class Sim:
     def after(self, delay: float, fn: Callable[[], None]) -> None:
         self.at(self.now + delay, fn)
 
-    def to_node(self, node: SimNode, delay: float, fn: Callable[[], None]) -> None:
-        """Deliver ``fn`` to ``node`` after ``delay``; a hung node takes it when it resumes, a dead one never."""
+    def to_node(self, node: SimNode, delay: float, fn: Callable[[], None], *, heartbeat: bool = False) -> None:
+        """Deliver ``fn`` to ``node`` after ``delay``; a hung node takes it when it resumes, a dead one never,
+        and one whose compute hung takes only its heartbeats."""
 
         def deliver() -> None:
-            if not node.alive or node.moved:
+            if not node.alive or node.moved or node.banned or (node.compute_hung and not heartbeat):
                 return
             if self.now < node.hung_until:
                 self.at(node.hung_until, deliver)
@@ -165,7 +169,7 @@ class Sim:
                 return
 
     def finished(self) -> bool:
-        live = [n for n in self.nodes.values() if n.alive and not n.moved]
+        live = [n for n in self.nodes.values() if n.alive and not n.moved and not n.compute_hung and not n.banned]
         return bool(live) and all(n.core.applied >= self.steps for n in live)
 
     # -- membership ----------------------------------------------------------------------------------
@@ -187,6 +191,12 @@ class Sim:
         self.log.append(f"{self.now:.2f} kill {node.peer}")
         if self.now >= self.down_until:
             self.coord.connection_changed(node.peer, False, self.now)
+
+    def hang_compute(self, node: SimNode) -> None:
+        """Its compute never returns again; its heartbeats go on (a hung GPU, or a peer that answers and
+        sends nothing): it never joins a round, completes a lease or reports a result."""
+        node.compute_hung = True
+        self.log.append(f"{self.now:.2f} compute of {node.peer} hangs for good")
 
     def hang(self, node: SimNode, seconds: float) -> None:
         node.hung_until = self.now + seconds
@@ -221,7 +231,7 @@ class Sim:
             self._beat(node)
             self._heartbeat_loop(node)
 
-        self.to_node(node, HEARTBEAT_S, beat)
+        self.to_node(node, HEARTBEAT_S, beat, heartbeat=True)
 
     def _beat(self, node: SimNode) -> None:
         """One heartbeat; a node the coordinator forgot (it expired while hung) joins again."""
@@ -234,6 +244,10 @@ class Sim:
         except Unavailable:
             return
         except Refusal as err:
+            if err.code == "banned":
+                node.banned = True
+                self.log.append(f"{self.now:.2f} {node.peer} banned: leaves the sim")
+                return
             if err.code != "not_member":
                 raise
             try:

@@ -4,8 +4,10 @@ struck once per grace whoever else is leasing, and is expelled after ``expel_aft
 
 from __future__ import annotations
 
+import pytest
 from protolearn.coordinator.core.dispatch import CoordinatorCore
 from protolearn.coordinator.core.status import build_status
+from protolearn.coordinator.errors import Refusal
 from protolearn.protocol import coordination as cm
 from tests.support.coordinator import STEP_SETTINGS, TEST_ACK, join
 from tests.support.coordinator import default_core as make_core
@@ -202,3 +204,23 @@ def test_a_replica_behind_is_not_waited_for_on_later_steps_and_its_hold_still_ex
         now = _wait(core, now + 1.0, now)  # the swarm trains a while between steps
     assert core.verdicts.is_banned(hung), "its hold went on across steps, a strike per grace, to the ban"
     assert not any(core.verdicts.is_banned(p) or core.verdicts.flags_of(p) for p in (s0, s1, s1b))
+
+
+def test_when_a_stages_only_participant_goes_silent_its_left_out_replica_may_redo_the_step() -> None:
+    # Every stage-0 ticket went through s0, which then hung: its stage-mate, left out, can fetch the
+    # result from nobody. Stage 1 holds its result; once s0 held the commit a grace, it no longer counts
+    # as holding stage 0's part, so the left-out replica's redo of the whole step is granted (else it
+    # would resync, find the same state, and the step would never commit).
+    core = make_core()
+    (s0, left_out), (s1, s1b) = _members(core, "abcd").values()
+    _beat(core, 0.1)
+    step = _close(core, s0, s1, 0.2)
+    for p in (s1, s1b):
+        core.handle(p, cm.Averaged(step=step, revision=1), 0.3)
+    B = core.run.microbatches_per_step
+    with pytest.raises(Refusal, match="redo_refused"):  # within the grace s0 may still finish its round
+        core.handle(left_out, cm.Redo(step=step, revision=1, indices=list(range(B)), reason="fetch failed"), 0.4)
+    now = _wait(core, 0.3 + GRACE + 0.5, 0.3)
+    assert core.verdicts.flags_of(s0) == ["commit_hold:1"] and not core.verdicts.flags_of(left_out)
+    granted = core.handle(left_out, cm.Redo(step=step, revision=1, indices=list(range(B)), reason="fetch failed"), now)
+    assert granted.reopened and granted.indices == list(range(B))

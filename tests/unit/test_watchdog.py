@@ -73,3 +73,12 @@ def test_bounds_that_do_not_hold_together_are_refused() -> None:
         Watchdog(first_s=1.0, floor_s=5.0)
     with pytest.raises(ValueError):
         Watchdog(factor=0.5)
+
+
+def test_time_the_whole_process_was_stopped_is_no_calls_fault() -> None:
+    dog = Watchdog(factor=10.0, floor_s=5.0)
+    now = _trained(dog, "forward", [0.1, 0.1, 0.1])
+    dog.started("forward", now)
+    dog.suspended(30.0)  # SIGSTOP for 30 s while the call ran
+    assert dog.overdue(now + 31.0) is None
+    assert dog.overdue(now + 36.0) is not None
