@@ -42,7 +42,6 @@ class ComputeWatch:
         self.watchdog = watchdog if watchdog is not None else Watchdog()
         self.clock = clock  # read in threads too: a thread-safe monotonic clock, not trio's
         self._lock = threading.Lock()
-        self.fired: Overdue | None = None
 
     def wrap(self, kind: Kind, fn: Callable[..., T]) -> Callable[..., T]:
         """``fn``, timed as a call of ``kind`` while it runs (in whatever thread calls it)."""
@@ -87,6 +86,5 @@ class ComputeWatch:
                 continue
             late = self.overdue()
             if late is not None:
-                self.fired = late
                 await on_hung(late)
                 return

@@ -47,7 +47,7 @@ async def give_up_on_device(node: Node, progress: Progress, late: Overdue) -> No
     await node.leave(f"compute hung ({late.kind} for {late.running_s:.0f} s)")
     print(f"error: {line}", file=sys.stderr, flush=True)
     logging.shutdown()
-    progress.__exit__(None, None, None)  # the live status line restores the terminal
+    progress.close()
     os._exit(EXIT_HUNG)
 
 

@@ -69,6 +69,10 @@ class Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the live status line (restoring the terminal) and close the event log."""
         if self._live is not None:
             self._live.__exit__(None, None, None)
             self._live = None

@@ -116,13 +116,21 @@ class Holdups:
             return []
         if step != self._step or self._closed_at is None:
             self._step, self._closed_at = step, now  # a reopened step keeps its close time
-        waited = ledger.waited(needed)
+        # Each stage's waited-for replicas, once per pass (the registry sorts them on every call).
+        stages = [set(ledger.waited(needed)(s)) for s in range(ledger.num_stages)]
+        waited = stages.__getitem__
+        holdouts = ledger.barrier.holdouts(waited)
+        silent = self._silent_stage(stages, holdouts)
+        self.waiting = None
+        if not holdouts and silent is None:
+            self.waiting = self._unreported(step, stages, now)
+            return []
+        account = closed.accounting()  # O(B x S): only while someone holds the commit
+        if silent is not None:
+            holdouts[silent] = sorted(p for p in account.get(silent, {}) if p in stages[silent])
         grace = self.grace_s()
         events: list[str] = []
         longest: Waiting | None = None
-        account = closed.accounting()
-        holdouts = ledger.barrier.holdouts(waited)
-        holdouts.update(self._silent_stages(waited, account, holdouts))
         for stage, peers in sorted(holdouts.items()):
             for peer in peers:
                 since = self._since.setdefault(peer, now)
@@ -140,10 +148,11 @@ class Holdups:
                     continue
                 ledger.barrier.excuse(peer, participant=participant)
                 self._behind.add(peer)
+                rest = "every other stage had" if stage == silent else f"the rest of stage {stage} had"
                 while peer in self._since and self._struck.get(peer, 0) < due:
                     self._struck[peer] = self._struck.get(peer, 0) + 1
-                    events.extend(self._strike(peer, stage, step, now - since, now))
-        self.waiting = longest or self._unreported(step, waited, now)
+                    events.extend(self._strike(peer, step, now - since, rest, now))
+        self.waiting = longest or self._unreported(step, stages, now)
         if events:
             d = ledger.try_commit(needed)
             if d.committed:
@@ -155,34 +164,29 @@ class Holdups:
         the redo rule (``redo.py``'s ``orphaned``), it no longer holds its stage's part of the step."""
         return peer in self._behind
 
-    def _silent_stages(
-        self, waited: Callable[[int], Iterable[str]], account: dict[int, dict[str, list[int]]], holdouts: dict[int, list[str]],
-    ) -> dict[int, list[str]]:
-        """A stage none of whose replicas reported while every other stage's did, in full: its
+    def _silent_stage(self, stages: list[set[str]], holdouts: dict[int, list[str]]) -> int | None:
+        """The one stage none of whose replicas reported while every other stage's all did, or None. Its
         participants (they took part in the step, so only they can finish its round; the replicas the
         accounting left out fetch from them) are its holdouts."""
         reporters = self.ledger.barrier.reporters
-        quiet = [s for s in range(self.ledger.num_stages) if s not in holdouts and not reporters(s) & set(waited(s))]
-        if len(quiet) != 1:
-            return {}
-        (stage,) = quiet
-        others_done = all(set(waited(s)) <= reporters(s) for s in range(self.ledger.num_stages) if s != stage)
-        participants = sorted(p for p in account.get(stage, {}) if p in set(waited(stage)))
-        return {stage: participants} if others_done and participants else {}
+        quiet = [s for s, live in enumerate(stages) if s not in holdouts and live and not reporters(s) & live]
+        if len(quiet) != 1 or any(live - reporters(s) for s, live in enumerate(stages) if s != quiet[0]):
+            return None
+        return quiet[0]
 
-    def _unreported(self, step: int, waited: Callable[[int], Iterable[str]], now: float) -> Waiting | None:
+    def _unreported(self, step: int, stages: list[set[str]], now: float) -> Waiting | None:
         """With no holdout: the first stage with a live replica that has not reported (a stage none of
         whose replicas has, e.g. its only replica hung), timed from the step's close."""
-        reported = self.ledger.barrier.reporters
-        for stage in range(self.ledger.num_stages):
-            missing = sorted(set(waited(stage)) - reported(stage))
+        reporters = self.ledger.barrier.reporters
+        for stage, live in enumerate(stages):
+            missing = sorted(live - reporters(stage))
             if missing:
                 return Waiting(step, stage, missing[0], now - (self._closed_at or now))
         return None
 
-    def _strike(self, peer: str, stage: int, step: int, held_s: float, now: float) -> list[str]:
+    def _strike(self, peer: str, step: int, held_s: float, rest: str, now: float) -> list[str]:
         strikes = self._struck[peer]
-        why = f"held the commit of step {step} for {held_s:.1f} s without reporting a result, while the rest of stage {stage} had"
+        why = f"held the commit of step {step} for {held_s:.1f} s without reporting a result, while {rest}"
         self.verdicts.flag(peer, "commit_hold", why, now)
         out = [f"commit hold peer={peer} strikes={strikes} {why}"]
         limit = self.settings.expel_after_strikes

@@ -4,6 +4,8 @@ struck once per grace whoever else is leasing, and is expelled after ``expel_aft
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 from protolearn.coordinator.core.dispatch import CoordinatorCore
 from protolearn.coordinator.core.status import build_status
@@ -37,6 +39,21 @@ def _close(core: CoordinatorCore, s0: str, s1: str, now: float) -> int:
     return step
 
 
+def _report(core: CoordinatorCore, step: int, peers: Iterable[str], now: float) -> None:
+    """Each of ``peers`` reports holding the step's result (the same, empty hash)."""
+    for p in peers:
+        core.handle(p, cm.Averaged(step=step, revision=1), now)
+
+
+def _five_with_a_stage_of_three(core: CoordinatorCore) -> tuple[dict[int, list[str]], int, int]:
+    """Five members (a stage of three and one of two), all training, and step 0 closed: (stages, the
+    stage of three, the step)."""
+    stages = _members(core, "abcde")
+    three = next(s for s, peers in stages.items() if len(peers) == 3)
+    _beat(core, 0.1)
+    return stages, three, _close(core, stages[0][0], stages[1][0], 0.2)
+
+
 def _wait(core: CoordinatorCore, until: float, now: float) -> float:
     """Heartbeats and housekeeping every 0.25 s from ``now`` to ``until`` (nobody leases meanwhile)."""
     while now < until:
@@ -48,14 +65,9 @@ def _wait(core: CoordinatorCore, until: float, now: float) -> float:
 
 def test_a_holdout_in_a_stage_of_three_is_excused_after_its_grace_and_struck_once() -> None:
     core = make_core()
-    stages = _members(core, "abcde")
-    three = next(s for s, peers in stages.items() if len(peers) == 3)
-    _beat(core, 0.1)
-    s0, s1 = (stages[0][0], stages[1][0])
-    step = _close(core, s0, s1, 0.2)
+    stages, three, step = _five_with_a_stage_of_three(core)
     hung = stages[three][-1]
-    for p in [p for peers in stages.values() for p in peers if p != hung]:
-        core.handle(p, cm.Averaged(step=step, revision=1), 0.3)
+    _report(core, step, [p for peers in stages.values() for p in peers if p != hung], 0.3)
     now = _wait(core, 0.3 + GRACE - 0.5, 0.3)
     assert not core.ledger.committed(step), "within its grace the commit waits for it"
     assert core.holdups.waiting is not None and core.holdups.waiting.peer == hung and core.holdups.waiting.stage == three
@@ -79,8 +91,7 @@ def test_a_participant_holdout_in_a_stage_of_two_is_expelled_after_its_graces_an
     while core.ledger.step == step:
         for i in core.handle(s0, cm.Lease(max_tickets=B), 0.2).indices:
             core.handle(s0, cm.Complete(ack=TEST_ACK, step=step, index=i, route=[s0, hung if i % 2 else s1], loss=1.0), 0.2)
-    for p in (s0, s0b, s1):
-        core.handle(p, cm.Averaged(step=step, revision=1), 0.3)
+    _report(core, step, (s0, s0b, s1), 0.3)
     limit = STEP_SETTINGS.expel_after_strikes
     assert limit is not None
     now = _wait(core, 0.3 + (limit - 1) * GRACE + 0.5, 0.3)
@@ -102,8 +113,7 @@ def test_a_left_out_holdout_in_a_stage_of_two_no_longer_counts_after_its_grace()
     (s0, hung), (s1, s1b) = _members(core, "abcd").values()
     _beat(core, 0.1)
     step = _close(core, s0, s1, 0.2)
-    for p in (s0, s1, s1b):
-        core.handle(p, cm.Averaged(step=step, revision=1), 0.3)
+    _report(core, step, (s0, s1, s1b), 0.3)
     now = _wait(core, 0.3 + GRACE - 0.5, 0.3)
     assert not core.ledger.committed(step)
     now = _wait(core, 0.3 + GRACE + 0.5, now)
@@ -130,15 +140,13 @@ def test_a_stage0_replica_that_sat_on_its_leases_is_not_waited_for_at_all() -> N
             core.handle(s0, cm.Complete(ack=TEST_ACK, step=step, index=i, route=[s0, s1], loss=1.0), now)
     assert core.ledger.step == step + 1, "the others closed the step"
     assert "late_leases:1" in core.verdicts.flags_of(hung)
-    for p in (s0, s1, s1b):
-        core.handle(p, cm.Averaged(step=step, revision=1), now)
+    _report(core, step, (s0, s1, s1b), now)
     now = _wait(core, now + 0.5, now)
     assert core.ledger.committed(step), "committed within a housekeeping pass, not after a grace"
     assert not any(f.startswith("commit_hold") for f in core.verdicts.flags_of(hung))
     # Nor on the next step, which it never leased: it has not reported since.
     step = _close(core, s0, s1, now)
-    for p in (s0, s1, s1b):
-        core.handle(p, cm.Averaged(step=step, revision=1), now)
+    _report(core, step, (s0, s1, s1b), now)
     now = _wait(core, now + 0.5, now)
     assert core.ledger.committed(step)
 
@@ -147,14 +155,8 @@ def test_nobody_is_struck_while_more_than_one_replica_of_the_stage_has_not_repor
     # The clock starts only once every other live replica holds one result: a stage whose round is still
     # running (or failed for all) strikes nobody, however long it takes.
     core = make_core()
-    stages = _members(core, "abcde")
-    three = next(s for s, peers in stages.items() if len(peers) == 3)
-    _beat(core, 0.1)
-    step = _close(core, stages[0][0], stages[1][0], 0.2)
-    for s, peers in stages.items():
-        if s != three:
-            for p in peers:
-                core.handle(p, cm.Averaged(step=step, revision=1), 0.3)
+    stages, three, step = _five_with_a_stage_of_three(core)
+    _report(core, step, [p for s, peers in stages.items() if s != three for p in peers], 0.3)
     core.handle(stages[three][0], cm.Averaged(step=step, revision=1), 0.3)
     _wait(core, 0.3 + 3 * GRACE, 0.3)
     assert not core.ledger.committed(step)
@@ -167,14 +169,8 @@ def test_disagreeing_reports_start_no_clock() -> None:
     # A liar's odd hash among the reporters: the stage's reporters do not hold one result, so the
     # replica that has not reported yet is nobody's holdout (the disagreement is the barrier's to judge).
     core = make_core()
-    stages = _members(core, "abcde")
-    three = next(s for s, peers in stages.items() if len(peers) == 3)
-    _beat(core, 0.1)
-    step = _close(core, stages[0][0], stages[1][0], 0.2)
-    for s, peers in stages.items():
-        if s != three:
-            for p in peers:
-                core.handle(p, cm.Averaged(step=step, revision=1), 0.3)
+    stages, three, step = _five_with_a_stage_of_three(core)
+    _report(core, step, [p for s, peers in stages.items() if s != three for p in peers], 0.3)
     a, b, c = stages[three]
     core.handle(a, cm.Averaged(step=step, revision=1, result_hash="1" * 64), 0.3)
     core.handle(b, cm.Averaged(step=step, revision=1, result_hash="2" * 64), 0.3)  # no majority yet: no refusal
@@ -193,8 +189,7 @@ def test_a_replica_behind_is_not_waited_for_on_later_steps_and_its_hold_still_ex
     while not core.verdicts.is_banned(hung) and now < 60:
         step = _close(core, s0, s1, now)
         steps.append(step)
-        for p in (s0, s1, s1b):
-            core.handle(p, cm.Averaged(step=step, revision=1), now)
+        _report(core, step, (s0, s1, s1b), now)
         began = now
         while not core.ledger.committed(step) and now < began + 2 * GRACE:
             now = _wait(core, now + 0.25, now)
@@ -215,8 +210,7 @@ def test_when_a_stages_only_participant_goes_silent_its_left_out_replica_may_red
     (s0, left_out), (s1, s1b) = _members(core, "abcd").values()
     _beat(core, 0.1)
     step = _close(core, s0, s1, 0.2)
-    for p in (s1, s1b):
-        core.handle(p, cm.Averaged(step=step, revision=1), 0.3)
+    _report(core, step, (s1, s1b), 0.3)
     B = core.run.microbatches_per_step
     with pytest.raises(Refusal, match="redo_refused"):  # within the grace s0 may still finish its round
         core.handle(left_out, cm.Redo(step=step, revision=1, indices=list(range(B)), reason="fetch failed"), 0.4)
