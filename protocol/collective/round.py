@@ -45,7 +45,9 @@ How it works
   broken stream, a refused or unanswered probe, silence past a deadline scaled to the measured
   bandwidth) or on its own word (it left the round). Every message carries its sender's list of peers
   it holds out, but that list is a claim: the receiver probes the peers it names, and a dead one
-  refuses the probe. What each replica waits on, and on whom, is :mod:`.waits`.
+  refuses the probe. A claim that names the receiver itself fails its round only once more than
+  ``max_liars`` distinct peers make it; a peer that committed without it says so in its signed fin,
+  and that fin fails the round at once, with the fin as evidence of whose word ended it. What each replica waits on, and on whom, is :mod:`.waits`.
 * Termination (:mod:`.fins`): after committing, a replica signs a **fin** (``C`` and the result hash: SHA-256 over the
   parts' hashes) and sends it to every peer, then keeps serving (as owner or backup) until it holds a
   fin from every peer that is not dead; only then is it finished. A fin from a peer that is not dead
@@ -140,6 +142,8 @@ class CollectiveRound:
         # Out by this replica's own evidence that they are unreachable (a broken stream, a refused or unanswered
         # probe, silence past a deadline) or by their own word (they left): the only peers whose fin is not needed.
         self._dead: set[str] = set()
+        # Peers whose (unsigned) suspects named this replica.
+        self._doubters: set[str] = set()
         self._fins = FinBook(spec)
         self._waits = Waits(spec, self._detector, self._ledger, self._fins, self._slices, self.suspects, self._dead)
         self._committed: Done | None = None
@@ -224,7 +228,14 @@ class CollectiveRound:
         if reason:
             return [Rejected(peer, reason)]
         if self.me in suspects:
-            return self._fail([peer], f"{peer} believes this replica died in round {self.round_id}; resync from a replica")
+            # An unsigned claim: it fails this round only once more than max_liars distinct peers make it (so
+            # one liar cannot push an honest replica out); a peer that did hold this replica out says so in
+            # its signed fin, below.
+            self._doubters.add(peer)
+            if len(self._doubters) > self.max_liars:
+                who = sorted(self._doubters)
+                return self._fail(who, f"{len(who)} peers ({', '.join(who)}) hold this replica out of round {self.round_id}; "
+                                       "resync from a replica")
         members = frozenset(contributors)
         if phase == "gather":
             assert data is not None
@@ -240,6 +251,11 @@ class CollectiveRound:
             # It signed a fin no result matches: it will never commit, so neither can this round here.
             return self._fail([peer], f"{peer} vetoed a part of round {self.round_id} that its reducer got wrong",
                               (self._fins.evidence(peer, Fin(members, digest, signature)),))
+        if phase == "fin" and self.weights[self.me] > 0 and self.me not in members and peer not in self._dead:
+            # It signed that it committed without this contributor (which never leaves itself out): no result
+            # here can match it. Its signed fin names the cause of this failure.
+            return self._fail([peer], f"{peer} signed that it committed round {self.round_id} without this replica; "
+                                      "resync from a replica", (self._fins.evidence(peer, Fin(members, digest, signature)),))
         now_out, to_probe = self._suspicion.claimed(peer, suspects)
         actions: list[Action] = [Probe(p) for p in to_probe]
         self._detector.alive(peer, self._now)
@@ -407,8 +423,8 @@ class CollectiveRound:
                                    fin.digest, fin.signature)
             if not self.suspects:
                 self.bandwidth.observe(self._bytes_in, self._now - self._started_at)
-            # Suspected peers get a fin too: one wrongly held out sees itself in our suspects and fails
-            # its round rather than committing a different set (a dead one just fails the send).
+            # Suspected peers get a fin too: one wrongly held out sees itself left out of our signed fin and
+            # fails its round rather than committing a different set (a dead one just fails the send).
             tag = tuple(sorted(self._C))
             actions += [Send(p, "fin", 0, None, tag, me, fin.digest, fin.signature) for p in self.peers if p != me]
         self._waits.track(self._C, self._committed is not None, self._now)
