@@ -5,7 +5,9 @@ coordinator's multiaddr. Every call is one request/response on ``/protolearn/coo
 When the coordinator cannot be reached (it restarted, the network blinked) a call retries with
 exponential backoff and jitter until ``retry_for_s`` has passed, then raises the last error. A
 refusal is never retried: it raises :class:`CoordinatorRefused`, whose ``code`` tells the caller what
-to do (``not_member``: join again; ``duplicate``: the ticket was already counted; ...).
+to do (``not_member``: join again; ``duplicate``: the ticket was already counted; ...). An answer that
+is not a decision (``busy``, ``rate_limited``: :data:`NOT_A_DECISION`) is asked again in the same way and
+then raises :class:`CoordinatorBusy`, a timeout: "busy" is never read as "no".
 
 Retried writes are made idempotent here: if a ``Complete`` is retried after its reply was lost, a
 ``duplicate`` or ``step_closed`` refusal means the first attempt was counted, and the call returns
@@ -54,6 +56,22 @@ class CoordinatorRefused(Refused):
         self.detail = reason  # without the code: what a user reads
         # How many attempts failed (unreachable) before this refusal came back.
         self.after_failures = 0
+
+
+class CoordinatorBusy(PeerTimeout):
+    """The coordinator answered only that it could not take the request now (``busy``, ``rate_limited``), for
+    as long as the link retries: no answer, not a "no". A caller that reads it as a refusal would act on
+    a decision nobody made (e.g. apply a step that is being redone), so it is a timeout."""
+
+    def __init__(self, peer: str, code: str, reason: str) -> None:
+        super().__init__(peer, f"{code}: {reason}")
+        self.code = code
+
+
+# Refusals that decide nothing about the request: the coordinator could not take it now (its long-poll
+# slots are full, this peer is over its request rate). They are asked again with back-off, like an
+# unreachable coordinator, and past ``retry_for_s`` raise :class:`CoordinatorBusy`.
+NOT_A_DECISION = frozenset({"busy", "rate_limited"})
 
 
 @dataclass(frozen=True)
@@ -114,7 +132,7 @@ class CoordinatorLink:
         """Send with retries; returns the reply and how many attempts failed before it."""
         limit = timeout or self.retry.request_timeout_s
         backoff = self.retry.initial_backoff_s
-        failures = 0
+        failures = busy = 0
         deadline = trio.current_time() + self.retry.retry_for_s
         while True:
             try:
@@ -131,8 +149,13 @@ class CoordinatorLink:
             except Refused as err:
                 self.unreachable_since = None  # it answered, if only to refuse
                 refusal = err if isinstance(err, CoordinatorRefused) else _parse_refusal(self.peer, err)
-                refusal.after_failures = failures
-                raise refusal from None
+                if refusal.code not in NOT_A_DECISION:
+                    refusal.after_failures = failures
+                    raise refusal from None
+                busy += 1
+                if trio.current_time() + backoff > deadline:
+                    raise CoordinatorBusy(self.peer, refusal.code, f"{refusal.detail} (asked {busy} times)") from None
+                log.info("coordinator busy (%s: %s); asking again in %.2f s", refusal.code, refusal.detail, backoff)
             except (PeerUnavailable, PeerTimeout) as err:
                 failures += 1
                 if self.unreachable_since is None:
@@ -140,8 +163,8 @@ class CoordinatorLink:
                 if trio.current_time() + backoff > deadline:
                     raise
                 log.info("coordinator unreachable (%s); retrying in %.2f s", err.reason, backoff)
-                await trio.sleep(backoff * random.uniform(0.5, 1.0))
-                backoff = min(backoff * 2, self.retry.max_backoff_s)
+            await trio.sleep(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, self.retry.max_backoff_s)
 
     async def join(self, msg: cm.Join) -> cm.JoinReply:
         """Join (or join again) with this link's session, which a retry after a lost reply repeats."""

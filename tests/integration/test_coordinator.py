@@ -14,10 +14,10 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.service import Running, serve
-from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused, RetryPolicy
+from protolearn.node.coordinator_link import CoordinatorBusy, CoordinatorLink, CoordinatorRefused, RetryPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement
-from protolearn.protocol.errors import Refused
+from protolearn.protocol.errors import PeerTimeout, Refused
 from protolearn.stages.config import default_run
 
 FAST = CoordinatorSettings(
@@ -211,6 +211,8 @@ def test_coordinator_refuses_abuse_and_keeps_serving(open_hosts, run_trio, tmp_p
                 good, stage1, stranger, flooder, accused = hosts
                 links = [CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in hosts]
                 lg, l1, lstr, lflood, lacc = links
+                # A refusal over the rate decides nothing, so a link asks again for retry_for_s; this one does not.
+                lflood.retry = RetryPolicy(retry_for_s=0.0, request_timeout_s=5.0)
                 await lg.join(join_msg(good))
                 await l1.join(join_msg(stage1))
                 await lflood.join(join_msg(flooder))
@@ -309,6 +311,45 @@ def test_coordinator_refuses_abuse_and_keeps_serving(open_hosts, run_trio, tmp_p
 
 async def _raw_join(host, coord: Running):
     return await host.request(coord.addrs[0], cm.COORDINATOR, join_msg(host), cm.JoinReply, timeout=5)
+
+
+def test_busy_is_asked_again_and_never_read_as_no(open_hosts, run_trio, tmp_path, caplog):
+    """Issue 27: a node read any refusal of "did the step reopen?" as "no", busy included, and then applied
+    a step missing tickets (I1) or resynced. With the coordinator's one long-poll slot taken, another
+    member's long poll is refused ``busy``: its link asks again until the slot frees and gets the answer;
+    asked for less long than the slot stays taken, it raises CoordinatorBusy, a timeout, never a refusal."""
+    caplog.set_level(logging.INFO, logger="protolearn.node")
+    settings = FAST.model_copy(update={"max_concurrent_waits": 1, "expiry_s": 30.0})
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            coord = await start(nursery, tmp_path, settings)
+            polls = LongPolls(coord.core)
+            async with open_hosts(2, introduce=False) as (a, b):
+                la, lb = (CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in (a, b))
+                await la.join(join_msg(a))
+                await lb.join(join_msg(b))
+                for retry, answered in ((RETRY, True), (RetryPolicy(retry_for_s=0.3, request_timeout_s=5.0), False)):
+                    lb.retry = retry
+                    seen = polls.count
+                    async with trio.open_nursery() as inner:
+                        inner.start_soon(lambda: la.wait_step(0, timeout_s=1.5))  # step 0 stays open: it holds the slot 1.5 s
+                        await polls.wait_for(seen + 1)
+                        parked = trio.current_time()
+                        if answered:
+                            info = await lb.wait_step(0, timeout_s=0.2)
+                            assert isinstance(info, cm.StepInfo) and not info.closed
+                            assert trio.current_time() - parked >= 1.5, "answered only once a's poll freed the slot"
+                        else:
+                            with pytest.raises(CoordinatorBusy) as busy:
+                                await lb.wait_step(0, timeout_s=0.2)
+                            assert busy.value.code == "busy" and not isinstance(busy.value, Refused)
+                            assert isinstance(busy.value, PeerTimeout), "no answer, which callers treat as 'ask again'"
+            nursery.cancel_scope.cancel()
+
+    run_trio(main, timeout=30)
+    asked_again = [r.getMessage() for r in caplog.records if "coordinator busy (busy:" in r.getMessage()]
+    assert asked_again, "b was refused busy and asked again"
 
 
 def test_a_dead_stage0_nodes_leases_go_to_another_replica_long_before_they_expire(open_hosts, run_trio, tmp_path):
