@@ -56,6 +56,7 @@ from protolearn.coordinator.core.members import (
 from protolearn.coordinator.core.tallies import StageTallies
 from protolearn.coordinator.core.view import SwarmView, first_version
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.majority import is_strict_majority
 from protolearn.protocol.states import NodeState
 from protolearn.stages.footprint import StageFootprint
 
@@ -149,6 +150,17 @@ class Registry:
                 break
         return out[:limit]
 
+    def _holds_stage_state(self, old: Member) -> bool:
+        """Whether a returning identity holds its old stage's state, as far as the coordinator's own records
+        show: the hash it last reported (at a committed step: heartbeat() keeps no other) is the one a strict
+        majority of the stage's working replicas reported for that step. Only then is its wish to go back
+        worth granting; otherwise it joins like a newcomer, so that leaving and rejoining cannot steer
+        identities into a stage (issue 27)."""
+        if old.step < 0 or not old.param_hash:
+            return False
+        said = [h for p, s, h in self.stage_hashes(old.stage, 64 * cm.HASH_HISTORY) if s == old.step and p != old.peer_id]
+        return bool(said) and is_strict_majority(said.count(old.param_hash), len(said))
+
     def live(self) -> Iterator[Member]:
         return (m for m in self.members.values() if m.status == LIVE)
 
@@ -180,7 +192,8 @@ class Registry:
         fits = fitting(self.footprints, info.memory_gb, info.max_in_flight) if self.footprints else None
         if fits is not None and not any(fits):
             return MemberDecision(False, "no_fit", no_fit_reason(self.footprints, info.memory_gb, info.max_in_flight))
-        choice = place(self.loads(), self.shares, None if old is None else old.stage, fits)
+        previous = old.stage if old is not None and self._holds_stage_state(old) else None
+        choice = place(self.loads(), self.shares, previous, fits)
         rejoined = old is not None
         m = Member(
             peer_id=peer_id,

@@ -186,3 +186,43 @@ def test_a_flip_between_training_and_averaging_is_no_view_change() -> None:
     assert r.view_version == v and r.members["a"].state == "training" and r.working(0) == 1
     r.heartbeat("a", HeartbeatInfo("leaving"), 4.0)
     assert r.view_version == v + 1 and r.working(0) == 0
+
+
+def test_leaving_and_rejoining_cannot_steer_identities_into_a_stage() -> None:
+    # Issue 27: identities that join, leave at once if placed in the target stage, and rejoin later all went
+    # back there (their "previous stage"): six of six grew stage 1 from 7 to 13 replicas.
+    r = registry()
+    for p in ("a", "b", "c"):
+        r.join(p, info(), 0.0)  # a, c in stage 0; b in stage 1
+        r.heartbeat(p, HeartbeatInfo("training", 100.0, 0, 3, "h3"), 0.5)
+    pool = []
+    for k in range(6):
+        sybil = f"s{k}"
+        if r.join(sybil, info(), 1.0).stage == 1:  # stage 1 is the least loaded: each lands there
+            pool.append(sybil)
+        r.leave(sybil, 1.0)
+    assert len(pool) == 6
+    r.join("d", info(), 2.0)  # an honest joiner evens the stages (2 and 2)
+    for sybil in pool:
+        d = r.join(sybil, info(), 3.0)
+        assert d.accepted and d.rejoined
+    loads = r.loads()
+    assert loads[1].replicas <= loads[0].replicas + 1, f"rejoins steered into stage 1: {[x.replicas for x in loads]}"
+
+
+def test_a_returning_identity_that_holds_its_stages_state_goes_back_to_it() -> None:
+    r = registry()
+    for p in ("a", "b", "c", "e"):
+        r.join(p, info(), 0.0)  # a, c in stage 0; b, e in stage 1
+    for p in ("a", "b", "c", "e"):
+        r.heartbeat(p, HeartbeatInfo("training", 100.0, 0, 3, "h3" if p != "c" else "h3-stage0"), 0.5)
+    r.heartbeat("a", HeartbeatInfo("training", 100.0, 0, 3, "h3-stage0"), 0.5)
+    assert r.members["e"].stage == 1
+    r.leave("e", 1.0)
+    r.join("f", info(), 1.5)  # stage 1 (least loaded); then stage 0 is the one a newcomer would get
+    d = r.join("e", info(), 2.0)
+    assert d.rejoined and d.stage == 1, "its last hash is stage 1's majority at step 3: its state is worth reusing"
+    # One that reported a hash the stage's replicas did not hold is placed like a newcomer.
+    r.heartbeat("e", HeartbeatInfo("training", 100.0, 0, 3, "forged"), 2.5)
+    r.leave("e", 3.0)
+    assert r.join("e", info(), 3.5).stage == 0

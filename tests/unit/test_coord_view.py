@@ -122,14 +122,21 @@ def test_a_delta_carries_what_changed_and_every_departure_but_not_far_state_chan
     assert s == 4
     node.beat(core, 1.5)  # syncing -> training: its own entry changes
     near_peer = next(m.peer_id for m in core.registry.live() if m.stage == s and m.peer_id != "me")
+    near = [m.peer_id for m in core.registry.live() if abs(m.stage - s) == 1]
     far = [m.peer_id for m in core.registry.live() if abs(m.stage - s) > 1]
     core.handle(far[0], cm.Heartbeat(state="syncing", stage=core.registry.members[far[0]].stage), 2.0)  # far: not sent
     core.handle(far[1], cm.Leave(), 2.0)  # a departure anywhere: removed
     core.handle(near_peer, cm.Leave(), 2.0)
-    core.handle(near_peer, cm.Join(addrs=["/ip4/10.0.0.9/tcp/1"]), 2.1)  # gone and back: removed, then upserted
+    # Gone and back: removed, then upserted where it now is. (It held no committed state, so it was placed
+    # like a newcomer, here far away: the delta removes it and does not carry it back.)
+    core.handle(near_peer, cm.Join(addrs=["/ip4/10.0.0.9/tcp/1"]), 2.1)
+    assert abs(core.registry.members[near_peer].stage - s) > 1
+    core.handle(near[0], cm.Leave(), 2.2)
+    core.handle(near[0], cm.Join(addrs=["/ip4/10.0.0.9/tcp/2"], throughput=1e9), 2.3)
+    assert abs(core.registry.members[near[0]].stage - s) <= 1, "placed near this time: upserted"
     reply = node.beat(core, 2.5)
-    assert reply.view_delta and sorted(reply.removed) == sorted([far[1], near_peer])
-    assert [m.peer_id for m in reply.members] == [near_peer]
+    assert reply.view_delta and sorted(reply.removed) == sorted([far[1], near_peer, near[0]])
+    assert [m.peer_id for m in reply.members] == [near[0]]
     assert len(encode(reply)) < 1024  # a few changes, not the swarm
     assert decode(encode(reply), peer="coord", expect=cm.HeartbeatReply) == reply
     assert {p: m.stage for p, m in node.view.items()} == truth(core, {s - 1, s, s + 1})
