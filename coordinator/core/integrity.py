@@ -5,8 +5,9 @@ A node that caught a neighbouring stage computing wrong sends :class:`~protolear
 
 - the reporter must be a live member of a stage next to the accused's (the one that received its
   output), and cannot report itself;
-- with evidence (``protocol/boundary.py``), every signer must be a member of the accused's stage, none
-  banned, and :func:`~protolearn.protocol.boundary.verify_evidence` must pass: the three signatures
+- with evidence (``protocol/boundary.py``), every signer but the accused must be a live member the
+  coordinator assigned to the accused's stage (its own record, never a heartbeat's claim of the stage a
+  node serves), other than the reporter and none banned, and :func:`~protolearn.protocol.boundary.verify_evidence` must pass: the three signatures
   over the same inputs, the two other replicas' outputs within tolerance of each other and the
   accused's beyond it (or one signed tensor with NaN/Inf). Then the accused is banned with the reason
   (``integrity_bans``, on by default): a conviction rests on two independent recomputations it signed
@@ -133,9 +134,11 @@ class IntegrityDesk:
         if ev.step >= frontier + 1:
             raise Refusal("bad_evidence", f"step {ev.step} has not started")
         for out in ev.outputs:
-            m = self.registry.members.get(out.signer)
-            if m is None or ev.stage not in (m.stage, m.serving):
-                raise Refusal("bad_evidence", f"signer {out.signer[-8:]} is not a replica of stage {ev.stage}")
+            # Roles come from the coordinator's own records: a live member it assigned to the stage, never a
+            # heartbeat's claim of the stage it serves, a departed member, or the reporter (issue 27).
+            if out.signer != target and not self.registry.assigned(out.signer, ev.stage) or out.signer == reporter:
+                raise Refusal("bad_evidence", f"signer {out.signer[-8:]} is not a replica of stage {ev.stage} "
+                                              "(a live member the coordinator assigned to it, other than the reporter)")
             if out.signer != target and self.verdicts.is_banned(out.signer):
                 raise Refusal("bad_evidence", f"signer {out.signer[-8:]} is banned: its output counts for nothing")
         from protolearn.protocol.boundary import verify_evidence  # loads torch: only when evidence comes

@@ -161,6 +161,11 @@ class Registry:
         said = [h for p, s, h in self.stage_hashes(old.stage, 64 * cm.HASH_HISTORY) if s == old.step and p != old.peer_id]
         return bool(said) and is_strict_majority(said.count(old.param_hash), len(said))
 
+    def assigned(self, peer_id: str, stage: int) -> bool:
+        """Whether ``peer_id`` is a live member that the coordinator assigned to ``stage`` (its record, not a claim)."""
+        m = self.members.get(peer_id)
+        return m is not None and m.status == LIVE and m.stage == stage
+
     def live(self) -> Iterator[Member]:
         return (m for m in self.members.values() if m.status == LIVE)
 

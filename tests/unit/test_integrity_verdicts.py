@@ -190,3 +190,27 @@ def test_status_shows_what_checkers_report_as_the_median() -> None:
     core.handle(other, cm.Heartbeat(state="training"), 3.0)
     node = next(n for n in core.handle("x", cm.StatusRequest(), 3.5).nodes if n.peer_id == target)
     assert node.probation == "trusted" and node.checks_failed == 0
+
+
+def test_recomputations_count_only_from_live_replicas_the_coordinator_assigned_to_the_stage() -> None:
+    # Issue 27: two stage-1 Sybils claimed stage 0 in their heartbeats ("serving"), signed the same made-up
+    # output for an honest stage-0 node's signed inputs, and one filed the report: the honest node was banned.
+    core = make_core(RUN, SETTINGS)
+    sw = Swarm(core, n0=3)
+    while len(sw.stage[1]) < 3:
+        ident = Identity.generate()
+        reply = core.handle(ident.peer_id, cm.Join(addrs=["/ip4/127.0.0.1/tcp/9"], throughput=100.0), 0.0)
+        sw.ids[ident.peer_id] = ident
+        sw.stage[reply.stage].append(ident.peer_id)
+    a, b, d = sw.stage[0][:3]
+    s1, s2 = sw.stage[1][:2]
+    y = honest()
+    for s in (s1, s2):
+        core.handle(s, cm.Heartbeat(state="training", stage=0), 0.5)  # a claim of serving stage 0
+    ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, y), sw.output(s1, -y), sw.output(s2, -y)])
+    assert "not a replica of stage 0" in refused(core, s1, a, ev)
+    # A replica of stage 0 that has left signs nothing that counts either.
+    core.handle(d, cm.Leave(), 0.6)
+    ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, y), sw.output(b, -y), sw.output(d, -y)])
+    assert "not a replica of stage 0" in refused(core, sw.stage[1][2], a, ev)
+    assert not any(core.verdicts.is_banned(p) for p in sw.ids)
