@@ -327,6 +327,7 @@ class CoordinatorCore:
         if not d.accepted:
             raise Refusal(d.code, d.reason)
         self.leases.completed(member.peer_id, d.held_s, now)
+        self.verdicts.completed(msg.route, now)
         if d.closed is not None:
             self.step_history.closed(d.closed)
             log.info("step closed step=%d loss=%.4f revision=%d", d.closed.step, d.closed.loss, d.closed.revision)

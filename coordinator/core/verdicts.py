@@ -31,7 +31,9 @@ coordinator's own observation of its leases (``leases.py``, ``expel_after_strike
 blackhole is seen only by its upstream replicas, so their reports (reason :data:`LIVENESS_REASON`) are
 claims: :meth:`VerdictPolicy.liveness_report` bans only when at least 2 distinct reporters that are live
 replicas of the stage right before the target's, and a strict majority of that stage, reported it within
-``report_window_s``. Sybils must then hold a majority of a stage, not merely exist. A peer that itself
+``report_window_s``, and the coordinator's own record does not contradict them: a target whose route
+carried a ticket to completion after the reports began is flagged only (reports never ban alone; an
+honest replica carrying a dead peer's load, slow under it, was once banned this way). Sybils must then hold a majority of a stage, not merely exist. A peer that itself
 reported lost microbatches further down is not banned on such reports (its own missing gradients may be
 the downstream blackhole's doing), nor is a stage's only serving replica; both are only flagged.
 """
@@ -93,6 +95,9 @@ class VerdictPolicy:
 
     # target → reporter → when it last reported lost microbatches (liveness claims, see the docstring)
     liveness: dict[str, dict[str, float]] = field(default_factory=dict)
+    # peer → when a completed ticket's route last went through it past stage 0 (the coordinator's own record:
+    # the last stage signed the route); entries older than report_window_s are dropped by prune().
+    carried: dict[str, float] = field(default_factory=dict)
 
     # The banned peer IDs, sorted, as every heartbeat reply carries them (rebuilt after a ban).
     _banned: list[str] | None = field(default=None, init=False, repr=False)
@@ -166,7 +171,8 @@ class VerdictPolicy:
 
         ``upstream``: the live replicas of stage ``target_stage - 1`` now. Flags ``target`` every time; bans
         it on at least 2 distinct reporters in ``upstream`` that are also a strict majority of it, within
-        ``report_window_s``, unless ``target`` itself reported lost microbatches in that window, or it is
+        ``report_window_s``, unless a ticket routed through ``target`` completed after the earliest of those
+        reports, or ``target`` itself reported lost microbatches in that window, or it is
         its stage's only serving replica (``replicas``): a ban would leave the stage empty and stall the run
         as surely, and an honest sole replica under load is the likelier story.
         """
@@ -188,6 +194,10 @@ class VerdictPolicy:
         if len(agree) < need:
             return Verdict(False, f"{target} reported for lost microbatches by {len(agree)} of the {len(live)} live stage-{target_stage - 1} "
                                   f"replicas; {need} needed for a ban")
+        since = min(by[r] for r in agree)
+        if self.carried.get(target, float("-inf")) >= since:
+            return Verdict(False, f"{target} carried a ticket to completion {now - self.carried[target]:.1f} s ago, after the reports "
+                                  "began (the coordinator's own record): lost microbatches are not proof that it drops work; flagged only")
         if any(target in reporters for reporters in self.liveness.values()):
             return Verdict(False, f"{target} reported lost microbatches itself: it may be the victim of a peer further down; flagged only")
         if replicas <= 1:
@@ -198,8 +208,19 @@ class VerdictPolicy:
                                f"that microbatches it acknowledged never came back ({reason})", now)
         return Verdict(True, ban.reason)
 
+    def completed(self, route: Iterable[str], now: float) -> None:
+        """A ticket along ``route`` completed (its last-stage ack verified): every hop past stage 0 carried it."""
+        for hop in list(route)[1:]:
+            self.carried.pop(hop, None)
+            self.carried[hop] = now  # re-inserted: the dict stays ordered oldest first
+
     def _prune_liveness(self, now: float) -> None:
         window = self.settings.report_window_s
+        while self.carried:
+            oldest = next(iter(self.carried))
+            if now - self.carried[oldest] <= window:
+                break
+            del self.carried[oldest]
         for target in list(self.liveness):
             by = {r: at for r, at in self.liveness[target].items() if now - at <= window}
             if by:

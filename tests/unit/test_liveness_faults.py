@@ -219,6 +219,22 @@ def test_stage0_targets_and_a_disabled_policy_never_ban() -> None:
     assert not d.ban and v.flags_of("x") == ["lost_microbatches:2"]
 
 
+def test_reports_never_ban_a_peer_whose_tickets_complete_after_they_began() -> None:
+    """Issue 27: once a liar was banned, an honest stage-1 replica carried its load, lost a few microbatches
+    to 2 s timeouts under it, and both stage-0 replicas' reports banned it. The coordinator saw its tickets
+    complete (their routes signed by the last stage): reports never ban alone."""
+    v = _policy()
+    v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0)
+    v.completed(["a", "x"], 1.5)  # a ticket through x completed after the first report
+    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=2.0)
+    assert not d.ban and "carried a ticket to completion" in d.reason
+    assert v.flags_of("x") == ["lost_microbatches:2"]
+    # A peer that carried work only before the reports began is a blackhole now: the reports stand.
+    v.completed(["a", "w"], 0.5)
+    v.liveness_report("a", "w", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0)
+    assert v.liveness_report("b", "w", "liveness: lost", target_stage=1, upstream=["a", "b"], now=2.0).ban
+
+
 def test_the_core_routes_liveness_reports_to_the_stage_majority_rule() -> None:
     core = make_core(RUN, SETTINGS)
     swarm = Swarm(core, per_stage=2)
