@@ -51,6 +51,10 @@ class CoordinatorSettings(BaseModel):
     move_cooldown_s: float = Field(60.0, ge=0)
     # Departed (left or expired) members are remembered this long so a rejoin gets its old stage.
     departed_retention_s: float = Field(24 * 3600.0, ge=0)
+    # After a ban, new identities joining from the banned member's IP address (as the coordinator's host
+    # sees it; loopback is exempt) are refused for this long (``cooldown``): a fresh key is free, an
+    # address is not. Known identities (restarts) are not affected. 0: off (coordinator/core/cooldown.py).
+    ban_cooldown_s: float = Field(600.0, ge=0)
     max_members: int = Field(100_000, ge=1)
     # Keep the finished run's model: once its last step commits, members are told (heartbeat replies'
     # ``final``) to stay until the coordinator's adapter has fetched every stage (coordinator start does).

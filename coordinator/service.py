@@ -194,8 +194,12 @@ class _Service:
             if isinstance(msg, cm.ReachabilityRequest):
                 reply: Message = await self._check_reachability(peer, msg)
             else:
-                conns = self.host.num_connections(peer) if isinstance(msg, cm.Join) else 1
-                reply = self.core.handle(peer, msg, self.clock(), connections=conns)
+                if isinstance(msg, cm.Join):
+                    seen = self.host.observed_addr(peer)
+                    reply = self.core.handle(peer, msg, self.clock(), connections=self.host.num_connections(peer),
+                                             ip=None if seen is None else seen[0])
+                else:
+                    reply = self.core.handle(peer, msg, self.clock())
         except Refusal as r:
             write, due = self._refusals.note(peer, r.code, (msg.KIND, r.code, r.reason), self.host.clock())
             _log_refusal_summaries(due)

@@ -37,6 +37,7 @@ from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.admission import Admission, counted
 from protolearn.coordinator.core.assignment import shares_from_layers
 from protolearn.coordinator.core.changes import Changes
+from protolearn.coordinator.core.cooldown import BanCooldown
 from protolearn.coordinator.core.corpus import CorpusDesk
 from protolearn.coordinator.core.final_model import FinalModelDesk
 from protolearn.coordinator.core.history import LossRecord, StepHistory
@@ -102,6 +103,7 @@ class CoordinatorCore:
         self.holdups = Holdups(settings, self.ledger, self.verdicts, ban=self.ban)
         self.redos = RedoBudget(settings.max_redos_per_peer, self.verdicts)
         self.admission = Admission(settings, self.registry, self.verdicts)
+        self.cooldown = BanCooldown(settings.ban_cooldown_s)
         self.step_history = StepHistory(self.ledger)
         self._last_rebalance = started_at
         # Expired leases re-issued, for the metrics.
@@ -146,10 +148,11 @@ class CoordinatorCore:
     # -- requests -----------------------------------------------------------------------------
 
     @counted
-    def handle(self, peer: str, msg: Message, now: float, *, connections: int = 1) -> Message:
+    def handle(self, peer: str, msg: Message, now: float, *, connections: int = 1, ip: str | None = None) -> Message:
         """Answer one request (everything except the long-poll wait, see :meth:`check_wait`).
 
-        ``connections``: how many connections with ``peer``'s identity are open now (a join checks it).
+        ``connections``: how many connections with ``peer``'s identity are open now (a join checks it);
+        ``ip``: the address a joiner's connection comes from, as the host sees it (``cooldown.py``).
         """
         self.admission.admit(peer, now)
         if isinstance(msg, cm.StatusRequest):
@@ -166,7 +169,7 @@ class CoordinatorCore:
                 final_step=self.final_model.held_step,
             )
         if isinstance(msg, cm.Join):
-            return self._join(peer, msg, now, connections)
+            return self._join(peer, msg, now, connections, ip)
         member = self.admission.live_member(peer)
         if isinstance(msg, cm.Heartbeat):
             return self._heartbeat(peer, msg, now)
@@ -225,11 +228,15 @@ class CoordinatorCore:
         (``own_relays``, the coordinator's addresses when it relays, first)."""
         return build_reply(verdict, observed, own_relays, partial(self.registry.relays, peer))
 
-    def _join(self, peer: str, msg: cm.Join, now: float, connections: int = 1) -> cm.JoinReply:
+    def _join(self, peer: str, msg: cm.Join, now: float, connections: int = 1, ip: str | None = None) -> cm.JoinReply:
         """Register ``peer`` and answer it; a join whose reply cannot be built within the frame cap is taken back (the
         peer is not registered), so its retry is a plain join again. One identity is one process (Admission.one_identity)."""
         if self.verdicts.is_banned(peer):
             raise Refusal("banned", "banned")
+        wait = self.cooldown.wait_s(peer, ip, self.verdicts.bans, now, known=peer in self.registry.members)
+        if wait > 0:
+            raise Refusal("cooldown", f"a member that joined from {ip} was banned recently; new identities from that address "
+                                      f"may join in {wait:.0f} s (nodes that already joined are not affected)")
         if self.admission.one_identity(peer, self.peer_id, connections, msg):
             self._leave(peer, cm.Leave(reason="its own process joined again"), now)
         self.admission.precision(msg.precision, self.run.precisions)
@@ -251,6 +258,7 @@ class CoordinatorCore:
                 "reply_too_large", f"the join reply would be {size} bytes, over the frame cap of {cm.MAX_REPLY_BYTES}; "
                 "the join was not registered, retry later",
             )
+        self.cooldown.joined(peer, ip, self.registry.members)
         log.info("join peer=%s stage=%d rejoined=%s reason=%s", peer, d.stage, d.rejoined, d.reason)
         return reply
 
