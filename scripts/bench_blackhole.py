@@ -24,8 +24,9 @@ start-up is excluded:
   its compute call ran when its watchdog gave up and it left the swarm, and ``hung_error``, the one
   line it exited with.
 
-``python scripts/bench_blackhole.py [--quick] [--kind hang --stages 2 --from-step 5]`` prints the dict as JSON; ``scripts/bench.py`` may call
-:func:`measure`.
+``python scripts/bench_blackhole.py [--quick] [--kind hang --stages 2 --from-step 5]`` prints the dict as JSON;
+``--kind blackhole:2,hang:20`` runs the honest swarm once and each adversary after it, and prints
+``{kind: dict}``. ``scripts/bench.py`` may call :func:`measure` or :func:`measure_kinds`.
 """
 
 from __future__ import annotations
@@ -211,6 +212,15 @@ def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: 
             lease_s: float | None = None, warmup: int = 2, hole_stage: int = 0, workdir: Path | None = None,
             kind: str = "blackhole") -> dict:
     """Run the honest and the blackhole swarm back to back and compare their tokens/s (module docstring)."""
+    return measure_kinds({kind: from_step}, quick=quick, stages=stages, num_nodes=num_nodes, steps=steps, lease_s=lease_s,
+                         warmup=warmup, hole_stage=hole_stage, workdir=workdir)[kind]
+
+
+def measure_kinds(kinds: dict[str, int], *, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: int | None = None,
+                  lease_s: float | None = None, warmup: int = 2, hole_stage: int = 0, workdir: Path | None = None) -> dict[str, dict]:
+    """One honest run, then one run per adversary ``kind`` (from its step ``kinds[kind]``), each compared with
+    the same honest run: ``{kind: measure()'s dict}``. Each adversary run is in ``workdir/blackhole`` for
+    ``blackhole`` and ``workdir/KIND`` otherwise."""
     steps = steps or (40 if quick else 80)
     lease_s = lease_s or (2.0 if quick else 4.0)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="protolearn-bench-blackhole-"))
@@ -219,8 +229,18 @@ def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: 
         raise ValueError(f"hole_stage {hole_stage}: 0, or 1 with >= 2 stages and >= 4 nodes (so stage 1 keeps a replica after the ban)")
     honest = _swarm_run(workdir / "honest", stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s, hole=None, deadline_s=deadline,
                         hole_stage=hole_stage)
-    hole = _swarm_run(workdir / "blackhole", stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s,
-                      hole=f"{kind}:{from_step}", deadline_s=deadline, hole_stage=hole_stage)
+    out = {}
+    for kind, from_step in kinds.items():
+        where = workdir / ("blackhole" if kind == "blackhole" else kind)
+        hole = _swarm_run(where, stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s,
+                          hole=f"{kind}:{from_step}", deadline_s=deadline, hole_stage=hole_stage)
+        out[kind] = _compare(honest, hole, kind=kind, from_step=from_step, steps=steps, lease_s=lease_s, stages=stages,
+                             num_nodes=num_nodes, warmup=warmup, hole_stage=hole_stage, where=where, workdir=workdir)
+    return out
+
+
+def _compare(honest: Outcome, hole: Outcome, *, kind: str, from_step: int, steps: int, lease_s: float, stages: int, num_nodes: int,
+             warmup: int, hole_stage: int, where: Path, workdir: Path) -> dict:
     h_hist = sorted(honest.history, key=lambda p: p.step)
     # The honest window: from the warmup-th step closed after the last node started training.
     all_in = max((at for _, at in honest.joined.values()), default=0.0)
@@ -246,7 +266,7 @@ def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: 
     honest_gaps, hole_gaps = _gaps(h_hist, all_in), _gaps(b_hist, max((at for _, at in hole.joined.values()), default=0.0))
     honest_step = statistics.median(honest_gaps) if honest_gaps else None
     hole_step = statistics.median(hole_gaps) if hole_gaps else None
-    hung = _hung(workdir / "blackhole" / "node0" / "node.jsonl")
+    hung = _hung(where / "node0" / "node.jsonl")
     return {
         "honest_tokens_per_s": honest_tps,
         "blackhole_tokens_per_s": hole_tps,
@@ -277,7 +297,7 @@ def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: 
         "max_step_s": max(hole_gaps, default=None),
         # hang: the node's own watchdog (node/compute_watch.py) left the swarm: after how long, and the line.
         "left_out_after_s": hung.get("running_s"),
-        "hung_error": _last_error(workdir / "blackhole" / "node0.err") if kind == "hang" else None,
+        "hung_error": _last_error(where / "node0.err") if kind == "hang" else None,
         "kind": kind,
         "workdir": str(workdir),
     }
@@ -292,12 +312,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--from-step", type=int, default=2)
     parser.add_argument("--lease-s", type=float, default=None)
     parser.add_argument("--hole-stage", type=int, default=0, help="1: the blackhole serves stage 1 (needs --stages 2 --nodes 4)")
-    parser.add_argument("--kind", default="blackhole", choices=("blackhole", "hang"), help="how node 0 misbehaves")
+    parser.add_argument("--kind", default="blackhole", help="how node 0 misbehaves: blackhole or hang, or several as "
+                        "KIND[:FROM_STEP],... (one honest run for all; prints {kind: result})")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
-    out = measure(quick=args.quick, stages=args.stages, num_nodes=args.nodes, steps=args.steps, from_step=args.from_step,
-                  lease_s=args.lease_s, hole_stage=args.hole_stage, kind=args.kind, workdir=Path(args.workdir) if args.workdir else None)
-    print(json.dumps(out))
+    kinds: dict[str, int] = {}
+    for item in args.kind.split(","):
+        name, _, start = item.partition(":")
+        if name not in ("blackhole", "hang") or (start and not start.isdigit()):
+            parser.error(f"--kind {item!r}: expected blackhole or hang, optionally with :FROM_STEP")
+        kinds[name] = int(start) if start else args.from_step
+    out = measure_kinds(kinds, quick=args.quick, stages=args.stages, num_nodes=args.nodes, steps=args.steps, lease_s=args.lease_s,
+                        hole_stage=args.hole_stage, workdir=Path(args.workdir) if args.workdir else None)
+    print(json.dumps(out if "," in args.kind else out[next(iter(kinds))]))
 
 
 if __name__ == "__main__":

@@ -77,6 +77,9 @@ def test_coordinator_survives_kill_9_with_members_step_leases_and_bans(tmp_path:
             assert [r.stage for r in replies] == [0, 1, 0, 1]
             a, b, c, d = links
             for lk in links[:3]:
+                # Answered before any lease: the step's shares count a and c as training (the loop's first
+                # beat may come after a's lease on a loaded machine, and a then got the whole step).
+                await lk.heartbeat(cm.Heartbeat(state="training", throughput=100.0))
                 await nursery.start(lk.heartbeat_loop, lambda: cm.Heartbeat(state="training", throughput=100.0))
 
             # one full step (stage-0 replicas a and c each lease their share), committed once both

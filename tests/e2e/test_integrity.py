@@ -5,7 +5,7 @@ the third replica of a stage) as ``node join --adversary KIND`` (allowed by PROT
 
 CI runs one kind here (``signflip``: outputs of the right size and norm but the wrong sign, which the
 spot checks must catch); the collective's ``reducer`` runs over real hosts in
-tests/integration/test_collective_faults.py, the ``blackhole`` in tests/e2e/test_blackhole.py, and
+tests/integration/test_collective_faults.py, the ``blackhole`` in tests/e2e/test_stalls.py, and
 ``python scripts/bench.py integrity`` runs every kind in a swarm like this one (docs/SECURITY.md, "Integrity").
 """
 
