@@ -9,7 +9,7 @@ same total compute, ``sum(T) / sum(w)``: 1.0 is perfect, 0.0 means some stage is
 - A joiner goes to the stage with the least throughput relative to its share (ties: fewer replicas
   per share, then the lower index), which is the stage that raises the bottleneck most. A returning
   identity that holds its old stage's state (the registry checks its last reported hash against the
-  stage's majority) goes back to that stage unless that would leave another stage empty (:func:`place`);
+  stage's majority, or nobody serves that stage) goes back to that stage unless that would leave another stage empty (:func:`place`);
   any other returning identity is placed like a newcomer.
 - Rebalancing (Petals-style): only a move into the bottleneck stage can raise the rate, so for every
   source stage with at least two replicas (never empty a stage) the best node to move is the one whose

@@ -156,6 +156,13 @@ class Registry:
         majority of the stage's working replicas reported for that step. Only then is its wish to go back
         worth granting; otherwise it joins like a newcomer, so that leaving and rejoining cannot steer
         identities into a stage (issue 27)."""
+        if not 0 <= old.stage < self.num_stages:
+            return False
+        if not any(p != old.peer_id for p in self.tallies.working_peers(old.stage)):
+            # Nobody serves its old stage (the whole swarm restarted, say, and the coordinator keeps no hashes
+            # across its own restart): nothing to compare with, and an empty stage is the one a newcomer gets
+            # first anyway, so going back steers nothing, while it lets a node restore its checkpoint there.
+            return True
         if old.step < 0 or not old.param_hash:
             return False
         said = [h for p, s, h in self.stage_hashes(old.stage, 64 * cm.HASH_HISTORY) if s == old.step and p != old.peer_id]

@@ -226,3 +226,14 @@ def test_a_returning_identity_that_holds_its_stages_state_goes_back_to_it() -> N
     r.heartbeat("e", HeartbeatInfo("training", 100.0, 0, 3, "forged"), 2.5)
     r.leave("e", 3.0)
     assert r.join("e", info(), 3.5).stage == 0
+
+
+def test_after_a_whole_swarm_restart_each_identity_with_state_goes_back_to_its_stage() -> None:
+    # Nobody serves its old stage to compare with: a node restoring its checkpoint must get its stage back.
+    r = registry()
+    r.join("head", info(), 0.0)
+    r.join("tail", info(), 0.0)
+    for p in ("head", "tail"):  # no hash reported: a restarted coordinator keeps none
+        r.leave(p, 1.0)
+    assert r.join("tail", info(), 2.0).stage == 1, "its old stage 1 is empty: it goes back, not to stage 0"
+    assert r.join("head", info(), 2.1).stage == 0
