@@ -1,8 +1,8 @@
 """An honest ``--bf16`` node is never convicted, and a liar still is (issue 25; protolearn/precision.py).
 
 ``scripts/bench_integrity.py``'s swarm on a run that admits fp32 and bf16, with spot checks at rate 1.0:
-two + two nodes, then a ``scale`` adversary joins as the third replica of a stage, and a ``--bf16`` node
-(CPU autocast) as the third honest replica of a stage (the other one, or the adversary's once it is banned). Every output the bf16 node sends is recomputed
+two + two nodes, then a ``scale`` adversary and a ``--bf16`` node (CPU autocast) start together: each joins
+as the third replica of a stage (the bf16 node the third honest one of its stage). Every output the bf16 node sends is recomputed
 in fp32 by its stage's other replicas, and it recomputes theirs; its self-test compares its bf16 result
 with fp32 donors. Over 40 steps nobody but the adversary is banned, and the adversary is.
 """
