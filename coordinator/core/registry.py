@@ -153,9 +153,9 @@ class Registry:
     def _holds_stage_state(self, old: Member) -> bool:
         """Whether a returning identity holds its old stage's state, as far as the coordinator's own records
         show: the hash it last reported (at a committed step: heartbeat() keeps no other) is the one a strict
-        majority of the stage's working replicas reported for that step. Only then is its wish to go back
-        worth granting; otherwise it joins like a newcomer, so that leaving and rejoining cannot steer
-        identities into a stage (issue 27)."""
+        majority of the stage's working replicas reported for that step, or nobody else serves the stage.
+        Only then is its wish to go back worth granting; otherwise it joins like a newcomer, so that leaving
+        and rejoining cannot steer identities into a stage (issue 27)."""
         if not 0 <= old.stage < self.num_stages:
             return False
         if not any(p != old.peer_id for p in self.tallies.working_peers(old.stage)):

@@ -33,7 +33,8 @@ claims: :meth:`VerdictPolicy.liveness_report` bans only when at least 2 distinct
 replicas of the stage right before the target's, and a strict majority of that stage, reported it within
 ``report_window_s``, and the coordinator's own record does not contradict them: a target whose route
 carried a ticket to completion after the reports began is flagged only (reports never ban alone; an
-honest replica carrying a dead peer's load, slow under it, was once banned this way). Sybils must then hold a majority of a stage, not merely exist. A peer that itself
+honest replica carrying a dead peer's load, slow under it, was once banned this way). Sybils must then
+hold a majority of a stage, not merely exist. A peer that itself
 reported lost microbatches further down is not banned on such reports (its own missing gradients may be
 the downstream blackhole's doing), nor is a stage's only serving replica; both are only flagged.
 """
