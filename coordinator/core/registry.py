@@ -370,11 +370,16 @@ class Registry:
         return was_live
 
     def rebalance(self, now: float) -> Move | None:
-        """Propose and apply at most one move (training members past their cooldown only)."""
+        """Propose and apply at most one move (training members past their cooldown only, each heard from
+        and leaving a replica behind that is too: :meth:`_leaves_a_holder`). None during a restart's grace, while
+        the coordinator cannot yet tell the live members from the dead it restored."""
+        if now < self.grace_until:
+            return None
         cooldown = self.settings.move_cooldown_s
         move = propose_move(
             (
-                (m.peer_id, m.stage, m.throughput, m.state is NodeState.TRAINING and now - m.moved_at >= cooldown and self._fits_all(m))
+                (m.peer_id, m.stage, m.throughput,
+                 m.state is NodeState.TRAINING and now - m.moved_at >= cooldown and self._fits_all(m) and self._leaves_a_holder(m, now))
                 for m in self.live()
             ),
             self.shares,
@@ -389,6 +394,15 @@ class Registry:
             self.tallies.count(m, 1)
             self._touch(m, True)
         return move
+
+    def _leaves_a_holder(self, m: Member, now: float) -> bool:
+        """Whether ``m`` and another replica of its stage that works there were both heard from in the last two
+        heartbeat intervals. A stage's state lives only in its replicas, so a move must never take its last
+        one; and a replica that went silent may be dead, not yet expired (counting it once emptied a stage),
+        while moving it would fill nothing."""
+        recent = 2 * self.settings.heartbeat_interval_s
+        heard = [p for p in self.tallies.working_peers(m.stage) if now - self.members[p].last_seen <= recent]
+        return m.peer_id in heard and len(heard) >= 2
 
     def _fits_all(self, m: Member) -> bool:
         """Whether ``m`` holds every stage with the whole step in flight: only such a member is moved (its

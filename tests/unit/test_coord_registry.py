@@ -93,9 +93,44 @@ def test_rebalance_moves_a_training_node_into_an_empty_stage() -> None:
     r.join("e", info(), 3.0)
     r.heartbeat("e", HeartbeatInfo("training"), 4.0)
     r.leave("d", 5.0)
+    for p in "abe":
+        r.heartbeat(p, HeartbeatInfo("training"), 5.5)
     move = r.rebalance(6.0)
     assert move is not None and move.dst == 2 and r.members[move.peer_id].stage == 2
     assert r.heartbeat(move.peer_id, HeartbeatInfo("syncing"), 6.5).reason == move.reason
+
+
+def test_rebalance_never_takes_a_stage_s_last_replica_that_is_heard_from() -> None:
+    """A replica that went silent may be dead and not yet expired: counted as the one left behind, it let a
+    move take its stage's only working replica, and the stage's state was gone (the chaos e2e test hung)."""
+    r = registry(3)
+    for p in "abcd":
+        r.join(p, info(), 0.0)
+    for p in "abcd":
+        r.heartbeat(p, HeartbeatInfo("training"), 1.0)
+    assert [r.members[p].stage for p in "abcd"] == [0, 1, 2, 0]
+    r.leave("c", 1.5)  # stage 2 is empty; stage 0 has two replicas, a and d
+    r.heartbeat("a", HeartbeatInfo("training"), 3.5)  # d is silent since 1.0 (dead, say: it expires at 4.0)
+    assert r.rebalance(3.5) is None  # moving a would leave stage 0 only the silent d, and moving d fills nothing
+    r.heartbeat("d", HeartbeatInfo("training"), 3.6)
+    move = r.rebalance(3.7)
+    assert move is not None and move.src == 0 and move.dst == 2
+
+
+def test_no_rebalance_during_a_restart_s_grace() -> None:
+    """Right after a restart every restored member looks just seen, the dead too: no move until the grace ends."""
+    r = registry(3)
+    for p in "abcd":
+        r.join(p, info(), 0.0)
+    r.leave("c", 0.5)
+    for p in "abd":
+        r.heartbeat(p, HeartbeatInfo("training"), 1.0)
+    r.restore([m for m in r.members.values()], 1.0)
+    assert r.grace_until > 1.0
+    assert r.rebalance(1.5) is None
+    for p in "abd":
+        r.heartbeat(p, HeartbeatInfo("training"), r.grace_until)
+    assert r.rebalance(r.grace_until) is not None
 
 
 def test_drain_hands_over_changed_and_forgotten_members_once_and_telemetry_only_when_soft() -> None:
