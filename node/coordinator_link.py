@@ -17,8 +17,11 @@ process with this node's key is refused (``identity_in_use``), and a heartbeat r
 (another process with the key took this one's place) stops the node with :class:`IdentityInUse`.
 
 :meth:`CoordinatorLink.heartbeat_loop` is a service (``task_status.started()``) that sends a
-heartbeat every interval, keeps :attr:`members`, :attr:`bans` and :attr:`stage` current, and rejoins
-by itself when the coordinator no longer knows the node (it expired while unreachable).
+heartbeat every interval, keeps :attr:`members`, :attr:`bans` and :attr:`stage` current. When the
+coordinator no longer knows the node (it expired while unreachable, or while its process was starved
+between its join and its first heartbeat), whichever request hears ``not_member`` first joins again,
+once per loss, and every request so refused is asked again as the member it is again; the new
+:attr:`stage` may differ, and the node moves as it would after a rebalance.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class CoordinatorLink:
         self.step = 0
         self.last_closed = -1
         self.rejoins = 0
+        self._rejoining = trio.Lock()
         self._beat_now = trio.Event()
         # Since when (trio time) every request has failed to reach the coordinator; None while it answers.
         self.unreachable_since: float | None = None
@@ -133,8 +137,10 @@ class CoordinatorLink:
         limit = timeout or self.retry.request_timeout_s
         backoff = self.retry.initial_backoff_s
         failures = busy = 0
+        rejoined = False
         deadline = trio.current_time() + self.retry.retry_for_s
         while True:
+            generation = self.rejoins
             try:
                 target = self.addr if failures else self.peer
                 try:
@@ -149,6 +155,10 @@ class CoordinatorLink:
             except Refused as err:
                 self.unreachable_since = None  # it answered, if only to refuse
                 refusal = err if isinstance(err, CoordinatorRefused) else _parse_refusal(self.peer, err)
+                if refusal.code == "not_member" and not rejoined and self._join is not None and not isinstance(msg, (cm.Join, cm.Leave)):
+                    rejoined = True
+                    await self._rejoin(generation, refusal.detail)
+                    continue
                 if refusal.code not in NOT_A_DECISION:
                     refusal.after_failures = failures
                     raise refusal from None
@@ -165,6 +175,16 @@ class CoordinatorLink:
                 log.info("coordinator unreachable (%s); retrying in %.2f s", err.reason, backoff)
             await trio.sleep(backoff * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, self.retry.max_backoff_s)
+
+    async def _rejoin(self, generation: int, why: str) -> None:
+        """Join again, unless another request did since this one was sent (``generation``: :attr:`rejoins`)."""
+        assert self._join is not None
+        async with self._rejoining:
+            if self.rejoins != generation:
+                return
+            log.warning("coordinator no longer knows this node (%s); joining again", why)
+            await self.join(self._join)
+            self.rejoins += 1
 
     async def join(self, msg: cm.Join) -> cm.JoinReply:
         """Join (or join again) with this link's session, which a retry after a lost reply repeats."""
@@ -215,9 +235,7 @@ class CoordinatorLink:
                     raise IdentityInUse(f"this node stopped training: {err.detail}") from None
                 if err.code != "not_member":
                     raise
-                log.warning("coordinator no longer knows this node (%s); joining again", err.reason)
-                await self.join(self._join)
-                self.rejoins += 1
+                # Refused again, right after _request joined again for it: the next beat joins again.
             else:
                 if on_reply is not None:
                     on_reply(reply)

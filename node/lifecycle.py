@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from functools import partial
 
 import torch
 import trio
@@ -62,9 +63,12 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
     async with open_host(identity, [config.listen], tconfig, relay=relay) as host:
         progress.event("start", peer_id=host.peer_id, addrs=host.addrs(), pid=os.getpid())
         async with trio.open_nursery() as warming:
-            # torch's one-time costs are paid while the coordinator answers, not after the join.
-            warming.start_soon(trio.to_thread.run_sync, warm_torch)
+            # torch's one-time costs are paid while the coordinator answers, not after the join; and not before
+            # the first heartbeat either: on a loaded machine the warm-up outlasted the expiry, and the
+            # coordinator dropped the node it had just let in. The thread is left to finish on its own.
+            warming.start_soon(partial(trio.to_thread.run_sync, warm_torch, abandon_on_cancel=True))
             link, joined, run, reach = await join_coordinator(host, config, on_wait=progress.say)
+            warming.cancel_scope.cancel()
         progress.event(
             "reachability", verdict=reach.verdict, relay=reach.relay, reason=reach.reason, addrs=reach.addrs,
             observed_port=reach.observed_port, local_port=reach.local_port, rewrites_ports=reach.rewrites_ports,

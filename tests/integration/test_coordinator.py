@@ -186,7 +186,12 @@ def test_nodes_join_heartbeat_train_steps_leave_and_expire(open_hosts, run_trio,
                 assert status.step == 2 and [p.step for p in status.loss_history] == [0, 1]
                 assert status.nodes == []  # everyone stopped heartbeating: all expired
                 assert status.verdict == "halted"
-                # an expired node rejoins and gets its old stage back
+                # An expired node's next request (not a heartbeat: a process starved between its join and its
+                # first beat asks something else first) joins it again, to its old stage, and is answered.
+                before = s0[0].rejoins
+                assert await s0[0].release(2, []) == []
+                assert s0[0].rejoins == before + 1 and s0[0].stage == 0
+                assert coord.core.registry.is_live(s0[0].host.peer_id)
                 again = await s0[0].join(join_msg(s0[0].host))
                 assert again.rejoined and again.stage == 0
             nursery.cancel_scope.cancel()
