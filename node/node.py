@@ -95,6 +95,8 @@ class Node:
         self.hashes = ReplicaHashes(link, progress, host.peer_id, applied=lambda: self.applied)
         self._first_logged = False
         self._moved_warned = False
+        # Cancelled when the coordinator moves this node to a stage nobody works in: see _wait_closed.
+        self._closing: trio.CancelScope | None = None
         self._leaving = False
         self._waiting = ""
         self.persistence = StagePersistence(config, run, progress, self.compute)
@@ -320,6 +322,14 @@ class Node:
         if reply.stage != self.stage and not self._moved_warned:
             self._moved_warned = True
             log.warning("coordinator reassigned this node to stage %d; it moves after step %d", reply.stage, self.applied)
+        if self._stranded() and self._closing is not None:
+            self._closing.cancel()
+
+    def _stranded(self) -> bool:
+        """Whether the coordinator moved this node to a stage that nobody works in: then the open step cannot
+        close until this node gets there (its tickets pass through that stage), so it moves at once."""
+        dst, working = self.link.stage, self.link.stage_replicas
+        return dst != self.stage and 0 <= dst < len(working) and working[dst] == 0
 
     # -- training ----------------------------------------------------------------------------
     async def train(self) -> bool:
@@ -346,6 +356,11 @@ class Node:
                     info = await self._wait_closed(step, revision)
                     # Not a cancel: a lease request cut off mid-flight would strand tickets until their lease expires.
                     closed.set()
+                if info is None:
+                    # Nothing of this step is applied here, and the stage it leaves keeps its other replicas
+                    # (the coordinator never moves a stage's last one), which redo whatever it held.
+                    self.progress.event("moved", stage=self.stage, to=self.link.stage, applied=core.applied, open_step=step)
+                    return False
                 self.timing.phase("averaging")
                 # 0 once applied (or resynced); otherwise the step was reopened to redo tickets and closes again later.
                 done = await self.finisher.finish(step, info)
@@ -366,16 +381,23 @@ class Node:
         tps = self.router.stats.tokens / self._elapsed()
         self.progress.update(state=core.state.value, step=step + 1, loss=info.loss, tokens_per_s=tps, in_flight=core.accounting.num_in_flight)
 
-    async def _wait_closed(self, step: int, min_revision: int = 1) -> cm.StepInfo:
-        while True:
-            try:
-                info = await self.link.wait_step(step, min_revision=min_revision, timeout_s=WAIT_POLL_S)
-            except ProtocolError as err:
-                log.warning("wait_step failed step=%d reason=%s", step, err.reason)
-                await trio.sleep(1.0)
-                continue
-            if info.closed:
-                return info
+    async def _wait_closed(self, step: int, min_revision: int = 1) -> cm.StepInfo | None:
+        """The step's close, or None once the coordinator has moved this node to a stage nobody works in
+        (:meth:`_stranded`): that step cannot close before this node moves, so waiting would never end."""
+        try:
+            with trio.CancelScope() as self._closing:
+                while not self._stranded():
+                    try:
+                        info = await self.link.wait_step(step, min_revision=min_revision, timeout_s=WAIT_POLL_S)
+                    except ProtocolError as err:
+                        log.warning("wait_step failed step=%d reason=%s", step, err.reason)
+                        await trio.sleep(1.0)
+                        continue
+                    if info.closed:
+                        return info
+            return None
+        finally:
+            self._closing = None
 
     async def resync(self, step: int) -> None:
         """This replica fell behind (it could not get step ``step``'s result): take a live replica's state."""

@@ -92,8 +92,14 @@ class Swarm(Supervisor):
             try:
                 rc = self.procs[n].wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"{n} did not finish in {timeout:.0f} s: {self.err(n)}") from None
+                raise AssertionError(f"{n} did not finish in {timeout:.0f} s: {self.err(n)}{self._exited_early()}") from None
             assert rc == 0, f"{n} exited {rc}: {self.err(n)}"
+
+    def _exited_early(self) -> str:
+        """The processes that already exited with an error (not a test's SIGKILL), each with its error tail:
+        often what a hang waited on."""
+        failed = [(n, p.returncode) for n, p in self.procs.items() if (p.poll() or 0) > 0]
+        return "".join(f"\n--- meanwhile {n} exited {rc}: {self.err(n)}" for n, rc in failed)
 
 
     def wait_alive(self, what: str, check: Callable[[], T], timeout: float, *names: str) -> T:
