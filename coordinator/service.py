@@ -26,6 +26,7 @@ With ``relay=True`` the main host also relays for private nodes and offers itsel
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -112,7 +113,10 @@ def open_state(run: Any, data_dir: Path, settings: CoordinatorSettings, now: flo
             f"(hash {info.run_hash[:12]}); use another --data-dir or the original --config"
         )
     identity = load_or_create_identity(Path(data_dir))
-    core = CoordinatorCore(info, settings, peer_id=identity.peer_id, started_at=now)
+    # Ed25519 signatures are deterministic: the same key and run give the same nonce key after a restart,
+    # and nobody without the coordinator's key can compute it.
+    nonce_key = hashlib.sha256(identity.sign(b"protolearn/lease-nonce-key/1\x00" + info.run_hash.encode())).digest()
+    core = CoordinatorCore(info, settings, peer_id=identity.peer_id, started_at=now, nonce_key=nonce_key)
     resumed = persisted is not None
     if resumed:
         core.restore(**store.load(), now=now)

@@ -255,10 +255,12 @@ class CoordinatorLink:
         reply, _ = await self._request(cm.Release(step=step, indices=indices), cm.ReleaseReply)
         return reply.released
 
-    async def complete(self, step: int, index: int, route: list[str], loss: float, ack: bytes | None = None) -> cm.CompleteReply:
-        """Report ticket (step, index) done, with the last stage's signed ``ack`` of its route and loss
-        (needed when the run has more than one stage); idempotent across retries (see the module docstring)."""
-        msg = cm.Complete(step=step, index=index, route=route, loss=float(loss), ack=ack)
+    async def complete(
+        self, step: int, index: int, route: list[str], loss: float, ack: bytes | None = None, nonce: bytes = b"",
+    ) -> cm.CompleteReply:
+        """Report ticket (step, index) done, with the last stage's signed ``ack`` of its route, loss and lease
+        ``nonce`` (needed when the run has more than one stage); idempotent across retries (see the module docstring)."""
+        msg = cm.Complete(step=step, index=index, route=route, loss=float(loss), ack=ack, nonce=nonce)
         try:
             reply, _ = await self._request(msg, cm.CompleteReply)
             return reply

@@ -51,8 +51,9 @@ log = logging.getLogger("protolearn.node")
 REPORT_AFTER_LOST = 3
 REPORT_INTERVAL_S = 5.0
 
-# Runs ticket (step, ticket) through this stage and sends it on; False if it could not be sent (the router's).
-StartTicketFn = Callable[[int, int], Awaitable[bool]]
+# Runs ticket (step, ticket), leased with the nonce given, through this stage and sends it on; False if it
+# could not be sent (the router's).
+StartTicketFn = Callable[[int, int, bytes], Awaitable[bool]]
 
 
 def emit(progress: Progress, action: Emit) -> None:
@@ -91,6 +92,8 @@ class TicketDriver:
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._reported_at: dict[str, float] = {}
+        # The open step's leases' nonces, by ticket (protocol/acks.py): the last stage signs its ack over one.
+        self._nonces: dict[tuple[int, int], bytes] = {}
 
     # -- events from the node and the router --------------------------------------------------------
     def _feed(self, event: LeaseEvent) -> None:
@@ -107,10 +110,10 @@ class TicketDriver:
         restart a ticket)."""
         self._feed(PeerDown(peer, self.routes.handed_to(self.core.step, peer)))
 
-    async def complete(self, step: int, ticket: int, route: list[str], loss: float, ack: bytes | None = None) -> None:
+    async def complete(self, step: int, ticket: int, route: list[str], loss: float, ack: bytes | None = None, nonce: bytes = b"") -> None:
         """The router's ``on_complete``: ``ticket``'s gradient came back, so report it to the coordinator
         (awaited here, so a completion that lands after the step's drive ended is still reported)."""
-        actions = self.core.handle(Completed(step, ticket, route, loss, ack), self.clock())
+        actions = self.core.handle(Completed(step, ticket, route, loss, ack, nonce), self.clock())
         self._wake.set()
         for a in actions:
             if isinstance(a, ReportComplete):
@@ -185,12 +188,15 @@ class TicketDriver:
         except ProtocolError as err:
             self._feed(LeaseFailed(err.reason))
             return
+        if any(s != reply.step for s, _ in self._nonces):
+            self._nonces = {k: v for k, v in self._nonces.items() if k[0] == reply.step}
+        self._nonces.update(((reply.step, i), n) for i, n in zip(reply.indices, reply.nonces))
         self._feed(Leased(reply.step, list(reply.indices)))
 
     async def _run_ticket(self, step: int, ticket: int) -> None:
         if self.outbound.withholds(step):
             return  # it sits on its lease
-        if not await self.start(step, ticket):
+        if not await self.start(step, ticket, self._nonces.get((step, ticket), b"")):
             self._feed(NotStarted(step, ticket))
 
     async def _release(self, step: int, indices: list[int]) -> None:
@@ -201,7 +207,7 @@ class TicketDriver:
 
     async def _report(self, a: ReportComplete) -> None:
         try:
-            await self.link.complete(a.step, a.ticket, a.route, a.loss, a.ack)
+            await self.link.complete(a.step, a.ticket, a.route, a.loss, a.ack, a.nonce)
         except ProtocolError as err:
             code = err.code if isinstance(err, CoordinatorRefused) else "unreachable"
             for b in self.core.handle(CompleteRefused(a.step, a.ticket, code, err.reason), self.clock()):

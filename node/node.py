@@ -166,7 +166,7 @@ class Node:
         # The driver starts tickets through the router built next (the closure reaches it when one starts).
         self.driver = TicketDriver(
             self.config, run, self.link, self.progress, accounting=core.accounting, routes=self.routes,
-            start=lambda step, ticket: router.start_ticket(step, ticket), outbound=outbound, clock=self.clock,
+            start=lambda step, ticket, nonce: router.start_ticket(step, ticket, nonce), outbound=outbound, clock=self.clock,
         )
         router = self.router = Router(
             self.host, run, self.worker, corpus, core.accounting, self.compute, routes=self.routes, integrity=self.integrity,

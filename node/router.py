@@ -62,8 +62,8 @@ log = logging.getLogger("protolearn.node")
 MAX_FORWARD_TRIES = 4
 RETRY_PAUSE_S = 0.2
 
-# (step, ticket, route, loss, the last stage's signed ack of them or None in a one-stage run)
-Complete = Callable[[int, int, list[str], float, bytes | None], Awaitable[None]]
+# (step, ticket, route, loss, the last stage's signed ack of them or None in a one-stage run, the lease nonce it signs)
+Complete = Callable[[int, int, list[str], float, bytes | None, bytes], Awaitable[None]]
 
 
 @dataclass
@@ -140,6 +140,8 @@ class Router:
         self.queue_len = 0
         # Records of steps before this one are forgotten (see _forget_applied).
         self._forgotten_before = 0
+        # Each ticket's lease nonce, as stage 0 got it from the coordinator (protocol/acks.py), passed on to the last stage.
+        self._nonces: dict[tuple[int, int], bytes] = {}
 
     # -- wiring ----------------------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -171,6 +173,7 @@ class Router:
         if applied != self._forgotten_before:
             self._forgotten_before = applied
             self.tickets.prune(applied)
+            self._nonces = {k: v for k, v in self._nonces.items() if k[0] >= applied}
             if self.integrity is not None:
                 self.integrity.prune(applied)
 
@@ -223,8 +226,8 @@ class Router:
         return got
 
     # -- stage 0: starting a ticket --------------------------------------------------------------
-    async def start_ticket(self, step: int, ticket: int) -> bool:
-        """Run ticket (step, ticket) through stage 0 and send it on. False if it could not be sent."""
+    async def start_ticket(self, step: int, ticket: int, nonce: bytes = b"") -> bool:
+        """Run ticket (step, ticket), leased with ``nonce``, through stage 0 and send it on. False if it could not be sent."""
         assert self.worker.first and self.corpus is not None
         self._forget_applied()
         decision = self.accounting.admit_forward(step, ticket)
@@ -234,13 +237,14 @@ class Router:
         inputs, targets = microbatch(self.run, self.corpus, step, ticket)
         route = [self.host.peer_id]
         self.tickets.hold((step, ticket), route)
+        self._nonces[(step, ticket)] = nonce
         if self.codec.name == "subspace":
             self.tickets.keep_tokens((step, ticket), inputs)
         if self.worker.last:  # a one-stage run: the whole model is here
             loss, _ = await self._run(self.worker.forward_backward_last, (step, ticket), inputs, targets)
             self._count(loss)
             self.accounting.backward_done(step, ticket)
-            await self.on_complete(step, ticket, route, loss, None)
+            await self.on_complete(step, ticket, route, loss, None, b"")
             return True
         hidden = await self._run(self.worker.forward, (step, ticket), inputs)
         return await self._send_forward(step, ticket, route, hidden)
@@ -271,6 +275,7 @@ class Router:
         self.tickets.received((msg.step, msg.ticket), "input", frame)
         if self.integrity is not None:
             self.integrity.observe(got)
+        self._nonces[(msg.step, msg.ticket)] = msg.nonce  # the latest attempt's, which its ack must name
         if decision.action == "process":
             assert self._nursery is not None
             self._nursery.start_soon(self._forward_received, msg.step, msg.ticket, list(msg.route), hidden)
@@ -290,8 +295,9 @@ class Router:
             loss, grad = await self._run(self.worker.forward_backward_last, key, hidden, targets)
             self._count(loss)
             self.accounting.backward_done(step, ticket)
-            ack = self.host.sign(ack_statement(self.run_hash, step, ticket, route, loss))
-            await self._send_backward(step, ticket, route, loss, grad, ack)
+            nonce = self._nonces.get(key, b"")
+            ack = self.host.sign(ack_statement(self.run_hash, step, ticket, route, loss, nonce))
+            await self._send_backward(step, ticket, route, loss, grad, ack, nonce)
             return
         out = await self._run(self.worker.forward, key, hidden)
         await self._send_forward(step, ticket, route, out)
@@ -317,7 +323,8 @@ class Router:
             self.routes.sending(peer)
             try:
                 async with self.host.open_stream(peer, ACTIVATION) as s:
-                    await s.send(Activation(step=step, ticket=ticket, route=route, inputs=inputs, signature=signature))
+                    nonce = self._nonces.get(key, b"")
+                    await s.send(Activation(step=step, ticket=ticket, route=route, inputs=inputs, signature=signature, nonce=nonce))
                     await s.send_tensor(frame)
                     reply = await s.receive((Ack, Refuse))
             except ProtocolError as err:
@@ -376,14 +383,14 @@ class Router:
             if self.integrity is not None:
                 self.integrity.observe(got)
             assert self._nursery is not None
-            self._nursery.start_soon(self._backward_received, msg.step, msg.ticket, route, msg.loss, grad, msg.ack)
+            self._nursery.start_soon(self._backward_received, msg.step, msg.ticket, route, msg.loss, grad, msg.ack, msg.nonce)
             started = True
         finally:
             if admission.action == "process" and not started:
                 self.accounting.gradient_moot(msg.step, msg.ticket)
 
     async def _backward_received(
-        self, step: int, ticket: int, route: list[str], loss: float, grad: torch.Tensor, ack: bytes | None,
+        self, step: int, ticket: int, route: list[str], loss: float, grad: torch.Tensor, ack: bytes | None, nonce: bytes,
     ) -> None:
         key = (step, ticket)
         try:
@@ -397,13 +404,13 @@ class Router:
         self.accounting.backward_done(step, ticket)
         self._count(loss)
         if self.worker.first:
-            await self.on_complete(step, ticket, route, loss, ack)
+            await self.on_complete(step, ticket, route, loss, ack, nonce)
             return
-        await self._send_backward(step, ticket, route, loss, grad_in, ack)
+        await self._send_backward(step, ticket, route, loss, grad_in, ack, nonce)
 
     @timed_transfer
     async def _send_backward(
-        self, step: int, ticket: int, route: list[str], loss: float, grad: torch.Tensor | None, ack: bytes | None,
+        self, step: int, ticket: int, route: list[str], loss: float, grad: torch.Tensor | None, ack: bytes | None, nonce: bytes,
     ) -> None:
         assert grad is not None
         peer = route[self.stage - 1]
@@ -416,7 +423,7 @@ class Router:
         while True:
             try:
                 async with self.host.open_stream(peer, GRADIENT) as s:
-                    await s.send(Gradient(step=step, ticket=ticket, route=route, loss=loss, ack=ack, inputs=inputs, signature=signature))
+                    await s.send(Gradient(step=step, ticket=ticket, route=route, loss=loss, ack=ack, nonce=nonce, inputs=inputs, signature=signature))
                     await s.send_tensor(frame)
                     reply = await s.receive((Ack, Refuse))
                 if isinstance(reply, Refuse):

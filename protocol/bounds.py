@@ -34,6 +34,9 @@ StageIndex = Annotated[int, Field(ge=0, lt=MAX_STAGES)]
 Ticket = Annotated[int, Field(ge=0, lt=2**31)]
 Hash = Annotated[str, Field(max_length=MAX_HASH)]
 Signature = Annotated[bytes, Field(max_length=MAX_SIGNATURE)]
+# The coordinator's per-lease nonce of a ticket (protocol/acks.py; b"": none, a one-stage run's).
+NONCE_BYTES = 16
+Nonce = Annotated[bytes, Field(max_length=NONCE_BYTES)]
 MemoryGB = Annotated[float, Field(ge=0.0, le=MAX_MEMORY_GB, allow_inf_nan=False)]
 InFlight = Annotated[int, Field(ge=0, le=MAX_IN_FLIGHT)]
 # A node process's random session id (hex; "": not said): it tells a node's own retry or restart from a
@@ -41,6 +44,6 @@ InFlight = Annotated[int, Field(ge=0, le=MAX_IN_FLIGHT)]
 Session = Annotated[str, Field(max_length=32, pattern="^[0-9a-f]*$")]
 
 __all__ = [
-    "MAX_HASH", "MAX_IN_FLIGHT", "MAX_MEMORY_GB", "MAX_PARTICIPANTS", "MAX_PEER_ID", "MAX_SIGNATURE", "MAX_STAGES", "Hash", "InFlight",
-    "MemoryGB", "PeerId", "Session", "Signature", "StageIndex", "Step", "Ticket",
+    "MAX_HASH", "MAX_IN_FLIGHT", "MAX_MEMORY_GB", "MAX_PARTICIPANTS", "MAX_PEER_ID", "MAX_SIGNATURE", "MAX_STAGES", "NONCE_BYTES", "Hash", "InFlight",
+    "MemoryGB", "Nonce", "PeerId", "Session", "Signature", "StageIndex", "Step", "Ticket",
 ]

@@ -43,7 +43,7 @@ from typing import Annotated, ClassVar, Literal
 
 from protolearn.precision import Precision
 from protolearn.protocol.boundary import OutputEvidence
-from protolearn.protocol.bounds import MAX_HASH, MAX_STAGES, Hash, InFlight, MemoryGB, PeerId, Session, Signature, StageIndex, Step, Ticket
+from protolearn.protocol.bounds import MAX_HASH, MAX_STAGES, Hash, InFlight, MemoryGB, Nonce, PeerId, Session, Signature, StageIndex, Step, Ticket
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.states import NodeState
 from protolearn.protocol.wire import Message, Record
@@ -247,6 +247,9 @@ class LeaseReply(Message):
     indices: list[int]
     lease_s: float
     reason: str
+    # One per index: the lease's nonce (protocol/acks.py), which the activation carries to the last stage and
+    # its ack signs, so that an ack from an earlier lease of the ticket cannot complete this one.
+    nonces: list[Nonce] = Field(default_factory=list, max_length=MAX_TICKETS_PER_REQUEST)
 
 
 class Release(Message):
@@ -267,9 +270,12 @@ class Complete(Message):
     # The peer that processed this ticket in each stage, stage 0 first.
     route: list[PeerId] = Field(min_length=1, max_length=MAX_STAGES)
     loss: Annotated[float, Field(allow_inf_nan=False)]
-    # The last stage's signature of protocol/acks.py's ack_statement over (run, step, index, route, loss):
-    # its word that it computed this loss on this route. Needed when the run has more than one stage.
+    # The last stage's signature of protocol/acks.py's ack_statement over (run, step, index, route, loss, and
+    # the lease's nonce): its word that it computed this loss on this route, for this lease. Needed when the run
+    # has more than one stage.
     ack: Signature | None = None
+    # The lease nonce that ack signs (the one the ticket's lease reply gave).
+    nonce: Nonce = b""
 
 
 class CompleteReply(Message):

@@ -34,7 +34,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
-from protolearn.protocol.bounds import MAX_STAGES, Hash, PeerId, Signature, StageIndex, Step, Ticket
+from protolearn.protocol.bounds import MAX_STAGES, Hash, Nonce, PeerId, Signature, StageIndex, Step, Ticket
 from protolearn.protocol.wire import Message
 
 # The node-to-node protocol names, each defined only here; the transport's protocol_id() makes
@@ -66,6 +66,9 @@ class Activation(Message):
     # The sender's inputs digest and its signature of protocol/boundary.py's boundary statement.
     inputs: Annotated[bytes, Field(max_length=64)] = b""
     signature: Signature = b""
+    # The coordinator's nonce of stage 0's lease of the ticket, passed on unchanged; the last stage signs it
+    # into its ack (protocol/acks.py).
+    nonce: Nonce = b""
 
 
 class Gradient(Message):
@@ -81,9 +84,11 @@ class Gradient(Message):
     ticket: Ticket
     route: Route
     loss: Annotated[float, Field(allow_inf_nan=False)]
-    # The last stage's signature of protocol/acks.py's ack_statement(run, step, ticket, route, loss); it
-    # rides back unchanged to stage 0, which hands it to the coordinator with the completion.
+    # The last stage's signature of protocol/acks.py's ack_statement(run, step, ticket, route, loss, nonce),
+    # and the lease nonce it signs; both ride back unchanged to stage 0, which hands them to the coordinator
+    # with the completion.
     ack: Signature | None = None
+    nonce: Nonce = b""
     # The sender's inputs digest and its signature of protocol/boundary.py's boundary statement.
     inputs: Annotated[bytes, Field(max_length=64)] = b""
     signature: Signature = b""

@@ -50,6 +50,9 @@ from protolearn.coordinator.core.redo import RedoDecision, may_reopen, redo_open
 from protolearn.coordinator.core.steps import KEEP_CLOSED, ClosedStep, Ticket
 from protolearn.protocol.rounds import REVISIONS_PER_STEP
 
+# How many of a ticket's latest leases an ack may name (protocol/acks.py): a late completion of a lease re-issued
+# to the same holder still counts. Un-completing a ticket skips that many attempts, so no earlier ack counts.
+ACK_ATTEMPTS = 4
 
 @dataclass(frozen=True)
 class TicketChanges:
@@ -298,6 +301,11 @@ class TicketLedger:
             return CompleteDecision(False, "bad_loss", f"loss {loss} is not a plausible loss (finite, within 0..{self.max_loss:.4g})")
         return None
 
+    def next_revision(self, step: int) -> int:
+        """The revision ``step`` closes at next (1 unless it closed before and was reopened)."""
+        prev = self.closed.get(step)
+        return prev.revision + 1 if prev is not None else 1
+
     def _close(self, now: float) -> ClosedStep:
         prev = self.closed.get(self.step)
         revision = prev.revision + 1 if prev is not None else 1
@@ -349,7 +357,7 @@ class TicketLedger:
             # ``closed`` is set when this step was reopened: the accounting it closed with the last time.
             d = redo_open(step, self.tickets, closed, wanted, by, by_stage, orphaned)
             for i in d.indices:
-                self.tickets[i] = Ticket(i, issued=self.tickets[i].issued)
+                self.tickets[i] = Ticket(i, issued=self.tickets[i].issued + ACK_ATTEMPTS)  # no earlier lease's ack completes it
                 self.dirty.add(i)
             return d
         if closed is None or step != self.step - 1:
@@ -385,7 +393,7 @@ class TicketLedger:
         out = []
         for i, t in enumerate(self.tickets):
             if (t.holder == peer and not t.done) or (t.done and peer in (t.route or ())):
-                self.tickets[i] = Ticket(i, issued=t.issued)
+                self.tickets[i] = Ticket(i, issued=t.issued + ACK_ATTEMPTS)
                 self.dirty.add(i)
                 out.append(i)
         return out

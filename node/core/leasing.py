@@ -62,8 +62,10 @@ class Completed:
     ticket: int
     route: list[str]
     loss: float
-    # The last stage's signature of the route and loss (protocol/acks.py); None in a one-stage run.
+    # The last stage's signature of the route, loss and lease nonce (protocol/acks.py); None in a one-stage run.
     ack: bytes | None = None
+    # The lease nonce that ack signs, as the gradient brought it back.
+    nonce: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class ReportComplete:
     route: list[str]
     loss: float
     ack: bytes | None = None
+    nonce: bytes = b""
 
 
 LeaseAction = RequestLease | StartTicket | Release | ReportComplete | Emit
@@ -205,7 +208,7 @@ class LeaseCore:
             return [Release(event.step, [event.ticket])]
         if isinstance(event, Completed):
             self.started.pop(event.ticket, None)
-            return [ReportComplete(event.step, event.ticket, list(event.route), event.loss, event.ack)]
+            return [ReportComplete(event.step, event.ticket, list(event.route), event.loss, event.ack, event.nonce)]
         if isinstance(event, CompleteRefused):
             out: list[LeaseAction] = [Emit("complete_refused", {"step": event.step, "ticket": event.ticket, "reason": event.reason},
                                            logging.WARNING, f"complete refused step={event.step} ticket={event.ticket} reason={event.reason}")]

@@ -85,20 +85,21 @@ def test_coordinator_survives_kill_9_with_members_step_leases_and_bans(tmp_path:
             # one full step (stage-0 replicas a and c each lease their share), committed once both
             # stages averaged it and every live replica (a, b, c) holds the result; then two leased
             # tickets of step 1 held by a
-            def ack(step: int, i: int, route: list[str], loss: float) -> bytes:
-                """b's signed ack as the last stage, as its router sends it back with the gradient."""
-                return b.host.sign(ack_statement(replies[0].run_hash, step, i, route, loss))
+            def ack(step: int, i: int, route: list[str], loss: float, nonce: bytes) -> bytes:
+                """b's signed ack as the last stage, over the lease's nonce, as its router sends it back with the gradient."""
+                return b.host.sign(ack_statement(replies[0].run_hash, step, i, route, loss, nonce))
 
             for lk in (a, c):
                 lease = await lk.lease(B)
                 assert lease.step == 0 and len(lease.indices) == B // 2
-                for i in lease.indices:
+                for i, nonce in zip(lease.indices, lease.nonces, strict=True):
                     route = [lk.host.peer_id, b.host.peer_id]
-                    await lk.complete(0, i, route, 3.0, ack(0, i, route, 3.0))
+                    await lk.complete(0, i, route, 3.0, ack(0, i, route, 3.0, nonce), nonce)
             assert not (await a.averaged(0, 1)).committed
             assert not (await b.averaged(0, 1)).committed
             assert (await c.averaged(0, 1)).committed
-            held = (await a.lease(2)).indices
+            held_lease = await a.lease(2)
+            held, held_nonces = held_lease.indices, held_lease.nonces
             assert held == [0, 1]
             # reports without evidence never ban, however many
             for lk in (a, b, c):
@@ -117,12 +118,13 @@ def test_coordinator_survives_kill_9_with_members_step_leases_and_bans(tmp_path:
             second = Coordinator(data)
             procs.append(second.proc)
             assert await second.address() == addr  # same identity, same port
-            # the leases survived: only a may complete them, and it can
+            # the leases survived, with their nonces (the restarted coordinator derives the same nonce key from
+            # its identity): only a may complete them, and it can
             route = [a.host.peer_id, b.host.peer_id]
-            await a.complete(1, held[0], route, 2.0, ack(1, held[0], route, 2.0))
+            await a.complete(1, held[0], route, 2.0, ack(1, held[0], route, 2.0, held_nonces[0]), held_nonces[0])
             try:
                 route = [c.host.peer_id, b.host.peer_id]
-                await c.complete(1, held[1], route, 2.0, ack(1, held[1], route, 2.0))
+                await c.complete(1, held[1], route, 2.0, ack(1, held[1], route, 2.0, held_nonces[1]), held_nonces[1])
             except Exception as err:  # noqa: BLE001 - checked below
                 assert getattr(err, "code", None) == "not_leaseholder", err
             else:

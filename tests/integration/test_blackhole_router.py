@@ -10,6 +10,8 @@ from protolearn.node.core.routing import RouteCore
 from protolearn.node.outbound import PASS_THROUGH, Outbound
 from protolearn.node.router import Router
 from protolearn.node.worker import StageWorker
+from protolearn.protocol.acks import ack_statement
+from protolearn.protocol.statements import verify_ed25519
 from protolearn.stages.config import RunConfig
 from protolearn.stages.corpus import load_corpus
 
@@ -37,10 +39,12 @@ def test_a_stage1_blackhole_loses_the_microbatch_and_the_redo_completes_on_the_h
                               on_complete=on_complete, outbound=outbound, send_timeout_s=5.0)  # type: ignore[arg-type]
 
             done: list[tuple[int, int, list[str]]] = []
+            acks: list[tuple[float, bytes | None, bytes]] = []
             completed = trio.Event()
 
-            async def on_complete(step: int, ticket: int, route: list[str], loss: float, ack: bytes | None) -> None:
+            async def on_complete(step: int, ticket: int, route: list[str], loss: float, ack: bytes | None, nonce: bytes) -> None:
                 done.append((step, ticket, route))
+                acks.append((loss, ack, nonce))
                 completed.set()
 
             r0 = router(first, 0, on_complete)
@@ -59,11 +63,16 @@ def test_a_stage1_blackhole_loses_the_microbatch_and_the_redo_completes_on_the_h
                 assert r0.routes.lost(hole.peer_id) == 1
                 # ...so the redo goes to the honest replica and completes.
                 r0.routes.next_peers = [hole.peer_id, good.peer_id]
-                assert await r0.start_ticket(0, 0)
+                nonce = bytes(range(16))  # the redo's lease nonce, as the coordinator gave it
+                assert await r0.start_ticket(0, 0, nonce)
                 assert r0.routes.handed_to(0, good.peer_id) == [0] and r0.routes.handed_to(0, hole.peer_id) == []
                 with trio.fail_after(20):
                     await completed.wait()
                 assert done == [(0, 0, [first.peer_id, good.peer_id])]
+                # The nonce travelled to the last stage and back, signed into its ack.
+                (loss, ack, back), = acks
+                assert back == nonce and ack is not None
+                assert verify_ed25519(good.peer_id, ack_statement(r0.run_hash, 0, 0, done[0][2], loss, nonce), ack)
                 assert r0.routes.overdue(trio.current_time() + 1e3, cap_s=1e6) == []  # it came back: not awaited
                 assert r0.routes.deadline_s(cap_s=60.0) >= r0.routes.balancer.min_deadline_s
                 nursery.cancel_scope.cancel()

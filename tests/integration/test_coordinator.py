@@ -129,12 +129,13 @@ def test_nodes_join_heartbeat_train_steps_leave_and_expire(open_hosts, run_trio,
                             while done < B:
                                 for i, lk in enumerate(s0):
                                     lease = await lk.lease(2)
-                                    for idx in lease.indices:
+                                    assert len(lease.nonces) == len(lease.indices)
+                                    for idx, nonce in zip(lease.indices, lease.nonces):
                                         last_hop = s1[idx % 2].host
                                         route = [lk.host.peer_id, last_hop.peer_id]
                                         # The last stage's signed ack, as its router sends it back with the gradient.
-                                        ack = last_hop.sign(ack_statement(default_run().run_hash(), lease.step, idx, route, 2.0 + idx))
-                                        reply = await lk.complete(lease.step, idx, route, 2.0 + idx, ack)
+                                        ack = last_hop.sign(ack_statement(default_run().run_hash(), lease.step, idx, route, 2.0 + idx, nonce))
+                                        reply = await lk.complete(lease.step, idx, route, 2.0 + idx, ack, nonce)
                                         done += 1
                                         last = trio.current_time()
                                         assert reply.step_closed == (done == B)

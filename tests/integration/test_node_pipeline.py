@@ -111,7 +111,7 @@ def test_last_stage_hop_matches_the_reference_and_refuses_bad_input(open_hosts, 
                 assert torch.equal(grad, expected_grad)
                 # The last stage's ack rides back: its host key's signature of this ticket's route and loss,
                 # which stage 0 hands the coordinator with the completion.
-                statement = ack_statement(RUN.run_hash(), 0, 1, [me, there], msg.loss)
+                statement = ack_statement(RUN.run_hash(), 0, 1, [me, there], msg.loss, b"")  # the activation had no nonce
                 assert msg.ack is not None and verify_ed25519(there, statement, msg.ack)
                 assert not verify_ed25519(me, statement, msg.ack)
                 assert acc.accumulated(0) == [1]

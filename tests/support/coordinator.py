@@ -64,7 +64,7 @@ def run_step(core: CoordinatorCore, s0: str, s1: str, now: float, *, commit: boo
         lease = core.handle(s0, cm.Lease(max_tickets=B), now)
         assert isinstance(lease, cm.LeaseReply) and lease.indices, lease.reason
         for i in lease.indices:
-            last = core.handle(s0, cm.Complete(ack=TEST_ACK, step=step, index=i, route=[s0, s1], loss=2.0 + i), now)
+            last = core.handle(s0, cm.Complete(ack=TEST_ACK, nonce=core.nonce(step, i), step=step, index=i, route=[s0, s1], loss=2.0 + i), now)
     assert isinstance(last, cm.CompleteReply) and last.step_closed
     if commit:
         revision = core.ledger.closed[step].revision

@@ -89,6 +89,8 @@ class SimNode:
     # Rounds whose outcome reached this replica as a survivor: it must decide as the others did.
     survived: set[tuple[int, int]] = field(default_factory=set)
     events: list[str] = field(default_factory=list)
+    # Stage 0: its leases' nonces by (step, ticket), which the real activation carries to the last stage.
+    nonces: dict[tuple[int, int], bytes] = field(default_factory=dict)
 
     def live(self, now: float) -> bool:
         return self.alive and now >= self.hung_until and not self.moved
@@ -524,6 +526,7 @@ class Sim:
                         self._carry_lease(node, lease.handle(lc.LeaseFailed(str(err)), self.now))
                         return
                     assert isinstance(reply, cm.LeaseReply)
+                    node.nonces.update(((reply.step, i), n) for i, n in zip(reply.indices, reply.nonces))
                     self._carry_lease(node, lease.handle(lc.Leased(reply.step, list(reply.indices)), self.now))
 
                 self.to_node(node, HOP_S, ask)
@@ -546,7 +549,8 @@ class Sim:
 
         def go() -> None:
             try:
-                self.request(node.peer, cm.Complete(step=a.step, index=a.ticket, route=a.route, loss=a.loss, ack=a.ack))
+                self.request(node.peer, cm.Complete(step=a.step, index=a.ticket, route=a.route, loss=a.loss, ack=a.ack,
+                                                         nonce=a.nonce))
             except Unavailable:
                 self.to_node(node, 1.0, go)  # the link retries for a while
                 return
@@ -631,8 +635,9 @@ class Sim:
     def _gradient_home(self, node: SimNode, step: int, ticket: int, route: list[str]) -> None:
         assert node.lease is not None
         # The last stage's acknowledgement of the route and loss, as the real router's rides back.
-        ack = None if len(route) == 1 else _sim_sign(route[-1], ack_statement(self.run.run_hash, step, ticket, route, 1.0))
-        self._carry_lease(node, node.lease.handle(lc.Completed(step, ticket, route, 1.0, ack), self.now))
+        nonce = node.nonces.get((step, ticket), b"")
+        ack = None if len(route) == 1 else _sim_sign(route[-1], ack_statement(self.run.run_hash, step, ticket, route, 1.0, nonce))
+        self._carry_lease(node, node.lease.handle(lc.Completed(step, ticket, route, 1.0, ack, nonce), self.now))
 
 
 def _hash(params: list[tuple[int, ...]]) -> str:

@@ -49,11 +49,14 @@ class Swarm:
             self.stages[reply.stage].append(ident.peer_id)
             core.handle(ident.peer_id, cm.Heartbeat(state="training"), 0.0)
 
-    def ack(self, signer: str, step: int, index: int, route: list[str], loss: float) -> bytes:
-        return self.ids[signer].sign(ack_statement(self.core.run.run_hash, step, index, route, loss))
+    def ack(self, signer: str, step: int, index: int, route: list[str], loss: float, nonce: bytes | None = None) -> bytes:
+        """``signer``'s ack, over the ticket's current lease nonce unless ``nonce`` is given (what the lease reply gave)."""
+        nonce = self.core.nonce(step, index) if nonce is None else nonce
+        return self.ids[signer].sign(ack_statement(self.core.run.run_hash, step, index, route, loss, nonce))
 
     def complete(self, s0: str, step: int, index: int, route: list[str], loss: float, now: float) -> cm.CompleteReply:
-        msg = cm.Complete(step=step, index=index, route=route, loss=loss, ack=self.ack(route[-1], step, index, route, loss))
+        nonce = self.core.nonce(step, index)  # the ticket's current lease's, as its lease reply gave it
+        msg = cm.Complete(step=step, index=index, route=route, loss=loss, ack=self.ack(route[-1], step, index, route, loss, nonce), nonce=nonce)
         reply = self.core.handle(s0, msg, now)
         assert isinstance(reply, cm.CompleteReply)
         return reply
@@ -265,6 +268,71 @@ def test_a_completion_needs_the_last_stages_signed_ack_of_its_route_and_loss() -
     for t in (i, j, k, m):
         assert swarm.complete(s0, 0, t, route, 3.0, 0.2).remaining >= 0
     assert core.ledger.remaining() == B - 4
+
+
+# -- attack 10: ack replay ---------------------------------------------------------------------------
+def test_an_ack_from_an_earlier_lease_never_completes_a_redone_or_reopened_ticket() -> None:
+    """The review's replay: a stage-0 member re-leases a redone ticket and hands in the last stage's ack from
+    the ticket's earlier attempt, same route and loss, without running anything. Each lease has its own
+    nonce, which the ack must sign, so the old ack is refused; a real run of the new lease completes."""
+    core = make_core(RUN, SETTINGS)
+    swarm = Swarm(core, per_stage=1)
+    s0, s1 = swarm.stages[0][0], swarm.stages[1][0]
+    route = [s0, s1]
+
+    def old_ack(index: int) -> tuple[bytes, bytes]:
+        nonce = core.nonce(0, index)
+        return swarm.ack(s1, 0, index, route, 3.0, nonce), nonce
+
+    # Within the open step: ticket 0 is done, then stage 1 (which lost its gradients, say) asks to redo it.
+    lease = core.handle(s0, cm.Lease(max_tickets=1), 0.0)
+    (i,) = lease.indices
+    assert lease.nonces == [core.nonce(0, i)] and len(lease.nonces[0]) == 16
+    ack, nonce = old_ack(i)
+    assert core.handle(s0, cm.Complete(step=0, index=i, route=route, loss=3.0, ack=ack, nonce=nonce), 0.1).remaining == B - 1
+    core.handle(s1, cm.Redo(step=0, indices=[i], reason="lost its gradients"), 0.2)
+    again = core.handle(s0, cm.Lease(max_tickets=1), 0.3)
+    assert again.indices == [i] and again.nonces != lease.nonces
+    refused("bad_ack", core.handle, s0, cm.Complete(step=0, index=i, route=route, loss=3.0, ack=ack, nonce=nonce), 0.4)
+    # Naming the new nonce with the old signature is no better: the ack signs the nonce.
+    refused("bad_ack", core.handle, s0, cm.Complete(step=0, index=i, route=route, loss=3.0, ack=ack, nonce=again.nonces[0]), 0.4)
+    assert core.ledger.remaining() == B
+    kept = {i: old_ack(i)}
+    assert core.handle(s0, cm.Complete(step=0, index=i, route=route, loss=3.0, ack=kept[i][0], nonce=kept[i][1]), 0.5).remaining == B - 1
+
+    # A reopened step: every ticket's ack of revision 1 is kept, the step reopens, and none of them counts again.
+    while core.ledger.step == 0:
+        for t in core.handle(s0, cm.Lease(max_tickets=B), 0.6).indices:
+            kept[t] = old_ack(t)
+            core.handle(s0, cm.Complete(step=0, index=t, route=route, loss=3.0, ack=kept[t][0], nonce=kept[t][1]), 0.6)
+    assert sorted(kept) == list(range(B)) and core.ledger.closed[0].revision == 1
+    assert core.handle(s1, cm.Redo(step=0, indices=list(range(B)), reason="a replica died", revision=1), 0.7).reopened
+    leased: list[int] = []
+    while len(leased) < B:
+        leased += core.handle(s0, cm.Lease(max_tickets=B), 0.8).indices
+    for t, (ack, nonce) in kept.items():
+        refused("bad_ack", core.handle, s0, cm.Complete(step=0, index=t, route=route, loss=3.0, ack=ack, nonce=nonce), 0.9)
+    assert core.ledger.step == 0 and core.ledger.remaining() == B
+    for t in range(B):
+        swarm.complete(s0, 0, t, route, 3.0, 1.0)
+    assert core.ledger.step == 1 and core.ledger.closed[0].revision == 2
+
+
+def test_a_late_completion_of_a_lease_re_issued_to_the_same_holder_still_counts() -> None:
+    """A lease that ran out while its ticket was in flight, re-issued to the same holder: the first attempt's
+    ack names the earlier nonce, and it is genuine work, so it counts (ACK_ATTEMPTS back)."""
+    core = make_core(RUN, SETTINGS)
+    swarm = Swarm(core, per_stage=1)
+    s0, s1 = swarm.stages[0][0], swarm.stages[1][0]
+    route = [s0, s1]
+    first = core.handle(s0, cm.Lease(max_tickets=1), 0.0)
+    (i,) = first.indices
+    ack = swarm.ack(s1, 0, i, route, 3.0, first.nonces[0])
+    later = SETTINGS.lease_s + 1.0
+    reissued = core.handle(s0, cm.Lease(max_tickets=1), later)
+    assert reissued.indices == [i] and reissued.nonces != first.nonces
+    reply = core.handle(s0, cm.Complete(step=0, index=i, route=route, loss=3.0, ack=ack, nonce=first.nonces[0]), later + 0.1)
+    assert reply.remaining == B - 1
 
 
 def test_a_one_stage_run_needs_no_ack() -> None:

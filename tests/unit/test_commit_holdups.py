@@ -35,7 +35,7 @@ def _close(core: CoordinatorCore, s0: str, s1: str, now: float) -> int:
     step = core.ledger.step
     while core.ledger.step == step:
         for i in core.handle(s0, cm.Lease(max_tickets=B), now).indices:
-            core.handle(s0, cm.Complete(ack=TEST_ACK, step=step, index=i, route=[s0, s1], loss=1.0), now)
+            core.handle(s0, cm.Complete(ack=TEST_ACK, nonce=core.nonce(step, i), step=step, index=i, route=[s0, s1], loss=1.0), now)
     return step
 
 
@@ -90,7 +90,7 @@ def test_a_participant_holdout_in_a_stage_of_two_is_expelled_after_its_graces_an
     step = core.ledger.step
     while core.ledger.step == step:
         for i in core.handle(s0, cm.Lease(max_tickets=B), 0.2).indices:
-            core.handle(s0, cm.Complete(ack=TEST_ACK, step=step, index=i, route=[s0, hung if i % 2 else s1], loss=1.0), 0.2)
+            core.handle(s0, cm.Complete(ack=TEST_ACK, nonce=core.nonce(step, i), step=step, index=i, route=[s0, hung if i % 2 else s1], loss=1.0), 0.2)
     _report(core, step, (s0, s0b, s1), 0.3)
     limit = STEP_SETTINGS.expel_after_strikes
     assert limit is not None
@@ -137,7 +137,7 @@ def test_a_stage0_replica_that_sat_on_its_leases_is_not_waited_for_at_all() -> N
         _beat(core, now)
         core.housekeeping(now)
         for i in core.handle(s0, cm.Lease(max_tickets=B), now).indices:
-            core.handle(s0, cm.Complete(ack=TEST_ACK, step=step, index=i, route=[s0, s1], loss=1.0), now)
+            core.handle(s0, cm.Complete(ack=TEST_ACK, nonce=core.nonce(step, i), step=step, index=i, route=[s0, s1], loss=1.0), now)
     assert core.ledger.step == step + 1, "the others closed the step"
     assert "late_leases:1" in core.verdicts.flags_of(hung)
     _report(core, step, (s0, s1, s1b), now)

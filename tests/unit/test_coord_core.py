@@ -52,9 +52,9 @@ def test_only_stage0_leases_and_routes_must_name_live_members_of_each_stage() ->
         core.handle("b", cm.Lease(max_tickets=1), 0.0)
     i = core.handle("a", cm.Lease(max_tickets=1), 0.0).indices[0]
     with pytest.raises(Refusal, match="bad_route"):
-        core.handle("a", cm.Complete(ack=TEST_ACK, step=0, index=i, route=["a", "ghost"], loss=1.0), 0.0)
+        core.handle("a", cm.Complete(ack=TEST_ACK, nonce=core.nonce(0, i), step=0, index=i, route=["a", "ghost"], loss=1.0), 0.0)
     with pytest.raises(Refusal, match="not_leaseholder"):
-        core.handle("a", cm.Complete(ack=TEST_ACK, step=0, index=i + 1, route=["a", "b"], loss=1.0), 0.0)
+        core.handle("a", cm.Complete(ack=TEST_ACK, nonce=core.nonce(0, i + 1), step=0, index=i + 1, route=["a", "b"], loss=1.0), 0.0)
 
 
 def test_leaving_member_frees_its_leases_and_the_tickets_routed_through_it() -> None:
@@ -62,7 +62,7 @@ def test_leaving_member_frees_its_leases_and_the_tickets_routed_through_it() -> 
     join(core, "a"), join(core, "b"), join(core, "c")  # c is a second stage-0 replica
     la = core.handle("a", cm.Lease(max_tickets=2), 0.0).indices
     lc = core.handle("c", cm.Lease(max_tickets=2), 0.0).indices
-    core.handle("a", cm.Complete(ack=TEST_ACK, step=0, index=la[0], route=["a", "b"], loss=1.0), 0.0)
+    core.handle("a", cm.Complete(ack=TEST_ACK, nonce=core.nonce(0, la[0]), step=0, index=la[0], route=["a", "b"], loss=1.0), 0.0)
     reply = core.handle("c", cm.Leave(reason="bye"), 1.0)
     assert reply.released == lc
     reply = core.handle("b", cm.Leave(), 1.0)
@@ -146,7 +146,7 @@ def test_state_survives_a_store_round_trip(tmp_path: Path) -> None:
     core.handle("a", cm.Heartbeat(state="training", step=0, param_hash="h0"), 0.5)
     run_step(core, "a", "b", 1.0)
     leased = core.handle("a", cm.Lease(max_tickets=2), 2.0).indices
-    core.handle("a", cm.Complete(ack=TEST_ACK, step=1, index=leased[0], route=["a", "b"], loss=1.0), 2.0)
+    core.handle("a", cm.Complete(ack=TEST_ACK, nonce=core.nonce(1, leased[0]), step=1, index=leased[0], route=["a", "b"], loss=1.0), 2.0)
     core.ban("c", "operator", 2.0)
     store.apply(core.drain())
     store.close()
@@ -197,7 +197,7 @@ def test_redo_and_release_through_requests() -> None:
     idx = core.handle("a", cm.Lease(max_tickets=B), 0.0).indices
     assert core.handle("a", cm.Release(step=0, indices=[idx[-1]]), 0.0).released == [idx[-1]]
     for i in idx[:-1]:
-        core.handle("a", cm.Complete(ack=TEST_ACK, step=0, index=i, route=["a", "b"], loss=1.0), 0.0)
+        core.handle("a", cm.Complete(ack=TEST_ACK, nonce=core.nonce(0, i), step=0, index=i, route=["a", "b"], loss=1.0), 0.0)
     # the stage-1 hop of ticket 0 lost its graph: b asks for a redo, and only tickets it touched
     reply = core.handle("b", cm.Redo(step=0, indices=[0], reason="backward hop failed"), 0.5)
     assert reply.indices == [0] and not reply.reopened and core.ledger.remaining() == 2
@@ -206,13 +206,13 @@ def test_redo_and_release_through_requests() -> None:
         core.handle("c", cm.Redo(step=0, indices=[1]), 0.5)
     # finish the step, then drop b's contribution: the step reopens and closes again as revision 2
     for i in core.handle("a", cm.Lease(max_tickets=B), 1.0).indices:
-        core.handle("a", cm.Complete(ack=TEST_ACK, step=0, index=i, route=["a", "b"], loss=1.0), 1.0)
+        core.handle("a", cm.Complete(ack=TEST_ACK, nonce=core.nonce(0, i), step=0, index=i, route=["a", "b"], loss=1.0), 1.0)
     assert core.step_info(0).closed
     reply = core.handle("b", cm.Redo(step=0, indices=[2, 3], reason="contribution dropped"), 2.0)
     assert reply.reopened and reply.open_step == 0
     assert not core.step_info(0).closed
     for i in core.handle("a", cm.Lease(max_tickets=B), 3.0).indices:
-        core.handle("a", cm.Complete(ack=TEST_ACK, step=0, index=i, route=["a", "b"], loss=1.0), 3.0)
+        core.handle("a", cm.Complete(ack=TEST_ACK, nonce=core.nonce(0, i), step=0, index=i, route=["a", "b"], loss=1.0), 3.0)
     info = core.step_info(0, min_revision=2)
     assert info.closed and info.revision == 2 and info.num_tickets == B
 
@@ -230,7 +230,7 @@ def _close_through(core: CoordinatorCore, s0: str, alive: str, dead: str) -> Non
     B = core.run.microbatches_per_step
     while core.ledger.step == 0:
         for i in core.handle(s0, cm.Lease(max_tickets=B), 0.0).indices:
-            core.handle(s0, cm.Complete(ack=TEST_ACK, step=0, index=i, route=[s0, alive if i % 2 else dead], loss=1.0), 0.0)
+            core.handle(s0, cm.Complete(ack=TEST_ACK, nonce=core.nonce(0, i), step=0, index=i, route=[s0, alive if i % 2 else dead], loss=1.0), 0.0)
 
 
 def test_a_survivor_redoes_a_dead_replicas_tickets_even_after_another_stage_averaged() -> None:
@@ -274,7 +274,7 @@ def test_when_every_participant_of_a_stage_is_gone_any_replica_of_it_may_redo_th
     # Stage 1's share went entirely through `dead`; `alive` took no part.
     while core.ledger.step == 0:
         for i in core.handle(s0, cm.Lease(max_tickets=B), 0.0).indices:
-            core.handle(s0, cm.Complete(ack=TEST_ACK, step=0, index=i, route=[s0, dead], loss=1.0), 0.0)
+            core.handle(s0, cm.Complete(ack=TEST_ACK, nonce=core.nonce(0, i), step=0, index=i, route=[s0, dead], loss=1.0), 0.0)
     with pytest.raises(Refusal, match="redo_refused"):
         core.handle(alive, cm.Redo(step=0, indices=list(range(B))), 0.5)
     core.handle(dead, cm.Leave(reason="died"), 0.6)
@@ -330,7 +330,7 @@ def test_each_working_stage0_replica_holds_at_most_its_share_of_the_step() -> No
     assert len(first) == B // 2
     assert core.handle(a, cm.Lease(max_tickets=B), 0.1).indices == []  # a replica that asks later is not starved
     assert len(core.handle(b, cm.Lease(max_tickets=B), 0.2).indices) == B - B // 2
-    core.handle(a, cm.Complete(ack=TEST_ACK, step=0, index=first[0], route=[a, c], loss=1.0), 0.3)
+    core.handle(a, cm.Complete(ack=TEST_ACK, nonce=core.nonce(0, first[0]), step=0, index=first[0], route=[a, c], loss=1.0), 0.3)
     core.handle(b, cm.Release(step=0, indices=core.ledger.holdings(b)), 0.3)
     assert core.handle(a, cm.Lease(max_tickets=B), 0.4).indices  # with room in hand, a takes what is free
 
@@ -397,7 +397,7 @@ def test_a_holders_report_counts_for_its_stage_after_a_coordinator_restart(tmp_p
     B = core.run.microbatches_per_step
     while core.ledger.step == 0:
         for i in core.handle(s0, cm.Lease(max_tickets=B), 0.0).indices:
-            core.handle(s0, cm.Complete(ack=TEST_ACK, step=0, index=i, route=[s0, dead], loss=1.0), 0.0)
+            core.handle(s0, cm.Complete(ack=TEST_ACK, nonce=core.nonce(0, i), step=0, index=i, route=[s0, dead], loss=1.0), 0.0)
     store = Store(tmp_path)
     store.apply(core.drain())
     again = make_core()

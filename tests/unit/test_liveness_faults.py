@@ -314,7 +314,7 @@ def test_stage0_restarts_overdue_tickets_elsewhere_and_reports_a_peer_that_keeps
     now = [0.0]
     routes = RouteCore()
 
-    async def start(step: int, ticket: int) -> bool:
+    async def start(step: int, ticket: int, nonce: bytes) -> bool:
         raise AssertionError("the liveness pass starts nothing itself")
 
     d = TicketDriver(config, run_, Link(), Progress(), accounting=Accounting(4, 8, 2), routes=routes, start=start,  # type: ignore[arg-type]

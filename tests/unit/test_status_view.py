@@ -47,9 +47,9 @@ def swarm(steps: int = 40, closed: int = 12, *, replicas_per_stage: int = 2) -> 
         for i in range(2):
             route = [s0[i % len(s0)], s1[i % len(s1)]]
             loss = 5.5 - 3.0 * step / max(1, closed)
-            core.handle(route[0], cm.Lease(max_tickets=1), now)
-            ack = _sign(route[-1], ack_statement(run.run_hash, step, i, route, loss))
-            core.handle(route[0], cm.Complete(step=step, index=i, route=route, loss=loss, ack=ack), now)
+            lease = core.handle(route[0], cm.Lease(max_tickets=1), now)
+            ack = _sign(route[-1], ack_statement(run.run_hash, step, i, route, loss, lease.nonces[0]))
+            core.handle(route[0], cm.Complete(step=step, index=i, route=route, loss=loss, ack=ack, nonce=lease.nonces[0]), now)
         for peer, _ in members:
             core.handle(peer, cm.Averaged(step=step, revision=1, result_hash="r"), now)
         now += 2.0
