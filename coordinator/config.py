@@ -55,6 +55,11 @@ class CoordinatorSettings(BaseModel):
     # sees it; loopback is exempt) are refused for this long (``cooldown``): a fresh key is free, an
     # address is not. Known identities (restarts) are not affected. 0: off (coordinator/core/cooldown.py).
     ban_cooldown_s: float = Field(600.0, ge=0)
+    # The most of a stage's replicas that one public IP address, and one /24 (IPv6: /64), may hold, as shares
+    # of the stage (always at least one replica each); loopback and private addresses are exempt
+    # (coordinator/core/address_cap.py).
+    max_stage_share_per_ip: float = Field(1 / 3, gt=0, le=1)
+    max_stage_share_per_subnet: float = Field(0.5, gt=0, le=1)
     max_members: int = Field(100_000, ge=1)
     # Keep the finished run's model: once its last step commits, members are told (heartbeat replies'
     # ``final``) to stay until the coordinator's adapter has fetched every stage (coordinator start does).

@@ -248,7 +248,7 @@ class CoordinatorCore:
         self.admission.precision(msg.precision, self.run.precisions)
         old = self.registry.members.get(peer)
         # The coordinator's own verdict, never the node's claim (msg.reachability).
-        d = self.registry.join(peer, JoinInfo.of(msg, self.reachability.verdict_of(peer)), now)
+        d = self.registry.join(peer, JoinInfo.of(msg, self.reachability.verdict_of(peer), ip), now)
         if not d.accepted:
             raise Refusal(d.code, d.reason)
         try:

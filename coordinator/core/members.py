@@ -63,6 +63,8 @@ class Member:
     path: str = ""
     # The session of the process that joined as it ("": not said; protocol/bounds.py Session).
     session: str = ""
+    # The IP address its join came from, as the coordinator saw it ("": unknown): address_cap.py.
+    ip: str = ""
 
     def __post_init__(self) -> None:
         self.state = NodeState(self.state)  # the store keeps it as its string value
@@ -93,11 +95,14 @@ class JoinInfo:
     # The microbatches it lets in at once (0: not said): with memory_gb, which stages fit it (fit.py).
     max_in_flight: int = 0
     session: str = ""  # its process's session ("": not said)
+    # The IP address its connection came from, as the coordinator's host saw it (None: unknown).
+    ip: str | None = None
 
     @classmethod
-    def of(cls, msg: cm.Join, reachability: str) -> JoinInfo:
-        """What ``msg`` claims, with the coordinator's own ``reachability`` verdict for the node's."""
-        return cls(list(msg.addrs), msg.device, msg.memory_gb, msg.throughput, msg.name, reachability, msg.relay, msg.max_in_flight, msg.session)
+    def of(cls, msg: cm.Join, reachability: str, ip: str | None = None) -> JoinInfo:
+        """What ``msg`` claims, with the coordinator's own ``reachability`` verdict for the node's and the address it saw."""
+        return cls(list(msg.addrs), msg.device, msg.memory_gb, msg.throughput, msg.name, reachability, msg.relay, msg.max_in_flight,
+                   msg.session, ip)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.core.address_cap import AddressCap, subnet_of
 from protolearn.coordinator.core.assignment import Move, StageLoad, place, propose_move
 from protolearn.coordinator.core.fit import fitting, no_fit_reason
 from protolearn.coordinator.core.members import (
@@ -204,6 +205,16 @@ class Registry:
         fits = fitting(self.footprints, info.memory_gb, info.max_in_flight) if self.footprints else None
         if fits is not None and not any(fits):
             return MemberDecision(False, "no_fit", no_fit_reason(self.footprints, info.memory_gb, info.max_in_flight))
+        if info.ip is not None and subnet_of(info.ip) is not None:
+            cap = AddressCap(self.settings.max_stage_share_per_ip, self.settings.max_stage_share_per_subnet)
+            ips: list[list[str]] = [[] for _ in range(self.num_stages)]
+            for other in self.live():
+                if other.peer_id != peer_id and other.ip and 0 <= other.stage < self.num_stages:
+                    ips[other.stage].append(other.ip)
+            admitted = [cap.admits(info.ip, stage_ips) for stage_ips in ips]
+            fits = admitted if fits is None else [f and a for f, a in zip(fits, admitted, strict=True)]
+            if not any(fits):
+                return MemberDecision(False, "address_cap", cap.reason(info.ip))
         previous = old.stage if old is not None and self._holds_stage_state(old) else None
         choice = place(self.loads(), self.shares, previous, fits)
         rejoined = old is not None
@@ -221,6 +232,7 @@ class Registry:
             reachability=old.reachability if info.reachability == "unknown" and old is not None else info.reachability,
             relay=info.relay,
             session=info.session,
+            ip=info.ip or "",
         )
         if old is not None:
             m.step, m.param_hash = old.step, old.param_hash
