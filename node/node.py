@@ -319,10 +319,12 @@ class Node:
                     self.driver.member_left()
                 self._apply_view()
         self._update_waiting()
+        stranded = self._stranded()
         if reply.stage != self.stage and not self._moved_warned:
             self._moved_warned = True
-            log.warning("coordinator reassigned this node to stage %d; it moves after step %d", reply.stage, self.applied)
-        if self._stranded() and self._closing is not None:
+            when = "now (nobody works in that stage)" if stranded else f"after step {self.applied}"
+            log.warning("coordinator reassigned this node to stage %d; it moves %s", reply.stage, when)
+        if stranded and self._closing is not None:
             self._closing.cancel()
 
     def _stranded(self) -> bool:
