@@ -25,7 +25,8 @@ class Ticket:
     done: bool = False
     route: list[str] | None = None
     loss: float | None = None
-    # How many times this ticket has been leased (re-issues show up in the log and the metrics).
+    # Its lease attempt number: one more per lease, ACK_ATTEMPTS more per un-completion (tickets.py), so that the
+    # lease nonce of each attempt (protocol/acks.py) is new; persisted with the ticket.
     issued: int = 0
 
 
