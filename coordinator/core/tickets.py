@@ -54,6 +54,7 @@ from protolearn.protocol.rounds import REVISIONS_PER_STEP
 # to the same holder still counts. Un-completing a ticket skips that many attempts, so no earlier ack counts.
 ACK_ATTEMPTS = 4
 
+
 @dataclass(frozen=True)
 class TicketChanges:
     """What :meth:`TicketLedger.drain` hands the store: the open step's changed tickets (all of them
