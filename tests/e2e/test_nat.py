@@ -131,7 +131,7 @@ def test_a_node_whose_relay_dies_moves_to_another_and_training_goes_on(tmp_path:
     # Port-randomising NATs: nothing is punched, so the relays carry all the traffic between the nodes.
     with nat_topology(random_fully=True) as topo:
         # Long enough to train on for a while after the relay died: finding that out takes about 10 s.
-        steps = 150
+        steps = 90
         swarm = NatSwarm(topo, tmp_path, steps)
         relay: subprocess.Popen | None = None
         try:
