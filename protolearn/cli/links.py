@@ -15,7 +15,6 @@ import typer
 
 from protolearn.errors import ConfigError
 from protolearn.protocol.link import LinkSpec, parse_link, parse_links_file
-from protolearn.protocol.transport.config import usable_link
 
 LinkOption = Annotated[str | None, typer.Option(
     "--link", metavar="SPEC", help="Give every node this emulated home link: RATE,DELAY[,JITTER] or up=RATE,down=RATE,DELAY[,JITTER], e.g. 50mbit,40ms.",
@@ -25,6 +24,8 @@ LinksOption = Annotated[Path | None, typer.Option("--links", metavar="FILE", hel
 
 def node_links(num_nodes: int, link: str | None, links: Path | None) -> list[LinkSpec | None]:
     """One link (or None: unshaped) per node, from the demo's flags."""
+    from protolearn.protocol.transport.config import usable_link  # loads libp2p: only for a command that runs
+
     if link is not None and links is not None:
         raise ConfigError("--link and --links exclude each other: give every node one SPEC, or a FILE with one per node")
     if link is not None:

@@ -45,11 +45,7 @@ def _train_local(
     )] = False,
 ) -> None:
     """Train the run locally: all its pipeline stages chained in this process."""
-    import torch  # imported here so `protolearn --help` stays fast
-
-    from protolearn.node.export import load_model, read_model_info
     from protolearn.stages.config import load_run_config
-    from protolearn.stages.reference import ReferenceTrainer
 
     if steps is not None and steps < 1:
         raise ConfigError(f"--steps={steps} must be at least 1")
@@ -57,9 +53,19 @@ def _train_local(
         raise ConfigError(f"--threads={threads} must be at least 1")
     if eval_every < 1:
         raise ConfigError(f"--eval-every={eval_every} must be at least 1")
+    # A mistake in the config is told before torch loads (seconds sooner), unless the run comes from --init.
+    run = load_run_config(config) if config is not None or init is None else None
+
+    import torch  # imported here so `protolearn --help` stays fast
+
+    from protolearn.node.export import load_model, read_model_info
+    from protolearn.stages.reference import ReferenceTrainer
+
     info = read_model_info(init) if init is not None else None
     # An exported model carries its run; an explicit --config wins (load_model checks the shapes fit).
-    run = info.run() if info is not None and config is None else load_run_config(config)
+    if run is None:
+        assert info is not None
+        run = info.run()
     if data is not None:
         run = run.replace(**{"data.path": str(data)})
     start_step = info.step if info is not None else 0
