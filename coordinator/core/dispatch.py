@@ -27,8 +27,6 @@ completion needs the last stage's signed acknowledgement of its route and loss (
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import math
 from collections import deque
@@ -36,6 +34,7 @@ from collections.abc import Callable
 from functools import partial
 
 from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.core.acks import AckDesk, default_nonce_key
 from protolearn.coordinator.core.admission import Admission, counted
 from protolearn.coordinator.core.assignment import shares_from_layers
 from protolearn.coordinator.core.changes import Changes
@@ -54,11 +53,10 @@ from protolearn.coordinator.core.reports import Reports
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.status import build_status
 from protolearn.coordinator.core.steps import ClosedStep, Ticket
-from protolearn.coordinator.core.tickets import ACK_ATTEMPTS, TicketLedger
+from protolearn.coordinator.core.tickets import TicketLedger
 from protolearn.coordinator.core.verdicts import Ban, VerdictPolicy
 from protolearn.coordinator.errors import Refusal
 from protolearn.protocol import coordination as cm
-from protolearn.protocol.acks import ack_statement, lease_nonce
 from protolearn.protocol.errors import SignatureError
 from protolearn.protocol.identity import verify_peer
 from protolearn.protocol.wire import Message, encode
@@ -88,7 +86,6 @@ class CoordinatorCore:
         """``nonce_key``: the secret of the lease nonces (protocol/acks.py); the service derives it from its
         identity, so it holds across restarts. Without one (tests, benches) it is derived from ``peer_id``."""
         self.run = run
-        self.nonce_key = nonce_key or hashlib.sha256(b"protolearn/lease-nonce-key\x00" + peer_id.encode()).digest()
         self.settings = settings
         self.peer_id = peer_id
         self.started_at = started_at
@@ -100,11 +97,12 @@ class CoordinatorCore:
             run.microbatches_per_step, run.num_stages, lease_s=settings.lease_s, block=settings.lease_block,
             max_revisions=settings.max_revisions, max_loss=max_loss,
         )
+        self.acks = AckDesk(run.run_hash, self.ledger, nonce_key or default_nonce_key(peer_id), verify)
         self.verdicts = VerdictPolicy(settings)
         self.integrity = IntegrityDesk(self.registry, self.verdicts, run, enabled=settings.integrity_bans)
         self.reports = Reports(self.registry, self.verdicts, self.integrity, verify=verify, apply_ban=self._apply_ban)
         self.leases = LeaseDiscipline(
-            settings, self.registry, self.ledger, self.verdicts, ban=self.ban, acked=lambda msg: self._ack_refusal(msg) is None,
+            settings, self.registry, self.ledger, self.verdicts, ban=self.ban, acked=lambda msg: self.acks.signature_refusal(msg) is None,
         )
         self.holdups = Holdups(settings, self.ledger, self.verdicts, ban=self.ban)
         self.redos = RedoBudget(settings.max_redos_per_peer, self.verdicts)
@@ -327,10 +325,8 @@ class CoordinatorCore:
         return cm.LeaseReply(step=d.step, indices=d.indices, lease_s=self.settings.lease_s, reason=d.reason, nonces=nonces)
 
     def nonce(self, step: int, index: int, attempt: int | None = None) -> bytes:
-        """The nonce of lease ``attempt`` (default: the latest) of ticket ``(step, index)`` in the step's next revision."""
-        if attempt is None:
-            attempt = self.ledger.tickets[index].issued
-        return lease_nonce(self.nonce_key, step, self.ledger.next_revision(step), index, attempt)
+        """The nonce of lease ``attempt`` (default: the latest) of ticket ``(step, index)``: :meth:`AckDesk.nonce`."""
+        return self.acks.nonce(step, index, attempt)
 
     def _complete(self, member: Member, msg: cm.Complete, now: float) -> cm.CompleteReply:
         for stage, hop in enumerate(msg.route):
@@ -341,7 +337,7 @@ class CoordinatorCore:
         if early is not None:  # refused before any signature is checked
             self.leases.refused(member.peer_id, early.code, msg)
             raise Refusal(early.code, early.reason)
-        refusal = self._ack_refusal(msg) or self._nonce_refusal(msg)
+        refusal = self.acks.refusal(msg)
         if refusal is not None:
             raise refusal
         d = self.ledger.complete(member.peer_id, msg.step, msg.index, msg.route, msg.loss, now)
@@ -353,28 +349,6 @@ class CoordinatorCore:
             self.step_history.closed(d.closed)
             log.info("step closed step=%d loss=%.4f revision=%d", d.closed.step, d.closed.loss, d.closed.revision)
         return cm.CompleteReply(step=msg.step, index=msg.index, step_closed=d.closed is not None, remaining=d.remaining)
-
-    def _ack_refusal(self, msg: cm.Complete) -> Refusal | None:
-        """Why ``msg`` lacks the last stage's acknowledgement, or None: only the last stage knows that the
-        ticket went the whole way and what its loss was, so it signs the route and the loss."""
-        if len(msg.route) <= 1:
-            return None
-        last = msg.route[-1]
-        if msg.ack is None:
-            return Refusal("bad_ack", f"no acknowledgement from the last stage {last}; redo the ticket")
-        if not self.verify(last, ack_statement(self.run.run_hash, msg.step, msg.index, msg.route, msg.loss, msg.nonce), msg.ack):
-            return Refusal("bad_ack", f"the acknowledgement is not the last stage {last}'s signature of this route and loss")
-        return None
-
-    def _nonce_refusal(self, msg: cm.Complete) -> Refusal | None:
-        """Why the nonce ``msg``'s ack signed is not one of the ticket's current leases (protocol/acks.py), or None:
-        an ack from before a redo or a reopening of the ticket proves the earlier attempt, not this one."""
-        if len(msg.route) <= 1:
-            return None
-        issued = self.ledger.tickets[msg.index].issued
-        if any(hmac.compare_digest(msg.nonce, self.nonce(msg.step, msg.index, a)) for a in range(issued, max(0, issued - ACK_ATTEMPTS), -1)):
-            return None
-        return Refusal("bad_ack", f"the acknowledgement is for an earlier lease of ticket ({msg.step},{msg.index}), not a current one; redo the ticket")
 
     def _redo(self, member: Member, msg: cm.Redo, now: float) -> cm.RedoReply:
         peer = member.peer_id
