@@ -51,7 +51,7 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
 fi
 .venv/bin/python -m pip install -q -e ".[test]"
 # pip byte-compiles what it installs, but not an editable project's own sources. Where PYTHONDONTWRITEBYTECODE
-# is set (as on this project's CI machines), every process would compile them again: about 1 s more per
+# is set (as on this project's CI machines), every process would compile them again: about 0.5 s of CPU more per
 # node, coordinator or CLI start. Python still checks each source's mtime, so an edit is picked up.
 .venv/bin/python -m compileall -q -j 0 protolearn protocol stages node coordinator scripts >/dev/null
 .venv/bin/python -c 'import protolearn.cli.main' || { echo "setup: protolearn failed to import" >&2; exit 1; }

@@ -7,7 +7,7 @@ steps of the node's own compute, its peak resident growth (Linux ``VmHWM`` after
 glibc's malloc raises its mmap threshold each time a large block is freed, so later tensors come from the
 heap, where freed memory is reused or not by chance: the same probe read 122 to 160 MB of growth. A fixed
 threshold (``MALLOC_MMAP_THRESHOLD_``) maps every large tensor on its own and unmaps it when freed, so the
-peak is that of the live tensors the estimate counts, and three runs agree within 1%.
+peak is that of the live tensors the estimate counts: four runs of each case agreed within 0.5%.
 """
 
 from __future__ import annotations
