@@ -76,6 +76,7 @@ REQUEST_TYPES: tuple[type[Message], ...] = (
     cm.Averaged,
     cm.CorpusCheck,
     cm.Report,
+    cm.WitnessDraw,
     cm.IntegrityReport,
     cm.Leave,
     cm.StatusRequest,

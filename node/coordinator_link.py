@@ -355,6 +355,11 @@ class CoordinatorLink:
         reply, _ = await self._request(msg, cm.ReportReply)
         return reply
 
+    async def witnesses(self, target: str, step: int, ticket: int, direction: str) -> list[str]:
+        """The replicas the coordinator drew to recompute ``target``'s (step, ticket, direction) output."""
+        reply, _ = await self._request(cm.WitnessDraw(target=target, step=step, ticket=ticket, direction=direction), cm.WitnessDrawReply)
+        return reply.witnesses
+
     async def integrity_report(
         self, target: str, reason: str, evidence: OutputEvidence | None, fault: ReducerFault | None = None,
     ) -> cm.ReportReply:

@@ -12,11 +12,15 @@ The :class:`~protolearn.node.router.Router` calls it for every tensor it sends a
   signed tensor with NaN or Inf is evidence on its own (:meth:`Integrity.nonfinite`).
 - **A spot check** of sender A of stage s: its inputs are gathered (stage 0's forward has none; A
   shows the frame it received over ``show``, and this node holds the activation it sent A itself),
-  checked against the digest A signed, and sent over ``check`` to another replica B of stage s, which
-  recomputes with the weights for the same step and signs its output. If B's output is within
-  :func:`~protolearn.protocol.boundary.tolerance` of A's, A passed. If not, a third replica D breaks
-  the tie: the odd one out of three signed outputs is convicted by the coordinator, which verifies
-  everything itself. With no third replica the mismatch is reported without evidence (a flag).
+  checked against the digest A signed, and sent over ``check`` to the witnesses the coordinator drew
+  (``coordinator/core/witnesses.py``; never this node's choice), which recompute with the weights for the
+  same step and sign their outputs. If the first witness's output is within
+  :func:`~protolearn.protocol.boundary.tolerance` of A's, A passed. If not, every drawn witness is asked:
+  when all of them agree with each other and not with A, the evidence goes to the coordinator, which
+  verifies everything itself and convicts A. When the others side with A, the first witness is the odd one
+  and is reported without evidence (only the checked replica can be convicted: the draw was for it). A
+  mismatch that cannot be settled (one witness only, or a witness that does not answer) is reported without
+  evidence (a flag).
 - **Serving** ``show`` and ``check`` to the neighbours that check this node: :mod:`protolearn.node.check_serving`.
 """
 
@@ -65,6 +69,8 @@ CLAIM_INTERVAL_S = 10.0
 
 # (accused, reason, evidence or None, a reducer's fault or None) → whether the coordinator banned the accused.
 Report = Callable[[str, str, OutputEvidence | None, ReducerFault | None], Awaitable[bool]]
+# (checked peer, step, ticket, direction) → the witnesses the coordinator drew, in the order to ask them.
+Witnesses = Callable[[str, int, int, str], Awaitable[list[str]]]
 
 
 @dataclass
@@ -96,19 +102,19 @@ class Integrity:
 
     def __init__(
         self, host: Host, run: RunConfig, worker, corpus: Corpus | None, compute: trio.CapacityLimiter, *,
-        tickets: Tickets, replicas: Callable[[int], list[str]], stage_of: Callable[[str], int | None], report: Report,
+        tickets: Tickets, witnesses: Witnesses, stage_of: Callable[[str], int | None], report: Report,
         timeout_s: float, seed: int, outbound: Outbound = PASS_THROUGH,
     ) -> None:
         """``tickets``: the stage's per-ticket record (node/core/tickets.py), where the router keeps the
-        frames this replica received and sent and to whom. ``replicas``/``stage_of``: the membership
-        view. ``report``: sends an integrity report to the coordinator. ``worker``, ``corpus``, ``compute``
+        frames this replica received and sent and to whom. ``witnesses``: asks the coordinator for a check's
+        witnesses. ``stage_of``: the membership view. ``report``: sends an integrity report to the coordinator. ``worker``, ``corpus``, ``compute``
         and ``outbound`` (the filter each result passes through, node/outbound.py) serve the checks that
         neighbours make of this replica (node/check_serving.py)."""
         self.host = host
         self.run = run
         self.stage = worker.stage
         self.tickets = tickets
-        self.replicas = replicas
+        self.witnesses = witnesses
         self.stage_of = stage_of
         self.report = report
         self.timeout_s = timeout_s
@@ -218,44 +224,57 @@ class Integrity:
         if inputs is None:
             self.stats.checks_inconclusive += 1
             return
-        others = [p for p in self.replicas(got.stage) if p not in (got.peer, self.host.peer_id)]
-        self.rng.shuffle(others)
+        drawn = [p for p in await self.witnesses(got.peer, got.step, got.ticket, got.direction) if p not in (got.peer, self.host.peer_id)]
+        if not drawn:
+            self.stats.checks_inconclusive += 1
+            return
         results: dict[str, tuple[bytes, TensorFrame, torch.Tensor]] = {}
-        for peer in others:
-            r = await self._ask_check(peer, got, inputs)
-            if r is None:
-                continue
-            results[peer] = r
-            if len(results) == 1 and distance(got.tensor, r[2]) <= self.tolerance:
+        first = await self._ask_check(drawn[0], got, inputs)
+        if first is not None:
+            if distance(got.tensor, first[2]) <= self.tolerance:
                 self._count(got.peer, passed=True)
                 return
-            if len(results) == 2:
-                break
-        if not results:
-            self.stats.checks_inconclusive += 1
+            results[drawn[0]] = first
+
+        async def ask(peer: str) -> None:
+            r = await self._ask_check(peer, got, inputs)
+            if r is not None:
+                results[peer] = r
+
+        async with trio.open_nursery() as nursery:
+            for peer in drawn[1:]:
+                nursery.start_soon(ask, peer)
+        await self._judge(got, drawn, results)
+
+    async def _judge(self, got: Received, drawn: list[str], results: dict[str, tuple[bytes, TensorFrame, torch.Tensor]]) -> None:
+        """Settle a spot check whose first witness disagreed with (or did not answer for) ``got.peer``."""
+        near = {w: distance(got.tensor, r[2]) <= self.tolerance for w, r in results.items()}
+        against = [w for w in drawn if w in results and not near[w]]
+        if len(drawn) >= 2 and len(against) == len(drawn) and all(
+            distance(results[w][2], results[v][2]) <= self.tolerance for i, w in enumerate(against) for v in against[i + 1:]
+        ):
+            self._count(got.peer, passed=False)
+            outputs = [SignedOutput.of(got.peer, got.signature, got.frame)] + [SignedOutput.of(w, results[w][0], results[w][1]) for w in drawn]
+            ev = OutputEvidence(
+                accused=got.peer, step=got.step, ticket=got.ticket, direction=got.direction, stage=got.stage, inputs=got.inputs, outputs=outputs,
+            )
+            await self._send_evidence(got.peer, f"spot check of step {got.step} ticket {got.ticket} ({got.direction})", ev)
             return
-        far = distance(got.tensor, next(iter(results.values()))[2])
-        if len(results) < 2:
-            self.stats.checks_inconclusive += 1
+        first = drawn[0]
+        if against == [first] and len(results) == len(drawn) >= 2:
+            # Every other witness sides with the checked output: the first witness's recomputation is the odd one.
+            self._count(got.peer, passed=True)
+            await self._send_evidence(first, f"spot check: its recomputation of step {got.step} ticket {got.ticket} "
+                                             f"disagreed with {len(drawn) - 1} other witness(es) and the checked output", None)
+            return
+        self.stats.checks_inconclusive += 1
+        if against and 2 * len(against) > len(results):
             self.policy.failed(got.peer)
-            await self._send_evidence(got.peer, f"spot check: its {got.direction} output of step {got.step} is {far:.3g} away from a replica's (no third replica to confirm)", None)
-            return
-        (b, (sig_b, frame_b, t_b)), (d, (sig_d, frame_d, t_d)) = results.items()
-        outputs = {got.peer: SignedOutput.of(got.peer, got.signature, got.frame), b: SignedOutput.of(b, sig_b, frame_b), d: SignedOutput.of(d, sig_d, frame_d)}
-        close = {(got.peer, b): far <= self.tolerance, (got.peer, d): distance(got.tensor, t_d) <= self.tolerance, (b, d): distance(t_b, t_d) <= self.tolerance}
-        if close[(b, d)] and not close[(got.peer, d)]:
-            accused = got.peer
-        elif close[(got.peer, d)] and not close[(b, d)]:
-            accused = b  # the first checker was the one that lied
-        else:
-            self.stats.checks_inconclusive += 1
-            return
-        self._count(got.peer, passed=accused != got.peer)
-        ev = OutputEvidence(
-            accused=accused, step=got.step, ticket=got.ticket, direction=got.direction, stage=got.stage, inputs=got.inputs,
-            outputs=list(outputs.values()),
-        )
-        await self._send_evidence(accused, f"spot check of step {got.step} ticket {got.ticket} ({got.direction})", ev)
+            far = min(distance(got.tensor, results[w][2]) for w in against)
+            missing = len(drawn) - len(results)
+            why = f"{missing} of {len(drawn)} drawn witnesses did not answer" if missing else "too few replicas to convict"
+            await self._send_evidence(got.peer, f"spot check: its {got.direction} output of step {got.step} is {far:.3g} away from "
+                                                f"{len(against)} witness(es)' ({why})", None)
 
     def _count(self, peer: str, *, passed: bool) -> None:
         counts = self.per_peer.setdefault(peer, [0, 0])

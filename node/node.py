@@ -160,7 +160,7 @@ class Node:
         outbound = attack.outbound(self.worker) if attack else PASS_THROUGH
         self.integrity = Integrity(
             self.host, run, self.worker, corpus, self.compute, tickets=tickets, outbound=outbound,
-            replicas=lambda s: self.view.stage_peers(s), stage_of=lambda peer: self.view.stage_of(peer),
+            witnesses=self._witnesses, stage_of=lambda peer: self.view.stage_of(peer),
             report=self._integrity_report, timeout_s=self.config.request_timeout_s, seed=self.integrity_seed,
         )
         # The driver starts tickets through the router built next (the closure reaches it when one starts).
@@ -221,6 +221,14 @@ class Node:
             # would wait for "its replicas' parameter hashes" forever.
             self.hashes.record(applied - 1, await trio.to_thread.run_sync(self.worker.param_hash, limiter=self.compute))
         self.core.handle(Synced(applied), self.clock())
+
+    async def _witnesses(self, target: str, step: int, ticket: int, direction: str) -> list[str]:
+        """The coordinator's draw of witnesses for a spot check of ``target`` (none when it refuses)."""
+        try:
+            return await self.link.witnesses(target, step, ticket, direction)
+        except CoordinatorRefused as err:
+            log.info("witness draw refused peer=%s code=%s reason=%s", target, err.code, err.detail)
+            return []
 
     async def _integrity_report(self, target: str, reason: str, evidence: OutputEvidence | None, fault: ReducerFault | None = None) -> bool:
         """Send an integrity report; True when the coordinator banned ``target`` (this node then shuts

@@ -49,6 +49,8 @@ _STATEMENT = b"protolearn/pipeline/boundary/1\x00"
 DIGEST_BYTES = 32
 # At most two input frames (a middle stage's backward: its activation and the gradient it received).
 MAX_INPUTS = 2
+# A spot check's witnesses (drawn by the coordinator): evidence holds the accused's output and at most this many more.
+MAX_WITNESSES = 8
 Direction = Literal["fwd", "bwd"]
 
 # Relative L2 error each codec adds on its own (measured on boundary tensors, with room to spare):
@@ -137,8 +139,9 @@ class SignedOutput(Message):
 
 
 class OutputEvidence(Message):
-    """Outputs of one stage's replicas for the same (step, ticket, direction, inputs); ``accused`` is
-    the odd one out. One output alone is evidence when its frame holds NaN or Inf."""
+    """Outputs of one stage's replicas for the same (step, ticket, direction, inputs): the accused's and its
+    witnesses', which all agree with each other and not with the accused. One output alone is evidence when its
+    frame holds NaN or Inf."""
 
     KIND: ClassVar[str] = "integrity.evidence"
     accused: PeerId
@@ -147,7 +150,7 @@ class OutputEvidence(Message):
     direction: Direction
     stage: StageIndex
     inputs: Annotated[bytes, Field(max_length=MAX_INPUTS * DIGEST_BYTES)]
-    outputs: Annotated[list[SignedOutput], Field(min_length=1, max_length=3)]
+    outputs: Annotated[list[SignedOutput], Field(min_length=1, max_length=1 + MAX_WITNESSES)]
 
 
 def verify_evidence(
@@ -191,9 +194,10 @@ def verify_evidence(
     if len(others) < 2:
         raise ProtocolError(ev.accused, "a mismatch needs two other replicas' outputs to convict")
     tol = tolerance(codec, check_tolerance, precisions)
-    a, b = (tensors[p] for p in others)
-    if distance(a, b) > tol:
-        raise ProtocolError(ev.accused, "the two other replicas disagree with each other: no majority")
+    for i, p in enumerate(others):
+        for q in others[i + 1:]:
+            if distance(tensors[p], tensors[q]) > tol:
+                raise ProtocolError(ev.accused, "the other replicas disagree with each other: no majority")
     far = [distance(accused, tensors[p]) for p in others]
     if min(far) <= tol:
         raise ProtocolError(ev.accused, f"the accused's output is within {tol:.3g} of another replica's: no fault")
@@ -201,5 +205,5 @@ def verify_evidence(
     how = f"{worst:.3g}" if math.isfinite(worst) else "inf"
     return (
         f"spot check: its {ev.direction} output for step {ev.step} ticket {ev.ticket} is {how} (relative L2) away "
-        f"from 2 other replicas' recomputation of the same signed inputs (tolerance {tol:.3g})"
+        f"from {len(others)} other replicas' recomputation of the same signed inputs (tolerance {tol:.3g})"
     )

@@ -32,6 +32,8 @@ Request → reply:
 - :class:`CorpusCheck` → :class:`CorpusCheckReply`: a node that reads the training data (stage 0 or the
   last stage) checks its corpus fingerprint against the swarm's; the first one sets it.
 - :class:`Report` → :class:`ReportReply`: a fault report about a peer, with optional signed evidence.
+- :class:`WitnessDraw` → :class:`WitnessDrawReply`: the replicas a spot check must ask to recompute an output
+  (drawn by the coordinator, ``coordinator/core/witnesses.py``); :class:`IntegrityReport` → :class:`ReportReply`.
 - :class:`Leave` → :class:`LeaveReply`.
 - :class:`StatusRequest` → :class:`~protolearn.protocol.status_schema.Status`: the swarm view (its
   schema: ``protocol/status_schema.py``; built by ``coordinator/core/status.py``).
@@ -42,7 +44,7 @@ from __future__ import annotations
 from typing import Annotated, ClassVar, Literal
 
 from protolearn.precision import Precision
-from protolearn.protocol.boundary import OutputEvidence
+from protolearn.protocol.boundary import MAX_WITNESSES, Direction, OutputEvidence
 from protolearn.protocol.bounds import MAX_HASH, MAX_STAGES, Hash, InFlight, MemoryGB, Nonce, PeerId, Session, Signature, StageIndex, Step, Ticket
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.states import NodeState
@@ -392,6 +394,23 @@ class IntegrityReport(Message):
     evidence: OutputEvidence | None = None
     # Or: a collective reducer of the reporter's own stage signed a wrong part (protocol/reducer_check.py).
     reducer_fault: ReducerFault | None = None
+
+
+class WitnessDraw(Message):
+    """A spot check of ``target``'s (step, ticket, direction) output asks who recomputes it: the coordinator
+    draws the witnesses from its own records (coordinator/core/witnesses.py), never the reporter."""
+
+    KIND: ClassVar[str] = "coord.witness_draw"
+    target: PeerId
+    step: Step
+    ticket: Ticket
+    direction: Direction
+
+
+class WitnessDrawReply(Message):
+    KIND: ClassVar[str] = "coord.witness_draw_reply"
+    # In the order to ask them; evidence convicts only with every one of them agreeing against the target.
+    witnesses: Annotated[list[PeerId], Field(max_length=MAX_WITNESSES)]
 
 
 class ReportReply(Message):

@@ -55,6 +55,7 @@ from protolearn.coordinator.core.status import build_status
 from protolearn.coordinator.core.steps import ClosedStep, Ticket
 from protolearn.coordinator.core.tickets import TicketLedger
 from protolearn.coordinator.core.verdicts import Ban, VerdictPolicy
+from protolearn.coordinator.core.witnesses import witness_key
 from protolearn.coordinator.errors import Refusal
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import SignatureError
@@ -99,7 +100,7 @@ class CoordinatorCore:
         )
         self.acks = AckDesk(run.run_hash, self.ledger, nonce_key or default_nonce_key(peer_id), verify)
         self.verdicts = VerdictPolicy(settings)
-        self.integrity = IntegrityDesk(self.registry, self.verdicts, run, enabled=settings.integrity_bans)
+        self.integrity = IntegrityDesk(self.registry, self.verdicts, run, enabled=settings.integrity_bans, key=witness_key(self.acks.key))
         self.reports = Reports(self.registry, self.verdicts, self.integrity, verify=verify, apply_ban=self._apply_ban)
         self.leases = LeaseDiscipline(
             settings, self.registry, self.ledger, self.verdicts, ban=self.ban, acked=lambda msg: self.acks.signature_refusal(msg) is None,
@@ -191,6 +192,8 @@ class CoordinatorCore:
             return self.corpus_desk.check(member, msg.fingerprint)
         if isinstance(msg, cm.Report):
             return self.reports.report(peer, msg, now)
+        if isinstance(msg, cm.WitnessDraw):
+            return self.integrity.witnesses(peer, msg, self.ledger.frontier)
         if isinstance(msg, cm.IntegrityReport):
             return self.reports.integrity_report(peer, msg, now, self.ledger.frontier)
         if isinstance(msg, cm.Leave):

@@ -5,14 +5,15 @@ A node that caught a neighbouring stage computing wrong sends :class:`~protolear
 
 - the reporter must be a live member of a stage next to the accused's (the one that received its
   output), and cannot report itself;
-- with evidence (``protocol/boundary.py``), every signer but the accused must be a live member the
-  coordinator assigned to the accused's stage (its own record, never a heartbeat's claim of the stage a
-  node serves), other than the reporter and none banned, and :func:`~protolearn.protocol.boundary.verify_evidence` must pass: the three signatures
-  over the same inputs, the two other replicas' outputs within tolerance of each other and the
-  accused's beyond it (or one signed tensor with NaN/Inf). Then the accused is banned with the reason
-  (``integrity_bans``, on by default): a conviction rests on two independent recomputations it signed
-  nothing of, or on its own signature;
-- without evidence (no third replica to break a tie) the report is a claim: an ``integrity`` flag
+- the witnesses that recompute the checked output are the coordinator's draw (:meth:`IntegrityDesk.witnesses`,
+  ``witnesses.py``), never the reporter's choice: evidence of a mismatch must hold the output of every drawn
+  witness and of nobody else, each still a live member the coordinator assigned to the accused's stage (its
+  own record, never a heartbeat's claim of the stage a node serves), none banned;
+- :func:`~protolearn.protocol.boundary.verify_evidence` must pass: every signature over the same inputs, the
+  witnesses' outputs within tolerance of each other and the accused's beyond it (or one signed tensor with
+  NaN/Inf). Then the accused is banned with the reason (``integrity_bans``, on by default): a conviction
+  rests on a strict majority of the other replicas recomputing what it signed, or on its own signature;
+- without evidence (too few replicas to draw from, a witness that did not answer) the report is a claim: an ``integrity`` flag
   strike, shown in ``swarm status``, never a ban.
 
 Every report that reaches a verdict is an :class:`EvidenceRecord`, persisted in the store with the
@@ -31,8 +32,10 @@ from protolearn.coordinator.core.members import Member
 from protolearn.coordinator.core.registry import Registry
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.verdicts import VerdictPolicy
+from protolearn.coordinator.core.witnesses import Draws
 from protolearn.coordinator.errors import Refusal
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.boundary import OutputEvidence
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.frames import TensorLimits
 from protolearn.protocol.identity import verify_peer
@@ -58,6 +61,8 @@ class IntegrityDesk:
     verdicts: VerdictPolicy
     run: RunInfo
     enabled: bool = True
+    # The coordinator's secret for drawing witnesses (witnesses.py); "" in tests that never draw.
+    key: bytes = b""
     # peer → evidence records against it / filed by it (status); records not yet persisted.
     against: Counter[str] = field(default_factory=Counter)
     filed: Counter[str] = field(default_factory=Counter)
@@ -65,6 +70,39 @@ class IntegrityDesk:
     # target → reporter → what the reporter's checks found of it (each heartbeat replaces the reporter's list).
     checks: dict[str, dict[str, cm.PeerCheck]] = field(default_factory=dict)
     _checked_by: dict[str, set[str]] = field(default_factory=dict)
+    draws: Draws = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.draws = Draws(self.key)
+
+    def witnesses(self, reporter: str, msg: cm.WitnessDraw, frontier: int) -> cm.WitnessDrawReply:
+        """The replicas ``reporter`` must ask to recompute ``msg.target``'s output (witnesses.py): drawn from the
+        live replicas of the target's stage other than the target and the reporter, none banned."""
+        accused, me = self._pair(reporter, msg.target)
+        if msg.step >= frontier + 1:
+            raise Refusal("bad_step", f"step {msg.step} has not started")
+        if self.verdicts.is_banned(msg.target):
+            return cm.WitnessDrawReply(witnesses=[])
+        stage = accused.stage
+        if not any(abs(m - stage) == 1 for m in me.stages):
+            raise Refusal("bad_report", "only a stage next to the checked one receives its outputs and can check them")
+        # Replicas that train at this stage now (they hold its weights) and that the coordinator assigned to it
+        # (its own record, never a heartbeat's claim of the stage a node serves).
+        eligible = [
+            p for p in self.registry.serving(stage)
+            if p not in (msg.target, reporter) and self.registry.assigned(p, stage) and not self.verdicts.is_banned(p)
+        ]
+        got = self.draws.give(self.run.run_hash, reporter, msg.target, msg.step, msg.ticket, msg.direction, eligible)
+        return cm.WitnessDrawReply(witnesses=list(got))
+
+    def _pair(self, reporter: str, target: str) -> tuple[Member, Member]:
+        if target == reporter:
+            raise Refusal("bad_report", "a peer cannot report itself")
+        accused = self.registry.members.get(target)
+        me = self.registry.members.get(reporter)
+        if accused is None or me is None:
+            raise Refusal("unknown_peer", f"{target} is not a member of this swarm")
+        return accused, me
 
     def observe_checks(self, reporter: str, checks: list[cm.PeerCheck]) -> None:
         """Record ``reporter``'s heartbeat view of its checks (a claim: shown as the median, never acted on)."""
@@ -110,12 +148,7 @@ class IntegrityDesk:
         """Judge ``msg`` from ``reporter``: (ban, reason). A malformed report, or evidence that does not
         hold, raises :class:`~protolearn.coordinator.errors.Refusal`."""
         target = msg.target
-        if target == reporter:
-            raise Refusal("bad_report", "a peer cannot report itself")
-        accused = self.registry.members.get(target)
-        me = self.registry.members.get(reporter)
-        if accused is None or me is None:
-            raise Refusal("unknown_peer", f"{target} is not a member of this swarm")
+        accused, me = self._pair(reporter, target)
         banned = self.verdicts.already_banned(target)
         if banned is not None:
             return True, banned.reason
@@ -133,14 +166,7 @@ class IntegrityDesk:
             raise Refusal("bad_evidence", f"the evidence accuses {ev.accused[-8:]} of stage {ev.stage}, not {target[-8:]} of its stage")
         if ev.step >= frontier + 1:
             raise Refusal("bad_evidence", f"step {ev.step} has not started")
-        for out in ev.outputs:
-            # Roles come from the coordinator's own records: a live member it assigned to the stage, never a
-            # heartbeat's claim of the stage it serves, a departed member, or the reporter (issue 27).
-            if out.signer != target and not self.registry.assigned(out.signer, ev.stage) or out.signer == reporter:
-                raise Refusal("bad_evidence", f"signer {out.signer[-8:]} is not a replica of stage {ev.stage} "
-                                              "(a live member the coordinator assigned to it, other than the reporter)")
-            if out.signer != target and self.verdicts.is_banned(out.signer):
-                raise Refusal("bad_evidence", f"signer {out.signer[-8:]} is banned: its output counts for nothing")
+        self._drawn(reporter, ev)
         from protolearn.protocol.boundary import verify_evidence  # loads torch: only when evidence comes
         from protolearn.subspace import make_subspace
 
@@ -156,6 +182,24 @@ class IntegrityDesk:
         except ProtocolError as err:
             raise Refusal("bad_evidence", err.reason) from None
         return self._convict(reporter, target, ev.step, why, hashlib.sha256(encode(ev)).hexdigest(), now)
+
+    def _drawn(self, reporter: str, ev: OutputEvidence) -> None:
+        """Refuse evidence whose witnesses are not exactly the draw handed to ``reporter`` for this check, each
+        still a live replica the coordinator assigned to the stage and not banned (one signer alone: NaN/Inf)."""
+        witnesses = {o.signer for o in ev.outputs} - {ev.accused}
+        if not witnesses:
+            return
+        drawn = self.draws.given(reporter, ev.accused, ev.step, ev.ticket, ev.direction)
+        if drawn is None:
+            raise Refusal("bad_evidence", f"no witness draw on record for this check of {ev.accused[-8:]}: ask for one (coord.witness_draw)")
+        if witnesses != set(drawn):
+            raise Refusal("bad_evidence", "the evidence's witnesses are not the ones the coordinator drew for this check")
+        for w in witnesses:
+            # Roles come from the coordinator's own records: a live member it assigned to the stage (issue 27).
+            if not self.registry.assigned(w, ev.stage):
+                raise Refusal("bad_evidence", f"witness {w[-8:]} is no longer a live replica of stage {ev.stage}")
+            if self.verdicts.is_banned(w):
+                raise Refusal("bad_evidence", f"witness {w[-8:]} is banned: its output counts for nothing")
 
     def _reducer_fault(self, reporter: str, me: Member, msg: cm.IntegrityReport, stages: set[int], now: float) -> tuple[bool, str]:
         """A replica of the reporter's own stage signed a wrong reduced part: checked by recomputing it."""

@@ -2,8 +2,10 @@
 one of them sent, and sends the coordinator evidence it can verify itself (protocol/boundary.py).
 
 Four hosts on loopback: three stage-0 replicas A, B, D with identical weights, and a stage-1 checker R.
-No coordinator runs here: R's report callable captures what it would send, and the test verifies the
-evidence with the coordinator's own check (:func:`~protolearn.protocol.boundary.verify_evidence`).
+No coordinator runs here: R's report callable captures what it would send, its witness draw names every
+other replica of the checked stage (what the coordinator's draw is with two eligible replicas,
+coordinator/core/witnesses.py), and the test verifies the evidence with the coordinator's own check
+(:func:`~protolearn.protocol.boundary.verify_evidence`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import trio
 from protolearn.node.core.tickets import Tickets
 from protolearn.node.integrity import Integrity, Received
+from protolearn.node.outbound import PASS_THROUGH, Outbound
 from protolearn.node.worker import StageWorker
 from protolearn.protocol.boundary import boundary_statement, frame_digest, verify_evidence
 from protolearn.protocol.codecs import CodecContext, make_encoder
@@ -33,14 +36,24 @@ SHAPE = [2, 16, 32]
 SUBSPACE_RUN = RUN.replace(**{"codec": "subspace", "subspace.rank": 4})
 
 
-def _integrity(host, worker, corpus, stages: dict[str, int], reports: list, run: RunConfig = RUN) -> Integrity:
+class _LyingChecks(Outbound):
+    """A witness that flips every recomputation it serves (and nothing it sends on the pipeline)."""
+
+    def tensor(self, t, step, ticket, direction, *, check=False):
+        return -t if check else t
+
+
+def _integrity(host, worker, corpus, stages: dict[str, int], reports: list, run: RunConfig = RUN, outbound: Outbound = PASS_THROUGH) -> Integrity:
     async def report(accused, reason, ev, fault):
         reports.append((accused, reason, ev))
         return False
 
+    async def witnesses(target, step, ticket, direction):
+        return sorted(p for p, st in stages.items() if st == stages[target] and p != target)
+
     return Integrity(
-        host, run, worker, corpus, trio.CapacityLimiter(1), tickets=Tickets(), replicas=lambda s: sorted(p for p, st in stages.items() if st == s),
-        stage_of=stages.get, report=report, timeout_s=10.0, seed=7,
+        host, run, worker, corpus, trio.CapacityLimiter(1), tickets=Tickets(), witnesses=witnesses,
+        stage_of=stages.get, report=report, timeout_s=10.0, seed=7, outbound=outbound,
     )
 
 
@@ -94,6 +107,38 @@ def test_a_lying_replica_is_caught_by_two_recomputations_and_an_honest_one_passe
                 nursery.cancel_scope.cancel()
 
     run_trio(main, timeout=90)
+
+
+def test_a_lying_first_witness_is_outvoted_and_reported_without_evidence(open_hosts, run_trio) -> None:
+    """The first drawn witness flips its recomputation; the second agrees with the checked output. The checked
+    replica passes, and the first witness is reported as a claim only: the draw was for the checked replica,
+    so no evidence against the witness can convict it (coordinator/core/witnesses.py)."""
+    corpus = load_corpus(RUN.data)
+
+    async def main() -> None:
+        async with open_hosts(4) as (a, b, d, r):
+            stages = {a.peer_id: 0, b.peer_id: 0, d.peer_id: 0, r.peer_id: 1}
+            liar, honest_witness = sorted((b, d), key=lambda h: h.peer_id)  # the fake draw asks them in sorted order
+            reports: list = []
+            async with trio.open_nursery() as nursery:
+                _integrity(liar, StageWorker(RUN, 0), corpus, stages, [], outbound=_LyingChecks()).register(nursery)
+                _integrity(honest_witness, StageWorker(RUN, 0), corpus, stages, []).register(nursery)
+                checker = _integrity(r, StageWorker(RUN, 1), corpus, stages, reports)
+                checker.register(nursery)
+                checker.monitor = None
+                tokens = microbatch(RUN, corpus, 0, 1)[0]
+                honest = StageWorker(RUN, 0).forward((0, 1), tokens)
+                frame, sig = _sent(a, honest, 0, 1, RUN, tokens)
+                checker.observe(Received(a.peer_id, 0, "fwd", 0, 1, b"", frame, sig, honest))
+                with trio.fail_after(20):
+                    while not reports:
+                        await trio.sleep(0.05)
+                accused, reason, ev = reports[0]
+                assert accused == liar.peer_id and ev is None and "disagreed with 1 other witness" in reason
+                assert checker.per_peer[a.peer_id] == [1, 0] and checker.stats.checks_passed == 1
+                nursery.cancel_scope.cancel()
+
+    run_trio(main, timeout=60)
 
 
 def test_a_replica_recomputes_only_for_a_neighbouring_stage_and_at_its_own_weights(open_hosts, run_trio) -> None:

@@ -1,8 +1,9 @@
 """The coordinator's integrity verdicts (coordinator/core/integrity.py): evidence it checks itself convicts,
 nothing else does. Real cores, real Ed25519 keys, real tensors in real codec frames; a fake clock.
 
-A spot check's evidence is three replicas' signed outputs of the same inputs; the odd one out is banned
-only if the other two agree within tolerance and it does not. A signed tensor with NaN convicts its
+A spot check's evidence is the accused's signed output and those of the witnesses the coordinator drew for
+the check (coordinator/core/witnesses.py), all of the same inputs; the accused is banned only if the
+witnesses agree with each other within tolerance and it does not. A signed tensor with NaN convicts its
 signer alone. A report without evidence is a flag, and nothing a reporter signs itself counts.
 """
 
@@ -41,6 +42,7 @@ class Swarm:
             reply = core.handle(ident.peer_id, cm.Join(addrs=["/ip4/127.0.0.1/tcp/9"], throughput=100.0), 0.0)
             self.ids[ident.peer_id] = ident
             self.stage[reply.stage].append(ident.peer_id)
+            core.handle(ident.peer_id, cm.Heartbeat(state="training", stage=reply.stage), 0.1)  # it trains: a witness may be drawn
 
     def output(
         self, signer: str, t: torch.Tensor, *, step: int = 0, ticket: int = 1, codec: str = "none", inputs: bytes = b"", context: CodecContext | None = None,
@@ -52,6 +54,11 @@ class Swarm:
 
 def honest(seed: int = 0) -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+def drawn(core: CoordinatorCore, reporter: str, target: str, *, step: int = 0, ticket: int = 1) -> list[str]:
+    """The witnesses the coordinator draws for ``reporter``'s check of ``target`` (what a node asks first)."""
+    return core.handle(reporter, cm.WitnessDraw(target=target, step=step, ticket=ticket, direction="fwd"), 0.9).witnesses
 
 
 def report(core: CoordinatorCore, reporter: str, target: str, ev: OutputEvidence | None, now: float = 1.0) -> cm.ReportReply:
@@ -69,6 +76,7 @@ def test_two_agreeing_recomputations_convict_the_odd_replica_and_the_ban_persist
     sw = Swarm(core)
     liar, b, d = sw.stage[0]
     checker = sw.stage[1][0]
+    assert sorted(drawn(core, checker, liar)) == sorted([b, d])  # two eligible replicas: both are drawn
     y = honest()
     ev = OutputEvidence(accused=liar, step=0, ticket=1, direction="fwd", stage=0, inputs=b"",
                   outputs=[sw.output(liar, -y), sw.output(b, y), sw.output(d, y)])
@@ -103,6 +111,7 @@ def test_no_single_peer_can_frame_an_honest_replica() -> None:
     sw = Swarm(core, n0=3)
     a, b, d = sw.stage[0]
     checker = sw.stage[1][0]
+    drawn(core, checker, a)
     y = honest()
     # The checker alters the accused's output: the accused's signature no longer holds.
     forged = sw.output(a, y).model_copy(update={"data": (-y).numpy().tobytes()})
@@ -117,10 +126,15 @@ def test_no_single_peer_can_frame_an_honest_replica() -> None:
     assert "signature" in refused(core, checker, a, ev)
     # A recomputation by a peer that is not a replica of the stage counts for nothing.
     ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, -y), sw.output(b, y), sw.output(checker, y)])
-    assert "not a replica" in refused(core, checker, a, ev)
+    assert "not the ones the coordinator drew" in refused(core, checker, a, ev)
+    # Evidence of a check nobody drew witnesses for (here: another ticket) is refused.
+    ev = OutputEvidence(accused=a, step=0, ticket=2, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, -y, ticket=2), sw.output(b, y, ticket=2), sw.output(d, y, ticket=2)])
+    assert "no witness draw on record" in refused(core, checker, a, ev)
     # Only a neighbouring stage receives a stage's outputs, so only it reports them.
     ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, -y), sw.output(b, y), sw.output(d, y)])
     assert "next to" in refused(core, b, a, ev)
+    with pytest.raises(Refusal, match="next to"):
+        drawn(core, b, a)
     assert not any(core.verdicts.is_banned(p) for p in sw.ids)
 
 
@@ -131,6 +145,7 @@ def test_codec_error_is_not_a_fault_but_a_scaled_output_is() -> None:
     sw = Swarm(core)
     a, b, d = sw.stage[0]
     checker = sw.stage[1][0]
+    drawn(core, checker, a)
     y = honest(3)
     # An honest int8 frame against raw recomputations: within the codec's tolerance, refused as no fault.
     ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, y, codec="int8"), sw.output(b, y), sw.output(d, y)])
@@ -154,6 +169,7 @@ def test_subspace_frames_in_evidence_are_decoded_with_the_runs_subspace() -> Non
     sw = Swarm(core)
     a, b, d = sw.stage[0]
     checker = sw.stage[1][0]
+    drawn(core, checker, a)
     ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, y, codec="subspace", context=ctx), sw.output(b, y), sw.output(d, y)])
     assert "no fault" in refused(core, checker, a, ev)
     lie = sub.fixed_embedding[tokens] + 3 * (y - sub.fixed_embedding[tokens])  # still in the subspace, three times too far out
@@ -202,15 +218,45 @@ def test_recomputations_count_only_from_live_replicas_the_coordinator_assigned_t
         reply = core.handle(ident.peer_id, cm.Join(addrs=["/ip4/127.0.0.1/tcp/9"], throughput=100.0), 0.0)
         sw.ids[ident.peer_id] = ident
         sw.stage[reply.stage].append(ident.peer_id)
-    a, b, d = sw.stage[0][:3]
+    a = sw.stage[0][0]
     s1, s2 = sw.stage[1][:2]
     y = honest()
     for s in (s1, s2):
         core.handle(s, cm.Heartbeat(state="training", stage=0), 0.5)  # a claim of serving stage 0
+    # The draw comes from the coordinator's records: the Sybils' claim does not make them witnesses ...
+    witnesses = drawn(core, s1, a)
+    assert witnesses and not {s1, s2} & set(witnesses) and all(core.registry.assigned(w, 0) for w in witnesses)
+    # ... and evidence signed by them instead of the drawn witnesses is refused.
     ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, y), sw.output(s1, -y), sw.output(s2, -y)])
-    assert "not a replica of stage 0" in refused(core, s1, a, ev)
-    # A replica of stage 0 that has left signs nothing that counts either.
-    core.handle(d, cm.Leave(), 0.6)
-    ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, y), sw.output(b, -y), sw.output(d, -y)])
-    assert "not a replica of stage 0" in refused(core, sw.stage[1][2], a, ev)
+    assert "not the ones the coordinator drew" in refused(core, s1, a, ev)
+    # A drawn replica of stage 0 that has left signs nothing that counts either.
+    reporter = sw.stage[1][2]
+    witnesses = drawn(core, reporter, a)
+    core.handle(witnesses[0], cm.Leave(), 0.6)
+    ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, y)] + [sw.output(w, -y) for w in witnesses])
+    assert "no longer a live replica of stage 0" in refused(core, reporter, a, ev)
     assert not any(core.verdicts.is_banned(p) for p in sw.ids)
+
+
+def test_the_draw_is_the_coordinators_fixed_choice_and_a_majority_of_the_stage() -> None:
+    """Issue 27, rule 4: the accuser never picks the witnesses. The draw is a strict majority of the eligible
+    replicas (2 to 8), the same each time the same check is asked, and evidence must hold all of it."""
+    core = make_core(RUN, SETTINGS)
+    sw = Swarm(core, n0=6)
+    a = sw.stage[0][0]
+    checker = sw.stage[1][0]
+    first = drawn(core, checker, a)
+    assert len(first) == 3 and a not in first and checker not in first  # 5 eligible: a strict majority is 3
+    assert drawn(core, checker, a) == first  # asking again does not re-roll
+    others = {tuple(drawn(core, checker, a, ticket=t)) for t in range(2, 40)}
+    assert len({frozenset(o) for o in others}) > 1  # other checks draw other witnesses (10 subsets of 3 among 5)
+    y = honest()
+    # Evidence with only some of the drawn witnesses (the one left out might side with the accused): refused.
+    ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, -y)] + [sw.output(w, y) for w in first[:2]])
+    assert "not the ones the coordinator drew" in refused(core, checker, a, ev)
+    # All of them agreeing against the accused: convicted, with the count in the reason.
+    ev = OutputEvidence(accused=a, step=0, ticket=1, direction="fwd", stage=0, inputs=b"", outputs=[sw.output(a, -y)] + [sw.output(w, y) for w in first])
+    reply = report(core, checker, a, ev)
+    assert reply.banned and "3 other replicas" in reply.reason
+    # A banned replica is never drawn.
+    assert a not in drawn(core, checker, first[0])
