@@ -32,6 +32,7 @@ SUITES: dict[str, str] = {
     "pipeline": "scripts/bench_pipeline.py",
     "linkrecovery": "scripts/bench_linkrecovery.py",
     "report": "scripts/bench_report.py",
+    "framing": "scripts/bench_framing.py",
 }
 
 

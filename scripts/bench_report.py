@@ -96,6 +96,8 @@ SECTIONS: tuple[Section, ...] = (
     Section("coordinator", "coordinator", (), "Coordinator request paths at scale", "report_suites:render_coordinator", "suites",
             quick=("--sizes", "100,1000", "--repeat", "1"), anchor="coordinator-request-paths-as-the-swarm-grows"),
     Section("abuse", "abuse", (), "Network attacks on a coordinator and a node", "report_suites:render_abuse", "suites", quick=("--quick",), anchor="abuse-network-attacks-on-a-running-coordinator-and-node"),
+    Section("framing", "framing", ("--tickets", "200000"), "Framing an honest replica: the coordinator's witness draw", "report_suites:render_framing", "suites",
+            quick=("--tickets", "500"), anchor="framing-an-honest-replica-the-coordinators-witness-draw"),
     Section("integrity", "integrity", ("--no-overhead",), "Integrity: every adversary kind", "report_suites:render_integrity", "suites",
             quick=("--kinds", "signflip", "--steps", "12", "--no-overhead"), anchor="integrity-each-adversary-kind-in-a-real-swarm"),
     Section("compression", "compression", ("--plot", "docs/compression.png"), "Boundary compression against loss", "report_suites:render_compression",

@@ -145,6 +145,28 @@ def render_abuse(r: dict[str, Any], figs: Path, plt: Any) -> str:
     return "\n".join(out)
 
 
+def render_framing(r: dict[str, Any], figs: Path, plt: Any) -> str:
+    rows, labels = [], []
+    for x in r.get("layouts", []):
+        label = f"{x['sybils']} of {x['replicas']}"
+        labels.append(label)
+        rows.append([label, num(x.get("tickets")), num(x.get("all_sybil_draws")), num(x.get("framed")), dec(x.get("expected_framed"), 2),
+                     f"{num(x.get('chosen_refused'))} of {num(x.get('chosen_attempts'))}"])
+    out = ["A Sybil reporter attacks an honest replica on every ticket it received, with the real coordinator core and real keys: it asks "
+           "for the check's witnesses and files the Sybils' made-up outputs whenever the draw is all theirs (`framed`; the expectation is "
+           "tickets × `framing_chance`), and every 50th ticket it files evidence with two Sybil witnesses it chose itself (the rule before "
+           f"the draw, which framed on every try). A minority never framed (stages up to 16): {num(r.get('minority_never_framed'))}; "
+           f"chosen witnesses always refused: {num(r.get('chosen_witnesses_refused'))}; seed {r.get('seed')}.", "",
+           table(["Sybils of the stage", "tickets", "all-Sybil draws", "`framed`", "`expected_framed`", "chosen witnesses refused"], rows)]
+    if plt is not None and rows:
+        per = [x.get("tickets") or 1 for x in r["layouts"]]
+        out += ["", bars(plt, figs / "framing.png", labels, {
+            "framed per 10⁵ tickets": [1e5 * x.get("framed", 0) / t for x, t in zip(r["layouts"], per, strict=True)],
+            "expected per 10⁵ tickets": [1e5 * x.get("expected_framed", 0) / t for x, t in zip(r["layouts"], per, strict=True)],
+        }, ylabel="convictions of the honest replica", title="framing with drawn witnesses")]
+    return "\n".join(out)
+
+
 def render_integrity(r: dict[str, Any], figs: Path, plt: Any) -> str:
     rows = []
     for kind, k in r.get("kinds", {}).items():

@@ -3,7 +3,11 @@ keyed, fixed choice of a strict majority of the eligible replicas, so a minority
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from protolearn.coordinator.core.witnesses import Draws, draw, framing_chance, needed, witness_key
@@ -54,3 +58,14 @@ def test_draws_are_remembered_and_bounded() -> None:
     for t in range(2, 5):
         draws.give("run", "rep", "acc", 1, t, "fwd", PEERS[:4])
     assert draws.given("rep", "acc", 1, 1, "fwd") is None  # the oldest is forgotten past the limit
+
+
+def test_framing_bench_frames_nobody_below_a_majority_and_refuses_chosen_witnesses() -> None:
+    """`python scripts/bench.py framing`: the real core against a Sybil reporter that attacks every ticket."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "scripts/bench.py", "framing", "--json", "--tickets", "500"],
+                         capture_output=True, text=True, cwd=root, timeout=120, check=True)
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["minority_never_framed"] is True and result["chosen_witnesses_refused"] is True
+    rows = {(r["replicas"], r["sybils"]): r for r in result["layouts"]}
+    assert rows[(5, 2)]["chosen_attempts"] > 0 and rows[(5, 2)]["framed"] == rows[(3, 1)]["framed"] == 0
