@@ -63,15 +63,22 @@ def test_two_stages_two_replicas_reproduce_the_reference_trainer(swarm, tmp_path
 
     for stage, members in by_stage.items():
         records = {n: {d["step"]: d for d in s.events(n, "step")} for n in members}
+        final = {records[n][steps - 1]["hash"] for n in members if steps - 1 in records[n]}
         for n in members:
             applied = sorted(records[n])
-            # A node that started late (a loaded machine) joined mid-run: it synced, then applied every step.
-            assert applied and applied == list(range(applied[0], steps)), f"{n} applied steps {applied}"
-            assert applied[0] == 0 or s.events(n, "synced"), f"{n} started at step {applied[0]} without syncing"
             # The alarms a node raises itself (node/replica_hashes.py, node/core/closed_step.py): a replica whose parameters
             # differ from its stage's after a step (I2), and a step applied without some of its tickets (I1).
             for alarm in ("replica_mismatch", "tickets_lost"):
                 assert not s.events(n, alarm), f"{n}: {alarm} {s.events(n, alarm)}"
+            if not applied:
+                # Built after the last step opened (the 5 steps take about a second on a quiet machine): it
+                # synced the stage's final state instead, and holds what its replica holds.
+                synced = s.events(n, "synced")
+                assert synced and synced[-1]["applied"] == steps and {synced[-1]["hash"]} == final, f"{n} applied no step: {synced}"
+                continue
+            # A node that started late (a loaded machine) joined mid-run: it synced, then applied every step.
+            assert applied == list(range(applied[0], steps)), f"{n} applied steps {applied}"
+            assert applied[0] == 0 or s.events(n, "synced"), f"{n} started at step {applied[0]} without syncing"
         for t in range(steps):
             logged = [records[n][t] for n in members if t in records[n]]
             assert logged, f"stage {stage}: no replica applied step {t}"
