@@ -128,6 +128,12 @@ class Sim:
         self.log: list[str] = []
         # Replicas that report a made-up result hash for every step they finish (issue 12's attack 5).
         self.liars: set[str] = set()
+        # Byzantine members (tests/unit/sim_adversary.py): liars whose state handed to a joiner is made up, and
+        # whose own progress the run does not wait for. With any, a joiner takes only the state a strict
+        # majority of its stage reported (the real rule, node/syncing.py); without, every live replica holds it.
+        self.adversaries: set[str] = set()
+        # step → stage → the result hash the commit barrier committed it with.
+        self.committed: dict[int, dict[int, str]] = {}
         for k in range(stages * replicas):
             self.add_node(f"n{k}")
         self.at(HOUSEKEEPING_S, self._housekeeping)
@@ -171,7 +177,7 @@ class Sim:
                 return
 
     def finished(self) -> bool:
-        live = [n for n in self.nodes.values() if n.alive and not n.moved and not n.compute_hung and not n.banned]
+        live = [n for n in self.nodes.values() if n.alive and not n.moved and not n.compute_hung and not n.banned and n.peer not in self.adversaries]
         return bool(live) and all(n.core.applied >= self.steps for n in live)
 
     # -- membership ----------------------------------------------------------------------------------
@@ -267,6 +273,8 @@ class Sim:
     def _sync(self, node: SimNode, *, first: bool = False) -> None:
         """Take a live replica's state, or the init on a fresh run; retry while there is no donor."""
         donors = [d for d in self.stage_nodes(node.stage) if d is not node and d.live(self.now) and d.core.state.live]
+        if self.adversaries and self.now >= self.down_until:
+            donors = [d for d in donors if self._majority_holds(node.stage, self._handed(d))]
         if not donors:
             if first and self._frontier() == 0:
                 self._install(node, [])
@@ -274,7 +282,20 @@ class Sim:
             self.to_node(node, 1.0, lambda: self._sync(node, first=first))
             return
         donor = self.rng.choice(donors)
-        self._install(node, list(donor.params))
+        self._install(node, self._handed(donor))
+
+    def _handed(self, donor: SimNode) -> list[tuple[int, ...]]:
+        """The state ``donor`` hands a joiner: an adversary's is made up."""
+        return list(donor.params) + ([(-1,)] if donor.peer in self.adversaries else [])
+
+    def _majority_holds(self, stage: int, params: list[tuple[int, ...]]) -> bool:
+        """Whether a strict majority of ``stage``'s serving replicas reported ``params``' hash for its step."""
+        if not params:
+            return self._frontier() == 0
+        reports = self.coord.registry.stage_hashes(stage, cm.MAX_STAGE_HASHES)
+        serving = {p for p, _, _ in reports} | set(self.coord.registry.serving(stage))
+        votes = {p for p, step, h in reports if step == len(params) - 1 and h == _hash(params)}
+        return 2 * len(votes) > len(serving)
 
     def _frontier(self) -> int:
         return self.coord.ledger.frontier if self.now >= self.down_until else -1
@@ -410,6 +431,9 @@ class Sim:
                 averaged = cm.Averaged(step=step, revision=revision, result_hash=held)
                 try:
                     info = self.coord.handle(node.peer, averaged, self.now)  # type: ignore[assignment]
+                    barrier = self.coord.ledger.barrier
+                    if barrier.committed_through >= 0:
+                        self.committed.setdefault(barrier.committed_through, dict(barrier.hashes))
                 except Refusal as err:
                     if err.code == "result_mismatch":
                         self._feed(node, ev.CommitAnswer(step, revision, False, refused=err.reason))
