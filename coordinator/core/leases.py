@@ -18,6 +18,12 @@ N leases past X s without completing any``). Any completion clears that count, e
 its ticket went to another replica meanwhile (:data:`WENT_ELSEWHERE`), provided the last stage's ack of
 it checks out: a slow honest replica still delivers, a blackhole never does.
 
+**Costs go to their cause** (DESIGN.md, Trust, rule 3). A holder whose tickets went downstream to a peer that
+never sent their gradient back is not the cause of its late leases. So a late holder that reported such a
+peer (``liveness:``, see ``verdicts.py``) since its late leases began is not struck, provided the coordinator's
+own record agrees: no ticket routed through the reported peer completed since that report. A holder that
+blames a peer which does carry tickets to completion is struck as before: the word alone excuses nothing.
+
 The strikes are found by :meth:`LeaseDiscipline.strike`, a timer pass over the open step's tickets
 (O(B)); the request paths (:meth:`~LeaseDiscipline.share`, :meth:`~LeaseDiscipline.completed`) are O(1).
 """
@@ -141,6 +147,10 @@ class LeaseDiscipline:
         for peer, tickets in sorted(struck.items()):
             if not self.registry.present(peer):
                 continue  # it left, expired or lost its connection: its leases are freed or ended anyway
+            cause = self._downstream_cause(peer, began[peer])
+            if cause is not None:
+                events.append(f"late leases excused peer={peer} tickets={tickets}: it reported {cause}, which carried no ticket to completion since")
+                continue
             strikes = self._strikes[peer] = self._strikes.get(peer, 0) + 1
             step = self.ledger.step
             if step not in self._late_in:
@@ -161,6 +171,15 @@ class LeaseDiscipline:
         if outgrows(len(self._progress_at), stage0):
             self._progress_at = {p: v for p, v in self._progress_at.items() if self.registry.is_live(p)}
         return events
+
+    def _downstream_cause(self, peer: str, since: float) -> str | None:
+        """A peer ``peer`` reported for lost microbatches since ``since`` that carried no ticket to completion
+        after the report (the coordinator's own record), or None."""
+        for target, by in self.verdicts.liveness.items():
+            at = by.get(peer)
+            if at is not None and at >= since and self.verdicts.carried.get(target, -math.inf) < at:
+                return target
+        return None
 
     def _liveness_strike(self, peer: str, limit: int, num_leases: int, now: float) -> str:
         """``peer`` sat on ``num_leases`` leases while other stage-0 replicas completed tickets: end its

@@ -43,6 +43,8 @@ POLL_S = 0.1  # the long polls' answer delay when nothing changed
 ROUND_TIMEOUT_S = 2.0
 STALL_S = 2.0  # stage 0 restarts a ticket whose gradient has not come back
 SEND_TIMEOUT_S = 1.0
+REPORT_AFTER_LOST = 3  # node/driver.py's
+REPORT_INTERVAL_S = 5.0
 SETTINGS = CoordinatorSettings(
     heartbeat_interval_s=HEARTBEAT_S, expiry_s=3.0, restart_grace_s=5.0, lease_s=4.0, disconnect_grace_s=0.5,
     lease_block=2, rate_per_s=1e6, rate_burst=1e6, rebalance_interval_s=1e9,
@@ -91,6 +93,11 @@ class SimNode:
     events: list[str] = field(default_factory=list)
     # Stage 0: its leases' nonces by (step, ticket), which the real activation carries to the last stage.
     nonces: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    # Stage 0: the stage-1 peer each started ticket went to, microbatches each peer lost in a row, and when
+    # each was last reported (node/driver.py's liveness reports).
+    handed: dict[tuple[int, int], str] = field(default_factory=dict)
+    lost: dict[str, int] = field(default_factory=dict)
+    reported_at: dict[str, float] = field(default_factory=dict)
 
     def live(self, now: float) -> bool:
         return self.alive and now >= self.hung_until and not self.moved
@@ -108,7 +115,9 @@ class Round:
 
 
 class Sim:
-    def __init__(self, seed: int, tmp: Path, *, stages: int = 2, replicas: int = 2, tickets: int = 4, steps: int = 4) -> None:
+    def __init__(
+        self, seed: int, tmp: Path, *, stages: int = 2, replicas: int = 2, tickets: int = 4, steps: int = 4, settings: CoordinatorSettings = SETTINGS,
+    ) -> None:
         self.rng = random.Random(seed)
         self.seed = seed
         self.tmp = tmp
@@ -118,7 +127,8 @@ class Sim:
         self.steps = steps
         self.run = RunInfo(name="sim", run_hash="0" * 64, run_toml="", layers=(1,) * stages, microbatches_per_step=tickets, tokens_per_step=tickets)
         self.store: Store | None = None  # opened at the first coordinator crash (SQLite only where it is needed)
-        self.coord = CoordinatorCore(self.run, SETTINGS, peer_id="coord", started_at=0.0, verify=_sim_verify)
+        self.settings = settings
+        self.coord = CoordinatorCore(self.run, settings, peer_id="coord", started_at=0.0, verify=_sim_verify)
         self.down_until = -1.0
         self._queue: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -221,7 +231,7 @@ class Sim:
 
         def back() -> None:
             assert self.store is not None
-            self.coord = CoordinatorCore(self.run, SETTINGS, peer_id="coord", started_at=self.now, verify=_sim_verify)
+            self.coord = CoordinatorCore(self.run, self.settings, peer_id="coord", started_at=self.now, verify=_sim_verify)
             self.coord.restore(**self.store.load(), now=self.now)
             for n in self.nodes.values():
                 if not n.alive:
@@ -584,6 +594,11 @@ class Sim:
         self.to_node(node, HOP_S, go)
 
     def _start_ticket(self, node: SimNode, step: int, ticket: int) -> None:
+        lost_to = node.handed.pop((step, ticket), None)
+        if lost_to is not None and self.nodes[lost_to].alive:
+            # Restarted while the peer it went to is connected: its gradient is overdue (a dead peer's
+            # closed connection restarts its tickets at once and counts as no loss, as node/driver.py does).
+            self._lost(node, lost_to)
         d = node.core.accounting.admit_forward(step, ticket)
         if d.action != "process":
             self._not_started(node, step, ticket)
@@ -609,6 +624,8 @@ class Sim:
             self._drop(node, step, ticket)
             return
         target = self.rng.choice(candidates)
+        if stage == 1:
+            node.handed[(step, ticket)] = target.peer
         if not target.alive or target.moved:
             self._drop(node, step, ticket)  # the dial fails at once
             return
@@ -656,8 +673,26 @@ class Sim:
 
         self.to_node(prev, HOP_S, arrive)
 
+    def _lost(self, node: SimNode, peer: str) -> None:
+        """``peer`` lost one of ``node``'s microbatches; after REPORT_AFTER_LOST in a row, report it (at most
+        once per REPORT_INTERVAL_S), as the real driver does."""
+        n = node.lost[peer] = node.lost.get(peer, 0) + 1
+        if n < REPORT_AFTER_LOST or self.now - node.reported_at.get(peer, -REPORT_INTERVAL_S) < REPORT_INTERVAL_S:
+            return
+        node.reported_at[peer] = self.now
+
+        def report() -> None:
+            try:
+                self.request(node.peer, cm.Report(target=peer, reason=f"liveness: {n} microbatches it acknowledged got no gradient back"))
+            except (Refusal, Unavailable):
+                pass
+
+        self.to_node(node, HOP_S, report)
+
     def _gradient_home(self, node: SimNode, step: int, ticket: int, route: list[str]) -> None:
         assert node.lease is not None
+        if node.handed.pop((step, ticket), None) is not None and len(route) > 1:
+            node.lost.pop(route[1], None)  # it sent a gradient back: its losses are not in a row
         # The last stage's acknowledgement of the route and loss, as the real router's rides back.
         nonce = node.nonces.get((step, ticket), b"")
         ack = None if len(route) == 1 else _sim_sign(route[-1], ack_statement(self.run.run_hash, step, ticket, route, 1.0, nonce))

@@ -337,3 +337,29 @@ def test_stage0_restarts_overdue_tickets_elsewhere_and_reports_a_peer_that_keeps
     trio.run(main)
     assert [t for t, _ in reports] == ["hole"] and reports[0][1].startswith("liveness: 3 microbatches")
     assert routes.balancer.choose(["good", "hole"], 3.0).peer == "good"
+
+
+def test_a_holder_whose_tickets_a_silent_downstream_peer_sat_on_is_not_struck_but_a_false_blame_excuses_nothing() -> None:
+    """Costs go to their cause (issue 27, rule 5): a stage-0 replica that completes nothing because the stage-1
+    peer its tickets went to never answers, and that reported it, takes no late-lease strike while the
+    coordinator's own record agrees (nothing routed through that peer completed since the report). Blaming
+    a peer that does carry tickets to completion excuses nothing."""
+
+    def late_strikes(blamed: int) -> list[str]:
+        core = make_core(RUN, SETTINGS)
+        swarm = Swarm(core, per_stage=2)
+        victim, other = swarm.stages[0]
+        silent, carrier = swarm.stages[1]
+        swarm.stages[1] = [carrier]  # every completed ticket goes through the carrier; the silent peer carries none
+        target = (silent, carrier)[blamed]
+
+        def blame(t: float) -> None:
+            if t == TICK:  # before anything completed
+                core.handle(victim, cm.Report(target=target, reason="liveness: 3 microbatches it acknowledged got no gradient back"), t)
+
+        run(core, swarm, {victim: Part(delay=None), other: Part()}, until=2.5 * LATE_S, hook=blame)
+        assert core.verdicts.flags_of(target) == ["lost_microbatches:1"]
+        return [f for f in core.verdicts.flags_of(victim) if f.startswith("late_leases")]
+
+    assert late_strikes(blamed=0) == []
+    assert late_strikes(blamed=1) != []
