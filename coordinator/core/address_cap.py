@@ -54,6 +54,14 @@ class AddressCap:
         same_subnet = 1 + sum(1 for a in ips if subnet_of(a) == subnet)
         return same_ip <= max(1, math.floor(self.ip_share * n)) and same_subnet <= max(1, math.floor(self.subnet_share * n))
 
+    def stages_admitting(self, ip: str, placed: Iterable[tuple[int, str]], num_stages: int) -> list[bool]:
+        """Per stage, whether a joiner from ``ip`` may join it; ``placed``: (stage, address) of the other live members."""
+        ips: list[list[str]] = [[] for _ in range(num_stages)]
+        for stage, other in placed:
+            if other and 0 <= stage < num_stages:
+                ips[stage].append(other)
+        return [self.admits(ip, stage_ips) for stage_ips in ips]
+
     def reason(self, ip: str) -> str:
         return (f"every stage already holds its share of replicas from {ip} or its subnet (at most "
                 f"{self.ip_share:.0%} per address, {self.subnet_share:.0%} per subnet); retry once more nodes have joined")

@@ -207,11 +207,7 @@ class Registry:
             return MemberDecision(False, "no_fit", no_fit_reason(self.footprints, info.memory_gb, info.max_in_flight))
         if info.ip is not None and subnet_of(info.ip) is not None:
             cap = AddressCap(self.settings.max_stage_share_per_ip, self.settings.max_stage_share_per_subnet)
-            ips: list[list[str]] = [[] for _ in range(self.num_stages)]
-            for other in self.live():
-                if other.peer_id != peer_id and other.ip and 0 <= other.stage < self.num_stages:
-                    ips[other.stage].append(other.ip)
-            admitted = [cap.admits(info.ip, stage_ips) for stage_ips in ips]
+            admitted = cap.stages_admitting(info.ip, ((o.stage, o.ip) for o in self.live() if o.peer_id != peer_id), self.num_stages)
             fits = admitted if fits is None else [f and a for f, a in zip(fits, admitted, strict=True)]
             if not any(fits):
                 return MemberDecision(False, "address_cap", cap.reason(info.ip))
