@@ -61,6 +61,11 @@ log = logging.getLogger("protolearn.node")
 # How many different next-stage peers a forward hop tries before the microbatch is dropped.
 MAX_FORWARD_TRIES = 4
 RETRY_PAUSE_S = 0.2
+# Activation (and, apart, gradient) streams this node opens to one peer at once. A receiver admits
+# 2 x its max_in_flight + 2 of each from one peer (at least 4) and temporarily bans a peer that keeps
+# going over; a node with tickets restarted while its next stage was down once opened dozens at once
+# to the replica that came back, was banned by it for 300 s, and then expelled for completing nothing.
+SENDS_PER_PEER = 4
 
 # (step, ticket, route, loss, the last stage's signed ack of them or None in a one-stage run, the lease nonce it signs)
 Complete = Callable[[int, int, list[str], float, bytes | None, bytes], Awaitable[None]]
@@ -142,6 +147,8 @@ class Router:
         self._forgotten_before = 0
         # Each ticket's lease nonce, as stage 0 got it from the coordinator (protocol/acks.py), passed on to the last stage.
         self._nonces: dict[tuple[int, int], bytes] = {}
+        # (peer, protocol) → the streams this node may still open to it now (SENDS_PER_PEER).
+        self._sends: dict[tuple[str, str], trio.CapacityLimiter] = {}
 
     # -- wiring ----------------------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -249,6 +256,16 @@ class Router:
         hidden = await self._run(self.worker.forward, (step, ticket), inputs)
         return await self._send_forward(step, ticket, route, hidden)
 
+    def _slots(self, peer: str, protocol: str) -> trio.CapacityLimiter:
+        """The limiter of ``protocol`` streams to ``peer`` (idle ones go once there are many peers)."""
+        key = (peer, protocol)
+        got = self._sends.get(key)
+        if got is None:
+            if len(self._sends) >= 4 * SENDS_PER_PEER * max(1, len(self.routes.next_peers) + 1) + 64:
+                self._sends = {k: v for k, v in self._sends.items() if v.borrowed_tokens}
+            got = self._sends[key] = trio.CapacityLimiter(SENDS_PER_PEER)
+        return got
+
     # -- forward ---------------------------------------------------------------------------------
     @timed_transfer
     async def _on_activation(self, peer: str, s: FramedStream) -> None:
@@ -322,7 +339,7 @@ class Router:
             t0 = self.clock()
             self.routes.sending(peer)
             try:
-                async with self.host.open_stream(peer, ACTIVATION) as s:
+                async with self._slots(peer, ACTIVATION), self.host.open_stream(peer, ACTIVATION) as s:
                     nonce = self._nonces.get(key, b"")
                     await s.send(Activation(step=step, ticket=ticket, route=route, inputs=inputs, signature=signature, nonce=nonce))
                     await s.send_tensor(frame)
@@ -422,7 +439,7 @@ class Router:
         deadline = self.clock() + self.send_timeout_s
         while True:
             try:
-                async with self.host.open_stream(peer, GRADIENT) as s:
+                async with self._slots(peer, GRADIENT), self.host.open_stream(peer, GRADIENT) as s:
                     await s.send(Gradient(step=step, ticket=ticket, route=route, loss=loss, ack=ack, nonce=nonce, inputs=inputs, signature=signature))
                     await s.send_tensor(frame)
                     reply = await s.receive((Ack, Refuse))

@@ -50,6 +50,9 @@ class _ProjectGrad(torch.autograd.Function):
 class _InFlight:
     input_leaf: Tensor | None  # requires grad; None on stage 0 (token ids have no gradient)
     output: Tensor  # hidden (mb, T, D), or the scalar loss on the last stage
+    # The parameters' in-place version counters at the forward: an optimizer step (or an installed state)
+    # since then makes the held graph stale, and its backward would compute wrong gradients.
+    versions: tuple[int, ...] = ()
 
 
 class StageModule(nn.Module):
@@ -191,8 +194,11 @@ class StageModule(nn.Module):
         leaf = self._prepare(inputs, targets)
         with torch.enable_grad():
             out = self._compute(inputs, leaf, targets)
-        self._in_flight[mb_id] = _InFlight(leaf, out)
+        self._in_flight[mb_id] = _InFlight(leaf, out, self._versions())
         return out.detach()
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self.parameters())
 
     @torch.no_grad()
     def infer(self, inputs: Tensor, targets: Tensor | None = None) -> Tensor:
@@ -211,6 +217,9 @@ class StageModule(nn.Module):
         state = self._in_flight.get(mb_id)
         if state is None:
             raise MicrobatchStateError(f"stage {self.stage}: no microbatch {mb_id!r} in flight")
+        if state.versions != self._versions():
+            del self._in_flight[mb_id]
+            raise MicrobatchStateError(f"stage {self.stage}: microbatch {mb_id!r} was forwarded before the parameters changed; its graph is stale")
         if self.last:
             if grad_output is not None:
                 raise StageInputError(f"stage {self.stage} is the last stage; pass grad_output=None")

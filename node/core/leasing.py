@@ -34,6 +34,11 @@ IDLE_POLL_S = 1.0
 # The coordinator answered with the next step: this step closed. It may still reopen (a redo) before
 # the node sees it closed, and then its tickets need leasing again, so ask again after this long.
 CLOSED_RETRY_S = 0.25
+# A leased ticket that no next-stage peer took (they are gone, or all refused it) is handed back, and leasing
+# pauses: LEASE_RETRY_S, doubling with each such ticket in a row up to NOT_STARTED_MAX_S, until one completes.
+# Without the pause, a stage whose replicas all left made a lease/release loop at network speed (issue 28:
+# each stage-0 node sent the coordinator hundreds of requests a second and was temporarily banned).
+NOT_STARTED_MAX_S = 2.0
 
 
 # -- events ----------------------------------------------------------------------------------------
@@ -138,6 +143,7 @@ class LeaseCore:
         self._pause_until = 0.0
         self._restart: set[int] = set()
         self._departed = False
+        self._not_started = 0  # tickets in a row that no next-stage peer took
 
     def begin(self, step: int, still_held: list[int], now: float) -> None:
         """Drive ``step``: keep the start times of tickets still held (a reopened step's earlier tickets)."""
@@ -205,8 +211,12 @@ class LeaseCore:
                          f"lease failed step={self.step} reason={event.reason}")]
         if isinstance(event, NotStarted):
             self.started.pop(event.ticket, None)
+            pause = min(NOT_STARTED_MAX_S, LEASE_RETRY_S * 2 ** min(self._not_started, 16))
+            self._not_started += 1
+            self._pause_until = max(self._pause_until, now + pause)
             return [Release(event.step, [event.ticket])]
         if isinstance(event, Completed):
+            self._not_started = 0
             self.started.pop(event.ticket, None)
             return [ReportComplete(event.step, event.ticket, list(event.route), event.loss, event.ack, event.nonce)]
         if isinstance(event, CompleteRefused):

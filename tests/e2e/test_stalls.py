@@ -15,6 +15,10 @@ swarm per adversary, through the CLI as subprocesses; both tests read that one r
   line; the other two finish all 40 steps. The coordinator saw it sit on its leases, so no commit waits
   for it (coordinator/core/holdups.py): at most one step is slower than 3 x the honest run's median, and
   the median step time stays within 3 x of it.
+- **the only replica of a stage hangs** (stage 1 of two stage-0 replicas and one stage-1 replica): its watchdog
+  makes it leave and exit; ``swarm status`` says the run is halted on stage 1; the stage-0 nodes wait without
+  flooding the coordinator (they once made a lease/release loop at hundreds of requests a second and were
+  banned for it); restarted on its data dir, the node restores its checkpoint and the run trains to its end.
 """
 
 from __future__ import annotations
@@ -22,9 +26,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from tests.support.cli import swarm_status
+from tests.support.swarm import DEADLINE_S, TINY, Swarm
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,6 +51,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return r
 
 
+def _hung_node_left_and_the_rest_trained_on(r: dict, honest_nodes: int) -> None:
+    assert r["steps_closed"] == [40, 40], r
+    assert r["honest_banned"] == [], r
+    codes = r["exit_codes"]
+    assert set(codes["honest"].values()) == {0}, codes
+    assert all(codes["blackhole"][str(k)] == 0 for k in range(1, honest_nodes + 1)), codes
+    assert codes["blackhole"]["0"] == 1, codes  # the hung node gave up on its device
+    assert r["hung_error"] is not None and "compute (forward) has not returned" in r["hung_error"], r["hung_error"]
+    assert "the device may be hung; restart the node" in r["hung_error"]
+    assert r["left_out_after_s"] is not None and r["left_out_after_s"] < 30, r
+    assert r["slow_steps"] <= 1, r  # only the step it hung in waited for it
+    assert r["step_time_ratio"] is not None and r["step_time_ratio"] <= 3.0, r
+
+
 def test_a_stage0_blackhole_is_expelled_and_throughput_recovers(runs: dict) -> None:
     r = runs["blackhole"]
     assert r["banned"], r
@@ -56,15 +79,42 @@ def test_a_stage0_blackhole_is_expelled_and_throughput_recovers(runs: dict) -> N
 
 
 def test_a_stage0_node_whose_compute_hangs_is_left_out_and_the_swarm_trains_on(runs: dict) -> None:
-    r = runs["hang"]
-    assert r["steps_closed"] == [40, 40], r
-    assert r["honest_banned"] == [], r
-    codes = r["exit_codes"]
-    assert set(codes["honest"].values()) == {0}, codes
-    assert all(codes["blackhole"][str(k)] == 0 for k in range(1, 3)), codes
-    assert codes["blackhole"]["0"] == 1, codes  # the hung node gave up on its device
-    assert r["hung_error"] is not None and "compute (forward) has not returned" in r["hung_error"], r["hung_error"]
-    assert "the device may be hung; restart the node" in r["hung_error"]
-    assert r["left_out_after_s"] is not None and r["left_out_after_s"] < 30, r
-    assert r["slow_steps"] <= 1, r  # only the step it hung in waited for it
-    assert r["step_time_ratio"] is not None and r["step_time_ratio"] <= 3.0, r
+    _hung_node_left_and_the_rest_trained_on(runs["hang"], honest_nodes=2)
+
+
+def test_the_only_replica_of_a_stage_hangs_the_swarm_waits_says_so_and_goes_on_when_it_restarts(tmp_path: Path, monkeypatch) -> None:
+    steps = 30
+    config = tmp_path / "run.toml"
+    config.write_text(TINY.format(steps=steps, codec="none", layers=2, stages=2))
+    monkeypatch.setenv("PROTOLEARN_ALLOW_ADVERSARY", "1")  # only the "tail" below passes --adversary
+    s = Swarm(tmp_path, config)
+    try:
+        addr = s.start_coordinator()
+        s.start_node("head", addr)
+        wait_for("head to build stage 0", lambda: (tmp_path / "head" / "node.jsonl").exists() and s.events("head", "built"), 120)
+        s.start_node("tail", addr, "--adversary", "hang:6", "--checkpoint-every", "2")
+        wait_for("tail to build stage 1", lambda: (tmp_path / "tail" / "node.jsonl").exists() and s.events("tail", "built"), 120)
+        s.start_node("head2", addr)
+        assert s.events("head", "built")[0]["stage"] == 0 and s.events("tail", "built")[0]["stage"] == 1
+        assert s.procs["tail"].wait(timeout=120) == 1  # its watchdog gave up on its device
+        assert "has not returned" in s.err("tail") and "restart the node" in s.err("tail")
+
+        halted = wait_for("swarm status to say stage 1 halts the run",
+                          lambda: (st := swarm_status(addr, "--history", "0"))["verdict"] == "halted" and st, 60)
+        assert "stage 1 has no replicas" in halted["verdict_reason"], halted
+        # The stage-0 nodes wait for a stage-1 replica; for 10 s they stay members, unbanned and unthrottled.
+        time.sleep(10)
+        for n in ("head", "head2"):
+            assert s.procs[n].poll() is None, f"{n} exited while stage 1 was empty: {s.err(n)}"
+        st = swarm_status(addr, "--history", "0")
+        assert st["bans"] == [] and st["verdict"] == "halted", st
+        assert "temporarily banned" not in (tmp_path / "coord.err").read_text(errors="replace")
+
+        # Restarted on its data dir (the device fixed), it restores its checkpoint and the run goes on.
+        s.start_node("tail", addr, "--checkpoint-every", "2")
+        s.wait_nodes(["head", "head2", "tail"], DEADLINE_S)
+        restored = s.events("tail", "restored")
+        assert restored and restored[-1]["source"] == "checkpoint", restored
+        assert swarm_status(addr, "--history", "0")["last_committed"] == steps - 1
+    finally:
+        s.stop()

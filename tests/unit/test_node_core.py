@@ -208,6 +208,28 @@ def test_stalled_tickets_and_those_sent_to_a_dead_peer_restart() -> None:
     assert len(only(core.poll(6.0, in_flight=4, has_next_stage=True), lc.StartTicket)) == 3
 
 
+def test_tickets_no_next_stage_peer_takes_pause_leasing_longer_each_time_until_one_completes() -> None:
+    """Issue 28: with stage 1's only replica gone (its view entry not yet expired), each leased ticket failed
+    to start, was released and leased again at once: hundreds of coordinator requests a second per node,
+    until the coordinator banned them for it. Now leasing pauses, doubling per failed start up to 2 s."""
+    core = lease_core()
+    now, pauses = 0.0, []
+    for ticket in range(8):
+        core.handle(lc.Leased(0, [ticket]), now)
+        assert core.handle(lc.NotStarted(0, ticket), now) == [lc.Release(0, [ticket])]
+        failed_at = now
+        while not core.poll(now, in_flight=0, has_next_stage=True):  # no lease during the pause
+            now = core.next_wake(now)
+        pauses.append(round(now - failed_at, 3))
+    assert pauses == [round(lc.LEASE_RETRY_S * 2**k, 3) for k in range(6)] + [lc.NOT_STARTED_MAX_S] * 2
+    # A ticket that completes shows the pipeline works again: the next failed start pauses briefly.
+    core.poll(now, in_flight=0, has_next_stage=True)
+    core.handle(lc.Leased(0, [0]), now)
+    core.handle(lc.Completed(0, 0, ["a", "b"], 2.0), now)
+    core.handle(lc.NotStarted(0, 1), now)
+    assert core.next_wake(now) - now == pytest.approx(lc.LEASE_RETRY_S)
+
+
 def test_completions_are_reported_failures_released_and_bad_routes_handed_back() -> None:
     core = lease_core()
     core.poll(0.0, in_flight=0, has_next_stage=True)

@@ -124,6 +124,24 @@ def test_discard_frees_state_and_leaves_grads_untouched() -> None:
         st.backward(5, torch.zeros(3, 16, 32))
 
 
+def test_a_graph_held_across_a_parameter_update_is_refused_as_stale() -> None:
+    """Issue 28: a stage-0 node held a microbatch's graph while an optimizer step updated the parameters in
+    place; its late gradient then crashed the node in autograd. The backward is refused (a stale
+    microbatch the router drops and the ticket is redone) and the graph freed."""
+    run = tiny_run([2, 2], seed=7)
+    st = build_stage(run, 0)
+    opt = torch.optim.SGD(st.parameters(), lr=0.1)
+    st(1, tokens(1))
+    st(2, tokens(2))
+    st.backward(1, torch.ones(3, 16, 32))  # a graph from before the update still backpropagates
+    opt.step()
+    with pytest.raises(MicrobatchStateError, match="before the parameters changed"):
+        st.backward(2, torch.ones(3, 16, 32))
+    assert st.in_flight() == 0
+    st(3, tokens(3))
+    assert st.backward(3, torch.ones(3, 16, 32)) is None  # forwarded after the update: fine
+
+
 def test_infer_equals_forward_and_keeps_no_state() -> None:
     run = tiny_run([1, 3], seed=7)
     s0, s1 = build_stage(run, 0), build_stage(run, 1)
