@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from functools import partial
+import threading
 
 import torch
 import trio
@@ -30,12 +30,14 @@ from protolearn.protocol.transport import RelayLimits, TransportConfig, open_hos
 
 def warm_torch() -> None:
     """Pay torch's one-time start-up costs: the first optimizer built imports torch._dynamo (about 2 s on
-    this machine's CPUs). Done during the join, a node that joins a running swarm reaches its first
-    microbatch seconds sooner, and the step it joins at waits that much less on it."""
+    this machine's CPUs). Done before the join, a node that joins a running swarm reaches its first
+    microbatch that much sooner after it, and the step it joins at waits that much less on it."""
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
 EXIT_HUNG = 1  # the node's exit status when it gives up on its device
+# The longest the join waits for warm_torch (a slow disk or a loaded machine: the join goes ahead anyway).
+WARM_WAIT_S = 10.0
 
 
 async def give_up_on_device(node: Node, progress: Progress, late: Overdue) -> None:
@@ -60,15 +62,16 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
     tconfig = TransportConfig(request_timeout_s=config.request_timeout_s, link=config.link)
     # Whether to relay is decided before the host opens; the node announces it only if it turns out public.
     relay = RelayLimits() if config.relay else None
+    # torch's one-time costs are paid before the join, while the host opens: from its join on, the swarm
+    # waits for this node (the step it joins at), so the join comes once they are paid, or WARM_WAIT_S at
+    # most. Not after the join: on a loaded machine the warm-up then outlasted the membership expiry, and
+    # the coordinator dropped the node it had just let in.
+    warming = threading.Thread(target=warm_torch, name="warm-torch", daemon=True)
+    warming.start()
     async with open_host(identity, [config.listen], tconfig, relay=relay) as host:
         progress.event("start", peer_id=host.peer_id, addrs=host.addrs(), pid=os.getpid())
-        async with trio.open_nursery() as warming:
-            # torch's one-time costs are paid while the coordinator answers, not after the join; and not before
-            # the first heartbeat either: on a loaded machine the warm-up outlasted the expiry, and the
-            # coordinator dropped the node it had just let in. The thread is left to finish on its own.
-            warming.start_soon(partial(trio.to_thread.run_sync, warm_torch, abandon_on_cancel=True))
-            link, joined, run, reach = await join_coordinator(host, config, on_wait=progress.say)
-            warming.cancel_scope.cancel()
+        await trio.to_thread.run_sync(warming.join, WARM_WAIT_S, abandon_on_cancel=True)
+        link, joined, run, reach = await join_coordinator(host, config, on_wait=progress.say)
         progress.event(
             "reachability", verdict=reach.verdict, relay=reach.relay, reason=reach.reason, addrs=reach.addrs,
             observed_port=reach.observed_port, local_port=reach.local_port, rewrites_ports=reach.rewrites_ports,
