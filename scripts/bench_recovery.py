@@ -24,8 +24,8 @@ invocation; its keys are merged in, with ``ratio_vs_hivemind`` = allreduce_s / h
 
 Unless ``--no-swarm``, a local swarm on the default (demo) run then measures the node-level keys
 (:func:`bench_swarm.recovery_keys`): ``recover_s``, from SIGKILLing a replica until steps close at
-(n-1)/n of the earlier rate again (goal <= 2 s), and ``join_to_first_microbatch_s``, from the restarted
-replica's join until it processes its first microbatch (goal <= 5 s).
+(n-1)/n of the earlier rate again (goal <= max(1 s, one step time), issue 28), and ``join_to_first_microbatch_s``,
+from the restarted replica's join until it processes its first microbatch (goal <= 3 s).
 """
 
 from __future__ import annotations
