@@ -35,6 +35,14 @@ class Membership:
     def live(self) -> set[str]:
         return {m.peer_id for m in self.members if m.state.live}
 
+    def broken_routes(self, gone: set[str]) -> tuple[list[str], bool]:
+        """Which of stage 0's in-flight tickets the departure of ``gone`` (members of this view, or of stages it
+        cannot tell) breaks: (the stage-1 peers whose tickets restart, whether every ticket restarts). A
+        later or unknown stage's departure breaks every route (stage 0 does not know which went through
+        it); a stage-0 replica's breaks none of another stage-0 replica's routes."""
+        stages = {p: self.stage_of(p) for p in gone}
+        return sorted(p for p, st in stages.items() if st == 1), any(st is None or st > 1 for st in stages.values())
+
     def empty_stages(self, num_stages: int, replicas: list[int]) -> list[int]:
         """Stages with no live replica (training halts until one joins): the coordinator's per-stage
         counts when it sent them (a delta view holds only this node's neighbourhood), else the view's."""

@@ -24,6 +24,16 @@ def test_the_neighbours_are_the_live_replicas_of_the_adjacent_stages() -> None:
     assert VIEW.live() == {"a0", "b1", "c2", "d1"}
 
 
+def test_a_departure_breaks_only_the_routes_through_it() -> None:
+    """Issue 28: a stage-0 replica's death made the other stage-0 replica restart all its in-flight tickets,
+    so stage 1 computed that step's microbatches twice. Stage-1 departures restart the tickets sent to them,
+    later or unknown stages' restart everything, another stage-0 replica's restart nothing."""
+    assert VIEW.broken_routes({"a0"}) == ([], False)
+    assert VIEW.broken_routes({"d1", "b1"}) == (["b1", "d1"], False)
+    assert VIEW.broken_routes({"c2"}) == ([], True)
+    assert VIEW.broken_routes({"zz", "a0"}) == ([], True)  # a view delta's removal of a peer this view never held
+
+
 def test_training_waits_for_the_other_stages_with_no_replica() -> None:
     view = Membership(1, [member("a0", 0), member("c3", 3)])
     assert view.empty_stages(4, []) == [1, 2]
