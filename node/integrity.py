@@ -12,15 +12,16 @@ The :class:`~protolearn.node.router.Router` calls it for every tensor it sends a
   signed tensor with NaN or Inf is evidence on its own (:meth:`Integrity.nonfinite`).
 - **A spot check** of sender A of stage s: its inputs are gathered (stage 0's forward has none; A
   shows the frame it received over ``show``, and this node holds the activation it sent A itself),
-  checked against the digest A signed, and sent over ``check`` to the witnesses the coordinator drew
-  (``coordinator/core/witnesses.py``; never this node's choice), which recompute with the weights for the
-  same step and sign their outputs. If the first witness's output is within
-  :func:`~protolearn.protocol.boundary.tolerance` of A's, A passed. If not, every drawn witness is asked:
-  when all of them agree with each other and not with A, the evidence goes to the coordinator, which
-  verifies everything itself and convicts A. When the others side with A, the first witness is the odd one
-  and is reported without evidence (only the checked replica can be convicted: the draw was for it). A
-  mismatch that cannot be settled (one witness only, or a witness that does not answer) is reported without
-  evidence (a flag).
+  checked against the digest A signed, and sent over ``check`` to another replica B of stage s, which
+  recomputes with the weights for the same step and signs its output. If B's output is within
+  :func:`~protolearn.protocol.boundary.tolerance` of A's, A passed (a pass accuses nobody, so B is this
+  node's random pick). If not, this node asks the coordinator for the check's witnesses
+  (``coordinator/core/witnesses.py``; never this node's choice) and asks every one of them: when all of
+  them agree with each other and not with A, the evidence goes to the coordinator, which verifies
+  everything itself and convicts A. When the drawn witnesses side with A, B is the odd one and is reported
+  without evidence (only the checked replica can be convicted: the draw was for it). A mismatch that
+  cannot be settled (one witness only, or a witness that does not answer) is reported without evidence
+  (a flag).
 - **Serving** ``show`` and ``check`` to the neighbours that check this node: :mod:`protolearn.node.check_serving`.
 """
 
@@ -102,18 +103,20 @@ class Integrity:
 
     def __init__(
         self, host: Host, run: RunConfig, worker, corpus: Corpus | None, compute: trio.CapacityLimiter, *,
-        tickets: Tickets, witnesses: Witnesses, stage_of: Callable[[str], int | None], report: Report,
+        tickets: Tickets, replicas: Callable[[int], list[str]], witnesses: Witnesses, stage_of: Callable[[str], int | None], report: Report,
         timeout_s: float, seed: int, outbound: Outbound = PASS_THROUGH,
     ) -> None:
         """``tickets``: the stage's per-ticket record (node/core/tickets.py), where the router keeps the
-        frames this replica received and sent and to whom. ``witnesses``: asks the coordinator for a check's
-        witnesses. ``stage_of``: the membership view. ``report``: sends an integrity report to the coordinator. ``worker``, ``corpus``, ``compute``
+        frames this replica received and sent and to whom. ``replicas``/``stage_of``: the membership view
+        (who may recompute a check that then passes). ``witnesses``: asks the coordinator for the witnesses
+        of a check that did not pass. ``report``: sends an integrity report to the coordinator. ``worker``, ``corpus``, ``compute``
         and ``outbound`` (the filter each result passes through, node/outbound.py) serve the checks that
         neighbours make of this replica (node/check_serving.py)."""
         self.host = host
         self.run = run
         self.stage = worker.stage
         self.tickets = tickets
+        self.replicas = replicas
         self.witnesses = witnesses
         self.stage_of = stage_of
         self.report = report
@@ -224,17 +227,20 @@ class Integrity:
         if inputs is None:
             self.stats.checks_inconclusive += 1
             return
-        drawn = [p for p in await self.witnesses(got.peer, got.step, got.ticket, got.direction) if p not in (got.peer, self.host.peer_id)]
-        if not drawn:
+        others = [p for p in self.replicas(got.stage) if p not in (got.peer, self.host.peer_id)]
+        if not others:
             self.stats.checks_inconclusive += 1
             return
+        # A pass needs no witness draw: a check that agrees accuses nobody. Only a mismatch asks the coordinator.
+        first_peer = self.rng.choice(sorted(others))
+        first = await self._ask_check(first_peer, got, inputs)
+        if first is not None and distance(got.tensor, first[2]) <= self.tolerance:
+            self._count(got.peer, passed=True)
+            return
+        drawn = [p for p in await self.witnesses(got.peer, got.step, got.ticket, got.direction) if p not in (got.peer, self.host.peer_id)]
         results: dict[str, tuple[bytes, TensorFrame, torch.Tensor]] = {}
-        first = await self._ask_check(drawn[0], got, inputs)
-        if first is not None:
-            if distance(got.tensor, first[2]) <= self.tolerance:
-                self._count(got.peer, passed=True)
-                return
-            results[drawn[0]] = first
+        if first is not None and first_peer in drawn:
+            results[first_peer] = first
 
         async def ask(peer: str) -> None:
             r = await self._ask_check(peer, got, inputs)
@@ -242,12 +248,17 @@ class Integrity:
                 results[peer] = r
 
         async with trio.open_nursery() as nursery:
-            for peer in drawn[1:]:
-                nursery.start_soon(ask, peer)
-        await self._judge(got, drawn, results)
+            for peer in drawn:
+                if peer not in results:
+                    nursery.start_soon(ask, peer)
+        await self._judge(got, drawn, results, first_peer, first)
 
-    async def _judge(self, got: Received, drawn: list[str], results: dict[str, tuple[bytes, TensorFrame, torch.Tensor]]) -> None:
-        """Settle a spot check whose first witness disagreed with (or did not answer for) ``got.peer``."""
+    async def _judge(
+        self, got: Received, drawn: list[str], results: dict[str, tuple[bytes, TensorFrame, torch.Tensor]], first_peer: str,
+        first: tuple[bytes, TensorFrame, torch.Tensor] | None,
+    ) -> None:
+        """Settle a spot check whose first recomputation (by ``first_peer``) disagreed with ``got.peer``'s output,
+        or did not come, with the witnesses the coordinator ``drawn``, whose answers are ``results``."""
         near = {w: distance(got.tensor, r[2]) <= self.tolerance for w, r in results.items()}
         against = [w for w in drawn if w in results and not near[w]]
         if len(drawn) >= 2 and len(against) == len(drawn) and all(
@@ -260,21 +271,25 @@ class Integrity:
             )
             await self._send_evidence(got.peer, f"spot check of step {got.step} ticket {got.ticket} ({got.direction})", ev)
             return
-        first = drawn[0]
-        if against == [first] and len(results) == len(drawn) >= 2:
-            # Every other witness sides with the checked output: the first witness's recomputation is the odd one.
+        sides = [w for w in drawn if w != first_peer]
+        if first is not None and sides and len(results) == len(drawn) and all(near[w] for w in sides):
+            # Every other drawn witness sides with the checked output: the first recomputation is the odd one.
             self._count(got.peer, passed=True)
-            await self._send_evidence(first, f"spot check: its recomputation of step {got.step} ticket {got.ticket} "
-                                             f"disagreed with {len(drawn) - 1} other witness(es) and the checked output", None)
+            await self._send_evidence(first_peer, f"spot check: its recomputation of step {got.step} ticket {got.ticket} "
+                                                  f"disagreed with {len(sides)} drawn witness(es) and the checked output", None)
             return
         self.stats.checks_inconclusive += 1
-        if against and 2 * len(against) > len(results):
+        votes = dict(results)
+        if first is not None:
+            votes[first_peer] = first
+        far = [w for w, r in votes.items() if distance(got.tensor, r[2]) > self.tolerance]
+        if far and 2 * len(far) > len(votes):
             self.policy.failed(got.peer)
-            far = min(distance(got.tensor, results[w][2]) for w in against)
-            missing = len(drawn) - len(results)
+            nearest = min(distance(got.tensor, votes[w][2]) for w in far)
+            missing = len([w for w in drawn if w not in results])
             why = f"{missing} of {len(drawn)} drawn witnesses did not answer" if missing else "too few replicas to convict"
-            await self._send_evidence(got.peer, f"spot check: its {got.direction} output of step {got.step} is {far:.3g} away from "
-                                                f"{len(against)} witness(es)' ({why})", None)
+            await self._send_evidence(got.peer, f"spot check: its {got.direction} output of step {got.step} is {nearest:.3g} away from "
+                                                f"{len(far)} recomputation(s) ({why})", None)
 
     def _count(self, peer: str, *, passed: bool) -> None:
         counts = self.per_peer.setdefault(peer, [0, 0])

@@ -160,7 +160,7 @@ class Node:
         outbound = attack.outbound(self.worker) if attack else PASS_THROUGH
         self.integrity = Integrity(
             self.host, run, self.worker, corpus, self.compute, tickets=tickets, outbound=outbound,
-            witnesses=self._witnesses, stage_of=lambda peer: self.view.stage_of(peer),
+            replicas=lambda s: self.view.stage_peers(s), witnesses=self._witnesses, stage_of=lambda peer: self.view.stage_of(peer),
             report=self._integrity_report, timeout_s=self.config.request_timeout_s, seed=self.integrity_seed,
         )
         # The driver starts tickets through the router built next (the closure reaches it when one starts).

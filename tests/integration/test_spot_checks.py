@@ -43,7 +43,8 @@ class _LyingChecks(Outbound):
         return -t if check else t
 
 
-def _integrity(host, worker, corpus, stages: dict[str, int], reports: list, run: RunConfig = RUN, outbound: Outbound = PASS_THROUGH) -> Integrity:
+def _integrity(host, worker, corpus, stages: dict[str, int], reports: list, run: RunConfig = RUN, outbound: Outbound = PASS_THROUGH,
+               first_pick: list[str] | None = None) -> Integrity:
     async def report(accused, reason, ev, fault):
         reports.append((accused, reason, ev))
         return False
@@ -53,6 +54,7 @@ def _integrity(host, worker, corpus, stages: dict[str, int], reports: list, run:
 
     return Integrity(
         host, run, worker, corpus, trio.CapacityLimiter(1), tickets=Tickets(), witnesses=witnesses,
+        replicas=lambda s: first_pick if first_pick is not None else sorted(p for p, st in stages.items() if st == s),
         stage_of=stages.get, report=report, timeout_s=10.0, seed=7, outbound=outbound,
     )
 
@@ -110,20 +112,21 @@ def test_a_lying_replica_is_caught_by_two_recomputations_and_an_honest_one_passe
 
 
 def test_a_lying_first_witness_is_outvoted_and_reported_without_evidence(open_hosts, run_trio) -> None:
-    """The first drawn witness flips its recomputation; the second agrees with the checked output. The checked
-    replica passes, and the first witness is reported as a claim only: the draw was for the checked replica,
-    so no evidence against the witness can convict it (coordinator/core/witnesses.py)."""
+    """The first recomputation (by the checker's own pick) is flipped; the other drawn witness agrees with the
+    checked output. The checked replica passes, and the liar is reported as a claim only: the draw was for
+    the checked replica, so no evidence against the witness can convict it (coordinator/core/witnesses.py)."""
     corpus = load_corpus(RUN.data)
 
     async def main() -> None:
         async with open_hosts(4) as (a, b, d, r):
             stages = {a.peer_id: 0, b.peer_id: 0, d.peer_id: 0, r.peer_id: 1}
-            liar, honest_witness = sorted((b, d), key=lambda h: h.peer_id)  # the fake draw asks them in sorted order
+            liar, honest_witness = b, d
             reports: list = []
             async with trio.open_nursery() as nursery:
                 _integrity(liar, StageWorker(RUN, 0), corpus, stages, [], outbound=_LyingChecks()).register(nursery)
                 _integrity(honest_witness, StageWorker(RUN, 0), corpus, stages, []).register(nursery)
-                checker = _integrity(r, StageWorker(RUN, 1), corpus, stages, reports)
+                # The checker's own first pick is the liar (its view held only it); the draw is both.
+                checker = _integrity(r, StageWorker(RUN, 1), corpus, stages, reports, first_pick=[liar.peer_id])
                 checker.register(nursery)
                 checker.monitor = None
                 tokens = microbatch(RUN, corpus, 0, 1)[0]
@@ -134,7 +137,7 @@ def test_a_lying_first_witness_is_outvoted_and_reported_without_evidence(open_ho
                     while not reports:
                         await trio.sleep(0.05)
                 accused, reason, ev = reports[0]
-                assert accused == liar.peer_id and ev is None and "disagreed with 1 other witness" in reason
+                assert accused == liar.peer_id and ev is None and "disagreed with 1 drawn witness" in reason
                 assert checker.per_peer[a.peer_id] == [1, 0] and checker.stats.checks_passed == 1
                 nursery.cancel_scope.cancel()
 
