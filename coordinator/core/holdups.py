@@ -26,7 +26,10 @@ never on a peer's word:
   each later step it is excused at once (if it processed no ticket of it), while its hold goes on;
 - every grace it holds is a strike (flag ``commit_hold``), whatever anyone else is doing (no other
   replica need be leasing), and ``expel_after_strikes`` of them with no report in between ban it
-  (``liveness: held the commit ...``). A report clears the count.
+  (``liveness: held the commit ...``). A report clears the count. On a step whose round in its stage had
+  a participant the coordinator banned, twice as many: the survivors wait out that round without the
+  banned peer, and the delay is its cost, not theirs (under load, an honest replica was once expelled
+  after 12 s of such a round, when the liar of its stage was convicted mid-round).
 
 Why a liar cannot use this against an honest replica: the clock starts only when every other live
 replica of the stage, or a strict majority of them, reported one hash; with honest replicas in the
@@ -129,6 +132,11 @@ class Holdups:
         if silent is not None:
             holdouts[silent] = sorted(p for p in account.get(silent, {}) if p in stages[silent])
         grace = self.grace_s()
+        # Costs go to their cause (DESIGN.md, Trust, rule 3): a stage whose round of this step had a participant
+        # the coordinator banned waits on that round to finish without it (the survivors' timeouts, the banned
+        # peer's doing). Its holdouts are expelled only after twice the strikes: still a bound, so a colluder
+        # that holds such a step for good stalls it for 2 x expel_after_strikes graces, not for ever.
+        cut = {stage for stage, peers in account.items() if any(self.verdicts.is_banned(p) for p in peers)}
         events: list[str] = []
         longest: Waiting | None = None
         for stage, peers in sorted(holdouts.items()):
@@ -151,7 +159,7 @@ class Holdups:
                 rest = "every other stage had" if stage == silent else f"the rest of stage {stage} had"
                 while peer in self._since and self._struck.get(peer, 0) < due:
                     self._struck[peer] = self._struck.get(peer, 0) + 1
-                    events.extend(self._strike(peer, step, now - since, rest, now))
+                    events.extend(self._strike(peer, step, now - since, rest, now, twice=stage in cut))
         self.waiting = longest or self._unreported(step, stages, now)
         if events:
             d = ledger.try_commit(needed)
@@ -184,12 +192,14 @@ class Holdups:
                 return Waiting(step, stage, missing[0], now - (self._closed_at or now))
         return None
 
-    def _strike(self, peer: str, step: int, held_s: float, rest: str, now: float) -> list[str]:
+    def _strike(self, peer: str, step: int, held_s: float, rest: str, now: float, *, twice: bool = False) -> list[str]:
         strikes = self._struck[peer]
         why = f"held the commit of step {step} for {held_s:.1f} s without reporting a result, while {rest}"
         self.verdicts.flag(peer, "commit_hold", why, now)
         out = [f"commit hold peer={peer} strikes={strikes} {why}"]
         limit = self.settings.expel_after_strikes
+        if limit is not None and twice:
+            limit *= 2  # its round lost a participant the coordinator banned (see watch)
         if limit is not None and strikes >= limit:
             self.reported(peer)  # the hold ends with the ban
             reason = f"liveness: {why} ({strikes} graces in a row)"

@@ -106,6 +106,38 @@ def test_a_participant_holdout_in_a_stage_of_two_is_expelled_after_its_graces_an
     assert not any(core.verdicts.is_banned(p) or core.verdicts.flags_of(p) for p in (s0, s0b, s1))
 
 
+def test_a_stage_whose_round_lost_a_banned_participant_gets_twice_the_graces() -> None:
+    """Costs go to their cause: the liar of a stage was convicted while its stage averaged the step, and the
+    survivors' round waited out its timeouts; an honest survivor was expelled for holding the commit. Such a
+    stage's holdouts are expelled only after twice the strikes: a bound still, and a later report clears."""
+    core = make_core()
+    stages = _members(core, "abcdef")
+    assert len(stages[1]) == 3, stages
+    three, other = 1, 0
+    _beat(core, 0.1)
+    B = core.run.microbatches_per_step
+    step = core.ledger.step
+    s0 = stages[0][0]
+    liar, slow, fine = stages[1]
+    # Every replica of stage 1 took part in the step (ticket i goes through stage-1 replica i % 3).
+    while core.ledger.step == step:
+        for i in core.handle(s0, cm.Lease(max_tickets=B), 0.2).indices:
+            core.handle(s0, cm.Complete(ack=TEST_ACK, nonce=core.nonce(step, i), step=step, index=i, route=[s0, stages[1][i % 3]], loss=1.0), 0.2)
+    account = core.ledger.closed[step].accounting()
+    assert set(account[three]) == {liar, slow, fine}
+    core.ban(liar, "integrity: convicted", 0.25)  # mid-round
+    _report(core, step, stages[other], 0.3)  # the other stage reported; this one's round is still running
+    limit = STEP_SETTINGS.expel_after_strikes
+    assert limit is not None
+    now = _wait(core, 0.3 + limit * GRACE + 0.5, 0.3)
+    assert not core.verdicts.is_banned(slow) and not core.verdicts.is_banned(fine), core.verdicts.bans
+    assert core.verdicts.flags_of(slow) == [f"commit_hold:{limit}"]
+    _report(core, step, [fine], now)  # one survivor finishes the round
+    now = _wait(core, 0.3 + 2 * limit * GRACE + 0.5, now)
+    assert core.verdicts.is_banned(slow), "still a bound: twice the graces, then the holdout goes"
+    assert not core.verdicts.is_banned(fine)
+
+
 def test_a_left_out_holdout_in_a_stage_of_two_no_longer_counts_after_its_grace() -> None:
     # Every stage-0 ticket went through s0: its partner took part in nothing and holds nothing of the
     # step, so once it held the commit a grace the stage's count is s0 alone.
