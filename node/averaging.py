@@ -280,6 +280,15 @@ class Averager:
             elif isinstance(a, (Done, Failed)):
                 self._finished.set()
 
+    def peer_banned(self, peer: str, reason: str) -> None:
+        """The coordinator banned ``peer``: it is out of the round in flight from now on, as if its stream
+        broke. A banned peer that still answers probes would otherwise be waited on (for its fin, say)
+        until it goes silent."""
+        r = self._round
+        if r is not None and peer in r.weights:
+            log.info("collective peer banned peer=%s round=%d reason=%s", peer, r.round_id, reason)
+            self._dispatch(r.peer_failed(peer, f"banned by the coordinator: {reason}", self.clock()))
+
     # -- a round ---------------------------------------------------------------------------------
     async def run_round(self, round_id: int, weights: dict[str, float], vector: torch.Tensor) -> torch.Tensor:
         """Sum ``vector`` over the replicas in ``weights``; returns the identical result on every survivor.

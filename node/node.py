@@ -241,10 +241,18 @@ class Node:
         self.progress.event("integrity_report", peer=target, evidence=evidence is not None, banned=reply.banned, reason=reply.reason)
         if reply.banned:
             self.progress.say(f"banned {target[-8:]}: {reply.reason}")
-            if not self.host.is_banned(target):
-                self.host.ban(target, reply.reason)
-                self.routes.ban(target)
+            self._shut_out(target, reply.reason)
         return reply.banned
+
+    def _shut_out(self, peer: str, reason: str) -> None:
+        """The coordinator banned ``peer``: refuse it, route around it, and leave it out of the round in
+        flight at once (its record ends its role, so no wait on it outlasts that word)."""
+        if self.host.is_banned(peer):
+            return
+        self.host.ban(peer, reason)
+        if self.core is not None:
+            self.routes.ban(peer)
+            self.averager.peer_banned(peer, reason)
 
     def _apply_view(self) -> None:
         for m in self.view.members:
@@ -329,10 +337,7 @@ class Node:
 
     def on_heartbeat(self, reply: cm.HeartbeatReply) -> None:
         for peer in reply.bans:
-            if not self.host.is_banned(peer):
-                self.host.ban(peer, "banned by the coordinator")
-                if self.core is not None:
-                    self.routes.ban(peer)
+            self._shut_out(peer, "banned by the coordinator")
         if self.link.view_version != self.view.version:
             old = self.view
             self.view = Membership(self.link.view_version, list(self.link.members))

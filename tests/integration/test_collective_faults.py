@@ -298,3 +298,61 @@ def test_a_tampering_reducer_is_vetoed_with_evidence_over_real_hosts(run_trio, t
             assert ok and fault.reducer == ids[tamperer].peer_id, why
 
     run_trio(main, timeout=40)
+
+
+class MuteAverager(Averager):
+    """A member that never runs its round: it takes every part and answers every probe with an ack, so it
+    looks alive for ever, and sends nothing of its own (no part, no fin, never "left")."""
+
+    async def _handle(self, peer: str, s) -> None:
+        msg = await s.receive((PartHeader,))
+        if msg.phase not in ("probe", "fin"):
+            await s.receive_tensor(codec="none", dtype=torch.float32, shape=None, limits=self._limits)
+        await s.send(Ack())
+
+
+def test_a_peer_the_coordinator_banned_is_out_of_the_round_at_once(run_trio) -> None:
+    """Two honest replicas and a mute one. They go on without its vector once it is stuck, but a held-out
+    peer that answers probes is never silent, so its fin is waited for until the round's timeout. The
+    coordinator's ban (``Averager.peer_banned``, which the node calls for every ban it hears of) ends
+    that wait at once: both finish with the same sum of their own two vectors."""
+    numel = 257
+
+    async def main() -> None:
+        ids = sorted((Identity.generate() for _ in range(3)), key=lambda i: i.peer_id)
+        weights = {i.peer_id: 1.0 for i in ids}
+        mute = 1
+        honest = [0, 2]
+        async with open_mesh(ids, CONFIG) as hosts:
+            avgs = [(MuteAverager if k == mute else Averager)(h, STAGE, numel, timeout_s=120.0, first_round=ROUND, floor_s=3.0, sign=i.sign)
+                    for k, (h, i) in enumerate(zip(hosts, ids))]
+            for a in avgs:
+                a.register()
+            results: dict[int, Done] = {}
+
+            async def one(k: int) -> None:
+                results[k] = await avgs[k].run_round_detailed(ROUND, weights, torch.full((numel,), float(k + 1)))
+
+            async with trio.open_nursery() as n:
+                for k in honest:
+                    n.start_soon(one, k)
+                # Both commit without the mute replica, then wait for its fin.
+                await wait_until(lambda: all(avgs[k]._round is not None and avgs[k]._round.committed is not None for k in honest), 60)
+                assert not results, "a committed round waits for a live peer's fin"
+                for k in honest:
+                    avgs[k].peer_banned(ids[mute].peer_id, "liveness: test")
+                with trio.fail_after(10):
+                    while len(results) < len(honest):
+                        await trio.sleep(0.05)
+        first = results[honest[0]]
+        assert torch.equal(results[honest[1]].result, first.result) and first.contributors == results[honest[1]].contributors
+        assert first.excluded == [ids[mute].peer_id]
+        assert torch.equal(first.result, torch.full((numel,), 1.0 + 3.0))
+
+    run_trio(main, timeout=90)
+
+
+async def wait_until(cond, timeout_s: float) -> None:
+    with trio.fail_after(timeout_s):
+        while not cond():
+            await trio.sleep(0.05)
