@@ -26,6 +26,7 @@ from protolearn.node.core.events import Emit
 from protolearn.node.core.leasing import (
     Completed,
     CompleteRefused,
+    Handed,
     LeaseAction,
     LeaseCore,
     Leased,
@@ -196,7 +197,9 @@ class TicketDriver:
     async def _run_ticket(self, step: int, ticket: int) -> None:
         if self.outbound.withholds(step):
             return  # it sits on its lease
-        if not await self.start(step, ticket, self._nonces.get((step, ticket), b"")):
+        if await self.start(step, ticket, self._nonces.get((step, ticket), b"")):
+            self._feed(Handed(step, ticket))
+        else:
             self._feed(NotStarted(step, ticket))
 
     async def _release(self, step: int, indices: list[int]) -> None:

@@ -54,6 +54,14 @@ class LeaseFailed:
 
 
 @dataclass(frozen=True)
+class Handed:
+    """The ticket's attempt was sent on: a next-stage replica took it."""
+
+    step: int
+    ticket: int
+
+
+@dataclass(frozen=True)
 class NotStarted:
     """The ticket could not be sent on (no next-stage replica took it)."""
 
@@ -94,7 +102,7 @@ class MemberLeft:
     """A replica of a later stage left or died: tickets routed through it never get their gradient back."""
 
 
-LeaseEvent = Leased | LeaseFailed | NotStarted | Completed | CompleteRefused | PeerDown | MemberLeft
+LeaseEvent = Leased | LeaseFailed | Handed | NotStarted | Completed | CompleteRefused | PeerDown | MemberLeft
 
 
 # -- actions ---------------------------------------------------------------------------------------
@@ -139,6 +147,11 @@ class LeaseCore:
         self.step = -1
         # When each in-flight ticket of the open step was (re)started.
         self.started: dict[int, float] = {}
+        # Started tickets whose attempt is not handed on yet (computing, or trying next-stage peers): a ticket
+        # has one attempt at a time, so these are never restarted; the attempt ends Handed or NotStarted.
+        # Restarting them once made each failed send to a gone peer restart every ticket again, in a loop
+        # at network speed whose releases got the node banned by the coordinator (issue 28).
+        self._starting: set[int] = set()
         self._leasing = False
         self._pause_until = 0.0
         self._restart: set[int] = set()
@@ -151,6 +164,7 @@ class LeaseCore:
             self.started = {}
         held = set(still_held)
         self.started = {t: at for t, at in self.started.items() if t in held}
+        self._starting &= set(self.started)
         self.step, self._leasing, self._pause_until = step, False, now
         self._restart.clear()
 
@@ -163,8 +177,8 @@ class LeaseCore:
             restart = sorted(self.started)
         self._departed = False
         self._restart.clear()
-        for t in restart:
-            self.started[t] = now
+        for t in [t for t in restart if t not in self._starting]:
+            self._begin_attempt(t, now)
             out.append(Emit("ticket_redo", {"step": self.step, "ticket": t, "reason": "route broke"}, logging.WARNING,
                             f"ticket restarted step={self.step} ticket={t} reason=its route broke (no gradient back)"))
             out.append(StartTicket(self.step, t))
@@ -180,11 +194,16 @@ class LeaseCore:
             out.append(RequestLease(min(room, self.lease_block)))
         return out
 
+    def _begin_attempt(self, ticket: int, now: float) -> None:
+        self.started[ticket] = now
+        self._starting.add(ticket)
+
     def next_wake(self, now: float) -> float:
         """When :meth:`poll` has something to do at the latest, if nothing happens before."""
         wake = now + IDLE_POLL_S
-        if self.started:
-            wake = min(wake, min(self.started.values()) + self.stall_s)
+        handed = [at for t, at in self.started.items() if t not in self._starting]
+        if handed:
+            wake = min(wake, min(handed) + self.stall_s)
         if self._pause_until > now:
             wake = min(wake, self._pause_until)
         return max(now, wake)
@@ -202,15 +221,20 @@ class LeaseCore:
                 return []
             # A ticket we hold may come back: our lease ran out, or the step reopened to redo it.
             for t in event.indices:
-                self.started[t] = now
+                self._begin_attempt(t, now)
             return [StartTicket(event.step, t) for t in event.indices]
         if isinstance(event, LeaseFailed):
             self._leasing = False
             self._pause_until = now + LEASE_FAILED_S
             return [Emit("lease_failed", {"step": self.step, "reason": event.reason}, logging.WARNING,
                          f"lease failed step={self.step} reason={event.reason}")]
+        if isinstance(event, Handed):
+            if event.step == self.step:
+                self._starting.discard(event.ticket)
+            return []
         if isinstance(event, NotStarted):
             self.started.pop(event.ticket, None)
+            self._starting.discard(event.ticket)
             pause = min(NOT_STARTED_MAX_S, LEASE_RETRY_S * 2 ** min(self._not_started, 16))
             self._not_started += 1
             self._pause_until = max(self._pause_until, now + pause)
@@ -218,6 +242,7 @@ class LeaseCore:
         if isinstance(event, Completed):
             self._not_started = 0
             self.started.pop(event.ticket, None)
+            self._starting.discard(event.ticket)
             return [ReportComplete(event.step, event.ticket, list(event.route), event.loss, event.ack, event.nonce)]
         if isinstance(event, CompleteRefused):
             out: list[LeaseAction] = [Emit("complete_refused", {"step": event.step, "ticket": event.ticket, "reason": event.reason},

@@ -632,6 +632,8 @@ class Sim:
         if self.now < target.hung_until:
             self.to_node(node, SEND_TIMEOUT_S, lambda: self._drop(node, step, ticket))  # the send times out
             return
+        if stage == 1 and node.lease is not None:  # stage 1 took it: the attempt is handed on (its ack)
+            self._carry_lease(node, node.lease.handle(lc.Handed(step, ticket), self.now))
         self.to_node(target, HOP_S, lambda: self._forward_arrived(target, step, ticket, route, node.peer))
 
     def _drop(self, node: SimNode, step: int, ticket: int) -> None:

@@ -199,13 +199,46 @@ def test_stalled_tickets_and_those_sent_to_a_dead_peer_restart() -> None:
     core = lease_core()
     core.poll(0.0, in_flight=0, has_next_stage=True)
     core.handle(lc.Leased(0, [0, 1, 2]), 0.0)
+    for t in (0, 1, 2):
+        core.handle(lc.Handed(0, t), 0.0)
     core.handle(lc.PeerDown("p", [1]), 1.0)
     assert only(core.poll(1.0, in_flight=4, has_next_stage=True), lc.StartTicket) == [lc.StartTicket(0, 1)]
+    core.handle(lc.Handed(0, 1), 1.0)
     assert core.next_wake(4.5) == pytest.approx(5.0)  # when tickets 0 and 2 stall
     restarted = only(core.poll(5.5, in_flight=4, has_next_stage=True), lc.StartTicket)
     assert restarted == [lc.StartTicket(0, 0), lc.StartTicket(0, 2)]  # their gradient never came back
+    for t in (0, 2):
+        core.handle(lc.Handed(0, t), 5.5)
     core.handle(lc.MemberLeft(), 6.0)
     assert len(only(core.poll(6.0, in_flight=4, has_next_stage=True), lc.StartTicket)) == 3
+
+
+def test_a_ticket_has_one_attempt_at_a_time_so_failed_sends_to_a_gone_peer_do_not_restart_it_in_a_loop() -> None:
+    """Issue 28, stage 1's last replica hung and left: every forward to it failed, each failure reported the peer
+    down with every ticket once handed to it, and each report restarted all of them again while their last
+    attempts were still trying it; about 100 restarts a second, whose releases got the node banned by the
+    coordinator. An attempt being started is never restarted: it ends handed on or not started."""
+    core = lease_core()
+    core.poll(0.0, in_flight=0, has_next_stage=True)
+    core.handle(lc.Leased(0, [0, 1]), 0.0)
+    for t in (0, 1):
+        core.handle(lc.Handed(0, t), 0.0)
+    core.handle(lc.PeerDown("gone", [0, 1]), 1.0)  # its connection closed: both restart once
+    assert only(core.poll(1.0, in_flight=4, has_next_stage=True), lc.StartTicket) == [lc.StartTicket(0, 0), lc.StartTicket(0, 1)]
+    for k in range(20):  # the restarted attempts' own sends to it fail, again and again, while they run
+        core.handle(lc.PeerDown("gone", [0, 1]), 1.0 + k * 0.01)
+        core.handle(lc.MemberLeft(), 1.0 + k * 0.01)
+        assert only(core.poll(1.0 + k * 0.01, in_flight=4, has_next_stage=True), lc.StartTicket) == []
+    assert core.next_wake(1.2) > 1.2  # and no busy loop: nothing handed can stall yet
+    # The attempts end not started: released once each, and leasing pauses.
+    assert core.handle(lc.NotStarted(0, 0), 1.3) == [lc.Release(0, [0])]
+    assert core.handle(lc.NotStarted(0, 1), 1.3) == [lc.Release(0, [1])]
+    assert core.started == {}
+    # A restarted attempt that is handed on can be restarted again when its peer goes.
+    core.handle(lc.Leased(0, [0]), 2.0)
+    core.handle(lc.Handed(0, 0), 2.0)
+    core.handle(lc.PeerDown("other", [0]), 2.5)
+    assert only(core.poll(2.5, in_flight=4, has_next_stage=True), lc.StartTicket) == [lc.StartTicket(0, 0)]
 
 
 def test_tickets_no_next_stage_peer_takes_pause_leasing_longer_each_time_until_one_completes() -> None:
