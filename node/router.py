@@ -66,6 +66,8 @@ RETRY_PAUSE_S = 0.2
 # going over; a node with tickets restarted while its next stage was down once opened dozens at once
 # to the replica that came back, was banned by it for 300 s, and then expelled for completing nothing.
 SENDS_PER_PEER = 4
+# Past this many (peer, protocol) limiters, the idle ones are dropped (a busy one is kept: it is in use).
+MAX_SEND_LIMITERS = 256
 
 # (step, ticket, route, loss, the last stage's signed ack of them or None in a one-stage run, the lease nonce it signs)
 Complete = Callable[[int, int, list[str], float, bytes | None, bytes], Awaitable[None]]
@@ -261,7 +263,7 @@ class Router:
         key = (peer, protocol)
         got = self._sends.get(key)
         if got is None:
-            if len(self._sends) >= 4 * SENDS_PER_PEER * max(1, len(self.routes.next_peers) + 1) + 64:
+            if len(self._sends) >= MAX_SEND_LIMITERS:
                 self._sends = {k: v for k, v in self._sends.items() if v.borrowed_tokens}
             got = self._sends[key] = trio.CapacityLimiter(SENDS_PER_PEER)
         return got

@@ -90,21 +90,31 @@ class Outcome:
     joined: dict[int, tuple[int, float]]
     exit_codes: dict[int, int | None]
     tokens_per_step: int
+    node_stages: dict[int, int]  # the stage each node built first
 
 
 def _swarm_run(
     workdir: Path, *, stages: int, steps: int, num_nodes: int, lease_s: float, hole: str | None, deadline_s: float, hole_stage: int = 0,
+    stage1_replicas: int = 1,
 ) -> Outcome:
     import trio
     from protolearn.cli.demo import LocalSwarm
     from protolearn.stages.config import RunConfig
 
+    from protolearn.stages.footprint import stage_footprints
+
     run_toml = _run_toml(stages, steps)
-    tokens_per_step = RunConfig.from_toml_text(run_toml).batch.tokens_per_step
+    run = RunConfig.from_toml_text(run_toml)
+    tokens_per_step = run.batch.tokens_per_step
+    # With two stage-1 replicas, nodes 2 and 0 offer less memory than stage 0 needs, so placement can only
+    # give them stage 1 (a real user's --max-memory; by throughput the second would go to stage 0).
+    first, last = [f.total(8) for f in stage_footprints(run)][:2] if stages > 1 else (0, 0)
+    pin = ["--max-memory", f"{(first + last) / 2e6:.2f}MB"]
+    pinned = {2: pin, 0: pin} if stage1_replicas == 2 else {}
 
     class Swarm(LocalSwarm):
         def _node_args(self, k: int) -> list[str]:
-            args = super()._node_args(k)
+            args = super()._node_args(k) + pinned.get(k, [])
             return args + ["--adversary", hole] if (k == 0 and hole) else args
 
     os.environ["PROTOLEARN_ALLOW_ADVERSARY"] = "1"  # inherited by the nodes; only node 0 gets --adversary
@@ -121,11 +131,12 @@ def _swarm_run(
             while not swarm.poll_address():
                 await trio.sleep(0.1)
         # The node(s) whose stage matters join first, one at a time: with hole_stage 1, an honest node
-        # takes stage 0 and node 0 then stage 1; with hole_stage 0 in a multi-stage run, node 0 takes stage
-        # 0 (a loaded machine would otherwise start them in any order). The rest start at once; the timed
+        # takes stage 0 and node 0 then stage 1 (with two stage-1 replicas, the pinned node 2 first, so
+        # that it trains before node 0 hangs); with hole_stage 0 in a multi-stage run, node 0 takes stage 0
+        # (a loaded machine would otherwise start them in any order). The rest start at once; the timed
         # windows start once every node joined.
         procs: dict[int, Any] = {}
-        for k in ([1, 0] if hole_stage == 1 else [0] if stages > 1 else []):
+        for k in ([1, 2, 0] if pinned else [1, 0] if hole_stage == 1 else [0] if stages > 1 else []):
             procs[k] = swarm._popen(swarm._node_args(k), f"node{k}")
             log = workdir / f"node{k}" / "node.jsonl"
             with trio.fail_after(STARTUP_S):
@@ -160,7 +171,7 @@ def _swarm_run(
         codes = {k: p.poll() for k, p in enumerate(swarm.nodes)}
     finally:
         swarm.stop()
-    peers, joined = {}, {}
+    peers, joined, built = {}, {}, {}
     for k in range(num_nodes):
         path = workdir / f"node{k}" / "node.jsonl"
         for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
@@ -170,6 +181,8 @@ def _swarm_run(
                 continue
             if d.get("event") == "start" and d.get("peer_id"):
                 peers[k] = d["peer_id"]
+            if d.get("event") == "built" and k not in built:
+                built[k] = int(d["stage"])
             if d.get("event") == "joined":
                 joined[k] = (int(d.get("step", 0)), math.inf)
             if d.get("event") == "step" and k in joined:  # its first applied step: it trains now
@@ -177,7 +190,7 @@ def _swarm_run(
                 break
     history = list(status.loss_history) if status is not None else []
     bans = list(status.bans) if status is not None else []
-    return Outcome(time.monotonic() - t0, history, bans, peers, joined, codes, tokens_per_step)
+    return Outcome(time.monotonic() - t0, history, bans, peers, joined, codes, tokens_per_step, built)
 
 
 def _tokens_per_s(history: list[Any], after: float, tokens_per_step: int) -> tuple[float | None, float | None]:
@@ -210,30 +223,34 @@ def _last_error(path: Path) -> str | None:
 
 def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: int | None = None, from_step: int = 2,
             lease_s: float | None = None, warmup: int = 2, hole_stage: int = 0, workdir: Path | None = None,
-            kind: str = "blackhole") -> dict:
+            kind: str = "blackhole", stage1_replicas: int = 1) -> dict:
     """Run the honest and the blackhole swarm back to back and compare their tokens/s (module docstring)."""
     return measure_kinds({kind: from_step}, quick=quick, stages=stages, num_nodes=num_nodes, steps=steps, lease_s=lease_s,
-                         warmup=warmup, hole_stage=hole_stage, workdir=workdir)[kind]
+                         warmup=warmup, hole_stage=hole_stage, workdir=workdir, stage1_replicas=stage1_replicas)[kind]
 
 
 def measure_kinds(kinds: dict[str, int], *, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: int | None = None,
-                  lease_s: float | None = None, warmup: int = 2, hole_stage: int = 0, workdir: Path | None = None) -> dict[str, dict]:
+                  lease_s: float | None = None, warmup: int = 2, hole_stage: int = 0, workdir: Path | None = None,
+                  stage1_replicas: int = 1) -> dict[str, dict]:
     """One honest run, then one run per adversary ``kind`` (from its step ``kinds[kind]``), each compared with
     the same honest run: ``{kind: measure()'s dict}``. Each adversary run is in ``workdir/blackhole`` for
-    ``blackhole`` and ``workdir/KIND`` otherwise."""
+    ``blackhole`` and ``workdir/KIND`` otherwise. ``stage1_replicas`` 2 (with ``hole_stage`` 1): node 0
+    is one of stage 1's two replicas, node 2 the other (both offer too little memory for stage 0)."""
     steps = steps or (40 if quick else 80)
     lease_s = lease_s or (2.0 if quick else 4.0)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="protolearn-bench-blackhole-"))
     deadline = 120.0 if quick else 600.0
     if hole_stage not in (0, 1) or (hole_stage == 1 and (stages < 2 or num_nodes < 4)):
         raise ValueError(f"hole_stage {hole_stage}: 0, or 1 with >= 2 stages and >= 4 nodes (so stage 1 keeps a replica after the ban)")
+    if stage1_replicas not in (1, 2) or (stage1_replicas == 2 and hole_stage != 1):
+        raise ValueError(f"stage1_replicas {stage1_replicas}: 1, or 2 with hole_stage 1")
     honest = _swarm_run(workdir / "honest", stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s, hole=None, deadline_s=deadline,
-                        hole_stage=hole_stage)
+                        hole_stage=hole_stage, stage1_replicas=stage1_replicas)
     out = {}
     for kind, from_step in kinds.items():
         where = workdir / ("blackhole" if kind == "blackhole" else kind)
         hole = _swarm_run(where, stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s,
-                          hole=f"{kind}:{from_step}", deadline_s=deadline, hole_stage=hole_stage)
+                          hole=f"{kind}:{from_step}", deadline_s=deadline, hole_stage=hole_stage, stage1_replicas=stage1_replicas)
         out[kind] = _compare(honest, hole, kind=kind, from_step=from_step, steps=steps, lease_s=lease_s, stages=stages,
                              num_nodes=num_nodes, warmup=warmup, hole_stage=hole_stage, where=where, workdir=workdir)
     return out
@@ -299,6 +316,7 @@ def _compare(honest: Outcome, hole: Outcome, *, kind: str, from_step: int, steps
         "left_out_after_s": hung.get("running_s"),
         "hung_error": _last_error(where / "node0.err") if kind == "hang" else None,
         "kind": kind,
+        "node_stages": {str(k): v for k, v in sorted(hole.node_stages.items())},
         "workdir": str(workdir),
     }
 
@@ -312,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--from-step", type=int, default=2)
     parser.add_argument("--lease-s", type=float, default=None)
     parser.add_argument("--hole-stage", type=int, default=0, help="1: the blackhole serves stage 1 (needs --stages 2 --nodes 4)")
+    parser.add_argument("--stage1-replicas", type=int, default=1, help="2 (with --hole-stage 1): node 0 is one of stage 1's two replicas")
     parser.add_argument("--kind", default="blackhole", help="how node 0 misbehaves: blackhole or hang, or several as "
                         "KIND[:FROM_STEP],... (one honest run for all; prints {kind: result})")
     parser.add_argument("--workdir", default=None)
@@ -323,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--kind {item!r}: expected blackhole or hang, optionally with :FROM_STEP")
         kinds[name] = int(start) if start else args.from_step
     out = measure_kinds(kinds, quick=args.quick, stages=args.stages, num_nodes=args.nodes, steps=args.steps, lease_s=args.lease_s,
-                        hole_stage=args.hole_stage, workdir=Path(args.workdir) if args.workdir else None)
+                        hole_stage=args.hole_stage, workdir=Path(args.workdir) if args.workdir else None, stage1_replicas=args.stage1_replicas)
     print(json.dumps(out if "," in args.kind else out[next(iter(kinds))]))
 
 

@@ -15,6 +15,8 @@ swarm per adversary, through the CLI as subprocesses; both tests read that one r
   line; the other two finish all 40 steps. The coordinator saw it sit on its leases, so no commit waits
   for it (coordinator/core/holdups.py): at most one step is slower than 3 x the honest run's median, and
   the median step time stays within 3 x of it.
+- **a stage-1 replica hangs** (``--hole-stage 1 --stage1-replicas 2``: node 0 is one of stage 1's two replicas,
+  node 2 the other; their ``--max-memory`` fits only stage 1): the same as the stage-0 hang.
 - **the only replica of a stage hangs** (stage 1 of two stage-0 replicas and one stage-1 replica): its watchdog
   makes it leave and exit; ``swarm status`` says the run is halted on stage 1; the stage-0 nodes wait without
   flooding the coordinator (they once made a lease/release loop at hundreds of requests a second and were
@@ -24,6 +26,7 @@ swarm per adversary, through the CLI as subprocesses; both tests read that one r
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -58,7 +61,8 @@ def _hung_node_left_and_the_rest_trained_on(r: dict, honest_nodes: int) -> None:
     assert set(codes["honest"].values()) == {0}, codes
     assert all(codes["blackhole"][str(k)] == 0 for k in range(1, honest_nodes + 1)), codes
     assert codes["blackhole"]["0"] == 1, codes  # the hung node gave up on its device
-    assert r["hung_error"] is not None and "compute (forward) has not returned" in r["hung_error"], r["hung_error"]
+    # Stage 0 hangs in a forward; the last stage, which runs its forward and backward as one, in the backward.
+    assert r["hung_error"] is not None and re.search(r"compute \((forward|backward)\) has not returned", r["hung_error"]), r["hung_error"]
     assert "the device may be hung; restart the node" in r["hung_error"]
     assert r["left_out_after_s"] is not None and r["left_out_after_s"] < 30, r
     assert r["slow_steps"] <= 1, r  # only the step it hung in waited for it
@@ -80,6 +84,27 @@ def test_a_stage0_blackhole_is_expelled_and_throughput_recovers(runs: dict) -> N
 
 def test_a_stage0_node_whose_compute_hangs_is_left_out_and_the_swarm_trains_on(runs: dict) -> None:
     _hung_node_left_and_the_rest_trained_on(runs["hang"], honest_nodes=2)
+
+
+@pytest.fixture(scope="module")
+def stage1_pair(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The hang run with node 0 one of stage 1's two replicas and node 2 the other (their --max-memory fits only
+    stage 1). Node 0 joins last, into a swarm at a quarter of a second a step, and may take a few steps to train
+    (a joiner that falls behind the rounds its stage keeps downloads the state again); from step 30 it does."""
+    workdir = tmp_path_factory.mktemp("stalls-stage1")
+    argv = [sys.executable, "scripts/bench_blackhole.py", "--quick", "--kind", "hang:30", "--stages", "2", "--nodes", "4",
+            "--hole-stage", "1", "--stage1-replicas", "2", "--workdir", str(workdir)]
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print({k: r[k] for k in ("honest_step_s", "adversary_step_s", "step_time_ratio", "slow_steps", "left_out_after_s", "node_stages")})
+    return r
+
+
+def test_a_stage1_node_whose_compute_hangs_is_left_out_and_its_stage_partner_trains_on(stage1_pair: dict) -> None:
+    r = stage1_pair
+    assert r["node_stages"]["0"] == 1 and r["node_stages"]["2"] == 1, r["node_stages"]  # two stage-1 replicas, node 0 one
+    _hung_node_left_and_the_rest_trained_on(r, honest_nodes=3)
 
 
 def test_the_only_replica_of_a_stage_hangs_the_swarm_waits_says_so_and_goes_on_when_it_restarts(tmp_path: Path, monkeypatch) -> None:
