@@ -192,6 +192,12 @@ class _Service:
             self._changed.set()
             self._changed = trio.Event()
 
+    def connection_changed(self, peer: str, up: bool) -> None:
+        """The host's connection callback: a closed connection may commit the step (wake the long polls)."""
+        self.core.connection_changed(peer, up, self.clock())
+        if not up:
+            self.commit()
+
     async def on_request(self, peer: str, msg: Message) -> Message:
         try:
             if isinstance(msg, cm.WaitStep):
@@ -382,7 +388,7 @@ async def serve(
                 core, store, host, clock, checker=checker, relay=relay, announce=[parse_announce(a, host.peer_id) for a in announce],
             )
             host.relay.admit = core.may_reserve
-            host.on_connection = lambda peer, up: core.connection_changed(peer, up, clock())
+            host.on_connection = svc.connection_changed
             host.serve(
                 cm.COORDINATOR,
                 svc.on_request,

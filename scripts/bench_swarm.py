@@ -163,6 +163,7 @@ def recovery_keys(
                 out["recovery_victim_stage"] = stages[victim]
                 killed_at_step = len(seen)
                 t_kill = time.monotonic()
+                out["kill_at"] = time.time()  # wall clock, to line up with the nodes' event logs
                 await trio.to_thread.run_sync(swarm.kill_node, victim)
                 while "recover_s" not in out:
                     await poll()

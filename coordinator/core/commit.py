@@ -6,8 +6,9 @@ holds (a participant: the collective's result hash; a replica the accounting lef
 result it fetched). :class:`CommitBarrier` keeps, per stage, the last hash each replica reported, and
 :meth:`CommitBarrier.check` decides.
 
-**The rule.** Let ``L(s)`` be the live serving replicas of stage ``s`` (the registry's ``serving``). The
-step commits when, for every stage:
+**The rule.** Let ``L(s)`` be the live serving replicas of stage ``s`` whose connection to the coordinator
+is open (the registry's ``reachable``: a replica whose connection closed cannot report, so the commit
+does not wait out the disconnect grace for it). The step commits when, for every stage:
 
 1. one hash ``h(s)`` is reported by a strict majority of ``L(s)`` (more than ``|L(s)| / 2``), and
 2. every replica of ``L(s)`` has reported (``h(s)``, or another hash: see below).

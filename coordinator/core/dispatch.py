@@ -374,7 +374,7 @@ class CoordinatorCore:
     def _averaged(self, member: Member, msg: cm.Averaged, now: float) -> cm.StepInfo:
         # A replica moving to another stage still finishes (and reports) the step of the stage it serves.
         d = self.ledger.averaged(
-            member.peer_id, member.serving_stage, msg.step, msg.revision, result_hash=msg.result_hash, needed=self.registry.serving
+            member.peer_id, member.serving_stage, msg.step, msg.revision, result_hash=msg.result_hash, needed=self.registry.reachable
         )
         if d.code in ("ok", "result_mismatch"):
             self.holdups.reported(member.peer_id)
@@ -410,8 +410,11 @@ class CoordinatorCore:
     # -- connections --------------------------------------------------------------------------
 
     def connection_changed(self, peer: str, connected: bool, now: float) -> None:
-        """The host saw ``peer``'s first connection open or its last one close."""
+        """The host saw ``peer``'s first connection open or its last one close. A closed one may be the
+        last report the commit waited for (a dead replica never sends it): the step may commit now."""
         self.registry.connection_changed(peer, connected, now)
+        if not connected and self.ledger.try_commit(self.registry.reachable).committed:
+            log.info("step committed step=%d (peer=%s, whose report it waited for, disconnected)", self.ledger.committed_through, peer)
 
     # -- long poll ----------------------------------------------------------------------------
 
@@ -446,7 +449,7 @@ class CoordinatorCore:
         events += self.holdups.watch(self.registry.serving, now, self.leases.sat_out(self.ledger.last_closed))
         self.verdicts.prune(now)
         # A replica the commit waited for may have died: the step can commit without it now.
-        if self.ledger.try_commit(self.registry.serving).committed:
+        if self.ledger.try_commit(self.registry.reachable).committed:
             events.append(f"step committed step={self.ledger.committed_through} (the replicas it waited for are gone)")
         if now - self._last_rebalance >= self.settings.rebalance_interval_s:
             self._last_rebalance = now

@@ -137,6 +137,14 @@ class Registry:
         """The replicas that serve ``stage`` now and train, and whose connection is not closed (sorted)."""
         return sorted(p for p in self.tallies.working_peers(stage) if p not in self._gone)
 
+    def reachable(self, stage: int) -> list[str]:
+        """:meth:`serving`, less the replicas whose connection is closed now, within the disconnect grace too:
+        the ones a commit waits for. A dead replica cannot report, and waiting out the grace for it held
+        every survivor's commit for most of a second; one whose connection only flapped reports when it is
+        back (the same hash, or it resyncs). Nobody but the replica's own network closes that connection,
+        so this gives a liar nothing the grace's end would not."""
+        return [p for p in self.serving(stage) if p not in self._disconnected]
+
     def stage_hashes(self, stage: int, limit: int) -> list[tuple[str, int, str]]:
         """(peer, step, parameter hash) after each of the last few steps ``stage``'s serving replicas
         applied, at most ``limit`` entries (O(replicas of the stage), not O(members))."""
