@@ -323,6 +323,7 @@ def test_stage0_restarts_overdue_tickets_elsewhere_and_reports_a_peer_that_keeps
     d.core.handle(lc.Leased(5, [0, 1, 2, 3]), 0.0)
     for t in range(4):
         routes.tickets.handed((5, t), "hole" if t < REPORT_AFTER_LOST else "good", 0.0)
+        d.core.handle(lc.Handed(5, t), 0.0)  # each attempt was sent on: a next-stage replica took it
     routes.returned((5, 3), 0.5)  # the good peer answers: round trips of 0.5 s
 
     async def main() -> None:
