@@ -5,7 +5,13 @@ microbatch takes there (service time, measured from send to the peer's answer) a
 peer reports, plus the microbatches this node has outstanding with it. The expected finish time of
 one more microbatch is::
 
-    (max(reported_queue, outstanding) + 1) * service_time_ema + failure_penalty
+    (max(reported_queue, outstanding, awaited) + 1) * service_time_ema + failure_penalty
+
+where ``awaited`` is the microbatches this node handed to the peer whose gradient has not come back
+(the caller's ticket record knows them; :meth:`Balancer.choose` takes them). A peer that computes a
+microbatch faster than this node sends the next reports an empty queue and answers at once, so without
+``awaited`` two idle replicas tie and the smaller peer id took every microbatch while the other
+replica never trained (and never got a service time measured).
 
 A failure adds a penalty that decays over ``penalty_half_life_s``, so a flaky peer is avoided for a
 while and then tried again; a banned peer is never chosen. Ties go to the smaller peer id, so the
@@ -23,6 +29,7 @@ and counts in :meth:`Balancer.lost`. :mod:`.routing` puts the two together.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 # With no measurement yet, a peer is assumed as fast as the average known peer, or this.
@@ -87,22 +94,28 @@ class Balancer:
         known = [s.service_s for s in self._stats.values() if s.service_s is not None]
         return sum(known) / len(known) if known else self.default_service_s
 
-    def expected_finish_s(self, peer: str, now: float) -> float:
+    def expected_finish_s(self, peer: str, now: float, awaited: int = 0) -> float:
         st = self._get(peer)
         service = st.service_s if st.service_s is not None else self._prior()
-        queue = max(st.reported_queue, float(st.outstanding))
-        return (queue + 1.0) * service + self._penalty(st, now)
+        return (self._queue(st, awaited) + 1.0) * service + self._penalty(st, now)
+
+    @staticmethod
+    def _queue(st: PeerStats, awaited: int) -> float:
+        return max(st.reported_queue, float(st.outstanding), float(awaited))
 
     # -- decisions -------------------------------------------------------------------------------
-    def choose(self, candidates: list[str], now: float) -> Choice:
+    def choose(self, candidates: list[str], now: float, awaited: Mapping[str, int] | None = None) -> Choice:
+        """The usable candidate with the least expected finish; ``awaited``: per peer, the microbatches
+        handed to it whose gradient is still awaited."""
         usable = sorted(set(candidates) - self._banned)
         if not usable:
             why = "no peer serves the next stage" if not candidates else f"all {len(candidates)} candidates are banned"
             return Choice(None, why)
-        best = min(usable, key=lambda p: (self.expected_finish_s(p, now), p))
-        eta = self.expected_finish_s(best, now)
-        st = self._get(best)
-        return Choice(best, f"least expected finish {eta:.3f} s (queue {max(st.reported_queue, st.outstanding):.0f}, of {len(usable)} peers)", eta)
+        load = awaited or {}
+        best = min(usable, key=lambda p: (self.expected_finish_s(p, now, load.get(p, 0)), p))
+        eta = self.expected_finish_s(best, now, load.get(best, 0))
+        queue = self._queue(self._get(best), load.get(best, 0))
+        return Choice(best, f"least expected finish {eta:.3f} s (queue {queue:.0f}, of {len(usable)} peers)", eta)
 
     # -- observations ----------------------------------------------------------------------------
     def on_sent(self, peer: str) -> None:

@@ -10,7 +10,7 @@ which tickets a failed peer held.
 
 - **Forward.** :meth:`RouteCore.choose` picks among the next stage's live replicas (the node's view,
   :attr:`RouteCore.next_peers`) those not yet tried for this microbatch, or all of them again when every
-  one was tried. An accepted send (:meth:`RouteCore.accepted`) feeds the balancer its service time and
+  one was tried; the hand-overs each still owes a gradient count as its load. An accepted send (:meth:`RouteCore.accepted`) feeds the balancer its service time and
   the peer's queue and records the hand-over; a refused or broken one penalises the peer.
 - **Backward.** A gradient that the accounting admits is still refused when its route up to this
   replica is not that of the attempt held here (:meth:`RouteCore.admit_gradient`): the ticket was
@@ -45,7 +45,7 @@ class RouteCore:
     def choose(self, tried: set[str], now: float) -> Choice:
         """The next-stage peer for a microbatch already offered to ``tried`` (all again once all were)."""
         candidates = [p for p in self.next_peers if p not in tried] or list(self.next_peers)
-        return self.balancer.choose(candidates, now)
+        return self.balancer.choose(candidates, now, self.tickets.awaited_per_peer())
 
     def sending(self, peer: str) -> None:
         self.balancer.on_sent(peer)

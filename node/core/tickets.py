@@ -109,6 +109,14 @@ class Tickets:
             del self._awaited[next(iter(self._awaited))]
         self._awaited[key] = now
 
+    def awaited_per_peer(self) -> dict[str, int]:
+        """How many hand-overs each peer holds whose gradient is still awaited."""
+        out: dict[str, int] = {}
+        for key in self._awaited:
+            peer = self._records[key].handed_to or ""
+            out[peer] = out.get(peer, 0) + 1
+        return out
+
     def handed_to(self, step: int, peer: str) -> list[int]:
         """Tickets of ``step`` whose activation ``peer`` accepted last, sorted."""
         return sorted(t for (s, t), rec in self._records.items() if s == step and rec.handed_to == peer)
