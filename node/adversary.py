@@ -13,7 +13,9 @@ From optimizer step ``from_step`` on, the node misbehaves in one way:
 - ``blackhole``: it accepts leases and activations and never answers, while it keeps heartbeating;
 - ``hang``: its compute hangs, as a stuck GPU kernel or driver does: from ``from_step`` on, the first
   forward or backward it starts never returns (:class:`HangingWorker`), while its event loop,
-  heartbeats and connections stay up.
+  heartbeats and connections stay up. It hangs only a kind of call it has already completed a few
+  times (the watchdog's ``min_samples``), so that its own watchdog judges the hang by measured times; a
+  device hung from its first call is judged against ``first_s`` (two minutes), which no test waits out.
 
 The attack reaches the swarm from outside the production classes: :class:`Attack` builds the node's
 outbound filter (:class:`Lying`, a :class:`~protolearn.node.outbound.Outbound` that the router, integrity,
@@ -37,6 +39,7 @@ import torch
 
 from protolearn.errors import ConfigError
 from protolearn.protocol.monitors import DIRECTIONS
+from protolearn.node.core.watchdog import Watchdog
 from protolearn.node.outbound import Outbound
 from protolearn.node.progress import Progress
 from protolearn.node.worker import StageWorker
@@ -226,29 +229,38 @@ class HangingWorker(StageWorker):
     backward blocks its compute thread for good (until :meth:`release`, which only tests call), as a hung
     device does. Nothing else about the node changes: its event loop keeps heartbeating and serving."""
 
-    def __init__(self, run: RunConfig, stage: int, device: str = "cpu", *, bf16_autocast: bool = False, from_step: int) -> None:
+    def __init__(self, run: RunConfig, stage: int, device: str = "cpu", *, bf16_autocast: bool = False, from_step: int,
+                 after_calls: int = Watchdog.min_samples) -> None:
         super().__init__(run, stage, device, bf16_autocast=bf16_autocast)
         self.from_step = from_step
+        self.after_calls = after_calls
+        self._done: dict[str, int] = {"forward": 0, "backward": 0}  # completed calls, by the watchdog's kinds
         self._never = threading.Event()
         self.hung = threading.Event()  # set once a call is stuck, for tests that wait on it
 
     def release(self) -> None:
         self._never.set()
 
-    def _maybe_hang(self) -> None:
-        if self.applied >= self.from_step and not self._never.is_set():
+    def _maybe_hang(self, kind: str) -> None:
+        if self.applied >= self.from_step and self._done[kind] >= self.after_calls and not self._never.is_set():
             log.warning("adversary hang: compute blocked at applied step %d", self.applied)
             self.hung.set()
             self._never.wait()
 
     def forward(self, key: Hashable, inputs: torch.Tensor) -> torch.Tensor:
-        self._maybe_hang()
-        return super().forward(key, inputs)
+        self._maybe_hang("forward")
+        out = super().forward(key, inputs)
+        self._done["forward"] += 1
+        return out
 
     def forward_backward_last(self, key: Hashable, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
-        self._maybe_hang()
-        return super().forward_backward_last(key, inputs, targets)
+        self._maybe_hang("backward")
+        out = super().forward_backward_last(key, inputs, targets)
+        self._done["backward"] += 1
+        return out
 
     def backward(self, key: Hashable, grad_output: torch.Tensor) -> torch.Tensor | None:
-        self._maybe_hang()
-        return super().backward(key, grad_output)
+        self._maybe_hang("backward")
+        out = super().backward(key, grad_output)
+        self._done["backward"] += 1
+        return out

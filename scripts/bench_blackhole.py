@@ -256,11 +256,17 @@ def measure_kinds(kinds: dict[str, int], *, quick: bool = False, stages: int = 1
     return out
 
 
+def _all_in(run: Outcome) -> float:
+    """When the last node that trained at all applied its first step."""
+    return max((at for _, at in run.joined.values() if at != math.inf), default=0.0)
+
+
 def _compare(honest: Outcome, hole: Outcome, *, kind: str, from_step: int, steps: int, lease_s: float, stages: int, num_nodes: int,
              warmup: int, hole_stage: int, where: Path, workdir: Path) -> dict:
     h_hist = sorted(honest.history, key=lambda p: p.step)
-    # The honest window: from the warmup-th step closed after the last node started training.
-    all_in = max((at for _, at in honest.joined.values()), default=0.0)
+    # The honest window: from the warmup-th step closed after the last node started training. A node that
+    # joined too late to train any step (the run ended first) bounds nothing.
+    all_in = _all_in(honest)
     after = [p.closed_at for p in h_hist if p.closed_at > all_in]
     honest_tps = _tokens_per_s(h_hist, after[warmup - 1] if len(after) >= warmup else all_in, honest.tokens_per_step)
     hole_peer = hole.node_peers.get(0)
@@ -270,7 +276,7 @@ def _compare(honest: Outcome, hole: Outcome, *, kind: str, from_step: int, steps
     if ban is not None:
         m = re.search(r"held (\d+) leases", ban.reason)
         leases = int(m.group(1)) if m else None
-        start = max(ban.at, max((at for _, at in hole.joined.values()), default=0.0))
+        start = max(ban.at, _all_in(hole))
     else:
         start = b_hist[min(len(b_hist) - 1, from_step + 20)].closed_at if b_hist else 0.0
     hole_tps = _tokens_per_s(b_hist, start, hole.tokens_per_step)
@@ -280,7 +286,7 @@ def _compare(honest: Outcome, hole: Outcome, *, kind: str, from_step: int, steps
     (honest_mean, honest_tps), (hole_mean, hole_tps) = honest_tps, hole_tps
     # Step times over the whole run from the last node's first step (a hung node stops training; its
     # first step still bounds the window): the median, and the steps slower than 3 x the honest median.
-    honest_gaps, hole_gaps = _gaps(h_hist, all_in), _gaps(b_hist, max((at for _, at in hole.joined.values()), default=0.0))
+    honest_gaps, hole_gaps = _gaps(h_hist, all_in), _gaps(b_hist, _all_in(hole))
     honest_step = statistics.median(honest_gaps) if honest_gaps else None
     hole_step = statistics.median(hole_gaps) if hole_gaps else None
     hung = _hung(where / "node0" / "node.jsonl")
