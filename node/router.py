@@ -355,7 +355,7 @@ class Router:
                     await trio.sleep(RETRY_PAUSE_S)  # every next-stage peer failed: pace the retries of the same ones
                 continue
             if isinstance(reply, Refuse):
-                self.routes.failed(peer, self.clock())
+                self.routes.refused(peer, reply.code, self.clock())
                 log.info("forward refused peer=%s step=%d ticket=%d reason=%s", peer, step, ticket, reply.reason)
                 if reply.code == "busy":
                     tried.discard(peer)

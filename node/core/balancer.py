@@ -14,7 +14,12 @@ microbatch faster than this node sends the next reports an empty queue and answe
 replica never trained (and never got a service time measured).
 
 A failure adds a penalty that decays over ``penalty_half_life_s``, so a flaky peer is avoided for a
-while and then tried again; a banned peer is never chosen. Ties go to the smaller peer id, so the
+while and then tried again; a banned peer is never chosen. A peer that refused because it is not ready
+for the step (it is behind it: still syncing, or not yet applied the step before) is no failure: it is
+skipped while any other peer is ready, for :data:`NOT_READY_S`, doubled per refusal in a row up to
+:data:`NOT_READY_MAX_S` (:meth:`Balancer.on_not_ready`), and one accepted microbatch resets that. With
+the failure penalty a joiner that refused twice while the view still showed it training (a resync) was
+avoided for half a minute. Ties go to the smaller peer id, so the
 choice is deterministic for a given history. :meth:`Balancer.choose` returns the peer and the reason.
 
 Liveness (issue 11): a peer can Ack a microbatch and never send its gradient back (a blackhole). Which
@@ -41,6 +46,9 @@ PENALTY_HALF_LIFE_S = 10.0
 # trip (at least MIN_DEADLINE_S) is lost.
 OVERDUE_FACTOR = 4.0
 MIN_DEADLINE_S = 2.0
+# A peer that is not ready for the step is skipped for this long, doubled per refusal in a row, at most the max.
+NOT_READY_S = 0.5
+NOT_READY_MAX_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,9 @@ class PeerStats:
     failures: int = 0
     # Microbatches handed to it in a row whose gradient never came back.
     lost: int = 0
+    # Skipped while another peer is ready until then; refusals "not ready" in a row.
+    not_ready_until: float = 0.0
+    not_ready: int = 0
 
 
 @dataclass
@@ -111,8 +122,9 @@ class Balancer:
         if not usable:
             why = "no peer serves the next stage" if not candidates else f"all {len(candidates)} candidates are banned"
             return Choice(None, why)
+        ready = [p for p in usable if self._get(p).not_ready_until <= now] or usable
         load = awaited or {}
-        best = min(usable, key=lambda p: (self.expected_finish_s(p, now, load.get(p, 0)), p))
+        best = min(ready, key=lambda p: (self.expected_finish_s(p, now, load.get(p, 0)), p))
         eta = self.expected_finish_s(best, now, load.get(best, 0))
         queue = self._queue(self._get(best), load.get(best, 0))
         return Choice(best, f"least expected finish {eta:.3f} s (queue {queue:.0f}, of {len(usable)} peers)", eta)
@@ -125,6 +137,7 @@ class Balancer:
         """A microbatch sent to ``peer`` came back (or was accepted) after ``service_s``."""
         st = self._get(peer)
         st.outstanding = max(0, st.outstanding - 1)
+        st.not_ready = 0
         service_s = max(0.0, service_s)
         st.service_s = service_s if st.service_s is None else (1 - self.alpha) * st.service_s + self.alpha * service_s
 
@@ -135,6 +148,13 @@ class Balancer:
         st.penalty_s = self._penalty(st, now) + self.failure_penalty_s
         st.penalty_at = now
         st.failures += 1
+
+    def on_not_ready(self, peer: str, now: float) -> None:
+        """The peer refused a microbatch of a step it has not reached yet: skip it for a while."""
+        st = self._get(peer)
+        st.outstanding = max(0, st.outstanding - 1)
+        st.not_ready_until = now + min(NOT_READY_MAX_S, NOT_READY_S * 2 ** min(st.not_ready, 16))
+        st.not_ready += 1
 
     # -- liveness: microbatches whose gradient must come back ------------------------------------
     def on_returned(self, peer: str, round_trip_s: float) -> None:

@@ -10,7 +10,8 @@ which tickets a failed peer held.
 
 - **Forward.** :meth:`RouteCore.choose` picks among the next stage's live replicas (the node's view,
   :attr:`RouteCore.next_peers`) those not yet tried for this microbatch, or all of them again when every
-  one was tried; the hand-overs each still owes a gradient count as its load. An accepted send (:meth:`RouteCore.accepted`) feeds the balancer its service time and
+  one was tried; the hand-overs each still owes a gradient count as its load. A refusal that says the
+  peer has not reached the step (``ahead``) skips it briefly (:meth:`RouteCore.refused`); others penalise it. An accepted send (:meth:`RouteCore.accepted`) feeds the balancer its service time and
   the peer's queue and records the hand-over; a refused or broken one penalises the peer.
 - **Backward.** A gradient that the accounting admits is still refused when its route up to this
   replica is not that of the attempt held here (:meth:`RouteCore.admit_gradient`): the ticket was
@@ -59,6 +60,14 @@ class RouteCore:
     def failed(self, peer: str, now: float) -> None:
         """``peer`` refused the activation, timed out or broke the stream."""
         self.balancer.on_failure(peer, now)
+
+    def refused(self, peer: str, code: str, now: float) -> None:
+        """``peer`` refused the activation with ``code`` (:class:`~protolearn.protocol.pipeline.Refuse`):
+        ``ahead`` says it has not reached the step yet (not ready, no failure); any other code is a failure."""
+        if code == "ahead":
+            self.balancer.on_not_ready(peer, now)
+        else:
+            self.balancer.on_failure(peer, now)
 
     # -- backward --------------------------------------------------------------------------------
     def admit_gradient(self, key: Key, route_here: list[str], admission: Admission) -> Admission:

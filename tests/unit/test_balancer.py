@@ -62,6 +62,60 @@ def test_unknown_peer_is_assumed_average() -> None:
     assert b.choose(["known", "new"], now=0.0).peer == "new"
 
 
+def test_an_idle_replica_gets_work_while_the_other_owes_gradients() -> None:
+    """Two replicas that each accept at once report empty queues; the hand-overs each still owes a gradient
+    are its load, so work alternates instead of every microbatch going to the smaller peer id."""
+    from protolearn.node.core.routing import RouteCore
+
+    r = RouteCore()
+    r.next_peers = ["a", "b"]
+    picks = []
+    for t in range(4):
+        peer = r.choose(set(), 0.0).peer
+        assert peer is not None
+        picks.append(peer)
+        r.sending(peer)
+        r.accepted((0, t), peer, service_s=0.01, queue_len=0, now=0.0)
+    assert picks == ["a", "b", "a", "b"]
+    r.returned((0, 0), 0.1)
+    r.returned((0, 2), 0.1)  # "a" owes nothing now, "b" two
+    assert r.choose(set(), 0.2).peer == "a"
+
+
+def test_a_peer_not_ready_for_the_step_is_skipped_briefly_not_penalised() -> None:
+    from protolearn.node.core.balancer import NOT_READY_S
+    from protolearn.node.core.routing import RouteCore
+
+    r = RouteCore()
+    r.next_peers = ["a", "b"]
+    for p in ("a", "b"):
+        r.sending(p)
+        r.accepted((0, 0 if p == "a" else 1), p, service_s=0.01, queue_len=0, now=0.0)
+    r.returned((0, 0), 0.05)
+    r.returned((0, 1), 0.05)
+    r.refused("a", "ahead", 1.0)  # "a" is still syncing: behind this step
+    assert r.choose(set(), 1.0).peer == "b"
+    assert r.choose({"b"}, 1.0).peer == "a", "once the ready one was tried, the skipped one is tried (it may have caught up)"
+    assert r.choose(set(), 1.0 + NOT_READY_S + 0.01).peer == "a", "no penalty outlives the skip"
+    # Refusals in a row double the skip; an accepted microbatch resets it.
+    r.refused("a", "ahead", 2.0)
+    assert r.choose(set(), 2.0 + NOT_READY_S + 0.01).peer == "b"
+    assert r.choose(set(), 2.0 + 2 * NOT_READY_S + 0.01).peer == "a"
+    r.sending("a")
+    r.accepted((1, 0), "a", service_s=0.01, queue_len=0, now=3.0)
+    r.returned((1, 0), 3.05)
+    r.refused("a", "ahead", 4.0)
+    assert r.choose(set(), 4.0 + NOT_READY_S + 0.01).peer == "a"
+    # Any other refusal is a failure: its penalty outlasts the skip.
+    r.refused("a", "invalid", 5.0)
+    assert r.choose(set(), 5.0 + NOT_READY_S + 0.01).peer == "b"
+    # Only not-ready peers left: the choice still names one (the sender paces its retries).
+    only = RouteCore()
+    only.next_peers = ["c"]
+    only.refused("c", "ahead", 0.0)
+    assert only.choose(set(), 0.0).peer == "c"
+
+
 # -- admission and per-step accounting (node/core/accounting.py): the other half of routing decisions --
 
 from protolearn.node.core.accounting import Accounting, contribution
