@@ -16,7 +16,8 @@ swarm per adversary, through the CLI as subprocesses; both tests read that one r
   for it (coordinator/core/holdups.py): at most one step is slower than 3 x the honest run's median, and
   the median step time stays within 3 x of it.
 - **a stage-1 replica hangs** (``--hole-stage 1 --stage1-replicas 2``: node 0 is one of stage 1's two replicas,
-  node 2 the other; their ``--max-memory`` fits only stage 1): the same as the stage-0 hang.
+  node 2 the other; their ``--max-memory`` fits only stage 1): the same as the stage-0 hang, except that the
+  step it hangs in shows as two slow gaps between closes (its close, then its commit's hold in the next close).
 - **the only replica of a stage hangs** (stage 1 of two stage-0 replicas and one stage-1 replica): its watchdog
   makes it leave and exit; ``swarm status`` says the run is halted on stage 1; the stage-0 nodes wait without
   flooding the coordinator (they once made a lease/release loop at hundreds of requests a second and were
@@ -54,7 +55,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return r
 
 
-def _hung_node_left_and_the_rest_trained_on(r: dict, honest_nodes: int) -> None:
+def _hung_node_left_and_the_rest_trained_on(r: dict, honest_nodes: int, slow_steps: int = 1) -> None:
     assert r["steps_closed"] == [40, 40], r
     assert r["honest_banned"] == [], r
     codes = r["exit_codes"]
@@ -65,7 +66,7 @@ def _hung_node_left_and_the_rest_trained_on(r: dict, honest_nodes: int) -> None:
     assert r["hung_error"] is not None and re.search(r"compute \((forward|backward)\) has not returned", r["hung_error"]), r["hung_error"]
     assert "the device may be hung; restart the node" in r["hung_error"]
     assert r["left_out_after_s"] is not None and r["left_out_after_s"] < 30, r
-    assert r["slow_steps"] <= 1, r  # only the step it hung in waited for it
+    assert r["slow_steps"] <= slow_steps, r  # only the step it hung in waited for it
     assert r["step_time_ratio"] is not None and r["step_time_ratio"] <= 3.0, r
 
 
@@ -104,7 +105,10 @@ def stage1_pair(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_a_stage1_node_whose_compute_hangs_is_left_out_and_its_stage_partner_trains_on(stage1_pair: dict) -> None:
     r = stage1_pair
     assert r["node_stages"]["0"] == 1 and r["node_stages"]["2"] == 1, r["node_stages"]  # two stage-1 replicas, node 0 one
-    _hung_node_left_and_the_rest_trained_on(r, honest_nodes=3)
+    # The step it hangs in waits twice, and step times are taken between closes: its close waits for the
+    # gradients stage 0 gives up on (>= 2 s, then redone elsewhere), and its commit for the hung
+    # participant's report (the 3 s hold), which the next step's close then shows. One step, two gaps.
+    _hung_node_left_and_the_rest_trained_on(r, honest_nodes=3, slow_steps=2)
 
 
 def test_the_only_replica_of_a_stage_hangs_the_swarm_waits_says_so_and_goes_on_when_it_restarts(tmp_path: Path, monkeypatch) -> None:
