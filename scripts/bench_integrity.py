@@ -175,6 +175,9 @@ def scenario(
         "adversary_rc": swarm.nodes[ADVERSARY].returncode if kind else None,
         "adversary_said": swarm.tail(f"node{ADVERSARY}") if kind else None,
         "microbatches_to_ban": (sent[-1]["sent"] if sent else 0) if kind else None,
+        # The step the adversary joined at (it starts once the honest four built their stages, and a node
+        # takes seconds to start): a run that ends soon after gives it little to be caught on.
+        "adversary_joined_step": next((e["step"] for e in _events(workdir, ADVERSARY, "joined")), None) if kind else None,
         "workdir": str(workdir),
     }
     if kind:
