@@ -221,10 +221,14 @@ class TicketLedger:
     def lease(self, peer: str, now: float, max_n: int, *, share: int | None = None) -> LeaseDecision:
         """Lease up to ``max_n`` tickets (at most a block); ``share``: the most ``peer`` may hold at once."""
         n = max(0, min(max_n, self.block))
-        if share is not None and len(self.holdings(peer)) >= share:
+        # Only running leases count against the share: a lease that ran out is re-issued to whoever asks, its
+        # holder too. Counting it left a holder that had lost track of its ticket (a coordinator restart
+        # mid-step) refused "finish those first" for good, and the step never closed (node-core simulator).
+        held = len(self.holdings(peer, now))
+        if share is not None and held >= share:
             return LeaseDecision(self.step, [], 0.0, [], f"already holds its share ({share}) of step {self.step}; finish those first")
         if share is not None:
-            n = min(n, share - len(self.holdings(peer)))
+            n = min(n, share - held)
         if not self.committed(self.last_closed):
             return LeaseDecision(self.step, [], 0.0, [], f"step {self.last_closed} has not committed yet; wait for it")
         free = [t for t in self.tickets if not t.done and t.holder is None]
@@ -259,8 +263,9 @@ class TicketLedger:
                     out.append(i)
         return out
 
-    def holdings(self, peer: str) -> list[int]:
-        return [t.index for t in self.tickets if t.holder == peer and not t.done]
+    def holdings(self, peer: str, now: float | None = None) -> list[int]:
+        """The unfinished tickets ``peer`` holds; with ``now``, only those whose lease still runs."""
+        return [t.index for t in self.tickets if t.holder == peer and not t.done and (now is None or t.expires_at > now)]
 
     def complete(self, peer: str, step: int, index: int, route: Sequence[str], loss: float, now: float) -> CompleteDecision:
         refused = self.check_complete(peer, step, index, route, loss)

@@ -88,6 +88,18 @@ def test_expired_lease_is_reissued_and_the_late_completion_is_refused() -> None:
     assert led.complete("fast", 0, mine[0], ["fast", "z"], 1.0, 12.0).accepted
 
 
+def test_a_lease_that_ran_out_does_not_count_against_its_holders_share() -> None:
+    """After a coordinator restart mid-step a holder can have lost track of a ticket it still held; once that
+    lease runs out the holder is leased again (that ticket among others), not refused "finish those first"
+    for good while the step never closes (node-core simulator, seed 3693)."""
+    led = ledger()
+    mine = led.lease("a", 0.0, 3, share=3).indices
+    led.lease("b", 0.0, 3, share=3)
+    assert led.lease("a", 5.0, 3, share=3).indices == [] and "its share" in led.lease("a", 5.0, 3, share=3).reason
+    again = led.lease("a", 11.0, 3, share=3)
+    assert again.indices and set(again.reissued) <= set(mine) | set(range(3, 6)), again
+
+
 def test_original_holder_may_still_complete_an_expired_lease_nobody_took() -> None:
     led = ledger()
     i = led.lease("a", 0.0, 1).indices[0]
