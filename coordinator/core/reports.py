@@ -86,10 +86,11 @@ class Reports:
 
     def _liveness(self, peer: str, msg: cm.Report, now: float) -> cm.ReportReply:
         """``peer`` says microbatches it handed ``msg.target`` never came back (see verdicts.py)."""
-        stage = self.registry.members[msg.target].serving_stage
+        target = self.registry.members[msg.target]
+        stage = target.serving_stage
         v = self.verdicts.liveness_report(
             peer, msg.target, msg.reason, target_stage=stage, upstream=self.registry.serving(stage - 1) if stage >= 1 else (), now=now,
-            replicas=len(self.registry.serving(stage)),
+            replicas=len(self.registry.serving(stage)), heard_s_ago=now - target.last_seen,
         )
         log.info("liveness report reporter=%s target=%s ban=%s reason=%s", peer, msg.target, v.ban, v.reason)
         if v.ban and self.registry.is_live(msg.target):

@@ -36,7 +36,12 @@ carried a ticket to completion after the reports began is flagged only (reports 
 honest replica carrying a dead peer's load, slow under it, was once banned this way). Sybils must then
 hold a majority of a stage, not merely exist. A peer that itself
 reported lost microbatches further down is not banned on such reports (its own missing gradients may be
-the downstream blackhole's doing), nor is a stage's only serving replica; both are only flagged.
+the downstream blackhole's doing), nor is a stage's only serving replica; both are only flagged. Nor is
+a target the coordinator has not heard a heartbeat from for more than two heartbeat intervals: it is
+frozen or gone (a suspended laptop, a swap storm), silent to everyone, not present and dropping work, and
+its membership expires by itself; a blackhole keeps heartbeating (node-core simulator: an honest stage-1
+replica frozen for 4 s was banned on its two upstream replicas' true reports). Such reports are dropped,
+with those before them, so that they do not add up to a ban once it is heard again.
 """
 
 from __future__ import annotations
@@ -166,7 +171,7 @@ class VerdictPolicy:
 
     def liveness_report(
         self, reporter: str, target: str, reason: str, *, target_stage: int, upstream: Collection[str], now: float,
-        replicas: int = 2,
+        replicas: int = 2, heard_s_ago: float = 0.0,
     ) -> Verdict:
         """``reporter`` says microbatches it handed ``target`` (of ``target_stage``) never came back.
 
@@ -175,13 +180,20 @@ class VerdictPolicy:
         ``report_window_s``, unless a ticket routed through ``target`` completed after the earliest of those
         reports, or ``target`` itself reported lost microbatches in that window, or it is
         its stage's only serving replica (``replicas``): a ban would leave the stage empty and stall the run
-        as surely, and an honest sole replica under load is the likelier story.
+        as surely, and an honest sole replica under load is the likelier story, or the coordinator itself
+        has not heard from ``target`` for ``heard_s_ago`` > 2 heartbeat intervals (frozen or gone).
         """
         banned = self.already_banned(target)
         if banned is not None:
             return banned
         window = self.settings.report_window_s
         self._prune_liveness(now)
+        if heard_s_ago > 2 * self.settings.heartbeat_interval_s:
+            # Silent to the coordinator too: its absence explains the losses, these and the ones reported before.
+            self.liveness.pop(target, None)
+            self.flag(target, "lost_microbatches", f"reported by {reporter} while silent: {reason}", now)
+            return Verdict(False, f"{target} has not heartbeated for {heard_s_ago:.1f} s either (the coordinator's own record): it is "
+                                  "frozen or gone, not dropping work while present; flagged only, and its membership expires")
         by = self.liveness.setdefault(target, {})
         if len(by) >= _MAX_REPORTS_PER_TARGET and reporter not in by:
             del by[min(by, key=by.__getitem__)]

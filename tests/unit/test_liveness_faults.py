@@ -185,6 +185,20 @@ def test_reporters_outside_the_upstream_stage_or_a_minority_do_not_ban() -> None
     assert d.ban
 
 
+def test_reports_against_a_peer_the_coordinator_has_not_heard_from_either_only_flag() -> None:
+    """A frozen peer (a suspended laptop) is silent to everyone: its membership expires; only a peer that
+    keeps heartbeating while it drops work (a blackhole) is banned on its upstream's reports."""
+    v = _policy(heartbeat_interval_s=1.0)
+    v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0, heard_s_ago=2.5)
+    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=2.0, heard_s_ago=3.5)
+    assert not d.ban and "has not heartbeated for 3.5 s" in d.reason
+    # Heard again: the reports made while it was silent do not count, fresh ones do.
+    d = v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=3.0, heard_s_ago=0.4)
+    assert not d.ban and "1 of the 2" in d.reason
+    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=4.0, heard_s_ago=0.4)
+    assert d.ban  # still its microbatches never come back
+
+
 def test_reports_expire_after_the_window() -> None:
     v = _policy(report_window_s=10.0)
     v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=0.0)
