@@ -130,20 +130,23 @@ def _swarm_run(
         with trio.fail_after(STARTUP_S):
             while not swarm.poll_address():
                 await trio.sleep(0.1)
-        # The node(s) whose stage matters join first, one at a time: with hole_stage 1, an honest node
-        # takes stage 0 and node 0 then stage 1 (with two stage-1 replicas, the pinned node 2 first, so
-        # that it trains before node 0 hangs); with hole_stage 0 in a multi-stage run, node 0 takes stage 0
-        # (a loaded machine would otherwise start them in any order). The rest start at once; the timed
-        # windows start once every node joined.
+        # The node(s) whose stage matters join first, a group at a time: with hole_stage 1, an honest node
+        # takes stage 0 and node 0 then stage 1 (with two stage-1 replicas, the pinned nodes 2 and 0
+        # together: their memory admits only stage 1, and both then train from the first steps; node 0
+        # started after node 2 joined came in at step 36 of 40 on a loaded machine, too late to hang);
+        # with hole_stage 0 in a multi-stage run, node 0 takes stage 0 (a loaded machine would otherwise
+        # start them in any order). The rest start at once; the timed windows start once every node joined.
         procs: dict[int, Any] = {}
-        for k in ([1, 2, 0] if pinned else [1, 0] if hole_stage == 1 else [0] if stages > 1 else []):
-            procs[k] = swarm._popen(swarm._node_args(k), f"node{k}")
-            log = workdir / f"node{k}" / "node.jsonl"
+        for group in ([[1], [2, 0]] if pinned else [[1], [0]] if hole_stage == 1 else [[0]] if stages > 1 else []):
+            for k in group:
+                procs[k] = swarm._popen(swarm._node_args(k), f"node{k}")
             with trio.fail_after(STARTUP_S):
-                while not (log.exists() and '"joined"' in log.read_text(errors="replace")):
-                    if procs[k].poll() is not None:
-                        raise RuntimeError(f"node{k} exited with {procs[k].returncode}: {swarm.tail(f'node{k}')}")
-                    await trio.sleep(0.1)
+                for k in group:
+                    log = workdir / f"node{k}" / "node.jsonl"
+                    while not (log.exists() and '"joined"' in log.read_text(errors="replace")):
+                        if procs[k].poll() is not None:
+                            raise RuntimeError(f"node{k} exited with {procs[k].returncode}: {swarm.tail(f'node{k}')}")
+                        await trio.sleep(0.1)
         for k in range(num_nodes):
             if k not in procs:
                 procs[k] = swarm._popen(swarm._node_args(k), f"node{k}")

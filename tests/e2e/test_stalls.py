@@ -90,8 +90,9 @@ def test_a_stage0_node_whose_compute_hangs_is_left_out_and_the_swarm_trains_on(r
 @pytest.fixture(scope="module")
 def stage1_pair(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The hang run with node 0 one of stage 1's two replicas and node 2 the other (their --max-memory fits only
-    stage 1). Node 0 joins last, into a swarm at a quarter of a second a step, and may take a few steps to train
-    (a joiner that falls behind the rounds its stage keeps downloads the state again); from step 30 it does."""
+    stage 1). Nodes 2 and 0 start together once node 1 holds stage 0, so both train from the first steps and
+    node 0 has done many microbatches by step 30 (started after node 2 joined, it came in at step 36 of 40 on
+    a loaded machine)."""
     workdir = tmp_path_factory.mktemp("stalls-stage1")
     argv = [sys.executable, "scripts/bench_blackhole.py", "--quick", "--kind", "hang:30", "--stages", "2", "--nodes", "4",
             "--hole-stage", "1", "--stage1-replicas", "2", "--workdir", str(workdir)]
