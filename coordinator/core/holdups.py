@@ -24,6 +24,9 @@ never on a peer's word:
   may redo the whole step (``redo.py``'s orphaned rule) rather than resync for ever;
 - a replica excused on one step that has not reported since holds nothing of the next ones either: on
   each later step it is excused at once (if it processed no ticket of it), while its hold goes on;
+- when the step closes again after a redo reopened it, every hold restarts its grace (keeping its strikes):
+  the replicas average the step anew, and that delay is the reopener's cost, not theirs (reopenings are
+  bounded per step, so this delays a real holdout's strikes by a bounded time);
 - every grace it holds is a strike (flag ``commit_hold``), whatever anyone else is doing (no other
   replica need be leasing), and ``expel_after_strikes`` of them with no report in between ban it
   (``liveness: held the commit ...``). A report clears the count. On a step whose round in its stage had
@@ -82,6 +85,7 @@ class Holdups:
         self.ban = ban
         self._step = -1  # the last closed step the close time belongs to
         self._closed_at: float | None = None
+        self._closing: tuple[int, int] | None = None  # (step, revision) of the closing the holds are timed on
         # A hold lasts from when the peer was first seen as a holdout until it reports (across steps: a
         # replica that never reported step N holds nothing of step N+1 either).
         self._since: dict[str, float] = {}
@@ -118,7 +122,8 @@ class Holdups:
             self._closed_at, self.waiting = None, None
             return []
         if step != self._step or self._closed_at is None:
-            self._step, self._closed_at = step, now  # a reopened step keeps its close time
+            self._step, self._closed_at = step, now
+        self._restart_after_reopen(step, closed.revision, now)
         # Each stage's waited-for replicas, once per pass (the registry sorts them on every call).
         stages = [set(ledger.waited(needed)(s)) for s in range(ledger.num_stages)]
         waited = stages.__getitem__
@@ -166,6 +171,20 @@ class Holdups:
             if d.committed:
                 events.append(f"step committed step={step} without the replicas that held it")
         return events
+
+    def _restart_after_reopen(self, step: int, revision: int, now: float) -> None:
+        """Costs go to their cause (DESIGN.md, Trust, rule 3): when the step closes again after a redo
+        reopened it, its replicas must average it anew, and the time the reopening cost them is the
+        reopener's, never theirs. So every hold restarts its grace from this closing (keeping the strikes it
+        took: the next one comes a whole grace later). Reopenings are bounded (``max_revisions`` per step,
+        ``max_redos_per_peer`` of others' work per peer), so a colluder that keeps reopening a step delays a
+        real holdout's strikes by a bounded time, never for good."""
+        closing = (step, revision)
+        if self._closing is not None and self._closing[0] == step and self._closing[1] != revision:
+            grace = self.grace_s()
+            for peer in self._since:
+                self._since[peer] = now - self._struck.get(peer, 0) * grace
+        self._closing = closing
 
     def silent(self, peer: str) -> bool:
         """Whether ``peer`` held a commit past its grace, or was excused, and has not reported since: for
