@@ -349,9 +349,11 @@ class CoordinatorLink:
 
     async def report(
         self, target: str, reason: str, evidence: cm.StatementEvidence | None = None, conflicting: cm.StatementEvidence | None = None,
+        *, lost: int = 0,
     ) -> cm.ReportReply:
-        """Report ``target``; only two statements it signed that contradict each other can ban it."""
-        msg = cm.Report(target=target, reason=reason[: cm.MAX_TEXT], evidence=evidence, conflicting=conflicting)
+        """Report ``target``; only two statements it signed that contradict each other can ban it. ``lost``: a
+        liveness report's count of microbatches the target lost in a row."""
+        msg = cm.Report(target=target, reason=reason[: cm.MAX_TEXT], lost=lost, evidence=evidence, conflicting=conflicting)
         reply, _ = await self._request(msg, cm.ReportReply)
         return reply
 

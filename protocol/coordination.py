@@ -378,6 +378,9 @@ class Report(Message):
     KIND: ClassVar[str] = "coord.report"
     target: PeerId
     reason: Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
+    # A liveness report (reason ``liveness: ...``): how many microbatches in a row the target lost; fewer than
+    # protocol/lost_reports.py's REPORT_AFTER_LOST (0: it left holding some) make a notice that never flags or bans.
+    lost: Annotated[int, Field(ge=0, lt=2**31)] = 0
     # With ``conflicting``: two statements the target signed that cannot both be honest.
     evidence: StatementEvidence | None = None
     conflicting: StatementEvidence | None = None

@@ -51,6 +51,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.protocol.lost_reports import REPORT_AFTER_LOST
 from protolearn.protocol.majority import majority_size
 
 # Bound on remembered reports per target (more distinct reporters than this changes no decision).
@@ -101,6 +102,9 @@ class VerdictPolicy:
 
     # target → reporter → when it last reported lost microbatches (liveness claims, see the docstring)
     liveness: dict[str, dict[str, float]] = field(default_factory=dict)
+    # target → reporter → when it last said a microbatch it handed the target was lost, notices included: what
+    # excuses the reporter's late leases (leases.py) and marks a victim of a peer further down
+    notices: dict[str, dict[str, float]] = field(default_factory=dict)
     # peer → when a completed ticket's route last went through it past stage 0 (the coordinator's own record:
     # the last stage signed the route); entries older than report_window_s are dropped by prune().
     carried: dict[str, float] = field(default_factory=dict)
@@ -128,6 +132,7 @@ class VerdictPolicy:
             self.dirty.add(peer_id)
             self.reports.pop(peer_id, None)
             self.liveness.pop(peer_id, None)
+            self.notices.pop(peer_id, None)
         return ban
 
     def restore(self, bans: Iterable[Ban]) -> None:
@@ -171,9 +176,11 @@ class VerdictPolicy:
 
     def liveness_report(
         self, reporter: str, target: str, reason: str, *, target_stage: int, upstream: Collection[str], now: float,
-        replicas: int = 2, heard_s_ago: float = 0.0,
+        replicas: int = 2, heard_s_ago: float = 0.0, lost: int,
     ) -> Verdict:
-        """``reporter`` says microbatches it handed ``target`` (of ``target_stage``) never came back.
+        """``reporter`` says ``lost`` microbatches in a row that it handed ``target`` (of ``target_stage``) never
+        came back. Fewer than :data:`REPORT_AFTER_LOST` (0 included: the target left holding some) make a
+        notice only (:mod:`protolearn.protocol.lost_reports`): recorded in :attr:`notices`, nothing more.
 
         ``upstream``: the live replicas of stage ``target_stage - 1`` now. Flags ``target`` every time; bans
         it on at least 2 distinct reporters in ``upstream`` that are also a strict majority of it, within
@@ -188,6 +195,13 @@ class VerdictPolicy:
             return banned
         window = self.settings.report_window_s
         self._prune_liveness(now)
+        told = self.notices.setdefault(target, {})
+        if len(told) >= _MAX_REPORTS_PER_TARGET and reporter not in told:
+            del told[min(told, key=told.__getitem__)]
+        told[reporter] = now
+        if lost < REPORT_AFTER_LOST:
+            return Verdict(False, f"noted: {reporter} lost {lost} microbatch(es) in a row to {target}; "
+                                  f"{REPORT_AFTER_LOST} in a row make a report that counts")
         if heard_s_ago > 2 * self.settings.heartbeat_interval_s:
             # Silent to the coordinator too: its absence explains the losses, these and the ones reported before.
             self.liveness.pop(target, None)
@@ -211,7 +225,7 @@ class VerdictPolicy:
         if self.carried.get(target, float("-inf")) >= since:
             return Verdict(False, f"{target} carried a ticket to completion {now - self.carried[target]:.1f} s ago, after the reports "
                                   "began (the coordinator's own record): lost microbatches are not proof that it drops work; flagged only")
-        if any(target in reporters for reporters in self.liveness.values()):
+        if any(target in reporters for reporters in self.notices.values()):
             return Verdict(False, f"{target} reported lost microbatches itself: it may be the victim of a peer further down; flagged only")
         if replicas <= 1:
             return Verdict(False, f"{target} is the only serving replica of stage {target_stage}; flagged only")
@@ -234,12 +248,13 @@ class VerdictPolicy:
             if now - self.carried[oldest] <= window:
                 break
             del self.carried[oldest]
-        for target in list(self.liveness):
-            by = {r: at for r, at in self.liveness[target].items() if now - at <= window}
-            if by:
-                self.liveness[target] = by
-            else:
-                del self.liveness[target]
+        for table in (self.liveness, self.notices):
+            for target in list(table):
+                by = {r: at for r, at in table[target].items() if now - at <= window}
+                if by:
+                    table[target] = by
+                else:
+                    del table[target]
 
     def flag(self, peer: str, kind: str, reason: str, now: float) -> Flag:
         """Add a strike of ``kind`` to ``peer`` (never bans on its own; see the module docstring)."""

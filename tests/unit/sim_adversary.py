@@ -88,7 +88,9 @@ class Adversary:
         self.sim.request(node.peer, cm.Redo(step=self._step(), indices=self._tickets(), reason="round failed", revision=self.rng.randint(0, 3)))
 
     def _liveness(self, node: SimNode) -> None:
-        self.sim.request(node.peer, cm.Report(target=self._victim(), reason="liveness: 3 microbatches it acknowledged got no gradient back"))
+        lost = self.rng.choice((0, 1, 3, 8, 2**31 - 1))
+        self.sim.request(node.peer, cm.Report(target=self._victim(), reason=f"liveness: {lost} microbatches it acknowledged got no gradient back",
+                                              lost=lost))
 
     def _report(self, node: SimNode) -> None:
         # Two "contradicting" statements, both signed by the reporter itself: never the accused's signature.
