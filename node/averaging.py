@@ -64,7 +64,12 @@ MAX_INBOUND_PER_PEER = 8
 
 
 class AveragingError(NodeError):
-    """A collective round did not finish; the message names the missing peers."""
+    """A collective round did not finish; the message names the missing peers, and ``causes`` the participants
+    whose statements or silence ended it (the round's :attr:`Failed.missing`)."""
+
+    def __init__(self, message: str, causes: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.causes = causes
 
 
 class ResultGone(AveragingError):
@@ -345,7 +350,8 @@ class Averager:
             if result.reducer_faults and self.on_reducer_fault is not None:
                 for fault in result.reducer_faults:
                     self.on_reducer_fault(fault)
-            raise AveragingError(f"stage {self.stage} averaging of step {round_id} failed: {result.reason}")
+            raise AveragingError(f"stage {self.stage} averaging of step {round_id} failed: {result.reason}",
+                                 tuple(p for p in result.missing if p != self.host.peer_id))
         assert isinstance(result, Done)
         if result.excluded:
             log.warning("collective step=%d stage=%d left out dead replicas %s", round_id, self.stage, result.excluded)

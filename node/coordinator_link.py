@@ -341,9 +341,13 @@ class CoordinatorLink:
                 log.info("corpus check: %s; retrying in %g s", err.detail, CORPUS_RETRY_S)
                 await trio.sleep(CORPUS_RETRY_S)
 
-    async def redo(self, step: int, indices: list[int], reason: str, *, revision: int = 0) -> cm.RedoReply:
-        """Ask to redo ``indices`` of ``step``; ``revision``: the closing of the step this is about."""
-        msg = cm.Redo(step=step, indices=indices, reason=reason[: cm.MAX_TEXT], revision=revision)
+    async def redo(
+        self, step: int, indices: list[int], reason: str, *, revision: int = 0, kind: str = "", causes: tuple[str, ...] = (),
+    ) -> cm.RedoReply:
+        """Ask to redo ``indices`` of ``step``; ``revision``: the closing of the step this is about; ``kind`` and
+        ``causes``: why (:class:`~protolearn.protocol.coordination.Redo`)."""
+        msg = cm.Redo(step=step, indices=indices, reason=reason[: cm.MAX_TEXT], revision=revision, kind=kind,  # type: ignore[arg-type]
+                      causes=list(causes)[: cm.MAX_PARTICIPANTS])
         reply, _ = await self._request(msg, cm.RedoReply)
         return reply
 

@@ -149,7 +149,7 @@ class Finisher:
             try:
                 done = await self.averager.run_round_detailed(a.round, a.weights, flat)
             except AveragingError as err:
-                return RoundFailed(a.step, a.revision, str(err))
+                return RoundFailed(a.step, a.revision, str(err), err.causes)
             self._result, self._result_hash = done.result, done.digest.hex()
             return RoundDone(a.step, a.revision, list(done.excluded))
         if isinstance(a, Fetch):
@@ -172,7 +172,7 @@ class Finisher:
             if a.delay_s:
                 await trio.sleep(a.delay_s)
             try:
-                reply = await self.link.redo(a.step, a.tickets, a.reason, revision=a.revision)
+                reply = await self.link.redo(a.step, a.tickets, a.reason, revision=a.revision, kind=a.kind, causes=a.causes)
             except CoordinatorRefused as err:
                 log.log(logging.INFO if a.expected else logging.WARNING, "redo refused step=%d tickets=%s reason=%s", a.step, a.tickets, err.reason)
                 return RedoAnswer(a.step, a.revision, granted=False, reason=err.reason, code=err.code)

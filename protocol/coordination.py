@@ -45,7 +45,7 @@ from typing import Annotated, ClassVar, Literal
 
 from protolearn.precision import Precision
 from protolearn.protocol.boundary import MAX_WITNESSES, Direction, OutputEvidence
-from protolearn.protocol.bounds import MAX_HASH, MAX_STAGES, Hash, InFlight, MemoryGB, Nonce, PeerId, Session, Signature, StageIndex, Step, Ticket
+from protolearn.protocol.bounds import MAX_HASH, MAX_PARTICIPANTS, MAX_STAGES, Hash, InFlight, MemoryGB, Nonce, PeerId, Session, Signature, StageIndex, Step, Ticket
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.states import NodeState
 from protolearn.protocol.wire import Message, Record
@@ -252,6 +252,9 @@ class LeaseReply(Message):
     # One per index: the lease's nonce (protocol/acks.py), which the activation carries to the last stage and
     # its ack signs, so that an ack from an earlier lease of the ticket cannot complete this one.
     nonces: list[Nonce] = Field(default_factory=list, max_length=MAX_TICKETS_PER_REQUEST)
+    # Stage-1 replicas that sit out the rest of this step (coordinator/core/round_faults.py): route none of
+    # its tickets through them while others serve the stage.
+    avoid: list[PeerId] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)
 
 
 class Release(Message):
@@ -332,6 +335,13 @@ class StepInfo(Message):
     committed: bool = False
 
 
+# Why a replica asks for a redo: "" (a ticket's route broke on the open step, or not said); "round_failed" (its
+# stage's collective round failed here); "replica_out" (its round finished without replicas that died or fell
+# silent: their tickets); "lost_gradients" (it lost the gradients of tickets accounted to it, e.g. it
+# restarted); "orphaned" (every participant of its stage is gone, so nobody holds the stage's part of the step).
+RedoKind = Literal["", "round_failed", "replica_out", "lost_gradients", "orphaned"]
+
+
 class Redo(Message):
     KIND: ClassVar[str] = "coord.redo"
     step: Step
@@ -341,6 +351,12 @@ class Redo(Message):
     # revision than the step's last closing is stale and refused: it would reopen a step whose newer
     # revision the other replicas are averaging, and the replicas could leapfrog each other forever.
     revision: Annotated[int, Field(ge=0, lt=2**31)] = 0
+    # Why, as a code (the coordinator charges the cost by it, never by the reason's prose): see REDO_KINDS.
+    kind: RedoKind = ""
+    # With ``round_failed``: the participants whose statements or silence ended the round here, as its
+    # collective found (its cause). Charged to them only once a strict majority of the stage's participants
+    # name them (coordinator/core/round_faults.py); until then the sender's word costs the sender.
+    causes: list[PeerId] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)
 
 
 class RedoReply(Message):

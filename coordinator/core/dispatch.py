@@ -49,6 +49,7 @@ from protolearn.coordinator.core.members import LIVE, HeartbeatInfo, JoinInfo, M
 from protolearn.coordinator.core.reachability import ReachabilityDesk, Verdict, build_reply, relay_refusal
 from protolearn.coordinator.core.redo import RedoBudget, orphaned
 from protolearn.coordinator.core.registry import Registry
+from protolearn.coordinator.core.round_faults import RoundFaults
 from protolearn.coordinator.core.reports import Reports
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.status import build_status
@@ -107,6 +108,7 @@ class CoordinatorCore:
         )
         self.holdups = Holdups(settings, self.ledger, self.verdicts, ban=self.ban)
         self.redos = RedoBudget(settings.max_redos_per_peer, self.verdicts)
+        self.round_faults = RoundFaults(settings, self.verdicts, ban=self.ban)
         self.admission = Admission(settings, self.registry, self.verdicts)
         self.cooldown = BanCooldown(settings.ban_cooldown_s)
         self.step_history = StepHistory(self.ledger)
@@ -320,12 +322,17 @@ class CoordinatorCore:
     def _lease(self, member: Member, msg: cm.Lease, now: float) -> cm.LeaseReply:
         if member.stage != 0:
             raise Refusal("not_stage0", f"only stage-0 members lease tickets; {member.peer_id} holds stage {member.stage}")
+        step = self.ledger.step
+        avoid = sorted(self._barred(step, 1)) if self.ledger.num_stages > 1 else []
+        if member.peer_id in self._barred(step, 0):
+            why = f"sits out the rest of step {step}: its stage named it the cause of a failed round of it (round_faults.py)"
+            return cm.LeaseReply(step=step, indices=[], lease_s=self.settings.lease_s, reason=why, avoid=avoid)
         d = self.ledger.lease(member.peer_id, now, msg.max_tickets, share=self.leases.share(member.peer_id))
         if d.reissued:
             self.reissued += len(d.reissued)
             log.info("re-issued expired leases step=%d tickets=%s to peer=%s", d.step, d.reissued, member.peer_id)
         nonces = [self.nonce(d.step, i) for i in d.indices]
-        return cm.LeaseReply(step=d.step, indices=d.indices, lease_s=self.settings.lease_s, reason=d.reason, nonces=nonces)
+        return cm.LeaseReply(step=d.step, indices=d.indices, lease_s=self.settings.lease_s, reason=d.reason, nonces=nonces, avoid=avoid)
 
     def nonce(self, step: int, index: int, attempt: int | None = None) -> bytes:
         """The nonce of lease ``attempt`` (default: the latest) of ticket ``(step, index)``: :meth:`AckDesk.nonce`."""
@@ -355,7 +362,9 @@ class CoordinatorCore:
 
     def _redo(self, member: Member, msg: cm.Redo, now: float) -> cm.RedoReply:
         peer = member.peer_id
-        self.redos.check(peer, msg.step, now)
+        free = self._round_failure_causes(member, msg, now)
+        if not free:
+            self.redos.check(peer, msg.step, now)
 
         def holds(p: str) -> bool:  # a participant that held the commit past its grace, silent since, holds nothing
             return self.registry.present(p) and not self.holdups.silent(p)
@@ -366,10 +375,42 @@ class CoordinatorCore:
         )
         if not d.accepted:
             raise Refusal(d.code, d.reason)
-        if d.foreign:
+        if d.foreign and not free:
             self.redos.charge(peer, msg.step, num_live=self.registry.num_live, oldest=self.ledger.last_closed)
-        log.info("redo peer=%s step=%d tickets=%s reopened=%s reason=%s", peer, msg.step, d.indices, d.reopened, msg.reason)
+        log.info("redo peer=%s step=%d tickets=%s reopened=%s kind=%s causes=%s reason=%s", peer, msg.step, d.indices, d.reopened,
+                 msg.kind or "-", ",".join(msg.causes) or "-", msg.reason)
         return cm.RedoReply(step=msg.step, indices=d.indices, reopened=d.reopened, open_step=self.ledger.step)
+
+    def _round_failure_causes(self, member: Member, msg: cm.Redo, now: float) -> bool:
+        """Costs to their cause (round_faults.py): a participant whose round of the last closed step failed
+        names its causes. True when a strict majority of the stage's participants named one of them: the
+        sender's redo is then free, and so, in hindsight, are those of the others that named it."""
+        closed = self.ledger.closed.get(msg.step)
+        # The last closed step, or that step reopened already (by another participant's redo of this round).
+        if msg.kind != "round_failed" or not msg.causes or closed is None or msg.step not in (self.ledger.last_closed, self.ledger.step):
+            return False
+        if msg.revision and msg.revision != closed.revision:
+            return False  # about another closing: the ledger refuses it as stale
+        stage = member.stage
+        named = self.round_faults.name(
+            member.peer_id, step=msg.step, revision=closed.revision, stage=stage, causes=msg.causes,
+            participants=closed.accounting().get(stage, {}), now=now,
+        )
+        for p in named.refund:
+            self.redos.refund(p, msg.step)
+        if self.ledger.step == msg.step:  # already reopened: a stage-0 replica barred now gives back what it leased of it
+            for p in self._barred(msg.step, 0):
+                self.ledger.expire_leases(p, now)
+        return bool(named.corroborated)
+
+    def _barred(self, step: int, stage: int) -> set[str]:
+        """The members of ``stage`` that sit out the rest of ``step`` (round_faults.py)."""
+
+        def stage_of(peer: str) -> int | None:
+            m = self.registry.members.get(peer)
+            return m.stage if m is not None and m.status == LIVE else None
+
+        return self.round_faults.barred(step, stage_of, self.registry.serving(stage), stage)
 
     def _averaged(self, member: Member, msg: cm.Averaged, now: float) -> cm.StepInfo:
         # A replica moving to another stage still finishes (and reports) the step of the stage it serves.

@@ -190,8 +190,9 @@ class NodeCore:
         if isinstance(event, RoundFailed):
             self._expect(Phase.AVERAGING, event)
             self.phase = Phase.IDLE
-            return [Emit("averaging_failed", {"step": self._step, "reason": event.reason}),
-                    *self._redo(self.all_tickets(), f"stage {self.stage} averaging failed: {event.reason}", Fallback.RESYNC)]
+            return [Emit("averaging_failed", {"step": self._step, "reason": event.reason, "causes": list(event.causes)}),
+                    *self._redo(self.all_tickets(), f"stage {self.stage} averaging failed: {event.reason}", Fallback.RESYNC,
+                                kind="round_failed", causes=event.causes)]
         if isinstance(event, Fetched):
             return self._fetched(event, now)
         if isinstance(event, RedoAnswer):
@@ -272,7 +273,7 @@ class NodeCore:
             return self._resync(f"step {self._step}: accounted tickets {missing} have no gradients here; a replica applied the step")
         return [Emit("missing_tickets", {"step": self._step, "tickets": missing}, logging.ERROR,
                      f"step {self._step}: accounted tickets {missing} have no gradients here; asking to redo them"),
-                *self._redo(missing, "replica lost the tickets' gradients", Fallback.RESYNC)]
+                *self._redo(missing, "replica lost the tickets' gradients", Fallback.RESYNC, kind="lost_gradients")]
 
     def _round_done(self, event: RoundDone) -> list[Action]:
         self._expect(Phase.AVERAGING, event)
@@ -283,7 +284,8 @@ class NodeCore:
             out: list[Action] = [Emit("replica_out", {"step": self._step, "excluded": excluded, "tickets": lost})]
             if lost:
                 self._lost = (lost, excluded)
-                return out + self._redo(lost, f"replicas {excluded} of stage {self.stage} died during averaging", Fallback.LOST)
+                return out + self._redo(lost, f"replicas {excluded} of stage {self.stage} died during averaging", Fallback.LOST,
+                                        kind="replica_out")
             return out + self._commit()
         return self._commit()
 
@@ -299,12 +301,14 @@ class NodeCore:
         self._redo_all_next = True
         return [AskReopened(self._step, self._revision)]
 
-    def _redo(self, tickets: list[int], reason: str, fallback: Fallback, *, expected: bool = False) -> list[Action]:
+    def _redo(
+        self, tickets: list[int], reason: str, fallback: Fallback, *, expected: bool = False, kind: str = "", causes: tuple[str, ...] = (),
+    ) -> list[Action]:
         self.phase = Phase.REDOING
         self._window(self._step, self._revision + 1)
         self._fallback = fallback
         self._redo_all_next = False
-        self._last_redo = Redo(self._step, self._revision, tickets, reason, expected)
+        self._last_redo = Redo(self._step, self._revision, tickets, reason, expected, kind=kind, causes=tuple(causes))
         return [self._last_redo]
 
     def _redo_answer(self, event: RedoAnswer, now: float) -> list[Action]:
@@ -345,7 +349,7 @@ class NodeCore:
             if self._redo_all_next:
                 # Granted only once every participant of the stage is gone: nobody holds its gradients.
                 return self._redo(self.all_tickets(), f"all replicas of stage {self.stage} that averaged the step are gone",
-                                  Fallback.FETCH, expected=True)
+                                  Fallback.FETCH, expected=True, kind="orphaned")
             if now > self._deadline:
                 return self._resync(f"step {self._step}: no participant of stage {self.stage} served the result")
             return self._fetch()

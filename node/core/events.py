@@ -45,6 +45,8 @@ class RoundFailed:
     step: int
     revision: int
     reason: str
+    # The participants whose statements or silence ended the round here (the collective's Failed.missing).
+    causes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,9 @@ class Redo:
     expected: bool = False
     # Ask after this long (the coordinator did not answer the last time).
     delay_s: float = 0.0
+    # Why, as the coordinator's code (protocol/coordination.py RedoKind), and with "round_failed" its causes.
+    kind: str = ""
+    causes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,8 @@ class SimNode:
     nonces: dict[tuple[int, int], bytes] = field(default_factory=dict)
     # Stage 0: the stage-1 peer each started ticket went to, microbatches each peer lost in a row, and when
     # each was last reported (node/driver.py's liveness reports).
+    # Stage 0: (step, stage-1 replicas that sit out the rest of it), the last lease reply's word.
+    avoid: tuple[int, set[str]] = (-1, set())
     handed: dict[tuple[int, int], tuple[str, float | None]] = field(default_factory=dict)  # peer, its membership's join time
     lost: dict[str, int] = field(default_factory=dict)
     reported_at: dict[str, tuple[float, int]] = field(default_factory=dict)
@@ -141,6 +143,9 @@ class Sim:
         # whose own progress the run does not wait for. With any, a joiner takes only the state a strict
         # majority of its stage reported (the real rule, node/syncing.py); without, every live replica holds it.
         self.adversaries: set[str] = set()
+        # Adversaries that fail every round they take part in for everyone else (a fin that leaves the others
+        # out, sent to all): the others' collective names them as the cause.
+        self.round_breakers: set[str] = set()
         # step → stage → the result hash the commit barrier committed it with.
         self.committed: dict[int, dict[int, str]] = {}
         for k in range(stages * replicas):
@@ -379,7 +384,8 @@ class Sim:
         elif isinstance(a, ev.Redo):
             def redo() -> ev.Event:
                 try:
-                    self.request(node.peer, cm.Redo(step=a.step, indices=a.tickets, reason=a.reason[:100], revision=a.revision))
+                    self.request(node.peer, cm.Redo(step=a.step, indices=a.tickets, reason=a.reason[:100], revision=a.revision,
+                                                    kind=a.kind, causes=list(a.causes)))  # type: ignore[arg-type]
                 except Refusal as err:
                     return ev.RedoAnswer(a.step, a.revision, granted=False, reason=str(err), code=err.code)
                 except Unavailable as err:
@@ -488,10 +494,13 @@ class Sim:
             return
         ok = [p for p in r.joined if self.nodes[p].alive and (timeout is False or self.nodes[p].live(self.now))]
         excluded = sorted(r.participants - set(ok))
+        breakers = sorted(self.round_breakers & set(ok))
         if not ok:
             r.outcome = ("failed", (), excluded)
             return
-        if len(excluded) >= 2 and self.rng.random() < 0.5:
+        if breakers:
+            r.outcome = ("failed", (), breakers)  # the breakers' fins end the round: the collective names them
+        elif len(excluded) >= 2 and self.rng.random() < 0.5:
             r.outcome = ("failed", (), excluded)
         else:
             r.outcome = ("done", tuple(sorted(t for p in ok for t in r.joined[p])), excluded)
@@ -505,7 +514,7 @@ class Sim:
                     node.result = result
                     self._feed(node, ev.RoundDone(r.step, r.revision, list(excl)))
                 else:
-                    self._feed(node, ev.RoundFailed(r.step, r.revision, f"replicas {excl} left out"))
+                    self._feed(node, ev.RoundFailed(r.step, r.revision, f"replicas {excl} left out", tuple(p for p in excl if p != node.peer)))
 
             self.to_node(node, HOP_S, tell)
 
@@ -560,6 +569,7 @@ class Sim:
                         return
                     assert isinstance(reply, cm.LeaseReply)
                     node.nonces.update(((reply.step, i), n) for i, n in zip(reply.indices, reply.nonces))
+                    node.avoid = (reply.step, set(reply.avoid))
                     self._carry_lease(node, lease.handle(lc.Leased(reply.step, list(reply.indices)), self.now))
 
                 self.to_node(node, HOP_S, ask)
@@ -629,6 +639,8 @@ class Sim:
         if not candidates:
             self._drop(node, step, ticket)
             return
+        if stage == 1 and node.avoid[0] == step:  # the router's RouteCore.choose: sit-outs only when nobody else serves
+            candidates = [n for n in candidates if n.peer not in node.avoid[1]] or candidates
         target = self.rng.choice(candidates)
         if not target.alive or target.moved:
             self._drop(node, step, ticket)  # the dial fails at once
