@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import trio
@@ -52,7 +53,8 @@ from protolearn.protocol.collective import (
     PartFilter,
 )
 from protolearn.protocol.errors import OverLimit, ProtocolError
-from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse, ResultRequest
+from protolearn.protocol.collective.result_proof import HeldFin, fins_of, unproven
+from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse, ResultRequest, ResultServed
 from protolearn.protocol.statements import Sign, Verify, part_hash, verify_ed25519
 from protolearn.protocol.tensors import TensorLimits, from_frame
 from protolearn.protocol.transport import FramedStream, Host, TensorHeader
@@ -244,25 +246,46 @@ class Averager:
         return r.receive(p.peer, m.phase, m.part, p.data, contributors=m.contributors, suspects=m.suspects, signer=m.signer,
                          digest=m.digest, signature=m.signature, inputs=m.inputs, vetoed=m.vetoed, data_digest=p.data_digest, now=self.clock())
 
-    async def fetch_result(self, round_id: int, participants: list[str]) -> torch.Tensor:
-        """Get round ``round_id``'s vector from one of ``participants`` (this replica was not one)."""
+    async def fetch_result(self, round_id: int, weights: dict[str, float]) -> torch.Tensor:
+        """Get round ``round_id``'s full vector from one of its participants (``weights``: each one's weight)
+        other than this replica, proven by a strict majority of their signed fins
+        (:mod:`protolearn.protocol.collective.result_proof`): a replica left out of the round, or one whose
+        own round failed while the others finished."""
         deadline = self.clock() + 2 * self.timeout_s
         last = "no participant answered"
+        participants = [p for p in sorted(weights) if p != self.host.peer_id]
+        left: set[str] = set()  # participants whose round failed there: they will never have a result
         while self.clock() < deadline:
+            if participants and left >= set(participants):
+                raise AveragingError(f"stage {self.stage}: the round of step {round_id} failed at every other participant: {last}")
             for peer in participants:
+                if peer in left:
+                    continue
                 try:
                     with trio.fail_after(self.timeout_s + 5):
                         async with self.host.open_stream(peer, COLLECTIVE) as s:
                             await s.send(ResultRequest(round=round_id, stage=self.stage))
-                            reply = await s.receive((Ack, Refuse), timeout=self.timeout_s + 5)
+                            reply = await s.receive((ResultServed, Refuse), timeout=self.timeout_s + 5)
                             if isinstance(reply, Refuse):
                                 if reply.code == "stale":  # it no longer keeps that round: the caller must resync
                                     raise ResultGone(f"stage {self.stage}: {peer} no longer keeps step {round_id}: {reply.reason}")
+                                if reply.code == "left":
+                                    left.add(peer)
                                 last = f"{peer}: {reply.reason}"
                                 continue
                             frame = await s.receive_tensor(codec="none", dtype=torch.float32, shape=[self.numel], limits=self._limits)
-                    self._own_next = round_id + 1
-                    return from_frame(frame, peer=peer, dtype=torch.float32, shape=[self.numel], limits=self._limits, require_finite=True)
+                    result = from_frame(frame, peer=peer, dtype=torch.float32, shape=[self.numel], limits=self._limits, require_finite=True)
+                    fins = [HeldFin(f.signer, f.mask, f.digest, f.signature) for f in reply.fins]
+                    why = await trio.to_thread.run_sync(partial(
+                        unproven, result, fins, round_id=round_id, weights=weights, op="sum", rule_tag=self.aggregation.tag,
+                        cross_check=self.cross_check, verify=self.verify,
+                    ))
+                    if why:
+                        last = f"{peer}: {why}"
+                        self.host.log_refusal(peer, COLLECTIVE, "unproven", f"stage {self.stage} result of round {round_id}: {why}")
+                        continue
+                    self._own_next = max(self._own_next, round_id + 1)
+                    return result
                 except ProtocolError as err:
                     last = f"{peer}: {err.reason}"
                 except trio.TooSlowError:
@@ -357,7 +380,7 @@ class Averager:
             log.warning("collective step=%d stage=%d left out dead replicas %s", round_id, self.stage, result.excluded)
         self.last_done = result
         # Only a full average is served (see node/finished_rounds.py).
-        self.finished.done(round_id, None if result.excluded else result.result)
+        self.finished.done(round_id, None if result.excluded else result.result, fins_of(r.peers, r.held_fins()))
         return result
 
     async def _sender(self, recv: trio.MemoryReceiveChannel[Send | Probe], round_id: int, nursery: trio.Nursery) -> None:

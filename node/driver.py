@@ -203,6 +203,7 @@ class TicketDriver:
             self._nonces = {k: v for k, v in self._nonces.items() if k[0] == reply.step}
         self._nonces.update(((reply.step, i), n) for i, n in zip(reply.indices, reply.nonces))
         self.routes.avoid(reply.step, list(reply.avoid))
+        self.routes.suspect(list(reply.suspects))
         self._feed(Leased(reply.step, list(reply.indices)))
 
     async def _run_ticket(self, step: int, ticket: int) -> None:

@@ -8,7 +8,7 @@ only does reads, writes and waits, and reads time through the node's one clock.
 
 The commit report names the hash of the result this replica holds: a participant's is its collective
 round's result hash (the one its signed fin names); a replica that fetched the result hashes it the same
-way (per part, over the round's participants, :func:`result_digest`). If its stage's majority holds
+way (per part, over the round's participants, :func:`~protolearn.protocol.collective.result_proof.vector_digest`). If its stage's majority holds
 another result, the coordinator refuses the report (``result_mismatch``) and the core resyncs instead of
 applying.
 """
@@ -55,8 +55,7 @@ from protolearn.node.step_timing import StepTimer
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
-from protolearn.protocol.collective.ownership import part_bounds
-from protolearn.protocol.statements import part_hash, result_hash
+from protolearn.protocol.collective.result_proof import vector_digest
 
 log = logging.getLogger("protolearn.node")
 # Long-poll length of one commit wait (the coordinator caps it at 30 s).
@@ -71,12 +70,6 @@ class StepResult:
 
     revision: int
     param_hash: str = ""
-
-
-def result_digest(result: torch.Tensor, num_participants: int) -> bytes:
-    """The collective's result hash of ``result`` (``(numel,)``) averaged over ``num_participants`` replicas:
-    what each participant's Done names, recomputed by a replica that fetched the result."""
-    return result_hash([part_hash(result[a:b]) for a, b in part_bounds(result.numel(), num_participants)])
 
 
 class Finisher:
@@ -156,7 +149,7 @@ class Finisher:
             self._result = None
             with trio.move_on_after(a.try_s):
                 try:
-                    self._result = await self.averager.fetch_result(a.round, a.participants)
+                    self._result = await self.averager.fetch_result(a.round, a.weights)
                 except ResultGone as err:
                     return Fetched(a.step, a.revision, ok=False, gone=True, reason=str(err))
                 except AveragingError as err:
@@ -165,7 +158,7 @@ class Finisher:
             if self._result is None:
                 return Fetched(a.step, a.revision, ok=False, reason=f"no result within {a.try_s:g} s")
             # Hashed outside the fetch's time limit: a result in hand is not lost to a slow hash.
-            digest = await trio.to_thread.run_sync(result_digest, self._result, len(a.participants), limiter=self.compute)
+            digest = await trio.to_thread.run_sync(vector_digest, self._result, len(a.weights), limiter=self.compute)
             self._result_hash = digest.hex()
             return Fetched(a.step, a.revision, ok=True)
         if isinstance(a, Redo):

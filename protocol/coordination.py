@@ -255,6 +255,10 @@ class LeaseReply(Message):
     # Stage-1 replicas that sit out the rest of this step (coordinator/core/round_faults.py): route none of
     # its tickets through them while others serve the stage.
     avoid: list[PeerId] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)
+    # Stage-1 replicas that stage-0 replicas reported for lost microbatches and that carried no ticket to
+    # completion since (coordinator/core/verdicts.py): route fewer tickets through them (a report lowers a
+    # share, never bans alone).
+    suspects: list[PeerId] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)
 
 
 class Release(Message):

@@ -36,7 +36,7 @@ from functools import partial
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.acks import AckDesk, default_nonce_key
 from protolearn.coordinator.core.admission import Admission, counted
-from protolearn.coordinator.core.assignment import shares_from_layers
+from protolearn.coordinator.core.assignment import placement_key, shares_from_layers
 from protolearn.coordinator.core.changes import Changes
 from protolearn.coordinator.core.cooldown import BanCooldown
 from protolearn.coordinator.core.corpus import CorpusDesk
@@ -92,14 +92,15 @@ class CoordinatorCore:
         self.peer_id = peer_id
         self.started_at = started_at
         self.verify = verify
-        self.registry = Registry(run.num_stages, shares_from_layers(run.layers), settings, run.footprints)
+        secret = nonce_key or default_nonce_key(peer_id)
+        self.registry = Registry(run.num_stages, shares_from_layers(run.layers), settings, run.footprints, placement_key=placement_key(secret))
         # An untrained model's loss is about ln(V); no honest microbatch is max_loss_factor times worse.
         max_loss = settings.max_loss_factor * math.log(run.vocab_size) if run.vocab_size >= 2 else math.inf
         self.ledger = TicketLedger(
             run.microbatches_per_step, run.num_stages, lease_s=settings.lease_s, block=settings.lease_block,
             max_revisions=settings.max_revisions, max_loss=max_loss,
         )
-        self.acks = AckDesk(run.run_hash, self.ledger, nonce_key or default_nonce_key(peer_id), verify)
+        self.acks = AckDesk(run.run_hash, self.ledger, secret, verify)
         self.verdicts = VerdictPolicy(settings)
         self.integrity = IntegrityDesk(self.registry, self.verdicts, run, enabled=settings.integrity_bans, key=witness_key(self.acks.key))
         self.reports = Reports(self.registry, self.verdicts, self.integrity, verify=verify, apply_ban=self._apply_ban)
@@ -324,15 +325,17 @@ class CoordinatorCore:
             raise Refusal("not_stage0", f"only stage-0 members lease tickets; {member.peer_id} holds stage {member.stage}")
         step = self.ledger.step
         avoid = sorted(self._barred(step, 1)) if self.ledger.num_stages > 1 else []
+        suspects = self.verdicts.suspects(lambda p: self._stage_of(p) == 1, now) if self.ledger.num_stages > 1 else []
         if member.peer_id in self._barred(step, 0):
             why = f"sits out the rest of step {step}: its stage named it the cause of a failed round of it (round_faults.py)"
-            return cm.LeaseReply(step=step, indices=[], lease_s=self.settings.lease_s, reason=why, avoid=avoid)
+            return cm.LeaseReply(step=step, indices=[], lease_s=self.settings.lease_s, reason=why, avoid=avoid, suspects=suspects)
         d = self.ledger.lease(member.peer_id, now, msg.max_tickets, share=self.leases.share(member.peer_id))
         if d.reissued:
             self.reissued += len(d.reissued)
             log.info("re-issued expired leases step=%d tickets=%s to peer=%s", d.step, d.reissued, member.peer_id)
         nonces = [self.nonce(d.step, i) for i in d.indices]
-        return cm.LeaseReply(step=d.step, indices=d.indices, lease_s=self.settings.lease_s, reason=d.reason, nonces=nonces, avoid=avoid)
+        return cm.LeaseReply(step=d.step, indices=d.indices, lease_s=self.settings.lease_s, reason=d.reason, nonces=nonces, avoid=avoid,
+                             suspects=suspects)
 
     def nonce(self, step: int, index: int, attempt: int | None = None) -> bytes:
         """The nonce of lease ``attempt`` (default: the latest) of ticket ``(step, index)``: :meth:`AckDesk.nonce`."""
@@ -403,14 +406,14 @@ class CoordinatorCore:
                 self.ledger.expire_leases(p, now)
         return bool(named.corroborated)
 
+    def _stage_of(self, peer: str) -> int | None:
+        """A live member's assigned stage (None: not a live member)."""
+        m = self.registry.members.get(peer)
+        return m.stage if m is not None and m.status == LIVE else None
+
     def _barred(self, step: int, stage: int) -> set[str]:
         """The members of ``stage`` that sit out the rest of ``step`` (round_faults.py)."""
-
-        def stage_of(peer: str) -> int | None:
-            m = self.registry.members.get(peer)
-            return m.stage if m is not None and m.status == LIVE else None
-
-        return self.round_faults.barred(step, stage_of, self.registry.serving(stage), stage)
+        return self.round_faults.barred(step, self._stage_of, self.registry.serving, stage)
 
     def _averaged(self, member: Member, msg: cm.Averaged, now: float) -> cm.StepInfo:
         # A replica moving to another stage still finishes (and reports) the step of the stage it serves.

@@ -35,8 +35,11 @@ joiner or a returning identity goes is decided by ``assignment.py``.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.address_cap import AddressCap, subnet_of
@@ -91,6 +94,11 @@ class Registry:
     tallies: StageTallies = field(init=False)
     # What nodes are told about the live members (see view.py), kept in step by _touch.
     view: SwarmView = field(init=False)
+    # The coordinator's secret for drawing a joiner's stage among the near-least loaded (assignment.py), and
+    # the joins drawn so far (so a rejoining identity draws afresh). None: no draw, the least loaded stage (a
+    # registry on its own, in unit tests; the coordinator core always passes its secret).
+    placement_key: bytes | None = None
+    _draws: int = 0
 
     def __post_init__(self) -> None:
         self.tallies = StageTallies(self.num_stages, self.members.values())
@@ -99,6 +107,13 @@ class Registry:
     @property
     def view_version(self) -> int:
         return self.view.version
+
+    def _draw(self, peer_id: str, candidates: Sequence[int]) -> int:
+        """A keyed draw among ``candidates`` for ``peer_id``'s join, which it can neither predict nor repeat."""
+        assert self.placement_key is not None
+        self._draws += 1
+        msg = f"{peer_id}|{self._draws}|{','.join(map(str, candidates))}".encode()
+        return int.from_bytes(hmac.new(self.placement_key, msg, hashlib.sha256).digest()[:8], "big")
 
     def connection_changed(self, peer_id: str, connected: bool, now: float) -> None:
         """The host saw ``peer_id``'s first connection open or its last one close."""
@@ -220,7 +235,7 @@ class Registry:
             if not any(fits):
                 return MemberDecision(False, "address_cap", cap.reason(info.ip))
         previous = old.stage if old is not None and self._holds_stage_state(old) else None
-        choice = place(self.loads(), self.shares, previous, fits)
+        choice = place(self.loads(), self.shares, previous, fits, None if self.placement_key is None else partial(self._draw, peer_id))
         rejoined = old is not None
         m = Member(
             peer_id=peer_id,

@@ -107,12 +107,12 @@ class RoundFaults:
         refund = tuple(sorted(p for p, c in namers.items() if p != sender and c & set(fresh)))
         return Named(frozenset(named & done) | (named if two else frozenset()), refund, events)
 
-    def barred(self, step: int, stage_of: Callable[[str], int | None], serving: Collection[str], stage: int) -> set[str]:
+    def barred(self, step: int, stage_of: Callable[[str], int | None], serving: Callable[[int], Collection[str]], stage: int) -> set[str]:
         """The members of ``stage`` (``stage_of``: a member's assigned stage) that sit out the rest of ``step``,
-        whatever they claim to be doing, unless every one of the stage's ``serving`` replicas is among them
-        (then nobody sits out there: the stage must keep someone)."""
+        whatever they claim to be doing, unless every one of the stage's ``serving(stage)`` replicas is among
+        them (then nobody sits out there: the stage must keep someone). O(1) while nobody is barred."""
         bars = {p for p in self._barred.get(step, ()) if stage_of(p) == stage}
-        if not bars or set(serving) <= bars:
+        if not bars or set(serving(stage)) <= bars:
             return set()
         return bars
 

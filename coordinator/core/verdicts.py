@@ -49,7 +49,7 @@ with those before them, so that they do not add up to a ban once it is heard aga
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from protolearn.coordinator.config import CoordinatorSettings
@@ -236,6 +236,19 @@ class VerdictPolicy:
         ban = self.ban(target, f"liveness: {len(agree)} of {len(live)} live stage-{target_stage - 1} replicas reported within {window:g} s "
                                f"that microbatches it acknowledged never came back ({reason})", now)
         return Verdict(True, ban.reason)
+
+    def suspects(self, keep: Callable[[str], bool], now: float) -> list[str]:
+        """The reported peers for which ``keep`` holds that a report counting toward a liveness ban named within
+        the window and that carried no ticket to completion since the earliest such report (the coordinator's
+        own record): routers give them less work (:data:`~protolearn.node.core.balancer.SUSPECT_FACTOR`), and
+        one completion clears it. O(reported peers), not O(members)."""
+        window = self.settings.report_window_s
+        out = []
+        for p, by in self.liveness.items():
+            times = [at for at in by.values() if now - at <= window]
+            if times and self.carried.get(p, float("-inf")) < min(times) and keep(p):
+                out.append(p)
+        return sorted(out)
 
     def completed(self, route: Iterable[str], now: float) -> None:
         """A ticket along ``route`` completed (its last-stage ack verified): every hop past stage 0 carried it."""

@@ -129,10 +129,13 @@ class Average:
 
 @dataclass(frozen=True)
 class Fetch:
+    """Take the round's result from a participant that finished it: this replica was left out of the round, or
+    its own round failed. ``weights``: the round's participants and their weights (what proves a result)."""
+
     step: int
     revision: int
     round: int
-    participants: list[str]
+    weights: dict[str, float]
     try_s: float
 
 

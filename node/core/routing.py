@@ -46,6 +46,10 @@ class RouteCore:
         return bool(self.next_peers)
 
     # -- forward ---------------------------------------------------------------------------------
+    def suspect(self, peers: list[str]) -> None:
+        """The coordinator's current suspects among the next stage (:data:`~.balancer.SUSPECT_FACTOR`)."""
+        self.balancer.suspects = frozenset(peers)
+
     def avoid(self, step: int, peers: list[str]) -> None:
         """The coordinator says ``peers`` sit out the rest of ``step`` (a newer step's word replaces an older one's)."""
         if step >= self._avoid[0]:

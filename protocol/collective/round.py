@@ -160,6 +160,14 @@ class CollectiveRound:
         """The result once this replica holds it (it may still be serving others before finishing)."""
         return self._committed
 
+    def held_fins(self) -> dict[str, tuple[frozenset[str], bytes, bytes]]:
+        """Every fin this replica holds, its own committed one included: signer → (members, result hash,
+        signature). A finished participant serves them with its result (:mod:`.result_proof`)."""
+        out = {p: (f.members, f.digest, f.signature) for p, f in self._fins.received.items()}
+        if self._committed is not None:
+            out[self.me] = (frozenset(self._C), self._committed.digest, self._committed.signature)
+        return out
+
     def contributors(self) -> list[str]:
         """Peers whose vector is (so far) part of the result, in the fixed reduction order."""
         return sorted(self._C)

@@ -524,6 +524,11 @@ class Sim:
 
         def look() -> None:
             r = self.rounds.get((node.stage, a.step, a.revision))
+            if r is not None and r.outcome is not None and r.outcome[0] == "failed" and node.peer in r.participants:
+                # Its own round failed, and so did the others' (the model gives every survivor one outcome): each
+                # answers "left" at once (node/finished_rounds.py), so it asks for the redo without waiting.
+                self._feed(node, ev.Fetched(a.step, a.revision, ok=False, reason="the round failed at every other participant"))
+                return
             if r is not None and r.outcome is not None and r.outcome[0] == "done" and not r.outcome[2]:  # full averages only
                 if any(self.nodes[p].live(self.now) for p in r.joined if p not in r.outcome[2]):
                     node.result = r.outcome[1]

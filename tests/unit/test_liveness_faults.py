@@ -473,3 +473,24 @@ def test_a_peer_that_leaves_holding_handed_microbatches_gets_a_notice_and_its_lo
     assert reports == [("gone", 0)]
     assert routes.lost("gone") == 0, "its losses before it left are forgotten"
     assert routes.overdue(100.0, 1.0) == [], "nothing is awaited from it any more"
+
+
+def test_a_reported_peer_is_a_suspect_with_a_lower_share_until_it_carries_a_ticket() -> None:
+    """Liveness reports lower the accused's routing share (issue 27, rule 5), never to nothing, and a
+    completion through it (the coordinator's own record) clears it."""
+    from protolearn.node.core.balancer import SUSPECT_FACTOR, Balancer
+
+    v = _policy()
+    v.liveness_report("a", "x", "liveness: 3 lost", target_stage=1, upstream=["a", "b", "c"], now=1.0, lost=3)
+    v.liveness_report("a", "y", "liveness: 1 lost", target_stage=1, upstream=["a", "b", "c"], now=1.0, lost=1)
+    assert v.suspects(lambda p: True, 2.0) == ["x"], "a notice makes no suspect"
+    assert v.suspects(lambda p: p != "x", 2.0) == []
+    v.completed(["s0", "x"], 3.0)
+    assert v.suspects(lambda p: True, 4.0) == []
+    b = Balancer()
+    b.on_done("x", 0.1)
+    b.on_done("z", 0.1)
+    b.suspects = frozenset({"x"})
+    assert b.expected_finish_s("x", 0.0) == SUSPECT_FACTOR * b.expected_finish_s("z", 0.0)
+    assert b.choose(["x", "z"], 0.0).peer == "z"
+    assert b.choose(["x", "z"], 0.0, {"z": 3}).peer == "x", "a suspect still gets work when the others are busier"

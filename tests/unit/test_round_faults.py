@@ -36,7 +36,7 @@ def test_a_cause_named_by_a_strict_majority_of_the_participants_is_struck_and_it
     # The liar names an honest replica back: a minority's word, which corroborates nothing.
     back = rf.name("liar", step=3, revision=1, stage=1, causes=["a"], participants=["a", "b", "liar"], now=1.2)
     assert not back.corroborated and not v.flags_of("a")
-    assert rf.barred(3, lambda p: 1, ["a", "b", "liar"], 1) == {"liar"}
+    assert rf.barred(3, lambda p: 1, lambda s: ["a", "b", "liar"], 1) == {"liar"}
 
 
 def test_namers_and_causes_outside_the_participants_count_for_nothing() -> None:
@@ -54,12 +54,12 @@ def test_in_a_round_of_two_the_cause_is_unknown_nobody_pays_and_the_named_one_si
     named = rf.name("honest", step=5, revision=2, stage=0, causes=["liar"], participants=["honest", "liar"], now=1.0)
     assert named.corroborated == {"liar"}, "free for the sender: the cause cannot be known in a round of two"
     assert not v.flags_of("liar"), "and nobody is struck"
-    assert rf.barred(5, lambda p: 0, ["honest", "liar", "left_out"], 0) == {"liar"}
+    assert rf.barred(5, lambda p: 0, lambda s: ["honest", "liar", "left_out"], 0) == {"liar"}
     # Sitting out never empties a stage.
-    assert rf.barred(5, lambda p: 0, ["liar"], 0) == set()
+    assert rf.barred(5, lambda p: 0, lambda s: ["liar"], 0) == set()
     # The bar lasts for its step only.
     rf.name("x", step=6, revision=1, stage=0, causes=[], participants=["x", "y"], now=2.0)
-    assert rf.barred(5, lambda p: 0, ["honest", "liar"], 0) == set()
+    assert rf.barred(5, lambda p: 0, lambda s: ["honest", "liar"], 0) == set()
 
 
 def test_expel_after_strikes_corroborated_faults_within_the_window_ban_the_cause() -> None:
