@@ -107,7 +107,7 @@ class CoordinatorCore:
         self.leases = LeaseDiscipline(
             settings, self.registry, self.ledger, self.verdicts, ban=self.ban, acked=lambda msg: self.acks.signature_refusal(msg) is None,
         )
-        self.holdups = Holdups(settings, self.ledger, self.verdicts, ban=self.ban)
+        self.holdups = Holdups(settings, self.ledger, self.verdicts, ban=self.ban, membership=self._joined_at)
         self.redos = RedoBudget(settings.max_redos_per_peer, self.verdicts)
         self.round_faults = RoundFaults(settings, self.verdicts, ban=self.ban)
         self.admission = Admission(settings, self.registry, self.verdicts)
@@ -405,6 +405,11 @@ class CoordinatorCore:
             for p in self._barred(msg.step, 0):
                 self.ledger.expire_leases(p, now)
         return bool(named.corroborated)
+
+    def _joined_at(self, peer: str) -> float | None:
+        """When a live member's current membership began (None: not a live member)."""
+        m = self.registry.members.get(peer)
+        return m.joined_at if m is not None and m.status == LIVE else None
 
     def _stage_of(self, peer: str) -> int | None:
         """A live member's assigned stage (None: not a live member)."""

@@ -277,8 +277,15 @@ class Sim:
             except Refusal:
                 return
             if isinstance(again, cm.JoinReply) and again.stage != node.stage:
-                node.moved = True  # the coordinator moved it: out of this simulation
-                self.log.append(f"{self.now:.2f} {node.peer} rejoined at stage {again.stage}: leaves the sim")
+                self.move_out(node, f"rejoined at stage {again.stage}: leaves the sim")
+
+    def move_out(self, node: SimNode, why: str) -> None:
+        """The coordinator placed ``node`` in another stage: it leaves this simulation, and its old stage's rounds
+        no longer wait for it (its peers find it gone at once, as they do a dead one)."""
+        node.moved = True
+        for r in [r for r in self.rounds.values() if node.peer in r.participants and r.outcome is None]:
+            self._settle(r)
+        self.log.append(f"{self.now:.2f} {node.peer} {why}")
 
     def stage_nodes(self, stage: int) -> list[SimNode]:
         return [n for n in self.nodes.values() if n.stage == stage]
@@ -489,10 +496,12 @@ class Sim:
     def _settle(self, r: Round, *, timeout: bool = False) -> None:
         if r.outcome is not None:
             return
-        waiting = [p for p in r.participants if p not in r.joined and self.nodes[p].alive and not timeout]
+        # A replica that left its stage (the coordinator moved it, or it rejoined elsewhere) has dropped the stage's
+        # round: its peers find it gone at once (a refused probe), as they do a dead one.
+        waiting = [p for p in r.participants if p not in r.joined and self.nodes[p].alive and not self.nodes[p].moved and not timeout]
         if waiting:
             return
-        ok = [p for p in r.joined if self.nodes[p].alive and (timeout is False or self.nodes[p].live(self.now))]
+        ok = [p for p in r.joined if self.nodes[p].alive and not self.nodes[p].moved and (timeout is False or self.nodes[p].live(self.now))]
         excluded = sorted(r.participants - set(ok))
         breakers = sorted(self.round_breakers & set(ok))
         if not ok:

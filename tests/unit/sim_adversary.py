@@ -150,5 +150,4 @@ class Adversary:
         reply = self.sim.request(node.peer, cm.Join(addrs=["/ip4/127.0.0.1/tcp/1"], throughput=self.rng.choice((1.0, 100.0, 1e4))))
         assert isinstance(reply, cm.JoinReply)
         if reply.stage != node.stage:
-            node.moved = True  # placed elsewhere: out of the simulation, like any moved node
-            self.sim.log.append(f"{self.sim.now:.2f} {node.peer} rejoined at stage {reply.stage} (was {node.stage})")
+            self.sim.move_out(node, f"rejoined at stage {reply.stage} (was {node.stage})")
