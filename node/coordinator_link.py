@@ -127,6 +127,9 @@ class CoordinatorLink:
         self.step = 0
         self.last_closed = -1
         self.rejoins = 0
+        # The interval to heartbeat at: the join reply's, then the latest a heartbeat reply set (it grows with
+        # the swarm: coordinator/core/pacing.py).
+        self.heartbeat_interval_s = 1.0
         self._rejoining = trio.Lock()
         self._beat_now = trio.Event()
         # Since when (trio time) every request has failed to reach the coordinator; None while it answers.
@@ -191,6 +194,7 @@ class CoordinatorLink:
         msg = self._join = msg.model_copy(update={"session": self.session})
         reply, _ = await self._request(msg, cm.JoinReply)
         self.joined = reply
+        self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.stage, self.step = reply.stage, reply.step
         self.members, self.view_version, self.bans = list(reply.members), reply.view_version, list(reply.bans)
         return reply
@@ -201,6 +205,8 @@ class CoordinatorLink:
         hb = hb.model_copy(update={"view_version": self.view_version, "view_delta": True, "session": self.session})
         reply, _ = await self._request(hb, cm.HeartbeatReply)
         self.stage, self.step, self.last_closed = reply.stage, reply.step, reply.last_closed
+        if reply.heartbeat_interval_s > 0:
+            self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.bans = list(reply.bans)
         self.removed = list(reply.removed)
         if reply.stage_replicas:
@@ -221,7 +227,7 @@ class CoordinatorLink:
         *,
         task_status: Any = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Heartbeat every ``heartbeat_interval_s`` (from the join reply) until cancelled."""
+        """Heartbeat every :attr:`heartbeat_interval_s` (the coordinator's latest) until cancelled."""
         if self.joined is None or self._join is None:
             raise RuntimeError("join before starting the heartbeat loop")
         task_status.started()
@@ -240,7 +246,7 @@ class CoordinatorLink:
                 if on_reply is not None:
                     on_reply(reply)
             self._beat_now = trio.Event()
-            with trio.move_on_after(self.joined.heartbeat_interval_s):
+            with trio.move_on_after(self.heartbeat_interval_s):
                 await self._beat_now.wait()
 
     def beat_now(self) -> None:

@@ -79,6 +79,8 @@ MAX_REPLY_BYTES = 16 * 1024 * 1024
 NODE_STATES: tuple[str, ...] = tuple(s.value for s in NodeState)
 # On the wire a state is its string value; the schema turns it into the enum (and refuses any other).
 State = Annotated[NodeState, Field(strict=False)]
+# The longest heartbeat interval a coordinator may ask for (a node beats at least this often).
+MAX_HEARTBEAT_INTERVAL_S = 600.0
 
 Addr = Annotated[str, Field(min_length=1, max_length=MAX_ADDR)]
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
@@ -236,6 +238,8 @@ class HeartbeatReply(Message):
     # The finished run's model: "collecting" while the coordinator fetches it from the replicas (a member
     # that finished the run stays and serves its stage until then), "saved" once it holds it, "" otherwise.
     final: FinalState = ""
+    # The interval to beat at from now on: it grows with the swarm (coordinator/core/pacing.py); 0: unchanged.
+    heartbeat_interval_s: Annotated[float, Field(ge=0, le=MAX_HEARTBEAT_INTERVAL_S, allow_inf_nan=False)] = 0.0
 
 
 class Lease(Message):
