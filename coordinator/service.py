@@ -58,6 +58,9 @@ log = logging.getLogger("protolearn.coordinator")
 SOFT_PERSIST_S = 5.0
 # Streams open at once from peers that are not live members (joins, status readers), shared by all of them.
 UNKNOWN_STREAMS = 256
+# Inbound handshakes in flight at once (protocol/transport/inbound.py): a swarm reconnecting after a restart
+# queues in its TCP backlog and retries, rather than every handshake slowing all the others.
+PENDING_CONNECTIONS = 256
 # Where the reachability checker listens: it only dials out, and nobody needs to reach it.
 CHECKER_LISTEN = "/ip4/127.0.0.1/tcp/0"
 # Checker connections waiting to be closed after their check replied (past that, a check closes its own).
@@ -376,7 +379,10 @@ async def serve(
     store, core, resumed = open_state(run, data_dir, settings, clock())
     identity = load_or_create_identity(data_dir)
     # A long poll holds a stream for up to MAX_WAIT_S, so requests need a longer deadline than that.
-    transport = transport or TransportConfig(request_timeout_s=cm.MAX_WAIT_S + 5.0, link=link)
+    transport = transport or TransportConfig(
+        request_timeout_s=cm.MAX_WAIT_S + 5.0, link=link, max_connections=settings.max_connections,
+        max_connections_per_ip=settings.max_connections_per_ip, max_pending_connections=PENDING_CONNECTIONS,
+    )
     svc: _Service | None = None
     try:
         async with (
