@@ -10,7 +10,7 @@ Request → reply:
   coordinator dials it back from a second host, on a fresh connection, at the node's own observed IP only
   (``coordinator/core/reachability.py``), and offers relays to a private node.
 - :class:`Join` → :class:`JoinReply`: the run config (TOML) and its hash, the assigned stage, the view and bans.
-- :class:`Heartbeat` → :class:`HeartbeatReply`: the node's state in, the current step, bans, the
+- :class:`Heartbeat` → :class:`HeartbeatReply` (also on a :data:`BEATS` stream): the node's state in, the current step, bans, the
   (possibly changed) stage assignment, the replicas per stage and the membership view out. The view
   holds a bounded number of members of each stage and is sent only when it changed since the view
   version the node holds: as a snapshot that replaces its list, or, when the node asks with
@@ -53,6 +53,10 @@ from pydantic import Field
 
 # The protocol's name, defined here only; the transport's protocol_id() makes it /protolearn/coordinator/1.0.0.
 COORDINATOR = "coordinator"
+# Heartbeats also go on one long-lived stream per member (a Heartbeat in, its HeartbeatReply or an ErrorReply
+# out, for as long as both keep it open): a request on a new stream costs about 4x the CPU of one on an open
+# stream, at both ends (docs/BENCHMARKS.md, "Coordinator over the network").
+BEATS = "coordinator-beats"
 
 # Bounds on every variable-size field (peer IDs and stage indices: protocol/bounds.py). Multiaddrs are
 # short. A member's addresses travel in every view reply, so they are few and short: 4 of 256 characters
