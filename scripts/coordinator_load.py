@@ -29,7 +29,9 @@ join by the same, and the process exits when stdin closes (its bench died).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
+import time
 import json
 import logging
 import os
@@ -63,6 +65,8 @@ class Stats:
     failures: Counter[str] = field(default_factory=Counter)
     rejoins: int = 0
     running: int = 0
+    # Garbage-collector pauses of this process (ms): they delay the replies it reads, whoever answered.
+    gc_pauses_ms: list[float] = field(default_factory=list)
 
 
 class Load:
@@ -156,12 +160,13 @@ class Load:
 
     async def measure(self, seconds: float) -> dict[str, Any]:
         s = self.stats
-        s.latencies_ms, beats0 = [], s.beats
+        s.latencies_ms, beats0, s.gc_pauses_ms = [], s.beats, []
         await trio.sleep(seconds)
         lat, s.latencies_ms = s.latencies_ms, []
         return {
             "event": "window", "seconds": seconds, "latencies_ms": [round(x, 2) for x in lat], "beats": s.beats - beats0,
             "running": s.running, "failures": dict(s.failures), "rejoins": s.rejoins, "interval_s": self.interval_s,
+            "gc_pause_max_ms": round(max(s.gc_pauses_ms, default=0.0), 1), "gc_pause_total_ms": round(sum(s.gc_pauses_ms), 1),
         }
 
 
@@ -184,8 +189,22 @@ def _say(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def _watch_gc(stats: Stats) -> None:
+    started = 0.0
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        nonlocal started
+        if phase == "start":
+            started = time.perf_counter()
+        else:
+            stats.gc_pauses_ms.append(1e3 * (time.perf_counter() - started))
+
+    gc.callbacks.append(callback)
+
+
 async def main(args: argparse.Namespace) -> None:
     load = Load(args)
+    _watch_gc(load.stats)
     stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
     _say({"event": "ready", "pid": os.getpid()})
     async with trio.open_nursery() as nursery:
