@@ -16,6 +16,8 @@ once every member has beaten at the interval in force (one interval of settling)
   milliseconds per member per second of wall time, ``cpu_ms_per_heartbeat`` per answered heartbeat,
   ``rss_kb_per_member`` its RSS over the RSS it had before the first join, per member;
 - the load generators' CPU (``clients_cpu_cores``): they share this machine's cores with the coordinator;
+- the load generators' worst garbage-collector pause in the window (``clients_gc_pause_max_ms``): they freeze
+  their heap after each ramp (``gc.freeze``), so that their own collector does not delay the replies they time;
 - members the coordinator dropped: a refusal or a timeout a member gave up on, or a rejoin after the
   coordinator expired it.
 
@@ -248,7 +250,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--levels", default="250,500,1000,2000,3500,5000", help="member counts to ramp through (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=4, help="load-generator processes (default: %(default)s)")
     parser.add_argument("--join-rate", type=float, default=12.0, help="joins per second over all workers (default: %(default)s)")
-    parser.add_argument("--join-concurrency", type=int, default=8, help="joins in flight per worker (default: %(default)s)")
+    parser.add_argument("--join-concurrency", type=int, default=4, help="joins in flight per worker (default: %(default)s)")
     parser.add_argument("--window", type=float, default=10.0, help="least measuring window per level, s (default: %(default)s)")
     parser.add_argument("--max-seconds", type=float, default=840.0, help="no level starts past this (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the identities and beat phases (default: %(default)s)")
