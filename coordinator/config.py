@@ -20,7 +20,7 @@ class CoordinatorSettings(BaseModel):
     # coordinator answers at most this many heartbeats a second (None: a fixed interval); it never exceeds
     # max_heartbeat_interval_s, and expiry (and every "silent for two intervals" rule) scales with it
     # (coordinator/core/pacing.py).
-    max_heartbeats_per_s: float | None = Field(200.0, gt=0)
+    max_heartbeats_per_s: float | None = Field(100.0, gt=0)
     max_heartbeat_interval_s: float = Field(60.0, gt=0, le=600.0)  # at most coordination.MAX_HEARTBEAT_INTERVAL_S
     # A member that has not been heard from for this long is expired (its leases are freed); at a longer
     # interval (max_heartbeats_per_s), the same number of intervals.

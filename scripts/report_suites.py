@@ -235,7 +235,7 @@ def render_coordinator_net(r: dict[str, Any], figs: Path, plt: Any) -> str:
         f"A `coordinator start` subprocess on 127.0.0.1 with its default settings, loaded by {r.get('workers')} load-generator "
         "processes (`scripts/coordinator_load.py`) on the same 2 cores: every member is its own libp2p client (its own key, Noise "
         "connection and `CoordinatorLink`), joins, is placed in a stage, and heartbeats at the interval the coordinator sets "
-        "(it grows past 100 members a second: `coordinator/core/pacing.py`). Per level, after one interval of settling, a window "
+        "(it grows with the swarm, `coordinator/core/pacing.py`). Per level, after one interval of settling, a window "
         "of at least 1.2 intervals: client-side heartbeat round trips, the coordinator's CPU (`/proc/<pid>/stat`) and RSS over its "
         f"RSS before the first join ({num(r.get('coordinator_base_rss_mb'))} MB), and the load generators' CPU. "
         f"**`members_sustained` {num(r.get('members_sustained'))}** (goal ≥ {num(r.get('goal_members'))}): the largest level where "
