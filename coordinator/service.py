@@ -234,16 +234,12 @@ class _Service:
         while True:
             try:
                 msg = await s.receive(cm.Heartbeat, timeout=self.core.pacing.expiry_s + BEAT_IDLE_SLACK_S)
-            except (PeerTimeout, PeerUnavailable) as err:  # silent past its expiry, or gone: nothing to refuse
-                log.info("heartbeat stream ended peer=%s reason=%s", peer, err.reason)
-                return
-            try:
-                reply: Message = await self.on_request(peer, msg)
-            except Refusal as r:
-                reply = ErrorReply(code=type(r).__name__, reason=str(r))
-            try:
+                try:
+                    reply: Message = await self.on_request(peer, msg)
+                except Refusal as r:
+                    reply = ErrorReply(code=type(r).__name__, reason=str(r))
                 await s.send(reply)
-            except PeerUnavailable as err:  # it went away before its reply
+            except (PeerTimeout, PeerUnavailable) as err:  # silent past its expiry, or gone: nothing to refuse
                 log.info("heartbeat stream ended peer=%s reason=%s", peer, err.reason)
                 return
 
