@@ -1,9 +1,10 @@
 """Heartbeat pacing: the interval the coordinator asks members to beat at, from how many there are (sans-IO).
 
-Every heartbeat costs the coordinator a request on a new libp2p stream, and the transport, not the core,
-is most of that cost (measured in docs/BENCHMARKS.md, "Coordinator over the network": about 2 ms of CPU
-per heartbeat, 95 % of it in py-libp2p). At a fixed interval the load grows with the swarm, and past a
-few hundred members a small coordinator spends all its time answering heartbeats. So the interval grows
+Every heartbeat costs the coordinator CPU, and the transport, not the core, is most of that cost (measured
+in docs/BENCHMARKS.md, "Coordinator over the network": 2.2-2.9 ms per heartbeat as a request on a new
+libp2p stream, 95 % of it in py-libp2p; 1.0-1.6 ms on the member's heartbeat stream). At a fixed interval
+the load grows with the swarm, and past a few hundred members a small coordinator spends all its time
+answering heartbeats. So the interval grows
 with the number of live members: ``max(heartbeat_interval_s, num_live / max_heartbeats_per_s)``, rounded
 up to a tenth of a second, and the coordinator's heartbeat load stays at most ``max_heartbeats_per_s``
 whatever the swarm's size. Replies carry the interval (a join's and every heartbeat's), and a node beats at
