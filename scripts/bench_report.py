@@ -266,6 +266,10 @@ def _summary(stored: dict[str, Any]) -> list[str]:
         old_reference = v.get("reference_threads") != 1  # stored before the reference became one thread × S: no yardstick
         rows.append([f"pipeline efficiency B={b}, loopback / `50mbit,40ms`", f"{fmt.dec(v['loopback_efficiency'], 3)} / {fmt.dec(v['link_efficiency'], 3)}",
                      "– (an all-core reference that spin-waited under load: see the section)" if old_reference else "–"])
+    coord = (stored.get("coordinator-net") or {}).get("result") or {}
+    if coord.get("levels"):
+        rows.append(["coordinator over the network: `members_sustained` (p99 heartbeat < 1 s, on the shared 2 cores)",
+                     fmt.num(coord.get("members_sustained")), f"≥ {fmt.num(coord.get('goal_members'))}"])
     return (["## Summary", "", fmt.table(["figure", "measured", "goal"], rows), ""] if rows else [])
 
 
