@@ -44,20 +44,27 @@ from protolearn.coordinator.errors import Refusal, RunMismatch
 from protolearn.coordinator.metrics import metrics_registry, serve_metrics
 from protolearn.coordinator.store import DB_FILE, Store
 from protolearn.protocol import coordination as cm
-from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError
 from protolearn.protocol.identity import Identity, load_or_create_identity
 from protolearn.protocol.interfaces import parse_announce
 from protolearn.protocol.log_digest import LogDigest, Summary
 from protolearn.protocol.link import LinkSpec
-from protolearn.protocol.transport import Host, RelayLimits, TransportConfig, open_host
-from protolearn.protocol.wire import Message
+from protolearn.protocol.transport import FramedStream, Host, RelayLimits, TransportConfig, open_host
+from protolearn.protocol.wire import ErrorReply, Message
 
 log = logging.getLogger("protolearn.coordinator")
 
+# A member's heartbeat stream (cm.BEATS) is closed once silent this long past its expiry (it expired anyway).
+BEAT_IDLE_SLACK_S = 10.0
+# Heartbeat streams open at once from peers that are not live members (their beats are refused anyway).
+UNKNOWN_BEAT_STREAMS = 16
 # Heartbeat telemetry (last seen, throughput) is written this often rather than on every heartbeat.
 SOFT_PERSIST_S = 5.0
 # Streams open at once from peers that are not live members (joins, status readers), shared by all of them.
 UNKNOWN_STREAMS = 256
+# Inbound handshakes in flight at once (protocol/transport/inbound.py): a swarm reconnecting after a restart
+# queues in its TCP backlog and retries, rather than every handshake slowing all the others.
+PENDING_CONNECTIONS = 256
 # Where the reachability checker listens: it only dials out, and nobody needs to reach it.
 CHECKER_LISTEN = "/ip4/127.0.0.1/tcp/0"
 # Checker connections waiting to be closed after their check replied (past that, a check closes its own).
@@ -221,6 +228,21 @@ class _Service:
         self.commit()
         return reply
 
+    async def on_beats(self, peer: str, s: FramedStream) -> None:
+        """A member's heartbeat stream: each Heartbeat is answered as the request would be (a refusal as its
+        ErrorReply), until the member closes the stream or stays silent past its expiry."""
+        while True:
+            try:
+                msg = await s.receive(cm.Heartbeat, timeout=self.core.pacing.expiry_s + BEAT_IDLE_SLACK_S)
+                try:
+                    reply: Message = await self.on_request(peer, msg)
+                except Refusal as r:
+                    reply = ErrorReply(code=type(r).__name__, reason=str(r))
+                await s.send(reply)
+            except (PeerTimeout, PeerUnavailable) as err:  # silent past its expiry, or gone: nothing to refuse
+                log.info("heartbeat stream ended peer=%s reason=%s", peer, err.reason)
+                return
+
     async def _wait(self, peer: str, msg: cm.WaitStep) -> cm.StepInfo:
         self.core.check_wait(peer, msg, self.clock())
         if self._waiting >= self.core.settings.max_concurrent_waits:
@@ -376,7 +398,10 @@ async def serve(
     store, core, resumed = open_state(run, data_dir, settings, clock())
     identity = load_or_create_identity(data_dir)
     # A long poll holds a stream for up to MAX_WAIT_S, so requests need a longer deadline than that.
-    transport = transport or TransportConfig(request_timeout_s=cm.MAX_WAIT_S + 5.0, link=link)
+    transport = transport or TransportConfig(
+        request_timeout_s=cm.MAX_WAIT_S + 5.0, link=link, max_connections=settings.max_connections,
+        max_connections_per_ip=settings.max_connections_per_ip, max_pending_connections=PENDING_CONNECTIONS,
+    )
     svc: _Service | None = None
     try:
         async with (
@@ -398,6 +423,11 @@ async def serve(
                 # identities that never joined cannot crowd the members' heartbeats out.
                 known=core.registry.is_live,
                 max_inbound_unknown=UNKNOWN_STREAMS,
+            )
+            # One heartbeat stream per member (two while a reconnecting member's old one winds down).
+            host.serve_stream(
+                cm.BEATS, svc.on_beats, max_inbound=settings.max_connections, max_inbound_per_peer=2,
+                known=core.registry.is_live, max_inbound_unknown=UNKNOWN_BEAT_STREAMS,
             )
             async with trio.open_nursery() as nursery:
                 await nursery.start(svc.housekeeping)

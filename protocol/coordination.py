@@ -10,7 +10,7 @@ Request → reply:
   coordinator dials it back from a second host, on a fresh connection, at the node's own observed IP only
   (``coordinator/core/reachability.py``), and offers relays to a private node.
 - :class:`Join` → :class:`JoinReply`: the run config (TOML) and its hash, the assigned stage, the view and bans.
-- :class:`Heartbeat` → :class:`HeartbeatReply`: the node's state in, the current step, bans, the
+- :class:`Heartbeat` → :class:`HeartbeatReply` (also on a :data:`BEATS` stream): the node's state in, the current step, bans, the
   (possibly changed) stage assignment, the replicas per stage and the membership view out. The view
   holds a bounded number of members of each stage and is sent only when it changed since the view
   version the node holds: as a snapshot that replaces its list, or, when the node asks with
@@ -53,6 +53,10 @@ from pydantic import Field
 
 # The protocol's name, defined here only; the transport's protocol_id() makes it /protolearn/coordinator/1.0.0.
 COORDINATOR = "coordinator"
+# Heartbeats also go on one long-lived stream per member (a Heartbeat in, its HeartbeatReply or an ErrorReply
+# out, for as long as both keep it open): a request on a new stream costs about 4x the CPU of one on an open
+# stream, at both ends (docs/BENCHMARKS.md, "Coordinator over the network").
+BEATS = "coordinator-beats"
 
 # Bounds on every variable-size field (peer IDs and stage indices: protocol/bounds.py). Multiaddrs are
 # short. A member's addresses travel in every view reply, so they are few and short: 4 of 256 characters
@@ -79,6 +83,8 @@ MAX_REPLY_BYTES = 16 * 1024 * 1024
 NODE_STATES: tuple[str, ...] = tuple(s.value for s in NodeState)
 # On the wire a state is its string value; the schema turns it into the enum (and refuses any other).
 State = Annotated[NodeState, Field(strict=False)]
+# The longest heartbeat interval a coordinator may ask for (a node beats at least this often).
+MAX_HEARTBEAT_INTERVAL_S = 600.0
 
 Addr = Annotated[str, Field(min_length=1, max_length=MAX_ADDR)]
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
@@ -236,6 +242,8 @@ class HeartbeatReply(Message):
     # The finished run's model: "collecting" while the coordinator fetches it from the replicas (a member
     # that finished the run stays and serves its stage until then), "saved" once it holds it, "" otherwise.
     final: FinalState = ""
+    # The interval to beat at from now on: it grows with the swarm (coordinator/core/pacing.py); 0: unchanged.
+    heartbeat_interval_s: Annotated[float, Field(ge=0, le=MAX_HEARTBEAT_INTERVAL_S, allow_inf_nan=False)] = 0.0
 
 
 class Lease(Message):

@@ -46,6 +46,7 @@ from protolearn.coordinator.core.holdups import Holdups
 from protolearn.coordinator.core.integrity import EvidenceRecord, IntegrityDesk
 from protolearn.coordinator.core.leases import LeaseDiscipline
 from protolearn.coordinator.core.members import LIVE, HeartbeatInfo, JoinInfo, Member
+from protolearn.coordinator.core.pacing import Pacing
 from protolearn.coordinator.core.reachability import ReachabilityDesk, Verdict, build_reply, relay_refusal
 from protolearn.coordinator.core.redo import RedoBudget, orphaned
 from protolearn.coordinator.core.registry import Registry
@@ -93,7 +94,11 @@ class CoordinatorCore:
         self.started_at = started_at
         self.verify = verify
         secret = nonce_key or default_nonce_key(peer_id)
-        self.registry = Registry(run.num_stages, shares_from_layers(run.layers), settings, run.footprints, placement_key=placement_key(secret))
+        # The heartbeat interval in force grows with the live members (pacing.py); expiry and the "silent" rules follow it.
+        self.pacing = Pacing(settings, started_at)
+        self.registry = Registry(
+            run.num_stages, shares_from_layers(run.layers), settings, run.footprints, pacing=self.pacing, placement_key=placement_key(secret),
+        )
         # An untrained model's loss is about ln(V); no honest microbatch is max_loss_factor times worse.
         max_loss = settings.max_loss_factor * math.log(run.vocab_size) if run.vocab_size >= 2 else math.inf
         self.ledger = TicketLedger(
@@ -101,7 +106,7 @@ class CoordinatorCore:
             max_revisions=settings.max_revisions, max_loss=max_loss,
         )
         self.acks = AckDesk(run.run_hash, self.ledger, secret, verify)
-        self.verdicts = VerdictPolicy(settings)
+        self.verdicts = VerdictPolicy(settings, pacing=self.pacing)
         self.integrity = IntegrityDesk(self.registry, self.verdicts, run, enabled=settings.integrity_bans, key=witness_key(self.acks.key))
         self.reports = Reports(self.registry, self.verdicts, self.integrity, verify=verify, apply_ban=self._apply_ban)
         self.leases = LeaseDiscipline(
@@ -177,6 +182,7 @@ class CoordinatorCore:
                 final_step=self.final_model.held_step,
             )
         if isinstance(msg, cm.Join):
+            self.pacing.update(self.registry.num_live + 1, now)  # the interval this joiner is told counts it
             return self._join(peer, msg, now, connections, ip)
         member = self.admission.live_member(peer)
         if isinstance(msg, cm.Heartbeat):
@@ -282,8 +288,8 @@ class CoordinatorCore:
             step=self.ledger.frontier,
             rejoined=rejoined,
             reason=reason,
-            heartbeat_interval_s=s.heartbeat_interval_s,
-            expiry_s=s.expiry_s,
+            heartbeat_interval_s=self.pacing.interval_s,
+            expiry_s=self.pacing.expiry_s,
             lease_s=s.lease_s,
             bans=self.verdicts.banned(),
             view_version=view.version,
@@ -305,6 +311,7 @@ class CoordinatorCore:
         member = self.registry.members[peer]
         stages = self._view_stages(member, delta=msg.view_delta)
         view = self.registry.view.update_for(peer, stages, msg.view_version, delta=msg.view_delta)
+        interval = self.pacing.update(self.registry.num_live, now)
         return cm.HeartbeatReply(
             stage=d.stage,
             step=self.ledger.frontier,
@@ -318,6 +325,7 @@ class CoordinatorCore:
             removed=[] if view is None else view.removed,
             stage_replicas=self.registry.working_counts(),
             final=self.final_model.phase(),
+            heartbeat_interval_s=interval,
         )
 
     def _lease(self, member: Member, msg: cm.Lease, now: float) -> cm.LeaseReply:
@@ -481,6 +489,7 @@ class CoordinatorCore:
     def housekeeping(self, now: float) -> list[str]:
         """Expire silent members, prune reports, maybe rebalance. Returns log lines of what happened."""
         events = []
+        self.pacing.update(self.registry.num_live, now)
         for m in self.registry.expire(now):
             self.integrity.forget(m.peer_id)
             freed = self.ledger.revoke_peer(m.peer_id)

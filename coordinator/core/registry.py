@@ -45,6 +45,7 @@ from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.address_cap import AddressCap, subnet_of
 from protolearn.coordinator.core.assignment import Move, StageLoad, place, propose_move
 from protolearn.coordinator.core.fit import fitting, no_fit_reason
+from protolearn.coordinator.core.pacing import Pacing
 from protolearn.coordinator.core.members import (
     BANNED,
     EXPIRED,
@@ -75,6 +76,8 @@ class Registry:
     settings: CoordinatorSettings
     # Each stage's memory footprint (stages/footprint.py; empty: placement ignores memory, fit.py).
     footprints: Sequence[StageFootprint] = ()
+    # The heartbeat interval in force (pacing.py); None: the settings' fixed one.
+    pacing: Pacing | None = None
     members: dict[str, Member] = field(default_factory=dict)
     # The first view version (see view.first_version): distinct per coordinator run.
     first_version: int = 0
@@ -103,6 +106,16 @@ class Registry:
     def __post_init__(self) -> None:
         self.tallies = StageTallies(self.num_stages, self.members.values())
         self.view = SwarmView(self.num_stages, self.first_version, [view_entry(m) for m in self.live()])
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """The heartbeat interval in force (pacing.py)."""
+        return self.settings.heartbeat_interval_s if self.pacing is None else self.pacing.interval_s
+
+    @property
+    def expiry_s(self) -> float:
+        """How long a member may stay silent before it expires, at the interval in force."""
+        return self.settings.expiry_s if self.pacing is None else self.pacing.expiry_s
 
     @property
     def view_version(self) -> int:
@@ -377,7 +390,7 @@ class Registry:
         """Expire silent members; forget departed ones past retention. Returns the newly expired."""
         out = []
         for m in list(self.members.values()):
-            if m.status == LIVE and now - m.last_seen > self.settings.expiry_s and now >= self.grace_until:
+            if m.status == LIVE and now - m.last_seen > self.expiry_s and now >= self.grace_until:
                 self.tallies.count(m, -1)
                 m.status, m.left_at = EXPIRED, now
                 self._touch(m, True)
@@ -431,7 +444,7 @@ class Registry:
         heartbeat intervals. A stage's state lives only in its replicas, so a move must never take its last
         one; and a replica that went silent may be dead, not yet expired (counting it once emptied a stage),
         while moving it would fill nothing."""
-        recent = 2 * self.settings.heartbeat_interval_s
+        recent = 2 * self.heartbeat_interval_s
         heard = [p for p in self.tallies.working_peers(m.stage) if now - self.members[p].last_seen <= recent]
         return m.peer_id in heard and len(heard) >= 2
 

@@ -53,6 +53,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.core.pacing import Pacing
 from protolearn.protocol.lost_reports import REPORT_AFTER_LOST
 from protolearn.protocol.majority import majority_size
 
@@ -110,6 +111,8 @@ class VerdictPolicy:
     # peer → when a completed ticket's route last went through it past stage 0 (the coordinator's own record:
     # the last stage signed the route); entries older than report_window_s are dropped by prune().
     carried: dict[str, float] = field(default_factory=dict)
+    # The heartbeat interval in force, for "silent for two intervals" (pacing.py); None: the settings' fixed one.
+    pacing: Pacing | None = None
 
     # The banned peer IDs, sorted, as every heartbeat reply carries them (rebuilt after a ban).
     _banned: list[str] | None = field(default=None, init=False, repr=False)
@@ -204,7 +207,8 @@ class VerdictPolicy:
         if lost < REPORT_AFTER_LOST:
             return Verdict(False, f"noted: {reporter} lost {lost} microbatch(es) in a row to {target}; "
                                   f"{REPORT_AFTER_LOST} in a row make a report that counts")
-        if heard_s_ago > 2 * self.settings.heartbeat_interval_s:
+        interval = self.settings.heartbeat_interval_s if self.pacing is None else self.pacing.interval_s
+        if heard_s_ago > 2 * interval:
             # Silent to the coordinator too: its absence explains the losses, these and the ones reported before.
             self.liveness.pop(target, None)
             self.flag(target, "lost_microbatches", f"reported by {reporter} while silent: {reason}", now)
