@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import trio
 
 SEED = 20261130
+STOP_S = 3.0
 # The folder that holds this package: a target process imports it from there.
 SCRIPTS = Path(__file__).resolve().parent.parent
 
@@ -52,22 +53,30 @@ class Sizes(NamedTuple):
     report_sybils: int = 4
     steering_tries: int = 40
     poll_sybils: int = 5
+    swarm_warm_up: bool = True  # one untimed step before each member attack's baseline (new members' first dials)
 
 
 QUICK = Sizes(numel=64 * 1024, identities=2, idle_per_identity=20, trickles_per_identity=3, flood_parts=10, offers=6,
               hellos=24, sybils=6, honest_ops=3, rounds=2, window_s=0.5, steps=1, swarm_numel=16 * 1024, role_sybils=2,
-              report_sybils=2, steering_tries=12, poll_sybils=5)
+              report_sybils=2, steering_tries=8, poll_sybils=5, swarm_warm_up=False)
 
 
 class Target:
-    """A target process, driven by JSON lines on its stdin/stdout."""
+    """A target process, driven by JSON lines on its stdin/stdout. Several tasks may ask at once: each command
+    carries an ``id`` that its answer repeats, and whichever task waits reads the answers for all of them."""
 
     def __init__(self, proc: trio.Process, log_path: Path) -> None:
         self.proc = proc
         self.log_path = log_path
         self._buf = b""
+        self._ids = 0
+        self._answers: dict[int, dict] = {}
+        self._reading = False
+        self._arrived = trio.Event()
+        self._sending = trio.Lock()
 
     async def read(self, timeout: float = 60.0) -> dict:
+        """The next line the target writes."""
         assert self.proc.stdout is not None
         with trio.fail_after(timeout):
             while b"\n" not in self._buf:
@@ -80,8 +89,24 @@ class Target:
 
     async def ask(self, cmd: str, timeout: float = 60.0, **args: Any) -> dict:
         assert self.proc.stdin is not None
-        await self.proc.stdin.send_all(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
-        return await self.read(timeout)
+        self._ids += 1
+        me = self._ids
+        async with self._sending:
+            await self.proc.stdin.send_all(json.dumps({"cmd": cmd, "id": me, **args}).encode() + b"\n")
+        with trio.fail_after(timeout):
+            while me not in self._answers:
+                if self._reading:
+                    await self._arrived.wait()
+                    continue
+                self._reading = True
+                try:
+                    answer = await self.read(timeout)
+                    self._answers[answer.pop("id", me)] = answer
+                finally:
+                    self._reading = False
+                    self._arrived.set()
+                    self._arrived = trio.Event()
+        return self._answers.pop(me)
 
     def rss(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -90,7 +115,8 @@ class Target:
         return 0
 
     async def stop(self) -> None:
-        with trio.move_on_after(10):
+        """Ask it to stop, and end it if it has not within a few seconds (nothing it does then is measured)."""
+        with trio.move_on_after(STOP_S):
             if self.proc.stdin is not None:
                 try:
                     await self.proc.stdin.send_all(b'{"cmd": "stop"}\n')
@@ -120,15 +146,22 @@ async def start_target(module: str, args: list[str], log_path: Path) -> tuple[Ta
 Op = Callable[[], Awaitable[bool]]
 
 
-async def timed(ops: dict[str, Op], n: int, window_s: float = 0.0, op_timeout_s: float = 30.0) -> tuple[bool, dict[str, float]]:
-    """Run the honest ops in turn, each at least ``n`` times and until ``window_s`` has passed; their median times."""
+# With ``until``, the honest ops go on at most this many times longer than they would without it.
+UNTIL_ROUNDS = 8
+
+
+async def timed(ops: dict[str, Op], n: int, window_s: float = 0.0, op_timeout_s: float = 30.0,
+                until: trio.Event | None = None) -> tuple[bool, dict[str, float]]:
+    """Run the honest ops in turn, each at least ``n`` times, until ``window_s`` has passed and ``until`` (if given)
+    is set (but at most :data:`UNTIL_ROUNDS` times ``n``); their median times."""
     from protolearn.errors import ProtolearnError
 
     ok = True
     samples: dict[str, list[float]] = {name: [] for name in ops}
     end = trio.current_time() + window_s
     for _ in range(10_000):
-        if all(len(v) >= n for v in samples.values()) and trio.current_time() >= end:
+        done = all(len(v) >= n for v in samples.values()) and trio.current_time() >= end
+        if done and (until is None or until.is_set() or all(len(v) >= UNTIL_ROUNDS * n for v in samples.values())):
             break
         for name, op in ops.items():
             t0 = trio.current_time()
@@ -145,10 +178,12 @@ async def timed(ops: dict[str, Op], n: int, window_s: float = 0.0, op_timeout_s:
 
 
 async def measure(target: Target, ops: dict[str, Op], n: int, window_s: float, attack: Callable[..., Awaitable[None]], *,
-                  op_timeout_s: float = 30.0, warm_up: bool = True) -> dict:
+                  op_timeout_s: float = 30.0, warm_up: bool = True, until: trio.Event | None = None) -> dict:
     """Time ``ops`` (``n`` times each, for at least ``window_s``) without and then with ``attack`` running.
 
-    ``attack(task_status=...)`` calls ``task_status.started()`` once it is under way, and runs until cancelled."""
+    ``attack(task_status=...)`` calls ``task_status.started()`` once it is under way, and runs until cancelled;
+    with ``until``, the ops under attack go on until it is set too (an attack that has a course to run)."""
+    t0 = trio.current_time()
     if warm_up:
         await timed(ops, 1, op_timeout_s=op_timeout_s)  # first dials, the lane's first connection: not counted
     base_ok, base = await timed(ops, n, window_s, op_timeout_s)
@@ -157,14 +192,15 @@ async def measure(target: Target, ops: dict[str, Op], n: int, window_s: float, a
     async with trio.open_nursery() as nursery:
         with trio.fail_after(90):
             await nursery.start(attack)
-        under_ok, under = await timed(ops, n, window_s, op_timeout_s)
+        under_ok, under = await timed(ops, n, window_s, op_timeout_s, until)
         rss1 = target.rss()
         after = await target.ask("stats")
         nursery.cancel_scope.cancel()
     ratio = max(under[k] / max(base[k], 1e-6) for k in ops)
     gates = {f"{k}_{what}": after[k][what] - before[k][what] for k in after for what in after[k]}
     return {"honest_ok": base_ok and under_ok, "latency_ratio": round(ratio, 3), "mem_growth_bytes": rss1 - rss0, **gates,
-            "honest_ms": {k: round(1000 * under[k], 2) for k in ops}, "baseline_ms": {k: round(1000 * base[k], 2) for k in ops}}
+            "honest_ms": {k: round(1000 * under[k], 2) for k in ops}, "baseline_ms": {k: round(1000 * base[k], 2) for k in ops},
+            "wall_s": round(trio.current_time() - t0, 1)}
 
 
 async def hosts(stack: AsyncExitStack, n: int, peers: dict[str, str]) -> list[Any]:

@@ -41,8 +41,10 @@ async def serve_target(data_dir: str, numel: int) -> None:
         from_frame(frame, peer=peer, dtype=torch.float32, require_finite=True)
         await s.send(Ack())
 
-    def say(obj: dict) -> None:
-        sys.stdout.write(json.dumps(obj) + "\n")
+    asked = {"id": 0}
+
+    def say(obj: dict) -> None:  # the answer to the last command (its id, for the bench's Target)
+        sys.stdout.write(json.dumps({**obj, "id": asked["id"]}) + "\n")
         sys.stdout.flush()
 
     async with trio.open_nursery() as nursery:
@@ -63,6 +65,7 @@ async def serve_target(data_dir: str, numel: int) -> None:
             while True:
                 line = await trio.to_thread.run_sync(sys.stdin.readline)
                 cmd = json.loads(line or '{"cmd": "stop"}')
+                asked["id"] = cmd.get("id", 0)
                 if cmd["cmd"] == "stop":
                     break
                 if cmd["cmd"] == "member":  # the honest peer is a member of the stage in the node's view
