@@ -4,13 +4,11 @@ Each runs against :mod:`.swarm_target` while its honest swarm trains, with fresh
 
 - ``stage_steering``: identities join, and those the coordinator did not place in stage 1 leave again and are
   replaced by fresh ones, to crowd stage 1 (one is kept in stage 0 first: with fewer than three replicas in the
-  least loaded stage, stages are filled in order, and no draw can put anyone in stage 1). Its identities claim the
-  honest replicas' throughput. Outcome (``honest_ok``): after every placement the Sybils' stage 1 holds at most
-  the balancer's slack more than stage 0 (``replicas_1 <= (1 + PLACEMENT_SLACK) * replicas_0 + 1``), and an honest
-  joiner is placed as the rule says. A second phase, not part of ``honest_ok`` and reported as ``low_claims``,
-  repeats it with identities that claim almost no throughput: the slack is in throughput per share, so such
-  identities never move stage 1's load out of the draw, and the replica count they reach there is the measure of
-  the gap (a finding: majorities count replicas, placement balances throughput).
+  least loaded stage, stages are filled in order, and no draw can put anyone in stage 1). It runs twice: with
+  identities that claim the honest replicas' throughput, and with identities that claim almost none (such claims
+  never move a stage's throughput, which once kept stage 1 in every draw). Outcome: after every placement stage
+  1 holds at most the balancer's slack more replicas than stage 0 (``replicas_1 <= (1 + PLACEMENT_SLACK) *
+  replicas_0 + 1``), and an honest joiner is placed as the rule says.
 - ``ack_replay``: a stage-0 Sybil that carries tickets as an honest replica does redoes one of its own tickets after
   every closing (a redo of its own tickets is its right, e.g. after losing their gradients), so the step reopens;
   under attack it then leases the ticket again and first completes it with the ack of its earlier lease (and
@@ -111,14 +109,15 @@ async def coordinator_rows(target: Target, ready: dict, sizes: Sizes, run: Any) 
     low_log: list[dict] = []
     async with Crew(ready["coord"], run, sizes.swarm_numel) as crew:
         low_held = await _steer(target, crew, sizes.steering_tries, LOW_CLAIM, low_log, trio.Lock())
-    over = [p for p in placements if not _within_slack(p["loads"])]
+    over = [p for p in placements + low_log if not _within_slack(p["loads"])]
     last = low_log[-1]["loads"] if low_log else [{"replicas": 0}, {"replicas": 0}]
     rows["stage_steering"] = {**row, "honest_ok": row["honest_ok"] and not over, "joins": len(placements), "sybils_held_in_stage1": held[0],
                               "placements_over_slack": len(over), "stage_replicas_after": placements[-1]["loads"] if placements else [],
                               "low_claims": {"joins": len(low_log), "sybils_held_in_stage1": low_held,
                                              "stage_replicas_after": [last[0]["replicas"], last[1]["replicas"]]},
-                              "outcome": f"{held[0]} Sybils held in stage 1 after {len(placements)} joins, {len(over)} placements over the slack; "
-                                         f"claiming {LOW_CLAIM:g}: {low_held} held, stages {last[0]['replicas']} / {last[1]['replicas']} replicas"}
+                              "outcome": f"{held[0]} Sybils held in stage 1 after {len(placements)} joins; claiming {LOW_CLAIM:g} throughput, "
+                                         f"{low_held} after {len(low_log)} (stages {last[0]['replicas']} / {last[1]['replicas']} replicas); "
+                                         f"{len(over)} placements over the slack"}
 
     # -- ack replay on a reopened step -----------------------------------------------------------------
     rec0 = await target.ask("record", peers=honest)
