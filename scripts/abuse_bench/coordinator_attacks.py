@@ -59,7 +59,10 @@ async def _steer(target: Target, crew: Crew, tries: int, claim: float, log: list
     opened = False
     for k in range(tries):
         async with joins:
-            m = await crew.member(f"steer-{claim:g}-{k}", throughput=claim, state=NodeState.SYNCING)
+            try:
+                m = await crew.member(f"steer-{claim:g}-{k}", throughput=claim, state=NodeState.SYNCING)
+            except ProtocolError:  # refused (e.g. over its rate): the next identity tries
+                continue
             log.append({"stage": m.reply.stage, "loads": (await target.ask("record", peers=[]))["loads"]})
             if m.reply.stage == LAST_STAGE or not opened:
                 opened = opened or m.reply.stage != LAST_STAGE
@@ -80,6 +83,7 @@ async def coordinator_rows(target: Target, ready: dict, sizes: Sizes, run: Any) 
     rows: dict[str, dict] = {}
 
     # -- stage steering ---------------------------------------------------------------------------------
+    rec0 = await target.ask("record", peers=honest)
     placements: list[dict] = []
     held = [0]
     steered = trio.Event()
@@ -109,9 +113,11 @@ async def coordinator_rows(target: Target, ready: dict, sizes: Sizes, run: Any) 
     low_log: list[dict] = []
     async with Crew(ready["coord"], run, sizes.swarm_numel) as crew:
         low_held = await _steer(target, crew, sizes.steering_tries, LOW_CLAIM, low_log, trio.Lock())
+    charged = honest_charged(rec0, await target.ask("record", peers=honest), honest)
     over = [p for p in placements + low_log if not _within_slack(p["loads"])]
     last = low_log[-1]["loads"] if low_log else [{"replicas": 0}, {"replicas": 0}]
-    rows["stage_steering"] = {**row, "honest_ok": row["honest_ok"] and not over, "joins": len(placements), "sybils_held_in_stage1": held[0],
+    rows["stage_steering"] = {**row, "honest_ok": row["honest_ok"] and not over and not charged, "joins": len(placements),
+                              "sybils_held_in_stage1": held[0], "honest_charged": charged,
                               "placements_over_slack": len(over), "stage_replicas_after": placements[-1]["loads"] if placements else [],
                               "low_claims": {"joins": len(low_log), "sybils_held_in_stage1": low_held,
                                              "stage_replicas_after": [last[0]["replicas"], last[1]["replicas"]]},
@@ -137,6 +143,8 @@ async def coordinator_rows(target: Target, ready: dict, sizes: Sizes, run: Any) 
                 replay["accepted"] += 1
             except CoordinatorRefused as err:
                 replay["refused_bad_ack" if err.code == "bad_ack" else "refused_other"] += 1
+            except ProtocolError:  # unanswered: not accepted either
+                replay["refused_other"] += 1
 
         async def redo(step: int, tickets: list[int], n: trio.Nursery) -> None:
             try:

@@ -42,6 +42,8 @@ from abuse_bench.swarm import LAST_STAGE, Lies, Replica
 from abuse_bench.swarm_target import honest_charged
 
 REPORTS_PER_S = 5
+# Rounds of framing evidence (one report per Sybil each) per second: the attack is the witnesses, not the load.
+FRAMINGS_PER_S = 1
 
 
 class RoleLies(Lies):
@@ -62,20 +64,28 @@ def _code(err: ProtocolError) -> str:
 
 
 async def _ask(r: Replica, msg: Any, reply_type: Any) -> Any:
-    """One request of ``r``'s identity to the coordinator, without the link's retries: the reply, or the refusal's code."""
+    """One request of ``r``'s identity to the coordinator, without the link's retries: the reply, the refusal's code,
+    or ``unreachable`` (its connection refused, e.g. a banned or temporarily banned peer's)."""
     try:
         return await r.host.request(r.link.peer, cm.COORDINATOR, msg, reply_type, timeout=10)
     except Refused as err:
         return _code(err)
+    except ProtocolError:
+        return "unreachable"
 
 
-async def _framing_evidence(reporter: Replica, witnesses: list[Replica], accused: str, step: int, ticket: int) -> OutputEvidence:
-    """``accused``'s real signed backward output of (step, ticket) and the ``witnesses``' signed made-up ones."""
-    done = await reporter.work(accused, step, ticket, b"", output=True)
-    act, grad = await trio.to_thread.run_sync(boundary_frames, step, ticket, reporter.boundary_shape)
+async def _framing_evidence(reporter: Replica, witnesses: list[Replica], accused: str, step: int, ticket: int,
+                            outputs_of: dict[tuple[int, int], tuple[bytes, Any, Any]]) -> OutputEvidence:
+    """``accused``'s real signed backward output of (step, ticket) (asked for once: ``outputs_of`` keeps it) and the
+    ``witnesses``' signed made-up ones."""
+    if (step, ticket) not in outputs_of:
+        done = await reporter.work(accused, step, ticket, b"", output=True)
+        act, grad = await trio.to_thread.run_sync(boundary_frames, step, ticket, reporter.boundary_shape)
+        outputs_of[(step, ticket)] = (done.output_signature, act, grad)
+    signature, act, grad = outputs_of[(step, ticket)]
     inputs = inputs_digest([act])
     made_up = to_frame(torch.zeros(reporter.boundary_shape))  # the Sybils agree with each other, not with the accused
-    outputs = [SignedOutput.of(accused, done.output_signature, grad)]
+    outputs = [SignedOutput.of(accused, signature, grad)]
     for w in witnesses:
         statement = boundary_statement(reporter.link.joined.run_hash, step, ticket, "bwd", LAST_STAGE, inputs, frame_digest(made_up))
         outputs.append(SignedOutput.of(w.me, w.host.sign(statement), made_up))
@@ -108,18 +118,21 @@ async def report_rows(target: Target, ready: dict, sizes: Sizes, run: Any) -> di
             await trio.sleep(1.5)  # their next heartbeats carry the claim
             task_status.started()
             ticket = 0
+            outputs_of: dict[tuple[int, int], tuple[bytes, Any, Any]] = {}
             try:
                 while True:
                     frontier = sybils[0].link.step
+                    ticket = (ticket + 1) % run.batch.microbatches_per_step
+                    for key in [key for key in outputs_of if key[0] < frontier - 1]:
+                        del outputs_of[key]
                     for k, reporter in enumerate(sybils):
-                        ticket = (ticket + 1) % run.batch.microbatches_per_step
                         draw = await _ask(reporter, cm.WitnessDraw(target=accused, step=frontier, ticket=ticket, direction="bwd"),
                                           cm.WitnessDrawReply)
                         if isinstance(draw, cm.WitnessDrawReply):
                             seen_draws.append(list(draw.witnesses))
                         others = [w for j, w in enumerate(sybils) if j != k]
                         try:
-                            ev = await _framing_evidence(reporter, others, accused, frontier, ticket)
+                            ev = await _framing_evidence(reporter, others, accused, frontier, ticket, outputs_of)
                         except ProtocolError:
                             continue
                         reply = await _ask(reporter, cm.IntegrityReport(target=accused, reason="integrity: spot check mismatch", evidence=ev),
@@ -129,7 +142,7 @@ async def report_rows(target: Target, ready: dict, sizes: Sizes, run: Any) -> di
                             refusals["accepted"] = refusals.get("accepted", 0) + 1
                         else:
                             refusals[reply] = refusals.get(reply, 0) + 1
-                    await trio.sleep(0.2)
+                    await trio.sleep(1 / FRAMINGS_PER_S)
             finally:
                 lies.active = False
 
@@ -199,11 +212,8 @@ async def report_rows(target: Target, ready: dict, sizes: Sizes, run: Any) -> di
             while True:
                 for msg, reply_type in ((cm.Heartbeat(state="training", stage=LAST_STAGE), cm.HeartbeatReply),
                                         (cm.Join(addrs=addrs, throughput=100.0, name="convict"), cm.JoinReply)):
-                    try:
-                        got = await _ask(convict, msg, reply_type)
-                    except ProtocolError:  # refused at the connection (after the ban's notice period)
-                        got = "banned"
-                    asked["banned_key_refused" if got == "banned" else "banned_key_answered"] += 1
+                    got = await _ask(convict, msg, reply_type)  # "unreachable": refused at the connection, after the ban's notice
+                    asked["banned_key_refused" if got in ("banned", "unreachable") else "banned_key_answered"] += 1
                 k += 1
                 if k % 5 == 1:  # a fresh key from the same address
                     try:

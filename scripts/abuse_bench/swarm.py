@@ -36,7 +36,7 @@ from protolearn.node.progress import Progress
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.boundary import boundary_statement, frame_digest, inputs_digest
-from protolearn.protocol.collective import Aggregation, PartHeader
+from protolearn.protocol.collective import Aggregation
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.pipeline import COLLECTIVE, ResultServed
 from protolearn.protocol.states import NodeState
@@ -49,6 +49,8 @@ LAST_STAGE = 1  # the demo run has two stages
 # As a node: the length of one "has the step closed?" long poll, and of a round's hard deadline.
 WAIT_POLL_S = 10.0
 AVERAGING_TIMEOUT_S = 120.0
+# Heartbeats a joiner sends "syncing" before it trains (a node downloads its stage's state meanwhile).
+SYNC_BEATS = 2
 LEASE_TICKETS = 2
 # As the node's lease core (node/core/leasing.py): ask again this soon while the step is open, this late once the
 # coordinator answers with the next step (this one closed, and may only reopen).
@@ -186,6 +188,8 @@ class Replica:
         self._hashes: dict[int, str] = {}
         self._lease_open = trio.Event()
         self.progress = _Quiet(name)
+        self._beats = 0
+        self._beat = trio.Event()
 
     # -- joining ------------------------------------------------------------------------------
     async def join(self) -> int:
@@ -195,10 +199,8 @@ class Replica:
         self.stage = reply.stage
         b = self.run.batch.microbatches_per_step
         self.worker = VectorWorker(self.stage, self.numel, b)
-        self.worker.install(reply.step)
         self.core = NodeCore(self.me, self.stage, CoreConfig(microbatches_per_step=b, max_in_flight=8, max_deferred=16,
                                                              averaging_timeout_s=AVERAGING_TIMEOUT_S))
-        self.core.handle(Synced(reply.step), trio.current_time())
         self._dial_book()
         integrity = self.run.integrity
         averager = Averager(_LyingHost(self) if self.lies is not HONEST else self.host, self.stage, self.numel, timeout_s=AVERAGING_TIMEOUT_S,
@@ -221,12 +223,23 @@ class Replica:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.link.heartbeat_loop, self._heartbeat, self._on_heartbeat)
+                await self._sync()
                 nursery.start_soon(self._train)
                 if self.stage == 0:
                     nursery.start_soon(self._drive)
                 task_status.started()
         except* Banned as group:
             self.banned = str(group.exceptions[0])
+
+    async def _sync(self) -> None:
+        """Take the stage's state at the frontier, after :data:`SYNC_BEATS` heartbeats "syncing", as a joiner that
+        downloads it does (so its stage-mates know it, and where to dial it, before it carries a ticket)."""
+        while self._beats < SYNC_BEATS:
+            await self._beat.wait()
+        frontier = self.link.step
+        self.worker.install(frontier)
+        self.core.handle(Synced(frontier), trio.current_time())
+        self.link.beat_now()
 
     def _heartbeat(self) -> cm.Heartbeat:
         applied = self.core.applied
@@ -239,6 +252,9 @@ class Replica:
         for peer in reply.bans:
             self.averager.peer_banned(peer, "banned by the coordinator")
         self._dial_book()
+        self._beats += 1
+        self._beat.set()
+        self._beat = trio.Event()
 
     def _dial_book(self) -> None:
         """Where to dial the members of the view (as the node does when its view changes)."""

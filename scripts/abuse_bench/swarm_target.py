@@ -59,14 +59,15 @@ def _strikes(flags: list[str]) -> dict[str, int]:
 
 
 def honest_charged(before: dict, after: dict, honest: list[str], *, claims: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The strikes and bans the coordinator gave honest replicas between two records (empty: none); strikes of the
-    kinds in ``claims`` (a claim's flag, shown and never a ban) are left out."""
+    """The strikes and bans the coordinator gave honest replicas between two records, and any that is no longer a live
+    member (empty: none); strikes of the kinds in ``claims`` (a claim's flag, shown and never a ban) are left out."""
     out: dict[str, Any] = {}
     for p in honest:
         was, now = _strikes(before["peers"][p]["flags"]), _strikes(after["peers"][p]["flags"])
         new = {k: n - was.get(k, 0) for k, n in now.items() if n > was.get(k, 0) and k not in claims}
-        if new or after["peers"][p]["banned"]:
-            out[p] = {"strikes": new, "banned": after["peers"][p]["banned"]}
+        status = after["peers"][p]["status"]
+        if new or after["peers"][p]["banned"] or status != "live":  # e.g. expired: its heartbeats stopped getting through
+            out[p] = {"strikes": new, "banned": after["peers"][p]["banned"], "status": status}
     return out
 
 
