@@ -88,6 +88,7 @@ async def coordinator_rows(target: Target, ready: dict, sizes: Sizes, run: Any) 
     held = [0]
     steered = trio.Event()
     joins = trio.Lock()
+    misplaced: list[str] = []
     async with Crew(ready["coord"], run, sizes.swarm_numel) as crew:
         async def fresh_join() -> bool:
             # An honest joiner: it must be placed as the rule says, whatever the Sybils did (then it leaves).
@@ -99,7 +100,8 @@ async def coordinator_rows(target: Target, ready: dict, sizes: Sizes, run: Any) 
             near = [s for s in (0, 1) if before[s]["replicas"] and before[s]["throughput"] <= before[least]["throughput"] * (1 + PLACEMENT_SLACK)]
             ok = m.reply.stage == least or (before[least]["replicas"] >= 3 and m.reply.stage in near)
             if not ok:
-                print(f"honest joiner placed in stage {m.reply.stage} with loads {before}: {m.reply.reason}", file=sys.stderr)
+                misplaced.append(f"stage {m.reply.stage} with loads {before}: {m.reply.reason}")
+                print(f"honest joiner placed in {misplaced[-1]}", file=sys.stderr)
             return ok
 
         async def steer(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -117,7 +119,7 @@ async def coordinator_rows(target: Target, ready: dict, sizes: Sizes, run: Any) 
     over = [p for p in placements + low_log if not _within_slack(p["loads"])]
     last = low_log[-1]["loads"] if low_log else [{"replicas": 0}, {"replicas": 0}]
     rows["stage_steering"] = {**row, "honest_ok": row["honest_ok"] and not over and not charged, "joins": len(placements),
-                              "sybils_held_in_stage1": held[0], "honest_charged": charged,
+                              "sybils_held_in_stage1": held[0], "honest_charged": charged, "honest_joins_misplaced": misplaced,
                               "placements_over_slack": len(over), "stage_replicas_after": placements[-1]["loads"] if placements else [],
                               "low_claims": {"joins": len(low_log), "sybils_held_in_stage1": low_held,
                                              "stage_replicas_after": [last[0]["replicas"], last[1]["replicas"]]},
