@@ -6,12 +6,13 @@ Each runs against :mod:`.swarm_target` while its honest swarm trains, with fresh
   replaced by fresh ones, to crowd stage 1 (one is kept in stage 0 first: with fewer than three replicas in the
   least loaded stage, stages are filled in order, and no draw can put anyone in stage 1). It runs twice: with
   identities that claim the honest replicas' throughput, and with identities that claim almost none (such claims
-  never move a stage's throughput, which once kept stage 1 in every draw). Outcome: after every placement stage
-  1 holds at most the balancer's slack more replicas than stage 0 (``replicas_1 <= (1 + PLACEMENT_SLACK) *
-  replicas_0 + 1``), and an honest joiner is placed as the rule says.
-- ``ack_replay``: a stage-0 Sybil that carries tickets as an honest replica does redoes one of its own tickets after
-  every closing (a redo of its own tickets is its right, e.g. after losing their gradients), so the step reopens;
-  under attack it then leases the ticket again and first completes it with the ack of its earlier lease (and
+  never move a stage's throughput, which once kept stage 1 in every draw). Outcome: no identity is placed in stage 1
+  while stage 1 holds more than the balancer's slack over stage 0 (``replicas_1 > (1 + PLACEMENT_SLACK) *
+  replicas_0`` just before the join, by the coordinator's own record), and an honest joiner is placed as the rule
+  says.
+- ``ack_replay``: a stage-0 Sybil that carries tickets as an honest replica does redoes its own tickets after every
+  first closing (a redo of its own tickets is its right, e.g. after losing their gradients), so the step reopens;
+  under attack it then leases them again and first completes each with the ack of its earlier lease (and
   that ack with the new lease's nonce) before doing the work. Outcome: every replayed ack is refused and the step
   closes again with the ticket's new completion, counted once.
 - ``long_poll_slots``: Sybil members that serve nothing (they heartbeat ``syncing``) each hold 16 long polls (the
@@ -47,9 +48,11 @@ LOW_CLAIM = 1e-3
 POLLS_PER_SYBIL = 16
 
 
-def _within_slack(loads: list[dict]) -> bool:
-    r0, r1 = loads[0]["replicas"], loads[1]["replicas"]
-    return r1 <= (1 + PLACEMENT_SLACK) * r0 + 1
+def _over_slack(placement: dict) -> bool:
+    """Whether a joiner was placed in stage 1 while stage 1 already held more than the balancer's slack over stage 0
+    (the coordinator's loads just before the join)."""
+    r0, r1 = placement["before"][0]["replicas"], placement["before"][1]["replicas"]
+    return placement["stage"] == LAST_STAGE and r1 > (1 + PLACEMENT_SLACK) * r0
 
 
 async def _steer(target: Target, crew: Crew, tries: int, claim: float, log: list[dict], joins: trio.Lock) -> int:
@@ -59,11 +62,12 @@ async def _steer(target: Target, crew: Crew, tries: int, claim: float, log: list
     opened = False
     for k in range(tries):
         async with joins:
+            before = (await target.ask("record", peers=[]))["loads"]
             try:
                 m = await crew.member(f"steer-{claim:g}-{k}", throughput=claim, state=NodeState.SYNCING)
             except ProtocolError:  # refused (e.g. over its rate): the next identity tries
                 continue
-            log.append({"stage": m.reply.stage, "loads": (await target.ask("record", peers=[]))["loads"]})
+            log.append({"stage": m.reply.stage, "before": before, "loads": (await target.ask("record", peers=[]))["loads"]})
             if m.reply.stage == LAST_STAGE or not opened:
                 opened = opened or m.reply.stage != LAST_STAGE
                 kept.append(m)
@@ -116,7 +120,7 @@ async def coordinator_rows(target: Target, ready: dict, sizes: Sizes, run: Any) 
     async with Crew(ready["coord"], run, sizes.swarm_numel) as crew:
         low_held = await _steer(target, crew, sizes.steering_tries, LOW_CLAIM, low_log, trio.Lock())
     charged = honest_charged(rec0, await target.ask("record", peers=honest), honest)
-    over = [p for p in placements + low_log if not _within_slack(p["loads"])]
+    over = [p for p in placements + low_log if _over_slack(p)]
     last = low_log[-1]["loads"] if low_log else [{"replicas": 0}, {"replicas": 0}]
     rows["stage_steering"] = {**row, "honest_ok": row["honest_ok"] and not over and not charged, "joins": len(placements),
                               "sybils_held_in_stage1": held[0], "honest_charged": charged, "honest_joins_misplaced": misplaced,
@@ -163,6 +167,8 @@ async def coordinator_rows(target: Target, ready: dict, sizes: Sizes, run: Any) 
                     lease = await a.link.lease(n)
                     if lease.step == step:
                         got.update(zip(lease.indices, lease.nonces, strict=True))
+                    elif lease.indices:  # the next step's: not this attack's, and not to be sat on
+                        await a.link.release(lease.step, lease.indices)
                     await trio.sleep(0.002)
 
         async def redo_own(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
