@@ -11,7 +11,9 @@ the reason and goes back as an ``ErrorReply``. Like the transport's rejections, 
 in an interval is written in full and the rest go into one summary line with their count
 (:mod:`protolearn.protocol.log_digest`), so a flooding peer cannot fill the disk. ``WaitStep`` is a
 long poll: it waits on an event that is set whenever a step closes, reopens or commits, bounded by
-the request's timeout (≤ 30 s). A housekeeping task expires members and leases and rebalances; the
+the request's timeout (≤ 30 s), in one of ``max_concurrent_waits`` slots; when they are all taken, the
+busiest waiting peer's oldest poll is answered early for a peer that waits on less
+(``coordinator/core/wait_slots.py``), and only otherwise is the poll refused ``busy``. A housekeeping task expires members and leases and rebalances; the
 host tells the core when a member's connection closes, so a dead member's leases end after a short
 grace instead of at their expiry. Banned peers are handed to the host's gate, which refuses them at
 connection time.
@@ -40,6 +42,7 @@ from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.dispatch import CoordinatorCore
 from protolearn.coordinator.core.reachability import BUSY, DIAL_TIMEOUT_S, MAX_CHECK_WAITERS, MAX_CHECKS, SLOT_WAIT_S, decide, dial_targets
 from protolearn.coordinator.core.run import RunInfo
+from protolearn.coordinator.core.wait_slots import WaitSlots
 from protolearn.coordinator.errors import Refusal, RunMismatch
 from protolearn.coordinator.metrics import metrics_registry, serve_metrics
 from protolearn.coordinator.store import DB_FILE, Store
@@ -168,7 +171,9 @@ class _Service:
         self._hang_up, self._hang_ups = trio.open_memory_channel[tuple[str, float]](HANG_UP_QUEUE)
         self._changed = trio.Event()
         self._seen = self._progress()
-        self._waiting = 0
+        # The long polls' slots (coordinator/core/wait_slots.py), and each waiting poll's scope, to answer it early.
+        self._slots = WaitSlots(core.settings.max_concurrent_waits)
+        self._waits: dict[int, trio.CancelScope] = {}
         # (request kind, code, reason) of refusals, logged per peer and interval like the host's rejections.
         self._refusals: LogDigest[tuple[str, str, str]] = LogDigest(
             interval_s=host.config.rejection_log_interval_s, max_peers=host.config.rejection_log_max_peers,
@@ -245,11 +250,16 @@ class _Service:
 
     async def _wait(self, peer: str, msg: cm.WaitStep) -> cm.StepInfo:
         self.core.check_wait(peer, msg, self.clock())
-        if self._waiting >= self.core.settings.max_concurrent_waits:
+        taken = self._slots.take(peer, trio.current_time())
+        if taken is None:
             raise self.core.admission.refuse("busy", "too many waiting requests; retry shortly")
-        self._waiting += 1
+        if taken.ended is not None:  # the slot was the busiest waiting peer's: that wait is answered now
+            ended = self._waits.pop(taken.ended, None)
+            if ended is not None:
+                ended.cancel()
+        scope = self._waits[taken.token] = trio.CancelScope()
         try:
-            with trio.move_on_after(msg.timeout_s):
+            with scope, trio.move_on_after(msg.timeout_s):
                 while True:
                     info = self.core.step_info(msg.step, msg.min_revision)
                     if _answered(msg, info):
@@ -257,7 +267,8 @@ class _Service:
                     await self._changed.wait()
             return self.core.step_info(msg.step, msg.min_revision)
         finally:
-            self._waiting -= 1
+            self._waits.pop(taken.token, None)
+            self._slots.release(taken.token)
 
     async def _check_reachability(self, peer: str, msg: cm.ReachabilityRequest) -> cm.ReachabilityReply:
         """Dial ``peer`` back (see the module docstring): one check per peer, MAX_CHECKS at once, and at most

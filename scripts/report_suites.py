@@ -125,22 +125,36 @@ def render_coordinator(r: dict[str, Any], figs: Path, plt: Any) -> str:
 
 
 def render_abuse(r: dict[str, Any], figs: Path, plt: Any) -> str:
-    rows = []
-    for name, a in r.get("attacks", {}).items():
-        refused = sum(v for k, v in a.items() if isinstance(v, int) and "reject" in k)
-        bans = sum(v for k, v in a.items() if isinstance(v, int) and "ban" in k)
-        ops = ", ".join(a.get("honest_ms", {}))
+    attacks = r.get("attacks", {})
+    stream = {n: a for n, a in attacks.items() if "outcome" not in a}
+    member = {n: a for n, a in attacks.items() if "outcome" in a}
+
+    def timing(a: dict[str, Any]) -> list[str]:
         before = " / ".join(num(v) for v in a.get("baseline_ms", {}).values())
         during = " / ".join(num(v) for v in a.get("honest_ms", {}).values())
-        rows.append([f"`{name}`", ops, f"{before} → {during}", num(a.get("latency_ratio")), num(a.get("mem_growth_bytes")), f"{refused} / {bans}",
-                     num(a.get("honest_ok"))])
+        return [", ".join(a.get("honest_ms", {})), f"{before} → {during}", num(a.get("latency_ratio")), num(a.get("mem_growth_bytes"))]
+
+    rows = []
+    for name, a in stream.items():
+        refused = sum(v for k, v in a.items() if isinstance(v, int) and k.endswith("_rejected"))
+        bans = sum(v for k, v in a.items() if isinstance(v, int) and k.endswith("_temp_bans"))
+        rows.append([f"`{name}`", *timing(a), f"{refused} / {bans}", num(a.get("honest_ok"))])
     out = [f"Each attack from this process against a target process while an honest peer works; honest latency in ms without → with "
            f"the attack; `mem_growth_bytes` is the target's RSS growth. Background heartbeats missed: {r.get('background_heartbeats_missed')}; "
-           f"all honest ok: {num(r.get('all_honest_ok'))}.", "",
-           table(["attack", "honest ops", "ms without → with", "`latency_ratio`", "`mem_growth_bytes`", "refused / temp bans", "`honest_ok`"], rows)]
-    if plt is not None and rows:
-        names = list(r["attacks"])
-        out += ["", bars(plt, figs / "abuse.png", [n.replace("_", "\n") for n in names], {"latency_ratio": [r["attacks"][n].get("latency_ratio") for n in names]},
+           f"all honest ok: {num(r.get('all_honest_ok'))}.", ""]
+    if rows:
+        out += ["**Stream attacks** (a coordinator and a stage's collective as the target):", "",
+                table(["attack", "honest ops", "ms without → with", "`latency_ratio`", "`mem_growth_bytes`", "refused / temp bans", "`honest_ok`"], rows), ""]
+    if member:
+        out += ["**Member attacks** (issue 27: members that joined normally and lie with messages they can sign, against a coordinator and "
+                "an honest swarm of four replicas, two per stage, that run the node's decision core and collective; the honest operation is "
+                "one training step, `honest_ok` also needs every step applied with each ticket once, identical replicas and no strike or ban on "
+                "an honest replica):", "",
+                table(["attack", "honest ops", "ms without → with", "`latency_ratio`", "`mem_growth_bytes`", "outcome", "`honest_ok`"],
+                      [[f"`{name}`", *timing(a), a["outcome"], num(a.get("honest_ok"))] for name, a in member.items()])]
+    if plt is not None and attacks:
+        names = list(attacks)
+        out += ["", bars(plt, figs / "abuse.png", [n.replace("_", "\n") for n in names], {"latency_ratio": [attacks[n].get("latency_ratio") for n in names]},
                          ylabel="honest latency, with ÷ without", title="attacks", hline=1.0)]
     return "\n".join(out)
 

@@ -11,7 +11,8 @@ same total compute, ``sum(T) / sum(w)``: 1.0 is perfect, 0.0 means some stage is
   first, and a stage below :data:`PLACEMENT_DRAW_MIN_REPLICAS` replicas is filled in order (with one or two
   replicas a stage has no majority a Sybil could be steered to take: one liar owns a stage of one and halts
   a stage of two, wherever it lands); otherwise every stage within :data:`PLACEMENT_SLACK` of the least is a
-  candidate, and the coordinator's ``pick`` draws one with a keyed hash the joiner can neither predict nor
+  candidate, in throughput and in replicas per share (a stage's majorities count replicas, and a claim of almost
+  no throughput moves no stage's throughput), and the coordinator's ``pick`` draws one with a keyed hash the joiner can neither predict nor
   repeat (its secret key, the joiner's ID and a count of the joins so far), so identities that join and leave
   until they land in a target stage need as many tries as there are candidates, each a fresh identity's
   join. A returning
@@ -172,7 +173,12 @@ def choose_stage(
     if load.replicas == 0:
         return Choice(best, f"stage {best} has no replicas")
     least = load.throughput / shares[best]
-    near = sorted(s for s in candidates if loads[s].replicas > 0 and loads[s].throughput / shares[s] <= least * (1 + PLACEMENT_SLACK))
+    # Near the least loaded in throughput, and in replicas too: majorities count replicas, and identities that claim
+    # almost no throughput never move a stage's throughput out of the slack, so by leaving whenever the draw put them
+    # elsewhere they could pile into one stage (abuse bench stage_steering: 7 of 9 replicas of a stage after 12 joins).
+    most = load.replicas / shares[best] * (1 + PLACEMENT_SLACK)
+    near = sorted(s for s in candidates if loads[s].replicas > 0 and loads[s].throughput / shares[s] <= least * (1 + PLACEMENT_SLACK)
+                  and (s == best or loads[s].replicas / shares[s] <= most))
     if pick is not None and len(near) > 1 and load.replicas >= PLACEMENT_DRAW_MIN_REPLICAS:
         best = near[pick(near) % len(near)]
         load = loads[best]

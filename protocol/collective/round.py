@@ -264,7 +264,8 @@ class CollectiveRound:
             # here can match it. Its signed fin names the cause of this failure.
             return self._fail([peer], f"{peer} signed that it committed round {self.round_id} without this replica; "
                                       "resync from a replica", (self._fins.evidence(peer, Fin(members, digest, signature)),))
-        now_out, to_probe = self._suspicion.claimed(peer, suspects)
+        # Claims about this replica itself were weighed above (doubters): it never probes, or holds out, itself.
+        now_out, to_probe = self._suspicion.claimed(peer, [x for x in suspects if x != self.me])
         actions: list[Action] = [Probe(p) for p in to_probe]
         self._detector.alive(peer, self._now)
         if phase == "fin":

@@ -155,3 +155,25 @@ def test_identities_that_leave_whenever_placed_off_target_land_in_it_at_the_draw
     loads = [load.replicas for load in core.registry.loads()]
     assert loads[target] <= (1 + PLACEMENT_SLACK) * min(loads) + 1, loads
     assert 0 < len(kept) < tries, f"{len(kept)} of {tries} joins landed in the target: the joiner cannot choose"
+
+
+def test_identities_that_claim_almost_no_throughput_cannot_crowd_a_stage_by_leaving_either() -> None:
+    """The abuse bench's stage_steering (issue 27, rule 6): the slack was in throughput only, and identities that
+    claim almost none never move a stage's throughput, so the target stayed a candidate of every draw and the
+    pool kept 7 of its 9 replicas after 12 joins (and 36 of 38 after 60). The draw's candidates are near the
+    least loaded in replicas per share too, so the bound on replicas holds whatever the claims."""
+    from protolearn.coordinator.core.assignment import PLACEMENT_SLACK
+    from tests.support.coordinator import join, make_core, run_info
+
+    core = make_core(run_info(3))
+    for k in range(12):  # four honest replicas per stage
+        join(core, f"honest{k}")
+    target, kept = 2, []
+    for k in range(60):
+        # The pool keeps one identity off target per stage, so that every stage has the draw's replicas.
+        if join(core, f"sybil{k}", 1.0, throughput=1e-3).stage == target or k < 2:
+            kept.append(k)
+        else:
+            core.handle(f"sybil{k}", cm.Leave(reason="not the stage I wanted"), 1.0)
+        loads = [load.replicas for load in core.registry.loads()]
+        assert loads[target] <= (1 + PLACEMENT_SLACK) * min(loads) + 1, (k, loads)
