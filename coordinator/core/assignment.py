@@ -11,11 +11,11 @@ same total compute, ``sum(T) / sum(w)``: 1.0 is perfect, 0.0 means some stage is
   first, and a stage below :data:`PLACEMENT_DRAW_MIN_REPLICAS` replicas is filled in order (with one or two
   replicas a stage has no majority a Sybil could be steered to take: one liar owns a stage of one and halts
   a stage of two, wherever it lands); otherwise every stage within :data:`PLACEMENT_SLACK` of the least is a
-  candidate, in throughput and in replicas per share (a stage's majorities count replicas, and a claim of almost
-  no throughput moves no stage's throughput), and the coordinator's ``pick`` draws one with a keyed hash the joiner can neither predict nor
-  repeat (its secret key, the joiner's ID and a count of the joins so far), so identities that join and leave
-  until they land in a target stage need as many tries as there are candidates, each a fresh identity's
-  join. A returning
+  candidate in throughput, among the stages within the slack of the fewest replicas per share (a stage's
+  majorities count replicas, and a claim of almost no throughput moves no stage's throughput), and the
+  coordinator's ``pick`` draws one with a keyed hash the joiner can neither predict nor repeat (its secret key,
+  the joiner's ID and a count of the joins so far), so identities that join and leave until they land in a
+  target stage need as many tries as there are candidates, each a fresh identity's join. A returning
   identity that holds its old stage's state (the registry checks its last reported hash against the
   stage's majority, or nobody serves that stage) goes back to that stage unless that would leave another stage empty (:func:`place`);
   any other returning identity is placed like a newcomer.
@@ -168,17 +168,20 @@ def choose_stage(
     def key(s: int) -> tuple[float, float, int]:
         return (loads[s].throughput / shares[s], loads[s].replicas / shares[s], s)
 
+    # A stage crowded in replicas per share takes no joiner while another stage has fewer (once every candidate
+    # holds PLACEMENT_DRAW_MIN_REPLICAS): majorities count replicas, and a claim of almost no throughput moves no
+    # stage's throughput, so identities that claim little keep their stage the least loaded and, by leaving whenever
+    # they are placed elsewhere, could pile into it (abuse bench stage_steering: 7 of 9 replicas of a stage after 12
+    # joins). Throughput then decides among the uncrowded stages; the rebalancer still moves fast nodes to slow stages.
+    if min(loads[s].replicas for s in candidates) >= PLACEMENT_DRAW_MIN_REPLICAS:
+        fewest = min(loads[s].replicas / shares[s] for s in candidates)
+        candidates = [s for s in candidates if loads[s].replicas / shares[s] <= fewest * (1 + PLACEMENT_SLACK)]
     best = min(candidates, key=key)
     load = loads[best]
     if load.replicas == 0:
         return Choice(best, f"stage {best} has no replicas")
     least = load.throughput / shares[best]
-    # Near the least loaded in throughput, and in replicas too: majorities count replicas, and identities that claim
-    # almost no throughput never move a stage's throughput out of the slack, so by leaving whenever the draw put them
-    # elsewhere they could pile into one stage (abuse bench stage_steering: 7 of 9 replicas of a stage after 12 joins).
-    most = load.replicas / shares[best] * (1 + PLACEMENT_SLACK)
-    near = sorted(s for s in candidates if loads[s].replicas > 0 and loads[s].throughput / shares[s] <= least * (1 + PLACEMENT_SLACK)
-                  and (s == best or loads[s].replicas / shares[s] <= most))
+    near = sorted(s for s in candidates if loads[s].throughput / shares[s] <= least * (1 + PLACEMENT_SLACK))
     if pick is not None and len(near) > 1 and load.replicas >= PLACEMENT_DRAW_MIN_REPLICAS:
         best = near[pick(near) % len(near)]
         load = loads[best]

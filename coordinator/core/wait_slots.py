@@ -9,13 +9,17 @@ peer may open, with polls that no step change answers, kept every honest replica
 nothing went wrong but time; still, training stopped.
 
 The rule now: when every slot is taken, a peer that holds fewer waits than the busiest waiting peer takes that
-peer's oldest wait's slot, if that wait has lasted at least :data:`MIN_AGE_S`: that wait is answered at once, as
-at its timeout, with the step as it stands. A long poll's answer may always come before what it waits for (at its
+peer's oldest wait's slot, if that wait has lasted at least :data:`MIN_AGE_S` or its holder holds more waits than
+a node ever does (:data:`NODE_WAITS`): that wait is answered at once, as at its timeout, with the step as it
+stands. A long poll's answer may always come before what it waits for (at its
 timeout), and every caller asks again when it is not what it waits for, so an early answer costs its holder one
 request and misleads nobody. Only an asker that holds at least as many waits as every waiting peer, or whose
-would-be victim has waited less than :data:`MIN_AGE_S`, is refused ``busy``. So whoever holds the most waits
-gives slots up first: a node, which waits on one or two things at a time, gets its answer within about
-:data:`MIN_AGE_S` however many Sybils hold the rest, and a Sybil that took a slot back from another Sybil holds no
+would-be victim holds no more than a node and has waited less than :data:`MIN_AGE_S`, is refused ``busy``. So
+whoever holds the most waits gives slots up first: a node, which waits on one or two things at a time, gets a
+slot at once while some peer holds more than that, and within about :data:`MIN_AGE_S` otherwise. (The age
+guard alone once let Sybils that re-asked at once keep the busiest's oldest wait young: an honest replica was
+refused several times in a row, its backoff grew, and it held a commit past its grace, twice, under the abuse
+bench's ``long_poll_slots``.) and a Sybil that took a slot back from another Sybil holds no
 more than it did. :data:`MIN_AGE_S` is longer than a node's shortest poll ("did the step reopen?", 0.5 s,
 ``node/finishing.py``), so such a question is never cut short, and a wait is taken over at most once per
 :data:`MIN_AGE_S`.
@@ -28,8 +32,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-# A wait younger than this is never ended for another peer (see the module docstring).
+# A wait younger than this is never ended for another peer, while its holder holds no more than NODE_WAITS
+# (see the module docstring).
 MIN_AGE_S = 1.0
+# The most long polls a node holds at once (its next step's wait, and its reopen and commit waits of the step it
+# finishes: node/node.py, node/finishing.py, node/coordinator_link.py).
+NODE_WAITS = 3
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,7 @@ class WaitSlots:
             if busiest is None or self.holds(busiest) <= self.holds(peer):
                 return None
             token, began = self._by_peer[busiest][0]
-            if now - began < self.min_age_s:
+            if now - began < self.min_age_s and self.holds(busiest) <= NODE_WAITS:
                 return None
             self.release(token)
             ended = token

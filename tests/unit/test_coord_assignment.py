@@ -177,3 +177,20 @@ def test_identities_that_claim_almost_no_throughput_cannot_crowd_a_stage_by_leav
             core.handle(f"sybil{k}", cm.Leave(reason="not the stage I wanted"), 1.0)
         loads = [load.replicas for load in core.registry.loads()]
         assert loads[target] <= (1 + PLACEMENT_SLACK) * min(loads) + 1, (k, loads)
+
+
+def test_a_stage_least_in_throughput_but_crowded_in_replicas_takes_no_joiner() -> None:
+    """The abuse bench's stage_steering with low claims (issue 27, rule 6): identities claiming almost no throughput
+    in the target kept it the least loaded in throughput, and the least loaded stage was a candidate whatever its
+    replicas, so the target got every join and held 5 replicas to the other stage's 4. A stage past the slack in
+    replicas per share is never a candidate while another stage has fewer; small stages still fill by throughput."""
+    from protolearn.coordinator.core.assignment import PLACEMENT_SLACK
+
+    shares = [1.0, 1.0]
+    crowded = [StageLoad(400.0, 4), StageLoad(300.0 + 1e-3, 4 + int(4 * PLACEMENT_SLACK) + 1)]
+    assert {choose_stage(crowded, shares, pick=lambda c, k=k: k).stage for k in range(6)} == {0}
+    assert choose_stage(crowded, shares).stage == 0
+    within = [StageLoad(400.0, 4), StageLoad(300.0, 5)]  # 5 <= 1.25 * 4: throughput decides
+    assert choose_stage(within, shares).stage == 1
+    small = [StageLoad(200.0, 2), StageLoad(100.0, 1 + 2)]  # below the draw's replicas: throughput decides
+    assert choose_stage(small, shares).stage == 1

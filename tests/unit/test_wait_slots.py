@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from protolearn.coordinator.core.wait_slots import MIN_AGE_S, WaitSlots
+from protolearn.coordinator.core.wait_slots import MIN_AGE_S, NODE_WAITS, WaitSlots
 
 
 def test_below_the_limit_every_wait_gets_a_slot_and_none_is_ended() -> None:
@@ -14,22 +14,26 @@ def test_below_the_limit_every_wait_gets_a_slot_and_none_is_ended() -> None:
     assert slots.taken == 3 and slots.holds("a") == 2 and slots.holds("b") == 1
 
 
-def test_sybils_holding_every_slot_give_one_up_to_a_node_that_waits_on_less_once_it_is_old_enough() -> None:
+def test_sybils_holding_every_slot_give_one_up_at_once_to_a_node_that_waits_on_less() -> None:
     """Issue 27 (abuse bench ``long_poll_slots``): Sybil members held all the slots with polls no step change
     answers, and every honest replica's poll was refused busy until theirs timed out."""
-    slots = WaitSlots(limit=8)
-    sybil_waits = {p: [slots.take(p, 0.0).token for _ in range(4)] for p in ("s1", "s2")}
-    assert slots.take("node", MIN_AGE_S / 2) is None, "a wait younger than MIN_AGE_S is never cut short"
-    taken = slots.take("node", MIN_AGE_S)
-    assert taken is not None and taken.ended == sybil_waits["s1"][0], "the busiest peer's oldest wait gives its slot up"
-    assert slots.taken == 8 and slots.holds("s1") == 3 and slots.holds("node") == 1
+    slots = WaitSlots(limit=2 * NODE_WAITS)
+    nodes = [slots.take(p, 0.0) for p in ["n1"] * NODE_WAITS + ["n2"] * NODE_WAITS]
+    assert slots.take("node", MIN_AGE_S / 2) is None, "a node's wait younger than MIN_AGE_S is never cut short"
+    assert slots.take("node", MIN_AGE_S).ended == nodes[0].token, "an old enough one gives its slot up"
+    slots = WaitSlots(limit=2 * (NODE_WAITS + 1))
+    sybil_waits = {p: [slots.take(p, 0.0).token for _ in range(NODE_WAITS + 1)] for p in ("s1", "s2")}
+    taken = slots.take("node", MIN_AGE_S / 10)
+    assert taken is not None and taken.ended == sybil_waits["s1"][0], (
+        "the busiest peer's oldest wait gives its slot up at once: it holds more than a node ever does")
+    assert slots.taken == 2 * (NODE_WAITS + 1) and slots.holds("s1") == NODE_WAITS and slots.holds("node") == 1
     # The node's second question takes the other Sybil's, now the busiest.
-    second = slots.take("node", MIN_AGE_S)
+    second = slots.take("node", MIN_AGE_S / 10)
     assert second is not None and second.ended == sybil_waits["s2"][0]
     # A Sybil holding as many as the busiest, or more than the one it would take from, is refused busy.
     assert slots.take("s1", 5.0) is None
     slots.release(sybil_waits["s1"][0])  # an ended wait's own release is a no-op
-    assert slots.taken == 8
+    assert slots.taken == 2 * (NODE_WAITS + 1)
 
 
 def test_a_peer_holding_as_many_as_every_other_is_refused_however_old_their_waits() -> None:
