@@ -1,8 +1,11 @@
 """The collective adapter: runs :class:`~protolearn.protocol.collective.CollectiveRound` over libp2p streams.
 
 Each part travels on its own ``collective`` stream: a :class:`PartHeader` message (with the sender's
-suspected-dead peers, and for a reduced part the contributors it sums), the part as a raw float32 tensor
-(never lossy, so replicas stay bit-identical), and an :class:`Ack` or :class:`Refuse`. ``fin`` and
+suspected-dead peers, and for a reduced part the contributors it sums), the part as a raw float32 tensor,
+or, in a round with a slice compression, as the ``uint8`` blob of its lossless encoding
+(:mod:`protolearn.protocol.sync_compression.wire`, decoded and checked in a worker thread before the
+round sees it; either way the round gets the float32 values the sender signed, so replicas stay
+bit-identical), and an :class:`Ack` or :class:`Refuse`. ``fin`` and
 ``probe`` are a header alone. A send that breaks, or a probe that gets no answer, is reported to the
 machine as a failed peer; a send that is acknowledged is reported as delivered (the successor-first rule
 needs that). The wait between events is the machine's :meth:`next_deadline`, so the adaptive deadlines
@@ -51,10 +54,12 @@ from protolearn.protocol.collective import (
     Send,
     PartFilter,
 )
-from protolearn.protocol.errors import OverLimit, ProtocolError
+from protolearn.protocol.errors import OverLimit, ProtocolError, TooLarge
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse, ResultRequest
+from protolearn.protocol.rounds import in_early_window
 from protolearn.protocol.statements import Sign, Verify, part_hash, verify_ed25519
-from protolearn.protocol.tensors import TensorLimits, from_frame
+from protolearn.protocol.sync_compression import SliceCodec, wire
+from protolearn.protocol.tensors import TensorFrame, TensorLimits, from_frame
 from protolearn.protocol.transport import FramedStream, Host, TensorHeader
 
 log = logging.getLogger("protolearn.node")
@@ -131,6 +136,12 @@ class Averager:
         self._early: EarlyParts[_Pending] = EarlyParts(vector_bytes=4 * numel)
         self._members = members
         self._limits = TensorLimits(max_elements=max(1, numel), max_bytes=max(4, 4 * numel))
+        # A compressed part's blob may be larger than its float32 values (a sparse one naming every index).
+        blob = wire.max_bytes(numel)
+        self._wire_limits = TensorLimits(max_elements=max(1, numel, blob), max_bytes=max(4, 4 * numel, blob))
+        # Bytes this replica wrote on its collective streams (parts, fins, probes, their headers): what
+        # replica sync costs it, for the benchmarks.
+        self.bytes_sent = 0
         # Finished rounds' fins and full results, for late probes and left-out replicas (node/finished_rounds.py).
         self.finished = FinishedRounds(timeout_s)
         # Sends of the current round queued or in flight, per peer (the end of a round waits for live peers').
@@ -175,10 +186,22 @@ class Averager:
             return
         # A part of a round not started here may be held: its bytes are admitted against the sender's
         # bounds (node/core/early_parts.py) once its header is checked, before its payload is read.
-        early = r is None and self.next_round <= msg.round <= self.next_round + 1
+        early = r is None and in_early_window(self.next_round, msg.round)
         reserved: list[int] = []
+        length = None
+        if r is not None and 0 <= msg.part < len(r.bounds):
+            a, b = r.bounds[msg.part]
+            length = b - a
 
         def admit(header: TensorHeader) -> None:
+            # Raw float32 of the part's length, or a compressed blob within its bound, before a payload byte is read.
+            if header.dtype == "float32":
+                if length is not None and header.shape != [length]:
+                    raise ProtocolError(peer, f"collective part {msg.part} must be float32 of {length} elements, got shape {header.shape}")
+            elif header.dtype != "uint8" or len(header.shape) != 1:
+                raise ProtocolError(peer, f"collective part must be float32 values or a uint8 blob, got {header.dtype} {header.shape}")
+            elif header.data_bytes > wire.max_bytes(self.numel if length is None else length):
+                raise TooLarge(peer, f"compressed collective part of {header.data_bytes} bytes exceeds its bound")
             if early:
                 self._reserve_early(peer, msg.round, header.data_bytes)
                 reserved.append(header.data_bytes)
@@ -186,12 +209,8 @@ class Averager:
         try:
             data, data_digest = None, None
             if msg.phase != "fin":
-                shape = None
-                if r is not None and 0 <= msg.part < len(r.bounds):
-                    a, b = r.bounds[msg.part]
-                    shape = [b - a]
-                frame = await s.receive_tensor(codec="none", dtype=torch.float32, shape=shape, limits=self._limits, admit=admit)
-                data = from_frame(frame, peer=peer, dtype=torch.float32, limits=self._limits, require_finite=True)
+                frame = await s.receive_tensor(codec="none", limits=self._wire_limits, admit=admit)
+                data = await self._decode(peer, frame, length)
                 if data.dim() != 1:
                     raise ProtocolError(peer, f"collective part must be a flat vector, got shape {list(data.shape)}")
                 if msg.phase == "gather" or msg.signature:  # the round checks it against the signed hash
@@ -201,7 +220,7 @@ class Averager:
                 reserved.append(0)
             # The round may have started while the tensor was read; its held parts are already taken.
             r = self._round if self._round is not None and self._round.round_id == msg.round else None
-            if r is None and reserved and self.next_round <= msg.round <= self.next_round + 1:
+            if r is None and reserved and in_early_window(self.next_round, msg.round):
                 self._early.hold(msg.round, peer, reserved.pop(), _Pending(peer, msg, data, data_digest))
                 await s.send(Ack())
                 return
@@ -215,7 +234,7 @@ class Averager:
             if refused:
                 await s.send(Refuse(code="invalid", reason=refused[0].reason[:500]))
                 return
-        elif self.next_round <= msg.round <= self.next_round + 1:
+        elif in_early_window(self.next_round, msg.round):
             # Read for a round that was running then (and ended since): held like any early part, if it fits.
             num_bytes = 0 if data is None else 4 * data.numel()
             why = self._early.reserve(peer, num_bytes, member=self._members is None or peer in self._members())
@@ -228,6 +247,12 @@ class Averager:
             return
         await s.send(Ack())
 
+    async def _decode(self, peer: str, frame: TensorFrame, length: int | None) -> torch.Tensor:
+        """The float32 values of a part's frame: raw, or a compressed blob decoded (and checked) in a worker thread."""
+        if frame.dtype == "float32":
+            return from_frame(frame, peer=peer, dtype=torch.float32, limits=self._limits, require_finite=True)
+        return await trio.to_thread.run_sync(lambda: wire.decode(frame.data, peer=peer, length=length, max_length=self.numel))
+
     def _reserve_early(self, peer: str, round_id: int, num_bytes: int) -> None:
         member = self._members is None or peer in self._members()
         why = self._early.reserve(peer, num_bytes, member=member)
@@ -239,8 +264,10 @@ class Averager:
         return r.receive(p.peer, m.phase, m.part, p.data, contributors=m.contributors, suspects=m.suspects, signer=m.signer,
                          digest=m.digest, signature=m.signature, inputs=m.inputs, vetoed=m.vetoed, data_digest=p.data_digest, now=self.clock())
 
-    async def fetch_result(self, round_id: int, participants: list[str]) -> torch.Tensor:
-        """Get round ``round_id``'s vector from one of ``participants`` (this replica was not one)."""
+    async def fetch_result(self, round_id: int, participants: list[str], numel: int | None = None) -> torch.Tensor:
+        """Get round ``round_id``'s vector (``numel`` values, by default the stage's) from one of ``participants``
+        (this replica was not one)."""
+        numel = self.numel if numel is None else numel
         deadline = self.clock() + 2 * self.timeout_s
         last = "no participant answered"
         while self.clock() < deadline:
@@ -255,9 +282,9 @@ class Averager:
                                     raise ResultGone(f"stage {self.stage}: {peer} no longer keeps step {round_id}: {reply.reason}")
                                 last = f"{peer}: {reply.reason}"
                                 continue
-                            frame = await s.receive_tensor(codec="none", dtype=torch.float32, shape=[self.numel], limits=self._limits)
+                            frame = await s.receive_tensor(codec="none", dtype=torch.float32, shape=[numel], limits=self._limits)
                     self._own_next = round_id + 1
-                    return from_frame(frame, peer=peer, dtype=torch.float32, shape=[self.numel], limits=self._limits, require_finite=True)
+                    return from_frame(frame, peer=peer, dtype=torch.float32, shape=[numel], limits=self._limits, require_finite=True)
                 except ProtocolError as err:
                     last = f"{peer}: {err.reason}"
                 except trio.TooSlowError:
@@ -298,12 +325,18 @@ class Averager:
         done = await self.run_round_detailed(round_id, weights, vector)
         return done.result
 
-    async def run_round_detailed(self, round_id: int, weights: dict[str, float], vector: torch.Tensor) -> Done:
-        """Like :meth:`run_round`, returning the :class:`Done` with ``contributors`` and ``excluded``."""
+    async def run_round_detailed(self, round_id: int, weights: dict[str, float], vector: torch.Tensor, *,
+                                 codec: SliceCodec | None = None) -> Done:
+        """Like :meth:`run_round`, returning the :class:`Done` with ``contributors`` and ``excluded``.
+
+        ``vector`` may be shorter than the stage's (a PowerSGD factor); with a slice ``codec`` it is the
+        codec's contributions, and parts travel in its encoding (:mod:`protolearn.node.replica_sync`)."""
+        if vector.numel() > self.numel:
+            raise ValueError(f"a round of {vector.numel()} values exceeds this stage's {self.numel}")
         r = CollectiveRound(
-            round_id, self.host.peer_id, weights, self.numel, op="sum", timeout_s=self.timeout_s,
+            round_id, self.host.peer_id, weights, vector.numel(), op="sum", timeout_s=self.timeout_s,
             bandwidth=self.bandwidth, floor_s=self.floor_s, max_liars=self.max_liars, aggregation=self.aggregation,
-            cross_check=self.cross_check, sign=self.sign, verify=self.verify, part_filter=self.part_filter,
+            cross_check=self.cross_check, sign=self.sign, verify=self.verify, part_filter=self.part_filter, codec=codec,
         )
         # Unbounded in principle, bounded in fact: the machine emits at most a few sends per peer and part.
         send, recv = trio.open_memory_channel[Send | Probe](16 * len(weights) ** 2 + 64)
@@ -366,6 +399,13 @@ class Averager:
             self._pending[a.peer] -= 1
             self._drained.set()
 
+    async def _encoded(self, codec: SliceCodec, a: Send) -> TensorFrame:
+        """``a``'s part as the uint8 frame of its lossless encoding (in a worker thread: encoding reads every value)."""
+        data = a.data
+        assert data is not None
+        blob = await trio.to_thread.run_sync(codec.encode, data)
+        return TensorFrame.model_construct(codec="none", dtype="uint8", shape=[len(blob)], data=blob, aux=b"")
+
     async def _send_part(self, a: Send | Probe, round_id: int) -> None:
         r = self._round
         if r is None or r.round_id != round_id:
@@ -382,13 +422,19 @@ class Averager:
         # not by a total: a slow but live transfer must not count as a death. A busy live peer answers a
         # probe well within two waits; a dead one refuses the connection at once.
         limit = max(2 * r.wait_s(), self.host.config.connect_timeout_s) if isinstance(a, Probe) else float("inf")
+        frame = None
+        if isinstance(a, Send) and a.data is not None:
+            frame = borrowed_frame(a.data) if r.codec is None else await self._encoded(r.codec, a)
         try:
             with trio.fail_after(limit):
                 async with self.host.open_stream(a.peer, COLLECTIVE) as s:
-                    await s.send(msg)
-                    if isinstance(a, Send) and a.data is not None:
-                        await s.send_tensor(borrowed_frame(a.data))
-                    reply = await s.receive((Ack, Refuse, PartHeader))
+                    try:
+                        await s.send(msg)
+                        if frame is not None:
+                            await s.send_tensor(frame)
+                        reply = await s.receive((Ack, Refuse, PartHeader))
+                    finally:
+                        self.bytes_sent += s.bytes_sent
         except ProtocolError as err:
             log.info("collective peer failed peer=%s round=%d phase=%s reason=%s", a.peer, round_id, phase, err.reason)
             self._dispatch(r.peer_failed(a.peer, err.reason, self.clock()))

@@ -21,12 +21,12 @@ import torch
 import trio
 from protolearn.protocol.collective import PartHeader
 from protolearn.protocol.pipeline import Ack, Refuse
-from protolearn.protocol.rounds import REVISIONS_PER_STEP
+from protolearn.protocol.rounds import PHASES_PER_REVISION, REVISIONS_PER_STEP, revision_index
 from protolearn.protocol.tensors import TensorFrame
 from protolearn.protocol.transport import FramedStream
 
 # Rounds kept behind the last one finished here.
-KEEP_ROUNDS = 2 * REVISIONS_PER_STEP
+KEEP_ROUNDS = 2 * REVISIONS_PER_STEP * PHASES_PER_REVISION
 
 
 def borrowed_frame(t: torch.Tensor) -> TensorFrame:
@@ -71,7 +71,7 @@ class FinishedRounds:
 
     async def serve(self, s: FramedStream, round_id: int, next_round: int) -> None:
         """Answer a left-out replica's request for round ``round_id``'s result."""
-        if round_id not in self._results and not next_round - 1 <= round_id <= next_round + 1:
+        if round_id not in self._results and not -1 <= revision_index(round_id) - revision_index(next_round) <= 1:
             await s.send(Refuse(code="stale", reason=f"round {round_id} is not kept (next round {next_round})"))
             return
         ready = self._ready.setdefault(round_id, trio.Event())
