@@ -1,6 +1,6 @@
 """Bench suite ``sync``: replica sync modes on home links, at equal tokens (issue 24).
 
-``python scripts/bench.py sync --json [--modes none,int8,topk,powersgd] [--seeds 0,1] [--steps 300] [--warmup 5] [--plot PATH] [--quick]``
+``python scripts/bench.py sync --json [--modes none,int8,topk,powersgd] [--seeds 0,1] [--steps 300] [--warmup 5] [--quick]``
 
 For each sync mode (:data:`MODES`: run-config overrides, so a mode is one entry) and seed, the same local
 swarm (4 nodes over 2 stages, so both stages have two replicas that average; one torch thread each; the
@@ -20,8 +20,8 @@ Then ``best``: the mode with the fewest bytes per token whose final validation l
 :data:`MAX_LOSS_REL_DIFF` of per-step ``none``'s (if none is, the one with the smallest loss gap);
 ``bytes_reduction`` = ``none``'s bytes per token / the best mode's; that mode's ``loss_rel_diff`` =
 (its loss - ``none``'s) / ``none``'s; and ``internet_efficiency`` = its tokens/s on the links / per-step
-``none``'s tokens/s on loopback. ``--plot`` draws the loss against the bytes a replica sent, and
-tokens/s per mode.
+``none``'s tokens/s on loopback. ``curves`` keeps each mode's loss against the bytes a replica had sent,
+which the report plots (``python scripts/bench.py report --only sync``, :mod:`report_links`).
 """
 
 from __future__ import annotations
@@ -141,35 +141,15 @@ def pick_best(modes: dict[str, dict[str, Any]]) -> tuple[str, str]:
     return min(others, key=lambda m: gap[m]), f"no mode within loss_rel_diff {MAX_LOSS_REL_DIFF}: the smallest loss gap"
 
 
-def plot(path: Path, runs: dict[str, list[dict[str, Any]]], modes: dict[str, dict[str, Any]], loopback: dict[str, Any], command: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("error: --plot needs matplotlib; install it with: .venv/bin/pip install -e '.[bench]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5))
+def curves(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, list[float]]]:
+    """Per mode, its first seed's training loss per step against the MiB a replica had sent by then (for the report's plot)."""
+    out = {}
     for mode, rs in runs.items():
         r = rs[0]
         n = min(len(r["losses"]), len(r["cumulative_bytes"]))
-        x = [b / 2**20 for b in r["cumulative_bytes"][:n]]
-        ax.plot([max(v, 1e-3) for v in x], r["losses"][:n], lw=1.1, label=f"{mode} (seed {r['seed']})")
-    ax.set_xscale("log")
-    ax.set_xlabel("MiB sent by one replica for sync (cumulative)")
-    ax.set_ylabel("training loss")
-    ax.set_title(f"loss against replica-sync bytes, {LINK}")
-    ax.legend(fontsize=8)
-    names = list(modes) + ["none, loopback"]
-    values = [modes[m]["tokens_per_s"] for m in modes] + [loopback["tokens_per_s"]]
-    bx.bar(names, values, color=["C0"] * len(modes) + ["C7"])
-    bx.set_ylabel("tokens/s")
-    bx.set_title(f"tokens/s per mode ({LINK}; grey: none on loopback)")
-    bx.tick_params(axis="x", rotation=20)
-    fig.suptitle(command, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        out[mode] = {"seed": r["seed"], "loss": [round(x, 4) for x in r["losses"][:n]],
+                     "mib": [round(b / 2**20, 4) for b in r["cumulative_bytes"][:n]]}
+    return out
 
 
 def run(argv: list[str]) -> dict[str, Any]:
@@ -180,7 +160,6 @@ def run(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=5, help="steps not timed for tokens/s")
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="8 steps, one seed")
-    parser.add_argument("--plot", type=Path, default=None, help="write loss against bytes and tokens/s per mode to this PNG")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -218,9 +197,7 @@ def run(argv: list[str]) -> dict[str, Any]:
         "none_internet_efficiency": round(base["tokens_per_s"] / loopback["tokens_per_s"], 4),
         "seconds": round(time.monotonic() - t0, 1), "workdir": str(root),
     }
-    if args.plot is not None:
-        plot(args.plot, runs, summary, loopback, f"python scripts/bench.py sync --json {' '.join(argv)}")
-        out["plot"] = str(args.plot)
+    out["curves"] = curves(runs)
     return out
 
 
