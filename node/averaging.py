@@ -3,9 +3,8 @@
 Each part travels on its own ``collective`` stream: a :class:`PartHeader` message (with the sender's
 suspected-dead peers, and for a reduced part the contributors it sums), the part as a raw float32 tensor,
 or, in a round with a slice compression, as the ``uint8`` blob of its lossless encoding
-(:mod:`protolearn.protocol.sync_compression.wire`, decoded and checked in a worker thread before the
-round sees it; either way the round gets the float32 values the sender signed, so replicas stay
-bit-identical), and an :class:`Ack` or :class:`Refuse`. ``fin`` and
+(:mod:`protolearn.node.part_frames`: either way the round gets the float32 values the sender signed, so
+replicas stay bit-identical), and an :class:`Ack` or :class:`Refuse`. ``fin`` and
 ``probe`` are a header alone. A send that breaks, or a probe that gets no answer, is reported to the
 machine as a failed peer; a send that is acknowledged is reported as delivered (the successor-first rule
 needs that). The wait between events is the machine's :meth:`next_deadline`, so the adaptive deadlines
@@ -39,7 +38,8 @@ import torch
 import trio
 from protolearn.node.core.early_parts import EarlyParts
 from protolearn.node.errors import NodeError
-from protolearn.node.finished_rounds import FinishedRounds, borrowed_frame
+from protolearn.node import part_frames
+from protolearn.node.finished_rounds import FinishedRounds
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.collective import (
     DEFAULT_FLOOR_S,
@@ -54,12 +54,12 @@ from protolearn.protocol.collective import (
     Send,
     PartFilter,
 )
-from protolearn.protocol.errors import OverLimit, ProtocolError, TooLarge
+from protolearn.protocol.errors import OverLimit, ProtocolError
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse, ResultRequest
 from protolearn.protocol.rounds import in_early_window
 from protolearn.protocol.statements import Sign, Verify, part_hash, verify_ed25519
-from protolearn.protocol.sync_compression import SliceCodec, wire
-from protolearn.protocol.tensors import TensorFrame, TensorLimits, from_frame
+from protolearn.protocol.sync_compression import SliceCodec
+from protolearn.protocol.tensors import TensorLimits, from_frame
 from protolearn.protocol.transport import FramedStream, Host, TensorHeader
 
 log = logging.getLogger("protolearn.node")
@@ -136,9 +136,7 @@ class Averager:
         self._early: EarlyParts[_Pending] = EarlyParts(vector_bytes=4 * numel)
         self._members = members
         self._limits = TensorLimits(max_elements=max(1, numel), max_bytes=max(4, 4 * numel))
-        # A compressed part's blob may be larger than its float32 values (a sparse one naming every index).
-        blob = wire.max_bytes(numel)
-        self._wire_limits = TensorLimits(max_elements=max(1, numel, blob), max_bytes=max(4, 4 * numel, blob))
+        self._part_limits = part_frames.limits(numel)
         # Bytes this replica wrote on its collective streams (parts, fins, probes, their headers): what
         # replica sync costs it, for the benchmarks.
         self.bytes_sent = 0
@@ -194,14 +192,7 @@ class Averager:
             length = b - a
 
         def admit(header: TensorHeader) -> None:
-            # Raw float32 of the part's length, or a compressed blob within its bound, before a payload byte is read.
-            if header.dtype == "float32":
-                if length is not None and header.shape != [length]:
-                    raise ProtocolError(peer, f"collective part {msg.part} must be float32 of {length} elements, got shape {header.shape}")
-            elif header.dtype != "uint8" or len(header.shape) != 1:
-                raise ProtocolError(peer, f"collective part must be float32 values or a uint8 blob, got {header.dtype} {header.shape}")
-            elif header.data_bytes > wire.max_bytes(self.numel if length is None else length):
-                raise TooLarge(peer, f"compressed collective part of {header.data_bytes} bytes exceeds its bound")
+            part_frames.check_header(peer, header, msg.part, length, self.numel)
             if early:
                 self._reserve_early(peer, msg.round, header.data_bytes)
                 reserved.append(header.data_bytes)
@@ -209,10 +200,8 @@ class Averager:
         try:
             data, data_digest = None, None
             if msg.phase != "fin":
-                frame = await s.receive_tensor(codec="none", limits=self._wire_limits, admit=admit)
-                data = await self._decode(peer, frame, length)
-                if data.dim() != 1:
-                    raise ProtocolError(peer, f"collective part must be a flat vector, got shape {list(data.shape)}")
+                frame = await s.receive_tensor(codec="none", limits=self._part_limits, admit=admit)
+                data = await part_frames.values(peer, frame, length, self.numel)
                 if msg.phase == "gather" or msg.signature:  # the round checks it against the signed hash
                     data_digest = await trio.to_thread.run_sync(part_hash, data)
             elif early:
@@ -246,12 +235,6 @@ class Averager:
             await s.send(Refuse(code="stale", reason=f"round {msg.round} is not current (next round {self.next_round})"))
             return
         await s.send(Ack())
-
-    async def _decode(self, peer: str, frame: TensorFrame, length: int | None) -> torch.Tensor:
-        """The float32 values of a part's frame: raw, or a compressed blob decoded (and checked) in a worker thread."""
-        if frame.dtype == "float32":
-            return from_frame(frame, peer=peer, dtype=torch.float32, limits=self._limits, require_finite=True)
-        return await trio.to_thread.run_sync(lambda: wire.decode(frame.data, peer=peer, length=length, max_length=self.numel))
 
     def _reserve_early(self, peer: str, round_id: int, num_bytes: int) -> None:
         member = self._members is None or peer in self._members()
@@ -399,13 +382,6 @@ class Averager:
             self._pending[a.peer] -= 1
             self._drained.set()
 
-    async def _encoded(self, codec: SliceCodec, a: Send) -> TensorFrame:
-        """``a``'s part as the uint8 frame of its lossless encoding (in a worker thread: encoding reads every value)."""
-        data = a.data
-        assert data is not None
-        blob = await trio.to_thread.run_sync(codec.encode, data)
-        return TensorFrame.model_construct(codec="none", dtype="uint8", shape=[len(blob)], data=blob, aux=b"")
-
     async def _send_part(self, a: Send | Probe, round_id: int) -> None:
         r = self._round
         if r is None or r.round_id != round_id:
@@ -422,9 +398,7 @@ class Averager:
         # not by a total: a slow but live transfer must not count as a death. A busy live peer answers a
         # probe well within two waits; a dead one refuses the connection at once.
         limit = max(2 * r.wait_s(), self.host.config.connect_timeout_s) if isinstance(a, Probe) else float("inf")
-        frame = None
-        if isinstance(a, Send) and a.data is not None:
-            frame = borrowed_frame(a.data) if r.codec is None else await self._encoded(r.codec, a)
+        frame = await part_frames.frame_of(r.codec, a.data) if isinstance(a, Send) and a.data is not None else None
         try:
             with trio.fail_after(limit):
                 async with self.host.open_stream(a.peer, COLLECTIVE) as s:
