@@ -11,7 +11,9 @@ residual, PowerSGD's warm start) and turns a summed gradient into the round(s) t
 * ``powersgd:R``: round A (phase 0) of the P factors and raw tensors, round B (phase 1) of the Q factors
   among A's survivors, then the deterministic decoding of the two results.
 
-A replica with weight 0 (no ticket) contributes nothing and keeps its residual; a replica the accounting
+The vector is any flat float32 vector the stage averages with ``op="sum"``: a step's summed gradient, or
+(for a DiLoCo outer step) a pseudo-gradient; ``step`` is the step it is applied as, which keys what is
+staged and committed. A replica with weight 0 (no ticket) contributes nothing and keeps its residual; a replica the accounting
 left out fetches the result(s) and decodes them alike. Every attempt at a step starts afresh from the
 committed state (:meth:`begin`), and :meth:`commit` makes a step's residual and warm start this replica's
 once the step is applied; :meth:`reset` forgets them when the replica takes another state. What any of
