@@ -219,15 +219,18 @@ def render_sync(r: dict[str, Any], figs: Path, plt: Any) -> str:
     modes = r.get("modes", {})
     loop = r.get("none_loopback", {})
     base = get(r, "modes", "none", "replica_bytes_per_token")
+    per_step = (r.get("tokens") or 0) / (r.get("steps") or 1)  # tokens per step
     rows = []
     for m, v in modes.items():
         per = v.get("per_seed", {})
-        rows.append([f"**{m}**" if m == r.get("best") else m, f"`{get(v, 'overrides', 'sync.compression')}`", num(v.get("replica_bytes_per_token")),
+        bpt = v.get("replica_bytes_per_token")
+        rows.append([f"**{m}**" if m == r.get("best") else m, f"`{get(v, 'overrides', 'sync.compression')}`", num(bpt),
+                     dec(bpt * per_step / 1e6, 3) if bpt is not None else "–",
                      dec(base / v["replica_bytes_per_token"], 1) if base and v.get("replica_bytes_per_token") else "–",
                      num(v.get("tokens_per_s")), dec(v.get("final_val_loss"), 4),
                      ", ".join(dec(p.get("final_val_loss"), 4) for p in per.values()),
                      ", ".join(num(p.get("averaging_s")) for p in per.values())])
-    rows.append(["none, loopback", "`none`", "–", "–", num(loop.get("tokens_per_s")), dec(loop.get("final_val_loss"), 4),
+    rows.append(["none, loopback", "`none`", "–", "–", "–", num(loop.get("tokens_per_s")), dec(loop.get("final_val_loss"), 4),
                  ", ".join(dec(p.get("final_val_loss"), 4) for p in loop.get("per_seed", {}).values()),
                  ", ".join(num(p.get("averaging_s")) for p in loop.get("per_seed", {}).values())])
     out = [
@@ -235,10 +238,11 @@ def render_sync(r: dict[str, Any], figs: Path, plt: Any) -> str:
         f"{r.get('steps')} steps ({num(r.get('tokens'))} tokens, the same for every mode), seeds {r.get('seeds')}, every node on "
         f"`{r.get('link')}` (the coordinator unshaped); per-step `none` also on loopback. `replica_bytes_per_token`: what a replica "
         "wrote on its collective streams (parts, fins, probes, headers; counted by the averaging adapter) over the run ÷ the tokens "
-        f"the swarm trained. tokens/s from the coordinator's step closes after {r.get('warmup')} steps; the final validation loss is "
+        "the swarm trained (the reducer cross-check, on in the demo run, sends every slice to two replicas: 1.5× the bytes of a plain "
+        f"reduce-scatter and all-gather). tokens/s from the coordinator's step closes after {r.get('warmup')} steps; the final validation loss is "
         "the exported final model's on the run's validation batches. Values are means over the seeds.",
         "",
-        table(["mode", "`[sync] compression`", "`replica_bytes_per_token`", "× fewer than `none`", "tokens/s", "final val loss",
+        table(["mode", "`[sync] compression`", "`replica_bytes_per_token`", "MB per replica per step", "× fewer than `none`", "tokens/s", "final val loss",
                "per seed", "averaging s/step per seed"], rows),
         "",
         f"Best ({r.get('best_rule')}): `{r.get('best')}`: `bytes_reduction` **{dec(r.get('bytes_reduction'), 1)}**, `loss_rel_diff` "
