@@ -4,10 +4,14 @@ Three replicas average a step (staggered starts, so early parts are held) and a 
 accounting, fetches the step and decodes it; all four must hold the same update, and the fetcher's
 result hash must be the participants'. Compressed sync must send fewer bytes than raw float32, and a
 second step (with the committed residual and warm start) must agree again. A peer that sends a hostile
-compressed blob is refused, and the honest round still finishes.
+compressed blob is refused, and the honest round still finishes. A replica that dies between PowerSGD's
+two rounds is left out of the second, and the survivors apply the same update.
 """
 
 from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,13 +21,28 @@ from protolearn.node.averaging import Averager
 from protolearn.node.replica_sync import ReplicaSync, result_digest
 from protolearn.protocol.collective import PartHeader
 from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.identity import Identity
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse
 from protolearn.protocol.rounds import round_id
+from protolearn.protocol.sync_compression.powersgd import PowerSGD, decode
 from protolearn.protocol.tensors import TensorFrame
+from protolearn.protocol.transport import TransportConfig, open_host
 from protolearn.sync_spec import parse_sync_compression
 
 SHAPES = [(96, 64), (64,), (64, 96), (7,)]
+FAULT_CONFIG = TransportConfig(request_timeout_s=5.0, chunk_timeout_s=5.0, connect_timeout_s=2.0)
 NUMEL = sum(torch.Size(s).numel() for s in SHAPES)
+
+
+# Killing a host while a survivor is dialling it can leave that survivor's half-made py-libp2p socket to the
+# garbage collector (as in test_collective_faults.py): collect after each test, and ignore only that warning.
+pytestmark = pytest.mark.filterwarnings("ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.fixture(autouse=True)
+def _collect_sockets() -> Iterator[None]:
+    yield
+    gc.collect()
 
 
 @pytest.mark.parametrize("compression", ["none", "int8", "topk:0.05", "powersgd:4"])
@@ -110,3 +129,59 @@ def test_a_hostile_compressed_part_is_refused_and_the_round_still_finishes(open_
             assert torch.equal(out[0], out[1]) and torch.equal(out[0], torch.full((NUMEL,), 3.0))
 
     run_trio(main, timeout=60)
+
+
+def test_a_replica_that_dies_between_powersgds_two_rounds_is_left_out_of_the_second(run_trio) -> None:
+    # Round A (the P factors) sums all three; the victim dies before round B (the Q factors): the survivors
+    # finish with it excluded (its tickets are then redone) and apply the same update, the projection of
+    # their own sum onto the basis round A gave.
+    spec = parse_sync_compression("powersgd:4")
+    ids = sorted((Identity.generate() for _ in range(3)), key=lambda i: i.peer_id)
+    weights = {i.peer_id: 1.0 + k for k, i in enumerate(ids)}
+    victim = ids[1].peer_id
+    gen = torch.Generator().manual_seed(7)
+    grads = {i.peer_id: torch.randn(NUMEL, generator=gen) for i in ids}
+    rid = round_id(2)
+    addrs: dict[str, list[str]] = {}
+    all_up, all_done = trio.Event(), trio.Event()
+    results: dict[str, object] = {}
+
+    async def replica(rank: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        me = ids[rank].peer_id
+        with trio.CancelScope() as scope:
+            async with open_host(ids[rank], config=FAULT_CONFIG) as host:
+                addrs[me] = host.addrs()
+                task_status.started()
+                await all_up.wait()
+                for other, a in addrs.items():
+                    if other != me:
+                        host.add_peer_addrs(other, a)
+                avg = Averager(host, 1, NUMEL, timeout_s=30.0, floor_s=3.0, sign=ids[rank].sign, window=lambda: rid)
+                avg.register()
+                sync = ReplicaSync(avg, spec, SHAPES, seed=0)
+                if me == victim:
+                    power = PowerSGD(SHAPES, 4, seed=0)
+                    await avg.run_round_detailed(rid, weights, power.first(grads[me]))
+                    scope.cancel()  # dies with round A done: its host and connections close
+                    return
+                results[me] = await sync.average(2, rid, weights, grads[me])
+                if len(results) == 2:
+                    all_done.set()
+                await all_done.wait()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for rank in range(3):
+                await nursery.start(replica, rank)
+            all_up.set()
+
+    run_trio(main, timeout=90)
+    survivors = [p for p in weights if p != victim]
+    a, b = (results[p] for p in survivors)
+    assert a.excluded == b.excluded == [victim]  # type: ignore[attr-defined]
+    assert torch.equal(a.result, b.result) and a.digest == b.digest  # type: ignore[attr-defined]
+    # The same update computed here: P summed over all three, Q over the survivors only.
+    reps = {p: PowerSGD(SHAPES, 4, seed=0) for p in weights}
+    p_sum = torch.stack([reps[p].first(grads[p]) for p in sorted(weights)]).sum(0)
+    q_sum = torch.stack([reps[p].second(2, p_sum) for p in survivors]).sum(0)
+    torch.testing.assert_close(a.result, decode(reps[survivors[0]].layout, p_sum, q_sum), rtol=1e-4, atol=1e-5)  # type: ignore[attr-defined]
