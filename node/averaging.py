@@ -18,8 +18,9 @@ Parts of a round this replica has not started yet (a faster replica got the step
 are held, but only for the current and the next round, and within per-peer and total bounds on parts
 and bytes checked against the header before the payload is read (:mod:`protolearn.node.core.early_parts`),
 so memory stays bounded whoever sends them. A replica that the step's accounting leaves out (it processed
-no ticket, so no peer expects it) asks a participant for the finished round's vector with
-:class:`ResultRequest` (:meth:`Averager.fetch_result`), and so applies exactly the same update. The round's hard deadline comes from the node config; a round survives
+no ticket, so no peer expects it), or whose own round failed, asks a participant for the finished round's
+vector with :class:`ResultRequest` and takes it only as proven by a strict majority of the participants'
+signed fins (:meth:`Averager.fetch_result`, :mod:`protolearn.node.result_fetch`), and so applies exactly the same update. The round's hard deadline comes from the node config; a round survives
 dead peers, and :attr:`Averager.last_done` says whose contributions are in (``excluded``: tickets to redo);
 :attr:`Averager.last_failed` keeps a failed round's reason and, if a peer signed two stories, the evidence.
 The run's aggregation rule (:mod:`protolearn.protocol.collective.robust`) and the reducer cross-check are passed to
@@ -37,9 +38,10 @@ from dataclasses import dataclass
 import torch
 import trio
 from protolearn.node.core.early_parts import EarlyParts
-from protolearn.node.errors import NodeError
+from protolearn.node.errors import AveragingError, ResultGone  # noqa: F401 - where callers import them from
 from protolearn.node import part_frames
 from protolearn.node.finished_rounds import FinishedRounds
+from protolearn.node.result_fetch import fetch_proven
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.collective import (
     DEFAULT_FLOOR_S,
@@ -55,25 +57,16 @@ from protolearn.protocol.collective import (
     PartFilter,
 )
 from protolearn.protocol.errors import OverLimit, ProtocolError
+from protolearn.protocol.collective.result_proof import fins_of
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse, ResultRequest
 from protolearn.protocol.rounds import in_early_window
 from protolearn.protocol.statements import Sign, Verify, part_hash, verify_ed25519
 from protolearn.protocol.sync_compression import SliceCodec
-from protolearn.protocol.tensors import TensorLimits, from_frame
 from protolearn.protocol.transport import FramedStream, Host, TensorHeader
 
 log = logging.getLogger("protolearn.node")
-SEND_RETRY_S = 0.2
 MAX_INBOUND = 64  # collective streams handled at once
 MAX_INBOUND_PER_PEER = 8
-
-
-class AveragingError(NodeError):
-    """A collective round did not finish; the message names the missing peers."""
-
-
-class ResultGone(AveragingError):
-    """The participants no longer keep that round's result (they moved on): the caller must resync."""
 
 
 @dataclass
@@ -135,7 +128,6 @@ class Averager:
         # Parts of rounds not started here yet, bounded per peer and in all (node/core/early_parts.py).
         self._early: EarlyParts[_Pending] = EarlyParts(vector_bytes=4 * numel)
         self._members = members
-        self._limits = TensorLimits(max_elements=max(1, numel), max_bytes=max(4, 4 * numel))
         self._part_limits = part_frames.limits(numel)
         # Bytes this replica wrote on its collective streams (parts, fins, probes, their headers): what
         # replica sync costs it, for the benchmarks.
@@ -247,33 +239,18 @@ class Averager:
         return r.receive(p.peer, m.phase, m.part, p.data, contributors=m.contributors, suspects=m.suspects, signer=m.signer,
                          digest=m.digest, signature=m.signature, inputs=m.inputs, vetoed=m.vetoed, data_digest=p.data_digest, now=self.clock())
 
-    async def fetch_result(self, round_id: int, participants: list[str], numel: int | None = None) -> torch.Tensor:
-        """Get round ``round_id``'s vector (``numel`` values, by default the stage's) from one of ``participants``
-        (this replica was not one)."""
-        numel = self.numel if numel is None else numel
-        deadline = self.clock() + 2 * self.timeout_s
-        last = "no participant answered"
-        while self.clock() < deadline:
-            for peer in participants:
-                try:
-                    with trio.fail_after(self.timeout_s + 5):
-                        async with self.host.open_stream(peer, COLLECTIVE) as s:
-                            await s.send(ResultRequest(round=round_id, stage=self.stage))
-                            reply = await s.receive((Ack, Refuse), timeout=self.timeout_s + 5)
-                            if isinstance(reply, Refuse):
-                                if reply.code == "stale":  # it no longer keeps that round: the caller must resync
-                                    raise ResultGone(f"stage {self.stage}: {peer} no longer keeps step {round_id}: {reply.reason}")
-                                last = f"{peer}: {reply.reason}"
-                                continue
-                            frame = await s.receive_tensor(codec="none", dtype=torch.float32, shape=[numel], limits=self._limits)
-                    self._own_next = round_id + 1
-                    return from_frame(frame, peer=peer, dtype=torch.float32, shape=[numel], limits=self._limits, require_finite=True)
-                except ProtocolError as err:
-                    last = f"{peer}: {err.reason}"
-                except trio.TooSlowError:
-                    last = f"{peer}: no answer within {self.timeout_s + 5:g} s"
-            await trio.sleep(SEND_RETRY_S)
-        raise AveragingError(f"stage {self.stage}: could not fetch the result of step {round_id}: {last}")
+    async def fetch_result(self, round_id: int, weights: dict[str, float], numel: int | None = None,
+                           codec: SliceCodec | None = None) -> torch.Tensor:
+        """Round ``round_id``'s full vector (``numel`` values, by default the stage's: a PowerSGD factor round's
+        are fewer; ``codec``: the round's slice compression) from another of its participants (``weights``),
+        proven by a strict majority of their signed fins (:func:`protolearn.node.result_fetch.fetch_proven`)."""
+        result = await fetch_proven(
+            self.host, self.stage, round_id, weights, numel=self.numel if numel is None else numel, rule_tag=self.aggregation.tag,
+            cross_check=self.cross_check, compression="none" if codec is None else codec.tag, verify=self.verify,
+            timeout_s=self.timeout_s, clock=self.clock,
+        )
+        self._own_next = max(self._own_next, round_id + 1)
+        return result
 
     def _dispatch(self, actions: list) -> None:
         for a in actions:
@@ -361,13 +338,14 @@ class Averager:
             if result.reducer_faults and self.on_reducer_fault is not None:
                 for fault in result.reducer_faults:
                     self.on_reducer_fault(fault)
-            raise AveragingError(f"stage {self.stage} averaging of step {round_id} failed: {result.reason}")
+            raise AveragingError(f"stage {self.stage} averaging of step {round_id} failed: {result.reason}",
+                                 tuple(p for p in result.missing if p != self.host.peer_id))
         assert isinstance(result, Done)
         if result.excluded:
             log.warning("collective step=%d stage=%d left out dead replicas %s", round_id, self.stage, result.excluded)
         self.last_done = result
         # Only a full average is served (see node/finished_rounds.py).
-        self.finished.done(round_id, None if result.excluded else result.result)
+        self.finished.done(round_id, None if result.excluded else result.result, fins_of(r.peers, r.held_fins()))
         return result
 
     async def _sender(self, recv: trio.MemoryReceiveChannel[Send | Probe], round_id: int, nursery: trio.Nursery) -> None:

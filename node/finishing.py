@@ -9,7 +9,7 @@ only does reads, writes and waits, and reads time through the node's one clock.
 
 The commit report names the hash of the result this replica holds: a participant's is its collective
 round's result hash (the one its signed fin names); a replica that fetched the result hashes it the same
-way (per part, over the round's participants, :func:`result_digest`). If its stage's majority holds
+way (per part, over the round's participants, :func:`~protolearn.protocol.collective.result_proof.vector_digest`). If its stage's majority holds
 another result, the coordinator refuses the report (``result_mismatch``) and the core resyncs instead of
 applying.
 """
@@ -52,11 +52,12 @@ from protolearn.node.core.events import (
 from protolearn.node.core.closed_step import NodeCore
 from protolearn.node.driver import emit
 from protolearn.node.progress import Progress
-from protolearn.node.replica_sync import ReplicaSync, result_digest
+from protolearn.node.replica_sync import ReplicaSync
 from protolearn.node.step_timing import StepTimer
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.collective.result_proof import vector_digest
 
 log = logging.getLogger("protolearn.node")
 # Long-poll length of one commit wait (the coordinator caps it at 30 s).
@@ -147,14 +148,14 @@ class Finisher:
             try:
                 done = await self.sync.average(a.step, a.round, a.weights, flat)
             except AveragingError as err:
-                return RoundFailed(a.step, a.revision, str(err))
+                return RoundFailed(a.step, a.revision, str(err), err.causes)
             self._result, self._result_hash = done.result, done.digest.hex()
             return RoundDone(a.step, a.revision, list(done.excluded))
         if isinstance(a, Fetch):
             self._result = None
             with trio.move_on_after(a.try_s):
                 try:
-                    self._result = await self.sync.fetch(a.step, a.round, a.participants)
+                    self._result = await self.sync.fetch(a.step, a.round, a.weights)
                 except ResultGone as err:
                     return Fetched(a.step, a.revision, ok=False, gone=True, reason=str(err))
                 except AveragingError as err:
@@ -163,14 +164,14 @@ class Finisher:
             if self._result is None:
                 return Fetched(a.step, a.revision, ok=False, reason=f"no result within {a.try_s:g} s")
             # Hashed outside the fetch's time limit: a result in hand is not lost to a slow hash.
-            digest = await trio.to_thread.run_sync(result_digest, self._result, len(a.participants), limiter=self.compute)
+            digest = await trio.to_thread.run_sync(vector_digest, self._result, len(a.weights), limiter=self.compute)
             self._result_hash = digest.hex()
             return Fetched(a.step, a.revision, ok=True)
         if isinstance(a, Redo):
             if a.delay_s:
                 await trio.sleep(a.delay_s)
             try:
-                reply = await self.link.redo(a.step, a.tickets, a.reason, revision=a.revision)
+                reply = await self.link.redo(a.step, a.tickets, a.reason, revision=a.revision, kind=a.kind, causes=a.causes)
             except CoordinatorRefused as err:
                 log.log(logging.INFO if a.expected else logging.WARNING, "redo refused step=%d tickets=%s reason=%s", a.step, a.tickets, err.reason)
                 return RedoAnswer(a.step, a.revision, granted=False, reason=err.reason, code=err.code)

@@ -308,7 +308,7 @@ class Node:
             return
         down, every = old.broken_routes(gone)
         for peer in down:
-            self.driver.peer_down(peer)
+            self.driver.peer_down(peer, departed=True)
         if every:
             self.driver.member_left()
 

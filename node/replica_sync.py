@@ -29,17 +29,10 @@ import torch
 import trio
 from protolearn.node.averaging import Averager
 from protolearn.protocol.collective.ownership import part_bounds
+from protolearn.protocol.collective.result_proof import vector_digest
 from protolearn.protocol.rounds import phase_round
-from protolearn.protocol.statements import part_hash, result_hash
 from protolearn.protocol.sync_compression import PowerSGD, SliceCompressor, slice_codec
 from protolearn.sync_spec import SyncCompression
-
-
-def result_digest(result: torch.Tensor, num_participants: int) -> bytes:
-    """The collective's result hash of ``result`` (``(numel,)``) averaged over ``num_participants`` replicas:
-    what each participant's Done names, recomputed by a replica that fetched the result (and, for PowerSGD,
-    the hash every replica reports of the decoded update)."""
-    return result_hash([part_hash(result[a:b]) for a, b in part_bounds(result.numel(), num_participants)])
 
 
 @dataclass(frozen=True)
@@ -63,6 +56,8 @@ class ReplicaSync:
         self._slices = SliceCompressor(self.codec) if self.codec is not None else None
         self._power = PowerSGD(shapes, compression.rank, seed) if compression.name == "powersgd" and compression.rank else None
         self._compute = compute
+        # (step, round) this replica contributed to in the current attempt at a step (see :meth:`fetch`).
+        self._attempt: tuple[int, int] | None = None
 
     @property
     def bytes_sent(self) -> int:
@@ -72,6 +67,7 @@ class ReplicaSync:
         return await trio.to_thread.run_sync(fn, *args, limiter=self._compute)
 
     def begin(self, step: int) -> None:
+        self._attempt = None
         if self._slices is not None:
             self._slices.begin(step)
         if self._power is not None:
@@ -81,6 +77,8 @@ class ReplicaSync:
         """Average ``grad`` (this replica's summed gradient, (numel,)) over ``weights``' replicas in ``round_id``
         (phase 0 of the step's revision); raises :class:`~protolearn.node.averaging.AveragingError` if a round fails."""
         self.begin(step)
+        if weights.get(self.averager.host.peer_id, 0.0) > 0:
+            self._attempt = (step, round_id)
         if self._power is not None:
             return await self._power_average(step, round_id, weights, grad)
         vector = grad
@@ -105,17 +103,31 @@ class ReplicaSync:
         elif contributes:
             await self._run(power.second, step, a.result)  # stages a zero residual: every tensor went raw
         update = await self._run(power.finish, step, a.result, q_sum)
-        return Averaged(update, result_digest(update, len(weights)), sorted(excluded))
+        return Averaged(update, vector_digest(update, len(weights)), sorted(excluded))
 
-    async def fetch(self, step: int, round_id: int, participants: list[str]) -> torch.Tensor:
-        """The step's update from its participants (this replica was left out): their round's result, or
-        PowerSGD's two results decoded. Raises what :meth:`Averager.fetch_result` raises."""
-        self.begin(step)
+    async def fetch(self, step: int, round_id: int, weights: dict[str, float]) -> torch.Tensor:
+        """The step's update from its other participants (``weights``: the round's, as the accounting gives
+        them): this replica was left out, or its own round failed while the others finished. Every round
+        taken is proven by a strict majority of the participants' signed fins over exactly the vector taken
+        (:mod:`protolearn.node.result_fetch`): the raw round, a slice-compressed round (its digest binds the
+        compression, so a fin of another mode proves nothing), or both PowerSGD factor rounds, each of its own
+        length, decoded by every replica alike. PowerSGD's round A is taken first, and only a full round is
+        served, so its round B ran over all of ``weights``, against which it is proven; a round B over fewer
+        participants has no such proof and is not taken: the fetch fails (the core redoes or resyncs) rather
+        than take an unproven vector. Raises what :meth:`Averager.fetch_result` raises.
+
+        A proven result is a full average, so when this replica contributed to this very round (its own round
+        failed here after it sent), its signed contribution is in it: it keeps what its attempt staged (the
+        residual it left), as if its round had finished here. Otherwise it starts the step afresh and keeps
+        its residual. (A PowerSGD contributor whose round A failed here never sent round B, so the others'
+        round B left it out and is not served: that fetch fails and the step is redone.)"""
+        if self._attempt != (step, round_id):
+            self.begin(step)
         if self._power is None:
-            return await self.averager.fetch_result(round_id, participants)
+            return await self.averager.fetch_result(round_id, weights, codec=self.codec)
         lay = self._power.layout
-        p_sum = await self.averager.fetch_result(round_id, participants, lay.p_numel)
-        q_sum = await self.averager.fetch_result(phase_round(round_id, 1), participants, lay.q_numel) if lay.q_numel else torch.zeros(0)
+        p_sum = await self.averager.fetch_result(round_id, weights, lay.p_numel)
+        q_sum = await self.averager.fetch_result(phase_round(round_id, 1), weights, lay.q_numel) if lay.q_numel else torch.zeros(0)
         return await self._run(self._power.finish, step, p_sum, q_sum)
 
     def commit(self, step: int) -> None:
@@ -127,6 +139,7 @@ class ReplicaSync:
 
     def reset(self) -> None:
         """This replica takes another state (a resync, a join, a checkpoint restore): start the compression afresh."""
+        self._attempt = None
         if self._slices is not None:
             self._slices.reset()
         if self._power is not None:

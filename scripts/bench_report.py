@@ -98,7 +98,9 @@ SECTIONS: tuple[Section, ...] = (
     Section("restart", "restart", (), "Coordinator restarts", "report_suites:render_restart", "suites", quick=("--restarts", "1"), anchor="restart-a-coordinator-killed-and-restarted"),
     Section("coordinator", "coordinator", (), "Coordinator request paths at scale", "report_suites:render_coordinator", "suites",
             quick=("--sizes", "100,1000", "--repeat", "1"), anchor="coordinator-request-paths-as-the-swarm-grows"),
-    Section("abuse", "abuse", (), "Network attacks on a coordinator and a node", "report_suites:render_abuse", "suites", quick=("--quick",), anchor="abuse-network-attacks-on-a-running-coordinator-and-node"),
+    Section("coordinator-net", "coordinator-net", (), "Coordinator over the network", "report_suites:render_coordinator_net", "suites",
+            default=False, quick=("--levels", "40", "--workers", "2", "--window", "3")),
+    Section("abuse", "abuse", (), "Network attacks on a coordinator, a node and a swarm", "report_suites:render_abuse", "suites", quick=("--quick",), anchor="abuse-network-attacks-on-a-running-coordinator-and-node"),
     Section("framing", "framing", ("--tickets", "200000"), "Framing an honest replica: the coordinator's witness draw", "report_suites:render_framing", "suites",
             quick=("--tickets", "500"), anchor="framing-an-honest-replica-the-coordinators-witness-draw"),
     Section("integrity", "integrity", ("--no-overhead",), "Integrity: every adversary kind", "report_suites:render_integrity", "suites",
@@ -273,6 +275,10 @@ def _summary(stored: dict[str, Any]) -> list[str]:
         old_reference = v.get("reference_threads") != 1  # stored before the reference became one thread × S: no yardstick
         rows.append([f"pipeline efficiency B={b}, loopback / `50mbit,40ms`", f"{fmt.dec(v['loopback_efficiency'], 3)} / {fmt.dec(v['link_efficiency'], 3)}",
                      "– (an all-core reference that spin-waited under load: see the section)" if old_reference else "–"])
+    coord = (stored.get("coordinator-net") or {}).get("result") or {}
+    if coord.get("levels"):
+        rows.append(["coordinator over the network: `members_sustained` (p99 heartbeat < 1 s, on the shared 2 cores)",
+                     fmt.num(coord.get("members_sustained")), f"≥ {fmt.num(coord.get('goal_members'))}"])
     return (["## Summary", "", fmt.table(["figure", "measured", "goal"], rows), ""] if rows else [])
 
 

@@ -165,6 +165,14 @@ class CollectiveRound:
         """The result once this replica holds it (it may still be serving others before finishing)."""
         return self._committed
 
+    def held_fins(self) -> dict[str, tuple[frozenset[str], bytes, bytes]]:
+        """Every fin this replica holds, its own committed one included: signer → (members, result hash,
+        signature). A finished participant serves them with its result (:mod:`.result_proof`)."""
+        out = {p: (f.members, f.digest, f.signature) for p, f in self._fins.received.items()}
+        if self._committed is not None:
+            out[self.me] = (frozenset(self._C), self._committed.digest, self._committed.signature)
+        return out
+
     def contributors(self) -> list[str]:
         """Peers whose vector is (so far) part of the result, in the fixed reduction order."""
         return sorted(self._C)
@@ -261,7 +269,8 @@ class CollectiveRound:
             # here can match it. Its signed fin names the cause of this failure.
             return self._fail([peer], f"{peer} signed that it committed round {self.round_id} without this replica; "
                                       "resync from a replica", (self._fins.evidence(peer, Fin(members, digest, signature)),))
-        now_out, to_probe = self._suspicion.claimed(peer, suspects)
+        # Claims about this replica itself were weighed above (doubters): it never probes, or holds out, itself.
+        now_out, to_probe = self._suspicion.claimed(peer, [x for x in suspects if x != self.me])
         actions: list[Action] = [Probe(p) for p in to_probe]
         self._detector.alive(peer, self._now)
         if phase == "fin":
