@@ -11,13 +11,14 @@ two rounds is left out of the second, and the survivors apply the same update.
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Iterator
 
 import pytest
 import torch
 import trio
 
-from protolearn.node.averaging import Averager
+from protolearn.node.averaging import Averager, AveragingError
 from protolearn.node.replica_sync import ReplicaSync
 from protolearn.protocol.collective import PartHeader
 from protolearn.protocol.collective.result_proof import vector_digest as result_digest
@@ -32,6 +33,7 @@ from protolearn.sync_spec import parse_sync_compression
 
 SHAPES = [(96, 64), (64,), (64, 96), (7,)]
 FAULT_CONFIG = TransportConfig(request_timeout_s=5.0, chunk_timeout_s=5.0, connect_timeout_s=2.0)
+GATE_LOGGER = "protolearn.protocol"  # where a host logs whom it refused, and why
 NUMEL = sum(torch.Size(s).numel() for s in SHAPES)
 
 
@@ -187,3 +189,64 @@ def test_a_replica_that_dies_between_powersgds_two_rounds_is_left_out_of_the_sec
     q_sum = torch.stack([reps[p].second(2, p_sum) for p in survivors]).sum(0)
     torch.testing.assert_close(a.result, decode(reps[survivors[0]].layout, p_sum, q_sum), rtol=1e-4, atol=1e-5)  # type: ignore[attr-defined]
 
+
+@pytest.mark.parametrize("compression", ["int8", "powersgd:4"])
+def test_a_fetched_compressed_step_is_proven_and_a_forged_one_is_refused(open_hosts, run_trio, caplog, compression: str) -> None:
+    """Issue 27 (rule 1) under compressed sync: a fetched round, whatever its length and encoding, is taken only
+    with a strict majority of its participants' signed fins over exactly that vector. The first participant the
+    fetcher asks serves a forged vector (int8: the round's decoded result; PowerSGD: its Q-factor round) with
+    the honest fins it holds: the fetcher refuses it and takes the proven one from another. A taker that names
+    another compression than the round ran with finds no proof at all and fails (the node then redoes or
+    resyncs). A participant that fetches the round it contributed to (its own round failed) keeps the residual
+    its contribution left, as if its round had finished."""
+    spec = parse_sync_compression(compression)
+    gen = torch.Generator().manual_seed(3)
+    print(f"seed 3, compression {compression}")
+    caplog.set_level(logging.INFO, logger=GATE_LOGGER)
+
+    async def main() -> None:
+        async with open_hosts(5) as hosts:
+            participants = sorted(hosts[:3], key=lambda h: h.peer_id)
+            liar, fetcher, wrong = participants[0], hosts[3], hosts[4]
+            rid = round_id(5)
+            avgs = {h.peer_id: Averager(h, 1, NUMEL, timeout_s=3.0 if h is wrong else 20.0, window=lambda: rid) for h in hosts}
+            for a in avgs.values():
+                a.register()
+            syncs = {p: ReplicaSync(a, spec, SHAPES, seed=0) for p, a in avgs.items()}
+            weights = {h.peer_id: 1.0 + k for k, h in enumerate(participants)}
+            grads = {h.peer_id: torch.randn(NUMEL, generator=gen) for h in participants}
+            done: dict[str, object] = {}
+
+            async def average(p: str) -> None:
+                done[p] = await syncs[p].average(5, rid, weights, grads[p])
+
+            async with trio.open_nursery() as n:
+                for h in participants:
+                    n.start_soon(average, h.peer_id)
+            honest = done[participants[1].peer_id].result  # type: ignore[attr-defined]
+            forged_round = rid if spec.name == "int8" else rid + 1  # PowerSGD: its round B, the Q factors
+            served, fins = avgs[liar.peer_id].finished._results[forged_round]
+            forged = served.clone()
+            forged[0] += 1.0
+            avgs[liar.peer_id].finished._results[forged_round] = (forged, fins)
+            with trio.fail_after(60):
+                got = await syncs[fetcher.peer_id].fetch(5, rid, weights)
+            assert torch.equal(got, honest), "the fetcher must take the proven update"
+            refused = [r.getMessage() for r in caplog.records if f"refused peer={liar.peer_id}" in r.getMessage()]
+            assert any("signed a fin" in m for m in refused), refused
+            # The wrong compression: no fin of this round proves anything to it (PowerSGD's round A is not even
+            # of the stage's length), so it takes nothing.
+            other = ReplicaSync(avgs[wrong.peer_id], parse_sync_compression("none" if spec.name == "powersgd" else "topk:0.05"), SHAPES, seed=0)
+            with trio.fail_after(60), pytest.raises(AveragingError, match="could not fetch"):
+                await other.fetch(5, rid, weights)
+            # A participant that fetches the round it contributed to keeps its staged residual.
+            me = participants[2].peer_id
+            staged = syncs[me]._slices.feedback._staged if syncs[me]._slices else syncs[me]._power.feedback._staged  # type: ignore[union-attr]
+            with trio.fail_after(60):
+                again = await syncs[me].fetch(5, rid, weights)
+            assert torch.equal(again, honest)
+            syncs[me].commit(5)
+            kept = syncs[me]._slices.feedback.residual if syncs[me]._slices else syncs[me]._power.feedback.residual  # type: ignore[union-attr]
+            assert staged is not None and staged[1] is not None and kept is not None and torch.equal(kept, staged[1])
+
+    run_trio(main, timeout=120)
