@@ -9,6 +9,8 @@ Two kinds of peer still ask about a round after it finished here:
   failed, asks for the round's vector and applies exactly the same update (:meth:`FinishedRounds.serve`).
   Only a full average is served, with the signed fins this replica holds, which the taker checks: a
   strict majority of the participants must have signed it (:mod:`protolearn.protocol.collective.result_proof`).
+  Every round is served alike, whatever its vector (a compressed sync's round, or either of PowerSGD's
+  factor rounds, :mod:`protolearn.node.replica_sync`), with that round's own fins.
   A round that left a replica out is redone at the next revision, and a replica that fetched a result
   reports holding the step, which counts for the commit. A request that arrives before the round finished
   here waits for it, up to the round timeout.
@@ -24,12 +26,12 @@ import trio
 from protolearn.protocol.collective import PartHeader
 from protolearn.protocol.collective.result_proof import HeldFin
 from protolearn.protocol.pipeline import Refuse, ResultServed, ServedFin
-from protolearn.protocol.rounds import REVISIONS_PER_STEP
+from protolearn.protocol.rounds import PHASES_PER_REVISION, REVISIONS_PER_STEP, revision_index
 from protolearn.protocol.tensors import TensorFrame
 from protolearn.protocol.transport import FramedStream
 
 # Rounds kept behind the last one finished here.
-KEEP_ROUNDS = 2 * REVISIONS_PER_STEP
+KEEP_ROUNDS = 2 * REVISIONS_PER_STEP * PHASES_PER_REVISION
 
 
 def borrowed_frame(t: torch.Tensor) -> TensorFrame:
@@ -78,7 +80,7 @@ class FinishedRounds:
 
     async def serve(self, s: FramedStream, round_id: int, next_round: int) -> None:
         """Answer a left-out replica's request for round ``round_id``'s result."""
-        if round_id not in self._results and not next_round - 1 <= round_id <= next_round + 1:
+        if round_id not in self._results and not -1 <= revision_index(round_id) - revision_index(next_round) <= 1:
             await s.send(Refuse(code="stale", reason=f"round {round_id} is not kept (next round {next_round})"))
             return
         ready = self._ready.setdefault(round_id, trio.Event())

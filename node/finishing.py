@@ -1,7 +1,8 @@
 """The trio adapter that finishes a closed step: it carries out :class:`~protolearn.node.core.closed_step.NodeCore`'s actions.
 
 :meth:`Finisher.finish` feeds the core the closed step, then answers each of its questions with the IO
-it names (the gradients this replica holds, a collective round, fetching the round's result, a redo,
+it names (the gradients this replica holds, the stage's sync of them (:mod:`protolearn.node.replica_sync`:
+its collective round or rounds, under the run's compression), fetching the step's result, a redo,
 "did the step reopen?", the commit wait, applying the update) until the core says the step is applied,
 reopened (wait for the next revision) or lost here (resync). Every decision is the core's; this module
 only does reads, writes and waits, and reads time through the node's one clock.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import trio
-from protolearn.node.averaging import Averager, AveragingError, ResultGone
+from protolearn.node.averaging import AveragingError, ResultGone
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
 from protolearn.node.core.events import (
     Action,
@@ -51,6 +52,7 @@ from protolearn.node.core.events import (
 from protolearn.node.core.closed_step import NodeCore
 from protolearn.node.driver import emit
 from protolearn.node.progress import Progress
+from protolearn.node.replica_sync import ReplicaSync
 from protolearn.node.step_timing import StepTimer
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
@@ -79,7 +81,7 @@ class Finisher:
         self,
         core: NodeCore,
         worker: StageWorker,
-        averager: Averager,
+        sync: ReplicaSync,
         link: CoordinatorLink,
         compute: trio.CapacityLimiter,
         progress: Progress,
@@ -93,7 +95,9 @@ class Finisher:
         self.core = core
         self.timing = timing
         self.worker = worker
-        self.averager = averager
+        self.sync = sync
+        # Replica-sync bytes this replica had sent when it began finishing the step it finishes now.
+        self._bytes_mark = (-1, 0)
         self.link = link
         self.compute = compute
         self.progress = progress
@@ -105,6 +109,8 @@ class Finisher:
     async def finish(self, step: int, info: cm.StepInfo) -> StepResult:
         """Finish ``step``, closed as ``info`` says; see :class:`StepResult`."""
         self.progress.update(state=cm.NodeState.AVERAGING.value)
+        if self._bytes_mark[0] != step:  # a reopened step's later revisions count toward the same step
+            self._bytes_mark = (step, self.sync.bytes_sent)
         account = {pt.peer_id: list(pt.tickets) for sa in info.accounting if sa.stage == self.core.stage for pt in sa.peers}
         held = await trio.to_thread.run_sync(self.worker.held_tickets, step, limiter=self.compute)
         self._result: torch.Tensor | None = None
@@ -140,7 +146,7 @@ class Finisher:
         if isinstance(a, Average):
             flat = await trio.to_thread.run_sync(self.worker.flat_grads, a.step, a.tickets, limiter=self.compute)
             try:
-                done = await self.averager.run_round_detailed(a.round, a.weights, flat)
+                done = await self.sync.average(a.step, a.round, a.weights, flat)
             except AveragingError as err:
                 return RoundFailed(a.step, a.revision, str(err), err.causes)
             self._result, self._result_hash = done.result, done.digest.hex()
@@ -149,7 +155,7 @@ class Finisher:
             self._result = None
             with trio.move_on_after(a.try_s):
                 try:
-                    self._result = await self.averager.fetch_result(a.round, a.weights)
+                    self._result = await self.sync.fetch(a.step, a.round, a.weights)
                 except ResultGone as err:
                     return Fetched(a.step, a.revision, ok=False, gone=True, reason=str(err))
                 except AveragingError as err:
@@ -225,6 +231,7 @@ class Finisher:
         # checkpoint (taken under the same lock) never sees new parameters with the old count.
         async with self.compute:
             param_hash, norm = await trio.to_thread.run_sync(self.worker.apply, a.step, result)
+            self.sync.commit(a.step)
             follow = self.core.handle(Applied(a.step, param_hash), self.clock())
         await trio.to_thread.run_sync(self.worker.forget, a.step, limiter=self.compute)
         for b in follow:
@@ -232,5 +239,6 @@ class Finisher:
         self.progress.event(
             "step", step=a.step, loss=a.loss, hash=param_hash, tickets=a.tickets, replicas=a.replicas, counted=a.counted,
             grad_norm=norm, averaging_s=round(t_avg, 4), revision=a.revision,
+            sync_bytes=self.sync.bytes_sent - self._bytes_mark[1] if self._bytes_mark[0] == a.step else None,
         )
         return param_hash

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import trio
 from protolearn.node.adversary import Attack, parse_adversary
 from protolearn.node.averaging import Averager
+from protolearn.node.replica_sync import ReplicaSync
 from protolearn.node.config import NodeConfig
 from protolearn.node.compute_watch import ComputeWatch
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
@@ -114,6 +115,7 @@ class Node:
         self.driver: TicketDriver
         self.router: Router
         self.averager: Averager
+        self.replica_sync: ReplicaSync
         self.finisher: Finisher
         self.syncer: StageSync
 
@@ -179,13 +181,15 @@ class Node:
                                  aggregation=Aggregation.from_config(run.integrity), cross_check=run.integrity.cross_check,
                                  part_filter=outbound.part_filter, on_reducer_fault=self.integrity.reducer_fault)
         self.averager.register()
+        self.replica_sync = ReplicaSync(self.averager, run.sync.compression_spec, [tuple(p.shape) for p in self.worker.params],
+                                        seed=run.seed, compute=self.compute)
         self.syncer = StageSync(
             self.config, self.host, self.link, self.worker, self.persistence, self.compute, self.progress,
             stage=stage, run_hash=self.run_hash, donors=lambda: [p for p in self.view.stage_peers(stage) if p != self.host.peer_id],
             say_waiting=self._say_waiting, clock=self.clock,
         )
         self.finisher = Finisher(
-            core, self.worker, self.averager, self.link, self.compute, self.progress,
+            core, self.worker, self.replica_sync, self.link, self.compute, self.progress,
             reported_hashes=self.syncer.reported_hashes, resync=self.resync, start_held=self.router.release, clock=self.clock,
             timing=self.timing,
         )
@@ -213,6 +217,7 @@ class Node:
         """Take the stage's state (see :class:`~protolearn.node.syncing.StageSync`); the core counts it applied."""
         assert self.core is not None  # built
         self.worker.applied = -1  # weights being replaced: no spot check recomputes with them meanwhile
+        self.replica_sync.reset()  # its residual and warm start belong to the state it had
         applied = await self.syncer.sync(open_step)
         self.worker.applied = applied
         if applied > 0:

@@ -34,6 +34,7 @@ SUITES: dict[str, str] = {
     "linkrecovery": "scripts/bench_linkrecovery.py",
     "report": "scripts/bench_report.py",
     "framing": "scripts/bench_framing.py",
+    "sync": "scripts/bench_sync.py",
 }
 
 

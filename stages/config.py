@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from protolearn.codec_spec import CodecSpec, parse_codec_spec
 from protolearn.errors import ConfigError
 from protolearn.precision import PRECISIONS, Precision
+from protolearn.sync_spec import SyncCompression, parse_sync_compression
 
 DEMO_RUN = "demo"
 
@@ -185,6 +186,29 @@ class SubspaceConfig(_Frozen):
     tail_blocks: int = Field(0, ge=0)
 
 
+class SyncConfig(_Frozen):
+    """How the replicas of a stage keep in sync (DESIGN.md "How one training step flows", step 4).
+
+    ``mode = "step"``: every step, the replicas average their gradients with the collective. ``compression``
+    (:mod:`protolearn.sync_spec`; :mod:`protolearn.protocol.sync_compression`) is what that average sends:
+    ``none`` (raw float32: the swarm equals ``train-local``), ``int8``, ``topk:F`` or ``powersgd:R``.
+    """
+
+    mode: str = Field("step", pattern=r"^step$")
+    compression: str = "none"
+
+    @field_validator("compression")
+    @classmethod
+    def _known_compression(cls, v: str) -> str:
+        parse_sync_compression(v, field="sync.compression")
+        return v
+
+    @property
+    def compression_spec(self) -> SyncCompression:
+        """The parsed :attr:`compression` (already validated, so this cannot fail)."""
+        return parse_sync_compression(self.compression)
+
+
 class RunConfig(_Frozen):
     """Everything that fixes a training run. Every node must hold the same one (see :meth:`run_hash`)."""
 
@@ -199,6 +223,7 @@ class RunConfig(_Frozen):
     data: DataConfig = Field(default_factory=DataConfig)
     integrity: IntegrityConfig = Field(default_factory=IntegrityConfig)
     subspace: SubspaceConfig = Field(default_factory=SubspaceConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
 
     @field_validator("codec")
     @classmethod

@@ -17,7 +17,13 @@ So a liar among the participants can serve nothing but the honest result while h
 strict majority of the round (it cannot sign for them), and the taker's vote in the commit counts only for a
 result that majority committed. A round of two participants needs both fins, a round of one its only one:
 then the result rests on its single participant, as its computation does anyway (the integrity layer's to
-check). Pure: it hashes and verifies, and loads torch only to hash the vector's parts.
+check).
+
+Under a compressed replica sync (``[sync] compression``, :mod:`protolearn.node.replica_sync`) every round a
+step runs is proven alike: an ``int8`` / ``topk:F`` round's digest binds its slice compression, so a fin
+of that round proves exactly its decoded float32 result; PowerSGD's two rounds (its P and Q factors, of
+their own lengths) are ordinary rounds, each proven by its own fins, and the update is a pure function of
+the two proven vectors. Pure: it hashes and verifies, and loads torch only to hash the vector's parts.
 """
 
 from __future__ import annotations
@@ -56,18 +62,19 @@ def fins_of(peers: Sequence[str], held: Mapping[str, tuple[Collection[str], byte
 
 def unproven(
     result: torch.Tensor, fins: Sequence[HeldFin], *, round_id: int, weights: Mapping[str, float], op: str, rule_tag: str,
-    cross_check: bool, verify: Verify,
+    cross_check: bool, verify: Verify, compression: str = "none",
 ) -> str:
     """Why ``result`` is not proven to be round ``round_id``'s full result ('' if it is); see the module docstring.
-    ``weights``: the round's participants and weights; ``op``, ``rule_tag``, ``cross_check``: what the round's
-    digest binds."""
+    ``weights``: the round's participants and weights; ``op``, ``rule_tag``, ``cross_check``, ``compression`` (the
+    round's slice compression tag, :mod:`protolearn.protocol.sync_compression.slice_codec`): what the round's
+    digest binds, with the vector's own length."""
     peers = sorted(weights)
     if not peers:
         return "the round has no participants"
     contributors = [p for p in peers if weights[p] > 0]
     full = members_mask(peers, contributors)
     digest = vector_digest(result, len(peers))
-    dig = round_digest(round_id, weights, result.numel(), op_tag(op, rule_tag, cross_check))
+    dig = round_digest(round_id, weights, result.numel(), op_tag(op, rule_tag, cross_check, compression))
     statement = fin_statement(dig, full, digest)
     signers: set[str] = set()
     for f in fins:

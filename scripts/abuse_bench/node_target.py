@@ -31,7 +31,7 @@ async def serve_target(data_dir: str, numel: int) -> None:
     from protolearn.node.averaging import Averager
     from protolearn.protocol.identity import Identity
     from protolearn.protocol.pipeline import Ack
-    from protolearn.protocol.rounds import REVISIONS_PER_STEP
+    from protolearn.protocol.rounds import round_id
     from protolearn.protocol.tensors import from_frame
     from protolearn.protocol.transport import FramedStream, open_host
     from protolearn.stages.config import default_run
@@ -52,7 +52,7 @@ async def serve_target(data_dir: str, numel: int) -> None:
         async with open_host(Identity.generate()) as node, open_host(Identity.generate()) as member:
             members = {node.peer_id, member.peer_id}
             # Rounds are numbered as a node numbers them (one step apart), so only the last few results are kept.
-            upcoming = [REVISIONS_PER_STEP]
+            upcoming = [round_id(1)]
             avgs = [Averager(h, STAGE, numel, timeout_s=20.0, members=lambda: members, window=lambda: upcoming[0]) for h in (node, member)]
             for a in avgs:
                 a.register()
@@ -94,7 +94,7 @@ async def serve_target(data_dir: str, numel: int) -> None:
                 except Exception as err:  # the bench reports it as a failed honest round
                     print(f"round {r} failed: {type(err).__name__}: {err}", file=sys.stderr)
                     ok = False
-                upcoming[0] = r + REVISIONS_PER_STEP
+                upcoming[0] = r + round_id(1)
                 say({"s": trio.current_time() - t0, "ok": ok, "next": upcoming[0]})
         nursery.cancel_scope.cancel()
 

@@ -33,6 +33,7 @@ from protolearn.node.core.events import Synced
 from protolearn.node.errors import Banned
 from protolearn.node.finishing import Finisher
 from protolearn.node.progress import Progress
+from protolearn.node.replica_sync import ReplicaSync
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement
 from protolearn.protocol.boundary import boundary_statement, frame_digest, inputs_digest
@@ -111,9 +112,9 @@ class _RoundsNoted:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._averager, name)
 
-    async def run_round_detailed(self, round_id: int, weights: dict[str, float], vector: Any) -> Any:
+    async def run_round_detailed(self, round_id: int, weights: dict[str, float], vector: Any, **kw: Any) -> Any:
         self.weights[round_id] = dict(weights)
-        return await self._averager.run_round_detailed(round_id, weights, vector)
+        return await self._averager.run_round_detailed(round_id, weights, vector, **kw)
 
 
 class _LyingHost:
@@ -208,7 +209,9 @@ class Replica:
                             aggregation=Aggregation.from_config(integrity), cross_check=integrity.cross_check)
         averager.register()
         self.averager = _RoundsNoted(averager)
-        self.finisher = Finisher(self.core, self.worker, self.averager, self.link, trio.CapacityLimiter(1), self.progress,
+        # The node's replica sync, under the run's [sync] compression (its stand-in model is one flat tensor).
+        sync = ReplicaSync(self.averager, self.run.sync.compression_spec, [(self.numel,)], seed=self.run.seed)  # type: ignore[arg-type]
+        self.finisher = Finisher(self.core, self.worker, sync, self.link, trio.CapacityLimiter(1), self.progress,
                                  reported_hashes=self._reported_hashes, resync=self._resync, start_held=lambda payloads: None)
         if self.stage == LAST_STAGE:
             self.host.serve(PIPELINE, self._work, request_type=TicketWork)

@@ -13,9 +13,10 @@ from tests.unit.test_collective import Net, fake_sign, fake_verify
 WEIGHTS = {"a": 2.0, "b": 1.0, "liar": 1.0}
 
 
-def _fin(signer: str, result: torch.Tensor, members: list[str], *, round_id: int = 7, weights: dict[str, float] = WEIGHTS) -> HeldFin:
+def _fin(signer: str, result: torch.Tensor, members: list[str], *, round_id: int = 7, weights: dict[str, float] = WEIGHTS,
+         compression: str = "none") -> HeldFin:
     peers = sorted(weights)
-    dig = round_digest(round_id, weights, result.numel(), op_tag("sum"))
+    dig = round_digest(round_id, weights, result.numel(), op_tag("sum", compression=compression))
     mask = members_mask(peers, members)
     digest = vector_digest(result, len(peers))
     return HeldFin(signer, mask, digest, fake_sign(signer)(fin_statement(dig, mask, digest)))
@@ -71,3 +72,21 @@ def test_a_finished_rounds_held_fins_prove_its_result() -> None:
         fins = fins_of(net.rounds[p].peers, net.rounds[p].held_fins())
         assert {f.signer for f in fins} == set(WEIGHTS)
         assert _why(done.result, fins) == ""
+
+
+def test_a_compressed_rounds_fins_prove_its_result_only_under_its_compression() -> None:
+    """Under ``[sync] compression`` a round's digest binds the slice compression: its fins prove its decoded
+    result to a taker that names the same compression, and nothing to one that names another (or none), so
+    a fetched vector is proven for exactly the round it came from. A PowerSGD factor round is a raw round of
+    its own length: the proof is over that length."""
+    result = torch.arange(7, dtype=torch.float32)
+    full = sorted(WEIGHTS)
+    fins = [_fin(p, result, full, compression="int8") for p in ("a", "b")]
+    assert _why(result, fins, compression="int8") == ""
+    assert _why(result, fins) != "", "a compressed round's fins prove nothing to an uncompressed taker"
+    assert _why(result, fins, compression="topk:0.05") != "", "nor under another compression"
+    raw = [_fin(p, result, full) for p in ("a", "b")]
+    assert _why(result, raw, compression="int8") != "", "a raw round's fins prove nothing to a compressed taker"
+    factor = torch.arange(3, dtype=torch.float32)  # a shorter factor vector: its own round digest
+    assert _why(factor, [_fin(p, factor, full) for p in ("a", "b")]) == ""
+    assert _why(factor, raw) != ""
