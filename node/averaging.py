@@ -298,8 +298,12 @@ class Averager:
         done = await self.run_round_detailed(round_id, weights, vector)
         return done.result
 
-    async def run_round_detailed(self, round_id: int, weights: dict[str, float], vector: torch.Tensor) -> Done:
-        """Like :meth:`run_round`, returning the :class:`Done` with ``contributors`` and ``excluded``."""
+    async def run_round_detailed(
+        self, round_id: int, weights: dict[str, float], vector: torch.Tensor, *, keep: Callable[[Done], torch.Tensor | None] | None = None,
+    ) -> Done:
+        """Like :meth:`run_round`, returning the :class:`Done` with ``contributors`` and ``excluded``. ``keep``: what
+        this replica serves a replica that fetches the round's result (default: the sum, and only when nobody was
+        left out); DiLoCo's outer rounds serve their weighted mean (node/outer_sync.py)."""
         r = CollectiveRound(
             round_id, self.host.peer_id, weights, self.numel, op="sum", timeout_s=self.timeout_s,
             bandwidth=self.bandwidth, floor_s=self.floor_s, max_liars=self.max_liars, aggregation=self.aggregation,
@@ -350,8 +354,8 @@ class Averager:
         if result.excluded:
             log.warning("collective step=%d stage=%d left out dead replicas %s", round_id, self.stage, result.excluded)
         self.last_done = result
-        # Only a full average is served (see node/finished_rounds.py).
-        self.finished.done(round_id, None if result.excluded else result.result)
+        # Only a full average is served (see node/finished_rounds.py), unless the caller says what to serve.
+        self.finished.done(round_id, keep(result) if keep is not None else None if result.excluded else result.result)
         return result
 
     async def _sender(self, recv: trio.MemoryReceiveChannel[Send | Probe], round_id: int, nursery: trio.Nursery) -> None:

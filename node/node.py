@@ -16,6 +16,13 @@ averaged it in full (the commit barrier), so a replica that dies while any stage
 never lost. Every replica applies the identical optimizer step, logs its parameter hash, and reports
 it in its heartbeat, where its stage's replicas' hashes are compared (I2). Work for step t+1 that
 arrives before t is applied is held (bounded) and released after.
+
+In DiLoCo mode (``[sync] mode = "diloco"``) the core is an :class:`InnerStepCore`: each replica applies its
+own inner steps, and every H steps :class:`~protolearn.node.outer_sync.OuterSync` runs the stage's outer
+round. What the replica reports (hash, step), serves a joiner and checkpoints is then its state after the
+last outer sync, the only state its stage's replicas share; its heartbeat carries its inner step beside it.
+A (re)starting replica takes that state from the stage and trains on from the open step
+(:meth:`Node.sync_state`).
 """
 from __future__ import annotations
 
@@ -32,15 +39,17 @@ from protolearn.node.compute_watch import ComputeWatch
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
 from protolearn.node.core.closed_step import CoreConfig, NodeCore
 from protolearn.node.core.events import Synced
+from protolearn.node.core.inner_step import InnerStepCore
 from protolearn.node.core.routing import RouteCore
 from protolearn.node.core.tickets import Tickets
 from protolearn.node.driver import TicketDriver
-from protolearn.node.errors import JoinError
+from protolearn.node.errors import JoinError, StateSyncError
 from protolearn.node.finishing import Finisher
 from protolearn.node.integrity import Integrity
 from protolearn.node.join import resolve_device
 from protolearn.node.membership import Membership
 from protolearn.node.outbound import PASS_THROUGH
+from protolearn.node.outer_sync import OuterSync
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
 from protolearn.node.reachability import Reachability
@@ -49,7 +58,7 @@ from protolearn.node.replica_hashes import ReplicaHashes
 from protolearn.node.router import Router
 from protolearn.node.state_sync import Snapshot, StateServer
 from protolearn.node.step_timing import StepTimer
-from protolearn.node.syncing import StageSync
+from protolearn.node.syncing import SYNC_RETRY_S, StageSync
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.boundary import OutputEvidence
@@ -92,7 +101,7 @@ class Node:
         self.compute_watch = ComputeWatch()
         self.last_loss: float | None = None
         self.target_steps = min(run.steps, config.max_steps) if config.max_steps else run.steps
-        self.hashes = ReplicaHashes(link, progress, host.peer_id, applied=lambda: self.applied)
+        self.hashes = ReplicaHashes(link, progress, host.peer_id, applied=lambda: self.state_applied)
         self._first_logged = False
         self._moved_warned = False
         # Cancelled when the coordinator moves this node to a stage nobody works in: see _wait_closed.
@@ -128,6 +137,19 @@ class Node:
         """Steps this node's stage has applied (0 before it is built)."""
         return self.core.applied if self.core is not None else 0
 
+    @property
+    def diloco(self) -> bool:
+        return self.run.sync.diloco
+
+    @property
+    def state_applied(self) -> int:
+        """The steps the state this replica shares with its stage is after: its applied steps, or in DiLoCo
+        mode those of its last outer sync (what it reports, serves and checkpoints)."""
+        if self.diloco and self.core is not None:
+            outer = self.worker.outer
+            return outer.anchor_applied if outer is not None else 0
+        return self.applied
+
     # -- set-up ------------------------------------------------------------------------------
     async def build(self, stage: int) -> None:
         """Build ``stage`` (again, after the coordinator moved this node) and serve its protocols."""
@@ -150,10 +172,12 @@ class Node:
                 if err.code == "corpus_mismatch":
                     raise JoinError(err.detail) from None
                 raise
-        core = NodeCore(self.host.peer_id, stage, CoreConfig(
+        core_config = CoreConfig(
             microbatches_per_step=run.batch.microbatches_per_step, max_in_flight=self.config.max_in_flight,
             max_deferred=self.config.max_deferred, averaging_timeout_s=self.config.averaging_timeout_s,
-        ))
+        )
+        core = (InnerStepCore(self.host.peer_id, stage, core_config, inner_steps=run.sync.inner_steps, steps=run.steps)
+                if self.diloco else NodeCore(self.host.peer_id, stage, core_config))
         # One record per ticket (node/core/tickets.py), which routing, integrity and stage 0's driver share.
         tickets = Tickets()
         self.routes = RouteCore(tickets)
@@ -162,6 +186,7 @@ class Node:
             self.host, run, self.worker, corpus, self.compute, tickets=tickets, outbound=outbound,
             replicas=lambda s: self.view.stage_peers(s), witnesses=self._witnesses, stage_of=lambda peer: self.view.stage_of(peer),
             report=self._integrity_report, timeout_s=self.config.request_timeout_s, seed=self.integrity_seed,
+            checkable=(lambda step: step % run.sync.inner_steps == 0) if self.diloco else None,
         )
         # The driver starts tickets through the router built next (the closure reaches it when one starts).
         self.driver = TicketDriver(
@@ -184,10 +209,14 @@ class Node:
             stage=stage, run_hash=self.run_hash, donors=lambda: [p for p in self.view.stage_peers(stage) if p != self.host.peer_id],
             say_waiting=self._say_waiting, clock=self.clock,
         )
+        outer = None
+        if isinstance(core, InnerStepCore):
+            outer = OuterSync(core, self.worker, self.averager, self.link, self.compute, self.progress, synced=self._outer_synced,
+                              ask_timeout_s=self.config.sync_timeout_s, clock=self.clock)
         self.finisher = Finisher(
             core, self.worker, self.averager, self.link, self.compute, self.progress,
             reported_hashes=self.syncer.reported_hashes, resync=self.resync, start_held=self.router.release, clock=self.clock,
-            timing=self.timing,
+            timing=self.timing, outer=outer,
         )
         StateServer(self.host, stage, self.run_hash, self._snapshot).register()
         self.core = core
@@ -203,16 +232,30 @@ class Node:
         if core is None or core.state is NodeState.SYNCING:
             return None
 
+        outer = self.worker.outer
+
         def take() -> Snapshot:
             self_test = self.worker.self_test().numpy().tobytes() if self.run.integrity.self_test else b""
             return core.applied, self.worker.param_hash(), self.worker.snapshot(), self_test
 
-        return await trio.to_thread.run_sync(take, limiter=self.compute)
+        def take_anchor() -> Snapshot:  # DiLoCo: the state after the last outer sync, with the self-test on it
+            assert outer is not None
+            self_test = self.worker.with_anchor(self.worker.self_test).numpy().tobytes() if self.run.integrity.self_test else b""
+            return outer.anchor_applied, outer.anchor_hash, self.worker.snapshot(), self_test
+
+        if outer is None:
+            return await trio.to_thread.run_sync(take, limiter=self.compute)
+        if outer.anchor_applied < 0:
+            return None
+        return await trio.to_thread.run_sync(take_anchor, limiter=self.compute)
 
     async def sync_state(self, open_step: int) -> None:
         """Take the stage's state (see :class:`~protolearn.node.syncing.StageSync`); the core counts it applied."""
         assert self.core is not None  # built
         self.worker.applied = -1  # weights being replaced: no spot check recomputes with them meanwhile
+        if self.diloco:
+            await self._sync_anchor(open_step)
+            return
         applied = await self.syncer.sync(open_step)
         self.worker.applied = applied
         if applied > 0:
@@ -221,6 +264,44 @@ class Node:
             # would wait for "its replicas' parameter hashes" forever.
             self.hashes.record(applied - 1, await trio.to_thread.run_sync(self.worker.param_hash, limiter=self.compute))
         self.core.handle(Synced(applied), self.clock())
+
+    async def _sync_anchor(self, open_step: int) -> None:
+        """DiLoCo: take the stage's state after its last outer sync (a donor's, a checkpoint's or the init) and
+        train on from the open step. While the stage's replicas are still in the outer round the open step
+        follows (they serve the state from before it), wait for its result: a joiner syncs at an outer
+        boundary. A stage with no live replica continues from its checkpoint, as in step mode."""
+        assert self.core is not None and self.worker.outer is not None
+        deadline = self.clock() + self.config.sync_timeout_s
+        h = self.run.sync.inner_steps
+        while True:
+            got = await self.syncer.sync(open_step)
+            frontier = max(self.link.step, got)
+            needed = h * (frontier // h)  # the sync that started the open step's outer round
+            if got >= min(needed, self.run.steps) or not self.syncer.donors():
+                break
+            if self.clock() > deadline:
+                raise StateSyncError(f"stage {self.stage}'s replicas did not finish the outer sync after step {needed - 1} "
+                                     f"within {self.config.sync_timeout_s:g} s; restart the node to try again")
+            self._say_waiting(f"syncing stage {self.stage}: its replicas are in the outer sync after step {needed - 1}")
+            await trio.sleep(SYNC_RETRY_S)
+            open_step = self.link.step
+        self._say_waiting("")
+        if got == 0:
+            await trio.to_thread.run_sync(self.worker.take_anchor, limiter=self.compute)  # the init is the anchor
+        self.worker.anchored(got, since_step=frontier)
+        self.worker.applied = frontier
+        if got > 0:
+            self.hashes.record(got - 1, self.worker.outer.anchor_hash)
+        self.progress.event("anchor", applied=got, trains_from=frontier, hash=self.worker.outer.anchor_hash)
+        self.core.handle(Synced(frontier), self.clock())
+
+    async def _outer_synced(self, step: int, param_hash: str) -> None:
+        """DiLoCo: this replica holds the stage's state after the outer sync after ``step``: report it, and
+        checkpoint it when one is due."""
+        self.hashes.record(step, param_hash)
+        self.link.beat_now()
+        await self.persistence.after_step(self.stage, self.worker, lambda: self.state_applied, self.target_steps,
+                                          span=self.run.sync.inner_steps)
 
     async def _witnesses(self, target: str, step: int, ticket: int, direction: str) -> list[str]:
         """The coordinator's draw of witnesses for a spot check of ``target`` (none when it refuses)."""
@@ -312,7 +393,7 @@ class Node:
         path = self.relay_watch.path(self.view.neighbours(self.stage))
         if self.core is None:  # heartbeats start before the stage is built, so a slow start never expires
             return cm.Heartbeat(state=self.state, view_version=self.view.version, path=path, addrs=self.relay_watch.addrs())
-        applied = self.core.applied
+        applied = self.state_applied
         if self.router.stats.first_at is not None and not self._first_logged:
             self._first_logged = True
             self.progress.event("first_microbatch", at=self.router.stats.first_at, stage=self.stage)
@@ -330,6 +411,7 @@ class Node:
             view_version=self.view.version,
             path=path,
             addrs=self.relay_watch.addrs(),
+            inner_step=self.core.applied - 1 if self.diloco else -1,
         )
 
     def _elapsed(self) -> float:
@@ -403,8 +485,9 @@ class Node:
     async def _after_apply(self, step: int, info: cm.StepInfo, param_hash: str) -> None:
         core = self.core
         assert core is not None
-        self.hashes.record(step, param_hash)
-        await self.persistence.after_step(self.stage, self.worker, lambda: core.applied, self.target_steps)
+        if not self.diloco:  # in DiLoCo mode only outer syncs give a state to report and checkpoint (_outer_synced)
+            self.hashes.record(step, param_hash)
+            await self.persistence.after_step(self.stage, self.worker, lambda: core.applied, self.target_steps)
         if self.worker.last and info.loss is not None:
             self.last_loss = info.loss
         tps = self.router.stats.tokens / self._elapsed()
@@ -452,4 +535,4 @@ class Node:
         core = self.core
         if core is None or core.state is NodeState.SYNCING:
             return
-        await self.persistence.at_leave(self.stage, self.worker, lambda: core.applied)
+        await self.persistence.at_leave(self.stage, self.worker, lambda: self.state_applied)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 # Round ids per step. The coordinator caps revisions far below this (its max_revisions, 32 by default).
 REVISIONS_PER_STEP = 1 << 12
+# DiLoCo: attempts of one outer round whose collective failed, before its replicas give up on it. An outer
+# round after step b uses b's round ids (attempt a is revision a), which no inner step uses in that mode.
+MAX_OUTER_ATTEMPTS = 64
 
 
 def round_id(step: int, revision: int = 1) -> int:

@@ -185,6 +185,32 @@ class SubspaceConfig(_Frozen):
     tail_blocks: int = Field(0, ge=0)
 
 
+class SyncConfig(_Frozen):
+    """How the replicas of a stage stay in step (issue 24): every step, or DiLoCo every ``inner_steps``.
+
+    ``step``: the replicas average their gradients after every step (DESIGN.md's one-step flow). ``diloco``:
+    each replica takes its own AdamW inner steps on the tickets that pass through it; after every
+    ``inner_steps`` steps the replicas average their pseudo-gradients (parameters at the last sync minus
+    now) weighted by the tokens each processed, and apply one Nesterov outer step with ``outer_lr`` and
+    ``outer_momentum`` (node/core/outer_round.py). An outer round goes ahead once ``quorum`` replicas of the
+    stage (at most as many as are live) are ready and ``grace_s`` passed since the first; late or dead
+    replicas are left out and resync (coordinator/core/outer_rounds.py). ``max_weight_share`` caps any
+    one replica's share of the weight (Throttle); None: no cap.
+    """
+
+    mode: str = Field("step", pattern=r"^(step|diloco)$")
+    inner_steps: int = Field(32, ge=1, le=1000)
+    outer_lr: float = Field(0.7, gt=0.0, le=10.0)
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    quorum: int = Field(1, ge=1, le=1_000_000)
+    grace_s: float = Field(2.0, ge=0.0, le=3600.0)
+    max_weight_share: float | None = Field(None, gt=0.0, le=1.0)
+
+    @property
+    def diloco(self) -> bool:
+        return self.mode == "diloco"
+
+
 class RunConfig(_Frozen):
     """Everything that fixes a training run. Every node must hold the same one (see :meth:`run_hash`)."""
 
@@ -199,6 +225,7 @@ class RunConfig(_Frozen):
     data: DataConfig = Field(default_factory=DataConfig)
     integrity: IntegrityConfig = Field(default_factory=IntegrityConfig)
     subspace: SubspaceConfig = Field(default_factory=SubspaceConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
 
     @field_validator("codec")
     @classmethod

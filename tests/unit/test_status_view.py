@@ -103,7 +103,7 @@ def test_names_are_in_the_json_and_it_matches_schema_4() -> None:
     st = core.handle("reader", cm.StatusRequest(), now)
     doc = st.model_dump(mode="json")
     jsonschema.validate(doc, STATUS_JSON_SCHEMA)
-    assert doc["schema_version"] == 4 and doc["run"]["steps"] == 40
+    assert doc["schema_version"] == 5 and doc["run"]["steps"] == 40
     assert sorted(n["name"] for n in doc["nodes"]) == sorted(NAMES)
     assert doc["eta_s"] is not None and doc["eta_s"] > 0 and doc["at_risk"] == []
 

@@ -1,0 +1,179 @@
+"""The trio adapter of a DiLoCo outer round: carries out :class:`~protolearn.node.core.outer_round.OuterRoundCore`'s actions.
+
+The node core in DiLoCo mode (:mod:`protolearn.node.core.inner_step`) asks for an outer sync after the
+last inner step of each outer round (:class:`~protolearn.node.core.events.SyncOuter`); :meth:`OuterSync.sync`
+runs that round and answers with :class:`~protolearn.node.core.events.OuterDone`. The IO it does, each an
+answer to one action of the round's core:
+
+- the long poll of the coordinator's decision (:meth:`CoordinatorLink.outer_ready`), naming this replica's
+  anchor (its state after the last sync) and the first inner step its parameters cover since it took it;
+- the pseudo-gradient's one path to the wire: :attr:`OuterSync.average` is handed the flat float32 vector
+  ``weight * (anchor - theta)`` and the round's weights, and returns the collective's
+  :class:`~protolearn.protocol.collective.Done` (by default the stage's averager, exact fp32; a compressor
+  wraps this callable, passing ``keep`` on); the weighted mean it yields is what this replica then serves
+  (``keep``) to a follower, or to a participant whose own round failed;
+- such a fetch of the round's mean from a participant;
+- the outer step itself under the compute lock (:meth:`StageWorker.apply_outer`), after which the new
+  anchor's hash is recorded for the heartbeat (what the stage's replicas compare, I2) and a checkpoint of
+  it is written when one is due.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import torch
+import trio
+from protolearn.node.averaging import Averager, AveragingError
+from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
+from protolearn.node.core.events import Emit, OuterDone, SyncOuter
+from protolearn.node.core.inner_step import InnerStepCore
+from protolearn.node.core.outer_round import (
+    ApplyOuter,
+    AskReady,
+    AverageFailed,
+    Averaged,
+    AverageOuter,
+    Decided,
+    FetchOuter,
+    Fetched,
+    Finish,
+    Installed,
+    OuterAction,
+    OuterEvent,
+    OuterRoundCore,
+    Unanswered,
+    total_weight,
+)
+from protolearn.node.driver import emit
+from protolearn.node.progress import Progress
+from protolearn.node.worker import StageWorker
+from protolearn.protocol.collective import Done
+from protolearn.protocol.errors import ProtocolError
+
+log = logging.getLogger("protolearn.node")
+# Long-poll length of one ask for the round's decision (the coordinator caps it at 30 s).
+READY_POLL_S = 10.0
+
+# (collective round id, contributor → weight, this replica's flat float32 contribution (N,), keep=what to serve
+# fetchers given the Done) → the round's Done. Averager.run_round_detailed is one.
+AverageFn = Callable[..., Awaitable[Done]]
+
+
+class OuterSync:
+    """Runs the outer rounds of one built stage; the node makes one per build (DiLoCo mode only)."""
+
+    def __init__(
+        self, core: InnerStepCore, worker: StageWorker, averager: Averager, link: CoordinatorLink, compute: trio.CapacityLimiter,
+        progress: Progress, *, synced: Callable[[int, str], Awaitable[None]], ask_timeout_s: float,
+        average: AverageFn | None = None, clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        """``synced(step, hash)``: called once this replica holds the new anchor after ``step`` (the node records
+        the hash and writes a due checkpoint). ``average``: the seam to the collective (default: ``averager``'s)."""
+        self.core = core
+        self.worker = worker
+        self.averager = averager
+        self.link = link
+        self.compute = compute
+        self.progress = progress
+        self.synced = synced
+        self.ask_timeout_s = ask_timeout_s
+        self.average: AverageFn = average if average is not None else averager.run_round_detailed
+        self.clock = clock
+        self._result: torch.Tensor | None = None
+
+    async def sync(self, a: SyncOuter) -> OuterDone:
+        """Outer round ``a.round`` after inner step ``a.step``; see the module docstring."""
+        oc = OuterRoundCore(self.core.me, self.core.stage, a.round, a.step, ask_timeout_s=self.ask_timeout_s)
+        self._result = None
+        started = self.clock()
+        actions = oc.start(started)
+        while True:
+            event: OuterEvent | None = None
+            for act in actions:
+                if isinstance(act, Finish):
+                    self.progress.event(
+                        "outer_sync", round=a.round, step=a.step, attempt=oc.attempt, role=oc.role, resync=act.resync,
+                        hash=act.param_hash, reason=act.reason, weights=oc.weights, seconds=round(self.clock() - started, 4),
+                    )
+                    return OuterDone(a.step, act.param_hash, act.resync, act.reason)
+                got = await self._carry(act, oc, a.step)
+                if got is not None:
+                    event = got
+            self.core.outer_attempt = oc.attempt  # the averager's window follows a retry
+            if event is None:
+                raise RuntimeError(f"outer round {a.round}: the round's core asked nothing ({actions})")
+            actions = oc.handle(event, self.clock())
+
+    async def _carry(self, act: OuterAction, oc: OuterRoundCore, step: int) -> OuterEvent | None:
+        if isinstance(act, Emit):
+            emit(self.progress, act)
+            return None
+        if isinstance(act, AskReady):
+            if act.delay_s:
+                await trio.sleep(act.delay_s)
+            return await self._ask(act)
+        if isinstance(act, AverageOuter):
+            return await self._average(act)
+        if isinstance(act, FetchOuter):
+            return await self._fetch(act)
+        if isinstance(act, ApplyOuter):
+            return await self._apply(act, step)
+        raise TypeError(f"no adapter for outer round action {act!r}")
+
+    async def _ask(self, act: AskReady) -> OuterEvent:
+        outer = self.worker.outer
+        assert outer is not None  # a DiLoCo worker
+        try:
+            reply = await self.link.outer_ready(
+                self.core.stage, act.round, act.attempt, anchor_hash=outer.anchor_hash, since_step=max(0, outer.since_step),
+                timeout_s=READY_POLL_S,
+            )
+        except CoordinatorRefused as err:  # an answer about this round: this replica cannot take part
+            return Decided("left_out", f"the coordinator refused outer round {act.round}: {err.detail}")
+        except ProtocolError as err:
+            return Unanswered(err.reason)
+        weights = {w.peer_id: w.weight for w in reply.weights}
+        return Decided(reply.role, reply.reason, weights, tuple(reply.followers))
+
+    async def _average(self, act: AverageOuter) -> OuterEvent:
+        weight = act.weights[self.core.me]
+
+        def contribution() -> torch.Tensor:
+            return self.worker.pseudo_gradient() * weight  # (N,)
+
+        def mean(done: Done) -> torch.Tensor | None:  # (N,): the token-weighted mean pseudo-gradient
+            total = total_weight(act.weights, done.contributors)
+            return done.result / total if total > 0 else None
+
+        flat = await trio.to_thread.run_sync(contribution, limiter=self.compute)
+        try:
+            done = await self.average(act.round_id, act.weights, flat, keep=mean)
+        except AveragingError as err:
+            # Say so at once to a participant that asks this one for the result (it retries sooner).
+            self.averager.finished.done(act.round_id, None)
+            return AverageFailed(str(err))
+        self._result = mean(done)
+        return Averaged(tuple(done.contributors))
+
+    async def _fetch(self, act: FetchOuter) -> OuterEvent:
+        self._result = None
+        try_s = act.try_s if act.try_s is not None else self.averager.timeout_s
+        with trio.move_on_after(try_s):
+            try:
+                self._result = await self.averager.fetch_result(act.round_id, act.participants)
+            except AveragingError as err:
+                return Fetched(False, str(err))
+        if self._result is None:
+            return Fetched(False, f"no result within {try_s:g} s")
+        return Fetched(True)
+
+    async def _apply(self, act: ApplyOuter, step: int) -> OuterEvent:
+        result = self._result
+        if result is None:
+            raise RuntimeError(f"outer step after step {step} without a result")
+        async with self.compute:
+            param_hash = await trio.to_thread.run_sync(self.worker.apply_outer, result, step + 1)
+        await self.synced(step, param_hash)
+        return Installed(param_hash)
