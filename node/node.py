@@ -43,7 +43,7 @@ from protolearn.node.core.inner_step import InnerStepCore
 from protolearn.node.core.routing import RouteCore
 from protolearn.node.core.tickets import Tickets
 from protolearn.node.driver import TicketDriver
-from protolearn.node.errors import JoinError, StateSyncError
+from protolearn.node.errors import JoinError
 from protolearn.node.finishing import Finisher
 from protolearn.node.integrity import Integrity
 from protolearn.node.join import resolve_device
@@ -58,7 +58,7 @@ from protolearn.node.replica_hashes import ReplicaHashes
 from protolearn.node.router import Router
 from protolearn.node.state_sync import Snapshot, StateServer
 from protolearn.node.step_timing import StepTimer
-from protolearn.node.syncing import SYNC_RETRY_S, StageSync
+from protolearn.node.syncing import StageSync
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.boundary import OutputEvidence
@@ -211,8 +211,9 @@ class Node:
         )
         outer = None
         if isinstance(core, InnerStepCore):
-            outer = OuterSync(core, self.worker, self.averager, self.link, self.compute, self.progress, synced=self._outer_synced,
-                              ask_timeout_s=self.config.sync_timeout_s, clock=self.clock)
+            outer = OuterSync(core, self.worker, self.averager, self.link, self.compute, self.progress, hashes=self.hashes,
+                              persistence=self.persistence, target_steps=self.target_steps, ask_timeout_s=self.config.sync_timeout_s,
+                              clock=self.clock)
         self.finisher = Finisher(
             core, self.worker, self.averager, self.link, self.compute, self.progress,
             reported_hashes=self.syncer.reported_hashes, resync=self.resync, start_held=self.router.release, clock=self.clock,
@@ -228,33 +229,26 @@ class Node:
         )
 
     async def _snapshot(self) -> Snapshot | None:
-        core = self.core
-        if core is None or core.state is NodeState.SYNCING:
+        core, outer = self.core, self.worker.outer
+        if core is None or core.state is NodeState.SYNCING or (outer is not None and outer.anchor_applied < 0):
             return None
-
-        outer = self.worker.outer
-
-        def take() -> Snapshot:
-            self_test = self.worker.self_test().numpy().tobytes() if self.run.integrity.self_test else b""
-            return core.applied, self.worker.param_hash(), self.worker.snapshot(), self_test
-
-        def take_anchor() -> Snapshot:  # DiLoCo: the state after the last outer sync, with the self-test on it
-            assert outer is not None
-            self_test = self.worker.with_anchor(self.worker.self_test).numpy().tobytes() if self.run.integrity.self_test else b""
-            return outer.anchor_applied, outer.anchor_hash, self.worker.snapshot(), self_test
-
-        if outer is None:
-            return await trio.to_thread.run_sync(take, limiter=self.compute)
-        if outer.anchor_applied < 0:
-            return None
-        return await trio.to_thread.run_sync(take_anchor, limiter=self.compute)
+        return await trio.to_thread.run_sync(self.worker.shared_snapshot, core.applied, self.run.integrity.self_test, limiter=self.compute)
 
     async def sync_state(self, open_step: int) -> None:
         """Take the stage's state (see :class:`~protolearn.node.syncing.StageSync`); the core counts it applied."""
         assert self.core is not None  # built
         self.worker.applied = -1  # weights being replaced: no spot check recomputes with them meanwhile
         if self.diloco:
-            await self._sync_anchor(open_step)
+            # The stage's state after its last outer sync; this replica trains on from the open step.
+            got, frontier = await self.syncer.sync_anchor(open_step)
+            outer = self.worker.outer
+            assert outer is not None
+            self.worker.anchored(got, since_step=frontier)
+            self.worker.applied = frontier
+            if got > 0:
+                self.hashes.record(got - 1, outer.anchor_hash)
+            self.progress.event("anchor", applied=got, trains_from=frontier, hash=outer.anchor_hash)
+            self.core.handle(Synced(frontier), self.clock())
             return
         applied = await self.syncer.sync(open_step)
         self.worker.applied = applied
@@ -264,44 +258,6 @@ class Node:
             # would wait for "its replicas' parameter hashes" forever.
             self.hashes.record(applied - 1, await trio.to_thread.run_sync(self.worker.param_hash, limiter=self.compute))
         self.core.handle(Synced(applied), self.clock())
-
-    async def _sync_anchor(self, open_step: int) -> None:
-        """DiLoCo: take the stage's state after its last outer sync (a donor's, a checkpoint's or the init) and
-        train on from the open step. While the stage's replicas are still in the outer round the open step
-        follows (they serve the state from before it), wait for its result: a joiner syncs at an outer
-        boundary. A stage with no live replica continues from its checkpoint, as in step mode."""
-        assert self.core is not None and self.worker.outer is not None
-        deadline = self.clock() + self.config.sync_timeout_s
-        h = self.run.sync.inner_steps
-        while True:
-            got = await self.syncer.sync(open_step)
-            frontier = max(self.link.step, got)
-            needed = h * (frontier // h)  # the sync that started the open step's outer round
-            if got >= min(needed, self.run.steps) or not self.syncer.donors():
-                break
-            if self.clock() > deadline:
-                raise StateSyncError(f"stage {self.stage}'s replicas did not finish the outer sync after step {needed - 1} "
-                                     f"within {self.config.sync_timeout_s:g} s; restart the node to try again")
-            self._say_waiting(f"syncing stage {self.stage}: its replicas are in the outer sync after step {needed - 1}")
-            await trio.sleep(SYNC_RETRY_S)
-            open_step = self.link.step
-        self._say_waiting("")
-        if got == 0:
-            await trio.to_thread.run_sync(self.worker.take_anchor, limiter=self.compute)  # the init is the anchor
-        self.worker.anchored(got, since_step=frontier)
-        self.worker.applied = frontier
-        if got > 0:
-            self.hashes.record(got - 1, self.worker.outer.anchor_hash)
-        self.progress.event("anchor", applied=got, trains_from=frontier, hash=self.worker.outer.anchor_hash)
-        self.core.handle(Synced(frontier), self.clock())
-
-    async def _outer_synced(self, step: int, param_hash: str) -> None:
-        """DiLoCo: this replica holds the stage's state after the outer sync after ``step``: report it, and
-        checkpoint it when one is due."""
-        self.hashes.record(step, param_hash)
-        self.link.beat_now()
-        await self.persistence.after_step(self.stage, self.worker, lambda: self.state_applied, self.target_steps,
-                                          span=self.run.sync.inner_steps)
 
     async def _witnesses(self, target: str, step: int, ticket: int, direction: str) -> list[str]:
         """The coordinator's draw of witnesses for a spot check of ``target`` (none when it refuses)."""

@@ -47,7 +47,9 @@ from protolearn.node.core.outer_round import (
     total_weight,
 )
 from protolearn.node.driver import emit
+from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
+from protolearn.node.replica_hashes import ReplicaHashes
 from protolearn.node.worker import StageWorker
 from protolearn.protocol.collective import Done
 from protolearn.protocol.errors import ProtocolError
@@ -66,18 +68,21 @@ class OuterSync:
 
     def __init__(
         self, core: InnerStepCore, worker: StageWorker, averager: Averager, link: CoordinatorLink, compute: trio.CapacityLimiter,
-        progress: Progress, *, synced: Callable[[int, str], Awaitable[None]], ask_timeout_s: float,
+        progress: Progress, *, hashes: ReplicaHashes, persistence: StagePersistence, target_steps: int, ask_timeout_s: float,
         average: AverageFn | None = None, clock: Callable[[], float] = trio.current_time,
     ) -> None:
-        """``synced(step, hash)``: called once this replica holds the new anchor after ``step`` (the node records
-        the hash and writes a due checkpoint). ``average``: the seam to the collective (default: ``averager``'s)."""
+        """``hashes``: where the new anchor's hash goes for the heartbeat; ``persistence``: writes a checkpoint of it
+        when one is due (``target_steps``: this node's last step). ``average``: the seam to the collective (default:
+        ``averager``'s)."""
         self.core = core
         self.worker = worker
         self.averager = averager
         self.link = link
         self.compute = compute
         self.progress = progress
-        self.synced = synced
+        self.hashes = hashes
+        self.persistence = persistence
+        self.target_steps = target_steps
         self.ask_timeout_s = ask_timeout_s
         self.average: AverageFn = average if average is not None else averager.run_round_detailed
         self.clock = clock
@@ -175,5 +180,11 @@ class OuterSync:
             raise RuntimeError(f"outer step after step {step} without a result")
         async with self.compute:
             param_hash = await trio.to_thread.run_sync(self.worker.apply_outer, result, step + 1)
-        await self.synced(step, param_hash)
+        # The stage's new shared state: report it (I2) at once, and checkpoint it when one is due.
+        self.hashes.record(step, param_hash)
+        self.link.beat_now()
+        outer = self.worker.outer
+        assert outer is not None
+        await self.persistence.after_step(self.core.stage, self.worker, lambda: outer.anchor_applied, self.target_steps,
+                                          span=self.worker.run.sync.inner_steps)
         return Installed(param_hash)
