@@ -5,7 +5,10 @@ writes its stage, parameters plus AdamW state plus step and run hash, into
 ``<data dir>/checkpoints/<run name>-<run hash>`` (one folder per run, so two runs never mix)
 with :func:`~protolearn.node.checkpoint.save_checkpoint` (atomic: temp file, fsync, rename; the newest
 ``checkpoint_keep`` are kept). Every replica writes on the same steps, so the stage files of one step
-form a consistent whole model, which ``protolearn export --checkpoints`` assembles.
+form a consistent whole model, which ``protolearn export --checkpoints`` assembles. In DiLoCo mode the
+stage's state is the one after its last outer sync (its replicas differ between syncs), with the outer
+momentum: it is written after the outer syncs in which a multiple of ``checkpoint_every`` steps falls
+(:func:`checkpoint_due` with ``span`` H), and at leave.
 
 Restore. :func:`plan_restore` is the sans-IO decision a node makes once it knows its stage, the open
 step and the stage's live replicas; it returns a :class:`RestorePlan` with a reason:
