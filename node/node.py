@@ -147,7 +147,7 @@ class Node:
         mode those of its last outer sync (what it reports, serves and checkpoints)."""
         if self.diloco and self.core is not None:
             outer = self.worker.outer
-            return outer.anchor_applied if outer is not None else 0
+            return max(0, outer.anchor_applied) if outer is not None else 0  # -1 while a state is being installed
         return self.applied
 
     # -- set-up ------------------------------------------------------------------------------
