@@ -232,7 +232,8 @@ class Node:
         core, outer = self.core, self.worker.outer
         if core is None or core.state is NodeState.SYNCING or (outer is not None and outer.anchor_applied < 0):
             return None
-        return await trio.to_thread.run_sync(self.worker.shared_snapshot, core.applied, self.run.integrity.self_test, limiter=self.compute)
+        # The applied count is read in the thread, under the compute lock the finisher applies steps under.
+        return await trio.to_thread.run_sync(self.worker.shared_snapshot, lambda: core.applied, self.run.integrity.self_test, limiter=self.compute)
 
     async def sync_state(self, open_step: int) -> None:
         """Take the stage's state (see :class:`~protolearn.node.syncing.StageSync`); the core counts it applied."""

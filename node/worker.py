@@ -330,13 +330,14 @@ class StageWorker:
                     out.append((f"{k}/{n}", st[k].detach().cpu().clone()))
         return out
 
-    def shared_snapshot(self, applied: int, self_test: bool) -> tuple[int, str, list[tuple[str, torch.Tensor]], bytes]:
+    def shared_snapshot(self, applied: Callable[[], int], self_test: bool) -> tuple[int, str, list[tuple[str, torch.Tensor]], bytes]:
         """What this replica serves a joiner: (steps its state is after, its hash, :meth:`snapshot`, and the
-        self-test output computed with it as raw float32 bytes, or b""). ``applied``: this replica's applied
-        steps; in DiLoCo mode the state is the anchor instead, after its own steps."""
+        self-test output computed with it as raw float32 bytes, or b""). ``applied()``: this replica's applied
+        steps, read here, with the parameters it goes with (the caller holds the compute lock); in DiLoCo mode
+        the state is the anchor instead, after its own steps."""
         if self.outer is None:
             test = self.self_test().numpy().tobytes() if self_test else b""
-            return applied, self.param_hash(), self.snapshot(), test
+            return applied(), self.param_hash(), self.snapshot(), test
         test = self.with_anchor(self.self_test).numpy().tobytes() if self_test else b""
         return self.outer.anchor_applied, self.outer.anchor_hash, self.snapshot(), test
 
