@@ -16,7 +16,14 @@ class CoordinatorSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     heartbeat_interval_s: float = Field(1.0, gt=0)
-    # A member that has not been heard from for this long is expired (its leases are freed).
+    # Past max_heartbeats_per_s x heartbeat_interval_s live members the interval grows with their number, so the
+    # coordinator answers at most this many heartbeats a second (None: a fixed interval); it never exceeds
+    # max_heartbeat_interval_s, and expiry (and every "silent for two intervals" rule) scales with it
+    # (coordinator/core/pacing.py).
+    max_heartbeats_per_s: float | None = Field(100.0, gt=0)
+    max_heartbeat_interval_s: float = Field(60.0, gt=0, le=600.0)  # at most coordination.MAX_HEARTBEAT_INTERVAL_S
+    # A member that has not been heard from for this long is expired (its leases are freed); at a longer
+    # interval (max_heartbeats_per_s), the same number of intervals.
     expiry_s: float = Field(5.0, gt=0)
     # After a restart, members get this long to reconnect (with backoff) before expiry applies.
     restart_grace_s: float = Field(30.0, ge=0)
@@ -94,6 +101,10 @@ class CoordinatorSettings(BaseModel):
     # reporters flag it (``lost_microbatches``). False: flag only.
     expel_on_liveness_reports: bool = True
     max_concurrent_waits: int = Field(1024, ge=1)
+    # Connections the coordinator's host takes (every member holds one), and inbound ones from one IP address
+    # (loopback exempt), so that the raised total cannot go to one address: protocol/transport/inbound.py.
+    max_connections: int = Field(12_000, ge=1)
+    max_connections_per_ip: int = Field(32, ge=1)
     # A member's claimed throughput counts as at most this many times the swarm's median claim
     # (coordinator/core/assignment.py ThroughputClaims): a liar weighs like this many honest nodes at most.
     throughput_claim_factor: float = Field(4.0, ge=1)

@@ -11,7 +11,9 @@ the reason and goes back as an ``ErrorReply``. Like the transport's rejections, 
 in an interval is written in full and the rest go into one summary line with their count
 (:mod:`protolearn.protocol.log_digest`), so a flooding peer cannot fill the disk. ``WaitStep`` is a
 long poll: it waits on an event that is set whenever a step closes, reopens or commits, bounded by
-the request's timeout (≤ 30 s). A housekeeping task expires members and leases and rebalances; the
+the request's timeout (≤ 30 s), in one of ``max_concurrent_waits`` slots; when they are all taken, the
+busiest waiting peer's oldest poll is answered early for a peer that waits on less
+(``coordinator/core/wait_slots.py``), and only otherwise is the poll refused ``busy``. A housekeeping task expires members and leases and rebalances; the
 host tells the core when a member's connection closes, so a dead member's leases end after a short
 grace instead of at their expiry. Banned peers are handed to the host's gate, which refuses them at
 connection time.
@@ -40,24 +42,32 @@ from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.dispatch import CoordinatorCore
 from protolearn.coordinator.core.reachability import BUSY, DIAL_TIMEOUT_S, MAX_CHECK_WAITERS, MAX_CHECKS, SLOT_WAIT_S, decide, dial_targets
 from protolearn.coordinator.core.run import RunInfo
+from protolearn.coordinator.core.wait_slots import WaitSlots
 from protolearn.coordinator.errors import Refusal, RunMismatch
 from protolearn.coordinator.metrics import metrics_registry, serve_metrics
 from protolearn.coordinator.store import DB_FILE, Store
 from protolearn.protocol import coordination as cm
-from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError
 from protolearn.protocol.identity import Identity, load_or_create_identity
 from protolearn.protocol.interfaces import parse_announce
 from protolearn.protocol.log_digest import LogDigest, Summary
 from protolearn.protocol.link import LinkSpec
-from protolearn.protocol.transport import Host, RelayLimits, TransportConfig, open_host
-from protolearn.protocol.wire import Message
+from protolearn.protocol.transport import FramedStream, Host, RelayLimits, TransportConfig, open_host
+from protolearn.protocol.wire import ErrorReply, Message
 
 log = logging.getLogger("protolearn.coordinator")
 
+# A member's heartbeat stream (cm.BEATS) is closed once silent this long past its expiry (it expired anyway).
+BEAT_IDLE_SLACK_S = 10.0
+# Heartbeat streams open at once from peers that are not live members (their beats are refused anyway).
+UNKNOWN_BEAT_STREAMS = 16
 # Heartbeat telemetry (last seen, throughput) is written this often rather than on every heartbeat.
 SOFT_PERSIST_S = 5.0
 # Streams open at once from peers that are not live members (joins, status readers), shared by all of them.
 UNKNOWN_STREAMS = 256
+# Inbound handshakes in flight at once (protocol/transport/inbound.py): a swarm reconnecting after a restart
+# queues in its TCP backlog and retries, rather than every handshake slowing all the others.
+PENDING_CONNECTIONS = 256
 # Where the reachability checker listens: it only dials out, and nobody needs to reach it.
 CHECKER_LISTEN = "/ip4/127.0.0.1/tcp/0"
 # Checker connections waiting to be closed after their check replied (past that, a check closes its own).
@@ -162,7 +172,9 @@ class _Service:
         self._hang_up, self._hang_ups = trio.open_memory_channel[tuple[str, float]](HANG_UP_QUEUE)
         self._changed = trio.Event()
         self._seen = self._progress()
-        self._waiting = 0
+        # The long polls' slots (coordinator/core/wait_slots.py), and each waiting poll's scope, to answer it early.
+        self._slots = WaitSlots(core.settings.max_concurrent_waits)
+        self._waits: dict[int, trio.CancelScope] = {}
         # (request kind, code, reason) of refusals, logged per peer and interval like the host's rejections.
         self._refusals: LogDigest[tuple[str, str, str]] = LogDigest(
             interval_s=host.config.rejection_log_interval_s, max_peers=host.config.rejection_log_max_peers,
@@ -226,13 +238,33 @@ class _Service:
         self.commit()
         return reply
 
+    async def on_beats(self, peer: str, s: FramedStream) -> None:
+        """A member's heartbeat stream: each Heartbeat is answered as the request would be (a refusal as its
+        ErrorReply), until the member closes the stream or stays silent past its expiry."""
+        while True:
+            try:
+                msg = await s.receive(cm.Heartbeat, timeout=self.core.pacing.expiry_s + BEAT_IDLE_SLACK_S)
+                try:
+                    reply: Message = await self.on_request(peer, msg)
+                except Refusal as r:
+                    reply = ErrorReply(code=type(r).__name__, reason=str(r))
+                await s.send(reply)
+            except (PeerTimeout, PeerUnavailable) as err:  # silent past its expiry, or gone: nothing to refuse
+                log.info("heartbeat stream ended peer=%s reason=%s", peer, err.reason)
+                return
+
     async def _wait(self, peer: str, msg: cm.WaitStep) -> cm.StepInfo:
         self.core.check_wait(peer, msg, self.clock())
-        if self._waiting >= self.core.settings.max_concurrent_waits:
+        taken = self._slots.take(peer, trio.current_time())
+        if taken is None:
             raise self.core.admission.refuse("busy", "too many waiting requests; retry shortly")
-        self._waiting += 1
+        if taken.ended is not None:  # the slot was the busiest waiting peer's: that wait is answered now
+            ended = self._waits.pop(taken.ended, None)
+            if ended is not None:
+                ended.cancel()
+        scope = self._waits[taken.token] = trio.CancelScope()
         try:
-            with trio.move_on_after(msg.timeout_s):
+            with scope, trio.move_on_after(msg.timeout_s):
                 while True:
                     info = self.core.step_info(msg.step, msg.min_revision)
                     if _answered(msg, info):
@@ -240,7 +272,8 @@ class _Service:
                     await self._changed.wait()
             return self.core.step_info(msg.step, msg.min_revision)
         finally:
-            self._waiting -= 1
+            self._waits.pop(taken.token, None)
+            self._slots.release(taken.token)
 
     async def _outer_wait(self, peer: str, msg: cm.OuterReady) -> cm.OuterDecision:
         """DiLoCo: record the arrival, then wait (up to ``msg.timeout_s``) for its outer round's decision. Each
@@ -404,7 +437,10 @@ async def serve(
     store, core, resumed = open_state(run, data_dir, settings, clock())
     identity = load_or_create_identity(data_dir)
     # A long poll holds a stream for up to MAX_WAIT_S, so requests need a longer deadline than that.
-    transport = transport or TransportConfig(request_timeout_s=cm.MAX_WAIT_S + 5.0, link=link)
+    transport = transport or TransportConfig(
+        request_timeout_s=cm.MAX_WAIT_S + 5.0, link=link, max_connections=settings.max_connections,
+        max_connections_per_ip=settings.max_connections_per_ip, max_pending_connections=PENDING_CONNECTIONS,
+    )
     svc: _Service | None = None
     try:
         async with (
@@ -426,6 +462,11 @@ async def serve(
                 # identities that never joined cannot crowd the members' heartbeats out.
                 known=core.registry.is_live,
                 max_inbound_unknown=UNKNOWN_STREAMS,
+            )
+            # One heartbeat stream per member (two while a reconnecting member's old one winds down).
+            host.serve_stream(
+                cm.BEATS, svc.on_beats, max_inbound=settings.max_connections, max_inbound_per_peer=2,
+                known=core.registry.is_live, max_inbound_unknown=UNKNOWN_BEAT_STREAMS,
             )
             async with trio.open_nursery() as nursery:
                 await nursery.start(svc.housekeeping)

@@ -1,8 +1,10 @@
 """The collective adapter: runs :class:`~protolearn.protocol.collective.CollectiveRound` over libp2p streams.
 
 Each part travels on its own ``collective`` stream: a :class:`PartHeader` message (with the sender's
-suspected-dead peers, and for a reduced part the contributors it sums), the part as a raw float32 tensor
-(never lossy, so replicas stay bit-identical), and an :class:`Ack` or :class:`Refuse`. ``fin`` and
+suspected-dead peers, and for a reduced part the contributors it sums), the part as a raw float32 tensor,
+or, in a round with a slice compression, as the ``uint8`` blob of its lossless encoding
+(:mod:`protolearn.node.part_frames`: either way the round gets the float32 values the sender signed, so
+replicas stay bit-identical), and an :class:`Ack` or :class:`Refuse`. ``fin`` and
 ``probe`` are a header alone. A send that breaks, or a probe that gets no answer, is reported to the
 machine as a failed peer; a send that is acknowledged is reported as delivered (the successor-first rule
 needs that). The wait between events is the machine's :meth:`next_deadline`, so the adaptive deadlines
@@ -16,8 +18,9 @@ Parts of a round this replica has not started yet (a faster replica got the step
 are held, but only for the current and the next round, and within per-peer and total bounds on parts
 and bytes checked against the header before the payload is read (:mod:`protolearn.node.core.early_parts`),
 so memory stays bounded whoever sends them. A replica that the step's accounting leaves out (it processed
-no ticket, so no peer expects it) asks a participant for the finished round's vector with
-:class:`ResultRequest` (:meth:`Averager.fetch_result`), and so applies exactly the same update. The round's hard deadline comes from the node config; a round survives
+no ticket, so no peer expects it), or whose own round failed, asks a participant for the finished round's
+vector with :class:`ResultRequest` and takes it only as proven by a strict majority of the participants'
+signed fins (:meth:`Averager.fetch_result`, :mod:`protolearn.node.result_fetch`), and so applies exactly the same update. The round's hard deadline comes from the node config; a round survives
 dead peers, and :attr:`Averager.last_done` says whose contributions are in (``excluded``: tickets to redo);
 :attr:`Averager.last_failed` keeps a failed round's reason and, if a peer signed two stories, the evidence.
 The run's aggregation rule (:mod:`protolearn.protocol.collective.robust`) and the reducer cross-check are passed to
@@ -35,8 +38,10 @@ from dataclasses import dataclass
 import torch
 import trio
 from protolearn.node.core.early_parts import EarlyParts
-from protolearn.node.errors import NodeError
-from protolearn.node.finished_rounds import FinishedRounds, borrowed_frame
+from protolearn.node.errors import AveragingError, ResultGone  # noqa: F401 - where callers import them from
+from protolearn.node import part_frames
+from protolearn.node.finished_rounds import FinishedRounds
+from protolearn.node.result_fetch import fetch_proven
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.collective import (
     DEFAULT_FLOOR_S,
@@ -52,23 +57,16 @@ from protolearn.protocol.collective import (
     PartFilter,
 )
 from protolearn.protocol.errors import OverLimit, ProtocolError
+from protolearn.protocol.collective.result_proof import fins_of
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse, ResultRequest
+from protolearn.protocol.rounds import in_early_window
 from protolearn.protocol.statements import Sign, Verify, part_hash, verify_ed25519
-from protolearn.protocol.tensors import TensorLimits, from_frame
+from protolearn.protocol.sync_compression import SliceCodec
 from protolearn.protocol.transport import FramedStream, Host, TensorHeader
 
 log = logging.getLogger("protolearn.node")
-SEND_RETRY_S = 0.2
 MAX_INBOUND = 64  # collective streams handled at once
 MAX_INBOUND_PER_PEER = 8
-
-
-class AveragingError(NodeError):
-    """A collective round did not finish; the message names the missing peers."""
-
-
-class ResultGone(AveragingError):
-    """The participants no longer keep that round's result (they moved on): the caller must resync."""
 
 
 @dataclass
@@ -130,7 +128,10 @@ class Averager:
         # Parts of rounds not started here yet, bounded per peer and in all (node/core/early_parts.py).
         self._early: EarlyParts[_Pending] = EarlyParts(vector_bytes=4 * numel)
         self._members = members
-        self._limits = TensorLimits(max_elements=max(1, numel), max_bytes=max(4, 4 * numel))
+        self._part_limits = part_frames.limits(numel)
+        # Bytes this replica wrote on its collective streams (parts, fins, probes, their headers): what
+        # replica sync costs it, for the benchmarks.
+        self.bytes_sent = 0
         # Finished rounds' fins and full results, for late probes and left-out replicas (node/finished_rounds.py).
         self.finished = FinishedRounds(timeout_s)
         # Sends of the current round queued or in flight, per peer (the end of a round waits for live peers').
@@ -175,10 +176,15 @@ class Averager:
             return
         # A part of a round not started here may be held: its bytes are admitted against the sender's
         # bounds (node/core/early_parts.py) once its header is checked, before its payload is read.
-        early = r is None and self.next_round <= msg.round <= self.next_round + 1
+        early = r is None and in_early_window(self.next_round, msg.round)
         reserved: list[int] = []
+        length = None
+        if r is not None and 0 <= msg.part < len(r.bounds):
+            a, b = r.bounds[msg.part]
+            length = b - a
 
         def admit(header: TensorHeader) -> None:
+            part_frames.check_header(peer, header, msg.part, length, self.numel)
             if early:
                 self._reserve_early(peer, msg.round, header.data_bytes)
                 reserved.append(header.data_bytes)
@@ -186,14 +192,8 @@ class Averager:
         try:
             data, data_digest = None, None
             if msg.phase != "fin":
-                shape = None
-                if r is not None and 0 <= msg.part < len(r.bounds):
-                    a, b = r.bounds[msg.part]
-                    shape = [b - a]
-                frame = await s.receive_tensor(codec="none", dtype=torch.float32, shape=shape, limits=self._limits, admit=admit)
-                data = from_frame(frame, peer=peer, dtype=torch.float32, limits=self._limits, require_finite=True)
-                if data.dim() != 1:
-                    raise ProtocolError(peer, f"collective part must be a flat vector, got shape {list(data.shape)}")
+                frame = await s.receive_tensor(codec="none", limits=self._part_limits, admit=admit)
+                data = await part_frames.values(peer, frame, length, self.numel)
                 if msg.phase == "gather" or msg.signature:  # the round checks it against the signed hash
                     data_digest = await trio.to_thread.run_sync(part_hash, data)
             elif early:
@@ -201,7 +201,7 @@ class Averager:
                 reserved.append(0)
             # The round may have started while the tensor was read; its held parts are already taken.
             r = self._round if self._round is not None and self._round.round_id == msg.round else None
-            if r is None and reserved and self.next_round <= msg.round <= self.next_round + 1:
+            if r is None and reserved and in_early_window(self.next_round, msg.round):
                 self._early.hold(msg.round, peer, reserved.pop(), _Pending(peer, msg, data, data_digest))
                 await s.send(Ack())
                 return
@@ -215,7 +215,7 @@ class Averager:
             if refused:
                 await s.send(Refuse(code="invalid", reason=refused[0].reason[:500]))
                 return
-        elif self.next_round <= msg.round <= self.next_round + 1:
+        elif in_early_window(self.next_round, msg.round):
             # Read for a round that was running then (and ended since): held like any early part, if it fits.
             num_bytes = 0 if data is None else 4 * data.numel()
             why = self._early.reserve(peer, num_bytes, member=self._members is None or peer in self._members())
@@ -239,31 +239,18 @@ class Averager:
         return r.receive(p.peer, m.phase, m.part, p.data, contributors=m.contributors, suspects=m.suspects, signer=m.signer,
                          digest=m.digest, signature=m.signature, inputs=m.inputs, vetoed=m.vetoed, data_digest=p.data_digest, now=self.clock())
 
-    async def fetch_result(self, round_id: int, participants: list[str]) -> torch.Tensor:
-        """Get round ``round_id``'s vector from one of ``participants`` (this replica was not one)."""
-        deadline = self.clock() + 2 * self.timeout_s
-        last = "no participant answered"
-        while self.clock() < deadline:
-            for peer in participants:
-                try:
-                    with trio.fail_after(self.timeout_s + 5):
-                        async with self.host.open_stream(peer, COLLECTIVE) as s:
-                            await s.send(ResultRequest(round=round_id, stage=self.stage))
-                            reply = await s.receive((Ack, Refuse), timeout=self.timeout_s + 5)
-                            if isinstance(reply, Refuse):
-                                if reply.code == "stale":  # it no longer keeps that round: the caller must resync
-                                    raise ResultGone(f"stage {self.stage}: {peer} no longer keeps step {round_id}: {reply.reason}")
-                                last = f"{peer}: {reply.reason}"
-                                continue
-                            frame = await s.receive_tensor(codec="none", dtype=torch.float32, shape=[self.numel], limits=self._limits)
-                    self._own_next = round_id + 1
-                    return from_frame(frame, peer=peer, dtype=torch.float32, shape=[self.numel], limits=self._limits, require_finite=True)
-                except ProtocolError as err:
-                    last = f"{peer}: {err.reason}"
-                except trio.TooSlowError:
-                    last = f"{peer}: no answer within {self.timeout_s + 5:g} s"
-            await trio.sleep(SEND_RETRY_S)
-        raise AveragingError(f"stage {self.stage}: could not fetch the result of step {round_id}: {last}")
+    async def fetch_result(self, round_id: int, weights: dict[str, float], numel: int | None = None,
+                           codec: SliceCodec | None = None) -> torch.Tensor:
+        """Round ``round_id``'s full vector (``numel`` values, by default the stage's: a PowerSGD factor round's
+        are fewer; ``codec``: the round's slice compression) from another of its participants (``weights``),
+        proven by a strict majority of their signed fins (:func:`protolearn.node.result_fetch.fetch_proven`)."""
+        result = await fetch_proven(
+            self.host, self.stage, round_id, weights, numel=self.numel if numel is None else numel, rule_tag=self.aggregation.tag,
+            cross_check=self.cross_check, compression="none" if codec is None else codec.tag, verify=self.verify,
+            timeout_s=self.timeout_s, clock=self.clock,
+        )
+        self._own_next = max(self._own_next, round_id + 1)
+        return result
 
     def _dispatch(self, actions: list) -> None:
         for a in actions:
@@ -298,16 +285,18 @@ class Averager:
         done = await self.run_round_detailed(round_id, weights, vector)
         return done.result
 
-    async def run_round_detailed(
-        self, round_id: int, weights: dict[str, float], vector: torch.Tensor, *, keep: Callable[[Done], torch.Tensor | None] | None = None,
-    ) -> Done:
-        """Like :meth:`run_round`, returning the :class:`Done` with ``contributors`` and ``excluded``. ``keep``: what
-        this replica serves a replica that fetches the round's result (default: the sum, and only when nobody was
-        left out); DiLoCo's outer rounds serve their weighted mean (node/outer_sync.py)."""
+    async def run_round_detailed(self, round_id: int, weights: dict[str, float], vector: torch.Tensor, *,
+                                 codec: SliceCodec | None = None) -> Done:
+        """Like :meth:`run_round`, returning the :class:`Done` with ``contributors`` and ``excluded``.
+
+        ``vector`` may be shorter than the stage's (a PowerSGD factor); with a slice ``codec`` it is the
+        codec's contributions, and parts travel in its encoding (:mod:`protolearn.node.replica_sync`)."""
+        if vector.numel() > self.numel:
+            raise ValueError(f"a round of {vector.numel()} values exceeds this stage's {self.numel}")
         r = CollectiveRound(
-            round_id, self.host.peer_id, weights, self.numel, op="sum", timeout_s=self.timeout_s,
+            round_id, self.host.peer_id, weights, vector.numel(), op="sum", timeout_s=self.timeout_s,
             bandwidth=self.bandwidth, floor_s=self.floor_s, max_liars=self.max_liars, aggregation=self.aggregation,
-            cross_check=self.cross_check, sign=self.sign, verify=self.verify, part_filter=self.part_filter,
+            cross_check=self.cross_check, sign=self.sign, verify=self.verify, part_filter=self.part_filter, codec=codec,
         )
         # Unbounded in principle, bounded in fact: the machine emits at most a few sends per peer and part.
         send, recv = trio.open_memory_channel[Send | Probe](16 * len(weights) ** 2 + 64)
@@ -349,13 +338,14 @@ class Averager:
             if result.reducer_faults and self.on_reducer_fault is not None:
                 for fault in result.reducer_faults:
                     self.on_reducer_fault(fault)
-            raise AveragingError(f"stage {self.stage} averaging of step {round_id} failed: {result.reason}")
+            raise AveragingError(f"stage {self.stage} averaging of step {round_id} failed: {result.reason}",
+                                 tuple(p for p in result.missing if p != self.host.peer_id))
         assert isinstance(result, Done)
         if result.excluded:
             log.warning("collective step=%d stage=%d left out dead replicas %s", round_id, self.stage, result.excluded)
         self.last_done = result
-        # Only a full average is served (see node/finished_rounds.py), unless the caller says what to serve.
-        self.finished.done(round_id, keep(result) if keep is not None else None if result.excluded else result.result)
+        # Only a full average is served (see node/finished_rounds.py).
+        self.finished.done(round_id, None if result.excluded else result.result, fins_of(r.peers, r.held_fins()))
         return result
 
     async def _sender(self, recv: trio.MemoryReceiveChannel[Send | Probe], round_id: int, nursery: trio.Nursery) -> None:
@@ -386,13 +376,17 @@ class Averager:
         # not by a total: a slow but live transfer must not count as a death. A busy live peer answers a
         # probe well within two waits; a dead one refuses the connection at once.
         limit = max(2 * r.wait_s(), self.host.config.connect_timeout_s) if isinstance(a, Probe) else float("inf")
+        frame = await part_frames.frame_of(r.codec, a.data) if isinstance(a, Send) and a.data is not None else None
         try:
             with trio.fail_after(limit):
                 async with self.host.open_stream(a.peer, COLLECTIVE) as s:
-                    await s.send(msg)
-                    if isinstance(a, Send) and a.data is not None:
-                        await s.send_tensor(borrowed_frame(a.data))
-                    reply = await s.receive((Ack, Refuse, PartHeader))
+                    try:
+                        await s.send(msg)
+                        if frame is not None:
+                            await s.send_tensor(frame)
+                        reply = await s.receive((Ack, Refuse, PartHeader))
+                    finally:
+                        self.bytes_sent += s.bytes_sent
         except ProtocolError as err:
             log.info("collective peer failed peer=%s round=%d phase=%s reason=%s", a.peer, round_id, phase, err.reason)
             self._dispatch(r.peer_failed(a.peer, err.reason, self.clock()))

@@ -40,11 +40,14 @@ from protolearn.protocol.status_schema import Status
 from protolearn.protocol.boundary import OutputEvidence
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable, ProtocolError, Refused
+from protolearn.protocol.transport.streams import FramedStream
 from protolearn.protocol.wire import Message
 
 log = logging.getLogger("protolearn.node")
 
 R = TypeVar("R", bound=Message)
+# After a heartbeat stream could not be opened or broke, heartbeats go as requests this long before a new one.
+BEATS_RETRY_S = 30.0
 # How long a corpus check waits for stage 0 to settle the swarm's data, and how often it asks.
 CORPUS_WAIT_S = 60.0
 CORPUS_RETRY_S = 1.0
@@ -127,7 +130,12 @@ class CoordinatorLink:
         self.step = 0
         self.last_closed = -1
         self.rejoins = 0
+        # The interval to heartbeat at: the join reply's, then the latest a heartbeat reply set (it grows with
+        # the swarm: coordinator/core/pacing.py).
+        self.heartbeat_interval_s = 1.0
         self._rejoining = trio.Lock()
+        # heartbeat_loop's open heartbeat stream (cm.BEATS), while it has one.
+        self._beats: FramedStream | None = None
         self._beat_now = trio.Event()
         # Since when (trio time) every request has failed to reach the coordinator; None while it answers.
         self.unreachable_since: float | None = None
@@ -191,6 +199,7 @@ class CoordinatorLink:
         msg = self._join = msg.model_copy(update={"session": self.session})
         reply, _ = await self._request(msg, cm.JoinReply)
         self.joined = reply
+        self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.stage, self.step = reply.stage, reply.step
         self.members, self.view_version, self.bans = list(reply.members), reply.view_version, list(reply.bans)
         return reply
@@ -199,8 +208,12 @@ class CoordinatorLink:
         """One heartbeat. The view comes as deltas of this node's neighbourhood (its own and the adjacent
         stages: all a replica routes to or averages with), merged here, or as a bounded snapshot."""
         hb = hb.model_copy(update={"view_version": self.view_version, "view_delta": True, "session": self.session})
-        reply, _ = await self._request(hb, cm.HeartbeatReply)
+        reply = await self._beat_on_stream(hb)
+        if reply is None:
+            reply, _ = await self._request(hb, cm.HeartbeatReply)
         self.stage, self.step, self.last_closed = reply.stage, reply.step, reply.last_closed
+        if reply.heartbeat_interval_s > 0:
+            self.heartbeat_interval_s = reply.heartbeat_interval_s
         self.bans = list(reply.bans)
         self.removed = list(reply.removed)
         if reply.stage_replicas:
@@ -221,11 +234,32 @@ class CoordinatorLink:
         *,
         task_status: Any = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Heartbeat every ``heartbeat_interval_s`` (from the join reply) until cancelled."""
+        """Heartbeat every :attr:`heartbeat_interval_s` (the coordinator's latest) until cancelled, on a heartbeat
+        stream (:data:`~protolearn.protocol.coordination.BEATS`) while one is open, else as requests: after a stream
+        could not be opened or broke, for :data:`BEATS_RETRY_S`, then a new stream is tried."""
         if self.joined is None or self._join is None:
             raise RuntimeError("join before starting the heartbeat loop")
         task_status.started()
         while True:
+            opened = False
+            try:
+                async with self.host.open_stream(self.peer, cm.BEATS, timeout=self.retry.request_timeout_s) as s:
+                    opened = True
+                    self._beats = s
+                    await self._beat_while(make, on_reply, lambda: self._beats is s)
+            except ProtocolError as err:
+                if opened:
+                    raise
+                log.info("no heartbeat stream (%s); heartbeats go as requests for %g s", err.reason, BEATS_RETRY_S)
+            finally:
+                self._beats = None
+            until = trio.current_time() + BEATS_RETRY_S
+            await self._beat_while(make, on_reply, lambda: trio.current_time() < until)
+
+    async def _beat_while(
+        self, make: Callable[[], cm.Heartbeat], on_reply: Callable[[cm.HeartbeatReply], None] | None, keep_on: Callable[[], bool],
+    ) -> None:
+        while keep_on():
             try:
                 reply = await self.heartbeat(make())
             except CoordinatorRefused as err:
@@ -240,8 +274,25 @@ class CoordinatorLink:
                 if on_reply is not None:
                     on_reply(reply)
             self._beat_now = trio.Event()
-            with trio.move_on_after(self.joined.heartbeat_interval_s):
+            with trio.move_on_after(self.heartbeat_interval_s):
                 await self._beat_now.wait()
+
+    async def _beat_on_stream(self, hb: cm.Heartbeat) -> cm.HeartbeatReply | None:
+        """``hb`` on the heartbeat stream, if one is open; None if not, or if it failed, refusals included: the
+        stream is dropped and the caller sends ``hb`` as a request, with its retries and its handling of refusals."""
+        s = self._beats
+        if s is None:
+            return None
+        try:
+            await s.send(hb, timeout=self.retry.request_timeout_s)
+            reply = await s.receive(cm.HeartbeatReply, timeout=self.retry.request_timeout_s)
+        except ProtocolError as err:
+            log.info("heartbeat stream dropped (%s); this beat goes as a request", err.reason)
+            self._beats = None
+            await s.reset()
+            return None
+        self.unreachable_since = None
+        return reply
 
     def beat_now(self) -> None:
         """Send the next heartbeat at once (the node's state changed, e.g. it can take tickets now)."""
@@ -353,17 +404,23 @@ class CoordinatorLink:
                 log.info("corpus check: %s; retrying in %g s", err.detail, CORPUS_RETRY_S)
                 await trio.sleep(CORPUS_RETRY_S)
 
-    async def redo(self, step: int, indices: list[int], reason: str, *, revision: int = 0) -> cm.RedoReply:
-        """Ask to redo ``indices`` of ``step``; ``revision``: the closing of the step this is about."""
-        msg = cm.Redo(step=step, indices=indices, reason=reason[: cm.MAX_TEXT], revision=revision)
+    async def redo(
+        self, step: int, indices: list[int], reason: str, *, revision: int = 0, kind: str = "", causes: tuple[str, ...] = (),
+    ) -> cm.RedoReply:
+        """Ask to redo ``indices`` of ``step``; ``revision``: the closing of the step this is about; ``kind`` and
+        ``causes``: why (:class:`~protolearn.protocol.coordination.Redo`)."""
+        msg = cm.Redo(step=step, indices=indices, reason=reason[: cm.MAX_TEXT], revision=revision, kind=kind,  # type: ignore[arg-type]
+                      causes=list(causes)[: cm.MAX_PARTICIPANTS])
         reply, _ = await self._request(msg, cm.RedoReply)
         return reply
 
     async def report(
         self, target: str, reason: str, evidence: cm.StatementEvidence | None = None, conflicting: cm.StatementEvidence | None = None,
+        *, lost: int = 0,
     ) -> cm.ReportReply:
-        """Report ``target``; only two statements it signed that contradict each other can ban it."""
-        msg = cm.Report(target=target, reason=reason[: cm.MAX_TEXT], evidence=evidence, conflicting=conflicting)
+        """Report ``target``; only two statements it signed that contradict each other can ban it. ``lost``: a
+        liveness report's count of microbatches the target lost in a row."""
+        msg = cm.Report(target=target, reason=reason[: cm.MAX_TEXT], lost=lost, evidence=evidence, conflicting=conflicting)
         reply, _ = await self._request(msg, cm.ReportReply)
         return reply
 

@@ -9,8 +9,10 @@ failed send, a departure). The node builds one driver with each stage it builds.
 Liveness (issue 11): each pass also asks the routing core for microbatches handed to a stage-1 peer
 whose gradient is overdue (:meth:`~protolearn.node.core.routing.RouteCore.overdue`); their tickets restart
 on another peer at once (a :class:`PeerDown` for those tickets), and a peer that lost
-:data:`REPORT_AFTER_LOST` in a row is reported to the coordinator (``liveness: ...``), at most once per
-:data:`REPORT_INTERVAL_S`. One report is a claim: the coordinator bans only on a majority of stage 0.
+its first one is reported to the coordinator (``liveness: ...`` with the count), then as
+:mod:`protolearn.protocol.lost_reports` says (a report of fewer than three losses is a notice that charges
+this node's late leases to their cause). One report is a claim: the coordinator bans only on a majority of
+stage 0.
 """
 
 from __future__ import annotations
@@ -44,13 +46,11 @@ from protolearn.node.core.routing import RouteCore
 from protolearn.node.outbound import PASS_THROUGH, Outbound
 from protolearn.node.progress import Progress
 from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.lost_reports import should_notice_departure, should_report
 from protolearn.stages.config import RunConfig
 
 log = logging.getLogger("protolearn.node")
 
-# A next-stage peer that lost this many handed microbatches in a row is reported, at most this often.
-REPORT_AFTER_LOST = 3
-REPORT_INTERVAL_S = 5.0
 
 # Runs ticket (step, ticket), leased with the nonce given, through this stage and sends it on; False if it
 # could not be sent (the router's).
@@ -92,7 +92,7 @@ class TicketDriver:
         )
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
-        self._reported_at: dict[str, float] = {}
+        self._reported_at: dict[str, tuple[float, int]] = {}  # peer -> (when, lost count) of its last liveness report
         # The open step's leases' nonces, by ticket (protocol/acks.py): the last stage signs its ack over one.
         self._nonces: dict[tuple[int, int], bytes] = {}
 
@@ -105,11 +105,21 @@ class TicketDriver:
         """A replica left or died: tickets routed through it will never get their gradient back."""
         self._feed(MemberLeft())
 
-    def peer_down(self, peer: str) -> None:
+    def peer_down(self, peer: str, *, departed: bool = False) -> None:
         """A forward send to next-stage ``peer`` just failed (the router's ``on_peer_down``), or the
-        connection to it closed: the tickets sent to it will not come back. Stage 0 only (only it can
-        restart a ticket)."""
-        self._feed(PeerDown(peer, self.routes.handed_to(self.core.step, peer)))
+        connection to it closed, or it left the swarm (``departed``): the tickets sent to it will not come
+        back. Stage 0 only (only it can restart a ticket). If it held some, the coordinator gets a notice
+        (:mod:`protolearn.protocol.lost_reports`); a departed peer's routing statistics are forgotten, so
+        losses from before it left never count against it if it rejoins."""
+        tickets = self.routes.handed_to(self.core.step, peer)
+        now = self.clock()
+        if tickets and should_notice_departure(self._reported_at.get(peer), now) and self._nursery is not None:
+            self._reported_at[peer] = (now, 0)
+            why = f"liveness: it left or its connection closed holding {len(tickets)} microbatches it acknowledged"
+            self._nursery.start_soon(self._report_peer, peer, why, 0)
+        if departed:
+            self.routes.forget(peer)
+        self._feed(PeerDown(peer, tickets))
 
     async def complete(self, step: int, ticket: int, route: list[str], loss: float, ack: bytes | None = None, nonce: bytes = b"") -> None:
         """The router's ``on_complete``: ``ticket``'s gradient came back, so report it to the coordinator
@@ -153,14 +163,14 @@ class TicketDriver:
             self._carry(self.core.handle(PeerDown(peer, tickets), now))
         for peer in sorted({p for _, p in lost}):
             n = self.routes.lost(peer)
-            if n >= REPORT_AFTER_LOST and now - self._reported_at.get(peer, -REPORT_INTERVAL_S) >= REPORT_INTERVAL_S and self._nursery is not None:
-                self._reported_at[peer] = now
+            if should_report(n, self._reported_at.get(peer), now) and self._nursery is not None:
+                self._reported_at[peer] = (now, n)
                 why = f"liveness: {n} microbatches it acknowledged got no gradient back within {self.routes.deadline_s(self.core.stall_s):.1f} s"
-                self._nursery.start_soon(self._report_peer, peer, why)
+                self._nursery.start_soon(self._report_peer, peer, why, n)
 
-    async def _report_peer(self, peer: str, why: str) -> None:
+    async def _report_peer(self, peer: str, why: str, lost: int) -> None:
         try:
-            reply = await self.link.report(peer, why)
+            reply = await self.link.report(peer, why, lost=lost)
         except ProtocolError as err:
             log.info("liveness report failed peer=%s reason=%s", peer, err.reason)
             return
@@ -192,6 +202,8 @@ class TicketDriver:
         if any(s != reply.step for s, _ in self._nonces):
             self._nonces = {k: v for k, v in self._nonces.items() if k[0] == reply.step}
         self._nonces.update(((reply.step, i), n) for i, n in zip(reply.indices, reply.nonces))
+        self.routes.avoid(reply.step, list(reply.avoid))
+        self.routes.suspect(list(reply.suspects))
         self._feed(Leased(reply.step, list(reply.indices)))
 
     async def _run_ticket(self, step: int, ticket: int) -> None:

@@ -25,3 +25,16 @@ class IdentityInUse(NodeError):
 
 class SelfTestError(NodeError):
     """This node's stage output on the run's self-test input differs from its replicas': a faulty device."""
+
+
+class AveragingError(NodeError):
+    """A collective round did not finish; the message names the missing peers, and ``causes`` the participants
+    whose statements or silence ended it (the round's :attr:`Failed.missing`)."""
+
+    def __init__(self, message: str, causes: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.causes = causes
+
+
+class ResultGone(AveragingError):
+    """The participants no longer keep that round's result (they moved on): the caller must resync."""

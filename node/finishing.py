@@ -1,14 +1,15 @@
 """The trio adapter that finishes a closed step: it carries out :class:`~protolearn.node.core.closed_step.NodeCore`'s actions.
 
 :meth:`Finisher.finish` feeds the core the closed step, then answers each of its questions with the IO
-it names (the gradients this replica holds, a collective round, fetching the round's result, a redo,
+it names (the gradients this replica holds, the stage's sync of them (:mod:`protolearn.node.replica_sync`:
+its collective round or rounds, under the run's compression), fetching the step's result, a redo,
 "did the step reopen?", the commit wait, applying the update) until the core says the step is applied,
 reopened (wait for the next revision) or lost here (resync). Every decision is the core's; this module
 only does reads, writes and waits, and reads time through the node's one clock.
 
 The commit report names the hash of the result this replica holds: a participant's is its collective
 round's result hash (the one its signed fin names); a replica that fetched the result hashes it the same
-way (per part, over the round's participants, :func:`result_digest`). If its stage's majority holds
+way (per part, over the round's participants, :func:`~protolearn.protocol.collective.result_proof.vector_digest`). If its stage's majority holds
 another result, the coordinator refuses the report (``result_mismatch``) and the core resyncs instead of
 applying.
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import trio
-from protolearn.node.averaging import Averager, AveragingError, ResultGone
+from protolearn.node.averaging import AveragingError, ResultGone
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
 from protolearn.node.core.events import (
     Action,
@@ -59,12 +60,12 @@ from protolearn.node.core.inner_step import INNER_RESULT
 from protolearn.node.outer_sync import OuterSync
 from protolearn.node.driver import emit
 from protolearn.node.progress import Progress
+from protolearn.node.replica_sync import ReplicaSync
 from protolearn.node.step_timing import StepTimer
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
-from protolearn.protocol.collective.ownership import part_bounds
-from protolearn.protocol.statements import part_hash, result_hash
+from protolearn.protocol.collective.result_proof import vector_digest
 
 log = logging.getLogger("protolearn.node")
 # Long-poll length of one commit wait (the coordinator caps it at 30 s).
@@ -81,12 +82,6 @@ class StepResult:
     param_hash: str = ""
 
 
-def result_digest(result: torch.Tensor, num_participants: int) -> bytes:
-    """The collective's result hash of ``result`` (``(numel,)``) averaged over ``num_participants`` replicas:
-    what each participant's Done names, recomputed by a replica that fetched the result."""
-    return result_hash([part_hash(result[a:b]) for a, b in part_bounds(result.numel(), num_participants)])
-
-
 class Finisher:
     """Finishes closed steps for one built stage. The node passes in what the IO needs."""
 
@@ -94,7 +89,7 @@ class Finisher:
         self,
         core: NodeCore,
         worker: StageWorker,
-        averager: Averager,
+        sync: ReplicaSync,
         link: CoordinatorLink,
         compute: trio.CapacityLimiter,
         progress: Progress,
@@ -111,7 +106,9 @@ class Finisher:
         self.outer = outer
         self.timing = timing
         self.worker = worker
-        self.averager = averager
+        self.sync = sync
+        # Replica-sync bytes this replica had sent when it began finishing the step it finishes now.
+        self._bytes_mark = (-1, 0)
         self.link = link
         self.compute = compute
         self.progress = progress
@@ -123,6 +120,8 @@ class Finisher:
     async def finish(self, step: int, info: cm.StepInfo) -> StepResult:
         """Finish ``step``, closed as ``info`` says; see :class:`StepResult`."""
         self.progress.update(state=cm.NodeState.AVERAGING.value)
+        if self._bytes_mark[0] != step:  # a reopened step's later revisions count toward the same step
+            self._bytes_mark = (step, self.sync.bytes_sent)
         account = {pt.peer_id: list(pt.tickets) for sa in info.accounting if sa.stage == self.core.stage for pt in sa.peers}
         held = await trio.to_thread.run_sync(self.worker.held_tickets, step, limiter=self.compute)
         self._result: torch.Tensor | None = None
@@ -158,16 +157,16 @@ class Finisher:
         if isinstance(a, Average):
             flat = await trio.to_thread.run_sync(self.worker.flat_grads, a.step, a.tickets, limiter=self.compute)
             try:
-                done = await self.averager.run_round_detailed(a.round, a.weights, flat)
+                done = await self.sync.average(a.step, a.round, a.weights, flat)
             except AveragingError as err:
-                return RoundFailed(a.step, a.revision, str(err))
+                return RoundFailed(a.step, a.revision, str(err), err.causes)
             self._result, self._result_hash = done.result, done.digest.hex()
             return RoundDone(a.step, a.revision, list(done.excluded))
         if isinstance(a, Fetch):
             self._result = None
             with trio.move_on_after(a.try_s):
                 try:
-                    self._result = await self.averager.fetch_result(a.round, a.participants)
+                    self._result = await self.sync.fetch(a.step, a.round, a.weights)
                 except ResultGone as err:
                     return Fetched(a.step, a.revision, ok=False, gone=True, reason=str(err))
                 except AveragingError as err:
@@ -176,14 +175,14 @@ class Finisher:
             if self._result is None:
                 return Fetched(a.step, a.revision, ok=False, reason=f"no result within {a.try_s:g} s")
             # Hashed outside the fetch's time limit: a result in hand is not lost to a slow hash.
-            digest = await trio.to_thread.run_sync(result_digest, self._result, len(a.participants), limiter=self.compute)
+            digest = await trio.to_thread.run_sync(vector_digest, self._result, len(a.weights), limiter=self.compute)
             self._result_hash = digest.hex()
             return Fetched(a.step, a.revision, ok=True)
         if isinstance(a, Redo):
             if a.delay_s:
                 await trio.sleep(a.delay_s)
             try:
-                reply = await self.link.redo(a.step, a.tickets, a.reason, revision=a.revision)
+                reply = await self.link.redo(a.step, a.tickets, a.reason, revision=a.revision, kind=a.kind, causes=a.causes)
             except CoordinatorRefused as err:
                 log.log(logging.INFO if a.expected else logging.WARNING, "redo refused step=%d tickets=%s reason=%s", a.step, a.tickets, err.reason)
                 return RedoAnswer(a.step, a.revision, granted=False, reason=err.reason, code=err.code)
@@ -245,11 +244,13 @@ class Finisher:
                 param_hash, norm = await trio.to_thread.run_sync(self.worker.apply_inner, a.step, a.tickets)
             else:
                 param_hash, norm = await trio.to_thread.run_sync(self.worker.apply, a.step, result)
+                self.sync.commit(a.step)
             follow = self.core.handle(Applied(a.step, param_hash), self.clock())
         await trio.to_thread.run_sync(self.worker.forget, a.step, limiter=self.compute)
         self.progress.event(
             "step", step=a.step, loss=a.loss, hash=param_hash, tickets=a.tickets, replicas=a.replicas, counted=a.counted,
             grad_norm=norm, averaging_s=round(t_avg, 4), revision=a.revision, inner=self.outer is not None,
+            sync_bytes=self.sync.bytes_sent - self._bytes_mark[1] if self._bytes_mark[0] == a.step else None,
         )
         await self._follow(follow)
         return param_hash

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import trio
 from protolearn.node.adversary import Attack, parse_adversary
 from protolearn.node.averaging import Averager
+from protolearn.node.replica_sync import ReplicaSync
 from protolearn.node.config import NodeConfig
 from protolearn.node.compute_watch import ComputeWatch
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
@@ -123,6 +124,7 @@ class Node:
         self.driver: TicketDriver
         self.router: Router
         self.averager: Averager
+        self.replica_sync: ReplicaSync
         self.finisher: Finisher
         self.syncer: StageSync
 
@@ -204,6 +206,8 @@ class Node:
                                  aggregation=Aggregation.from_config(run.integrity), cross_check=run.integrity.cross_check,
                                  part_filter=outbound.part_filter, on_reducer_fault=self.integrity.reducer_fault)
         self.averager.register()
+        self.replica_sync = ReplicaSync(self.averager, run.sync.compression_spec, [tuple(p.shape) for p in self.worker.params],
+                                        seed=run.seed, compute=self.compute)
         self.syncer = StageSync(
             self.config, self.host, self.link, self.worker, self.persistence, self.compute, self.progress,
             stage=stage, run_hash=self.run_hash, donors=lambda: [p for p in self.view.stage_peers(stage) if p != self.host.peer_id],
@@ -211,11 +215,11 @@ class Node:
         )
         outer = None
         if isinstance(core, InnerStepCore):
-            outer = OuterSync(core, self.worker, self.averager, self.link, self.compute, self.progress, hashes=self.hashes,
+            outer = OuterSync(core, self.worker, self.replica_sync, self.link, self.compute, self.progress, hashes=self.hashes,
                               persistence=self.persistence, target_steps=self.target_steps, ask_timeout_s=self.config.sync_timeout_s,
                               clock=self.clock)
         self.finisher = Finisher(
-            core, self.worker, self.averager, self.link, self.compute, self.progress,
+            core, self.worker, self.replica_sync, self.link, self.compute, self.progress,
             reported_hashes=self.syncer.reported_hashes, resync=self.resync, start_held=self.router.release, clock=self.clock,
             timing=self.timing, outer=outer,
         )
@@ -239,6 +243,7 @@ class Node:
         """Take the stage's state (see :class:`~protolearn.node.syncing.StageSync`); the core counts it applied."""
         assert self.core is not None  # built
         self.worker.applied = -1  # weights being replaced: no spot check recomputes with them meanwhile
+        self.replica_sync.reset()  # its residual and warm start belong to the state it had
         if self.diloco:
             # The stage's state after its last outer sync; this replica trains on from the open step.
             got, frontier = await self.syncer.sync_anchor(open_step)
@@ -341,7 +346,7 @@ class Node:
             return
         down, every = old.broken_routes(gone)
         for peer in down:
-            self.driver.peer_down(peer)
+            self.driver.peer_down(peer, departed=True)
         if every:
             self.driver.member_left()
 

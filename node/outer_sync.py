@@ -7,12 +7,15 @@ answer to one action of the round's core:
 
 - the long poll of the coordinator's decision (:meth:`CoordinatorLink.outer_ready`), naming this replica's
   anchor (its state after the last sync) and the first inner step its parameters cover since it took it;
-- the pseudo-gradient's one path to the wire: :attr:`OuterSync.average` is handed the flat float32 vector
-  ``weight * (anchor - theta)`` and the round's weights, and returns the collective's
-  :class:`~protolearn.protocol.collective.Done` (by default the stage's averager, exact fp32; a compressor
-  wraps this callable, passing ``keep`` on); the weighted mean it yields is what this replica then serves
-  (``keep``) to a follower, or to a participant whose own round failed;
-- such a fetch of the round's mean from a participant;
+- the pseudo-gradient's one path to the wire: the stage's :class:`~protolearn.node.replica_sync.ReplicaSync`
+  (the run's ``[sync] compression``, as a step's gradients in step mode) is handed the flat float32 vector
+  ``weight * (anchor - theta)`` and the round's weights, keyed by the round's last inner step, and returns
+  the round's sum; divided by the summed weight of the contributors it kept, that is the token-weighted
+  mean pseudo-gradient (what every survivor holds alike);
+- a fetch of the round's result from its participants, for a follower or a participant whose own round
+  failed: :meth:`ReplicaSync.fetch`, the one fetch path of both modes, which takes only a full round's
+  result proven by a strict majority of the participants' signed fins
+  (:mod:`protolearn.protocol.collective.result_proof`), divided by the round's summed weight;
 - the outer step itself under the compute lock (:meth:`StageWorker.apply_outer`), after which the new
   anchor's hash is recorded for the heartbeat (what the stage's replicas compare, I2) and a checkpoint of
   it is written when one is due.
@@ -21,11 +24,11 @@ answer to one action of the round's core:
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import torch
 import trio
-from protolearn.node.averaging import Averager, AveragingError
+from protolearn.node.averaging import AveragingError
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
 from protolearn.node.core.events import Emit, OuterDone, SyncOuter
 from protolearn.node.core.inner_step import InnerStepCore
@@ -50,33 +53,30 @@ from protolearn.node.driver import emit
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
 from protolearn.node.replica_hashes import ReplicaHashes
+from protolearn.node.replica_sync import ReplicaSync
 from protolearn.node.worker import StageWorker
-from protolearn.protocol.collective import Done
 from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.rounds import PHASES_PER_REVISION, phase_round
 
 log = logging.getLogger("protolearn.node")
 # Long-poll length of one ask for the round's decision (the coordinator caps it at 30 s).
 READY_POLL_S = 10.0
-
-# (collective round id, contributor → weight, this replica's flat float32 contribution (N,), keep=what to serve
-# fetchers given the Done) → the round's Done. Averager.run_round_detailed is one.
-AverageFn = Callable[..., Awaitable[Done]]
 
 
 class OuterSync:
     """Runs the outer rounds of one built stage; the node makes one per build (DiLoCo mode only)."""
 
     def __init__(
-        self, core: InnerStepCore, worker: StageWorker, averager: Averager, link: CoordinatorLink, compute: trio.CapacityLimiter,
+        self, core: InnerStepCore, worker: StageWorker, sync: ReplicaSync, link: CoordinatorLink, compute: trio.CapacityLimiter,
         progress: Progress, *, hashes: ReplicaHashes, persistence: StagePersistence, target_steps: int, ask_timeout_s: float,
-        average: AverageFn | None = None, clock: Callable[[], float] = trio.current_time,
+        clock: Callable[[], float] = trio.current_time,
     ) -> None:
-        """``hashes``: where the new anchor's hash goes for the heartbeat; ``persistence``: writes a checkpoint of it
-        when one is due (``target_steps``: this node's last step). ``average``: the seam to the collective (default:
-        ``averager``'s)."""
+        """``sync``: the stage's replica sync (the seam to the collective, compressed as the run says); ``hashes``:
+        where the new anchor's hash goes for the heartbeat; ``persistence``: writes a checkpoint of it when one is
+        due (``target_steps``: this node's last step)."""
         self.core = core
         self.worker = worker
-        self.averager = averager
+        self.sync = sync
         self.link = link
         self.compute = compute
         self.progress = progress
@@ -84,7 +84,6 @@ class OuterSync:
         self.persistence = persistence
         self.target_steps = target_steps
         self.ask_timeout_s = ask_timeout_s
-        self.average: AverageFn = average if average is not None else averager.run_round_detailed
         self.clock = clock
         self._result: torch.Tensor | None = None
 
@@ -92,7 +91,7 @@ class OuterSync:
         """Outer round ``a.round`` after inner step ``a.step``; see the module docstring."""
         oc = OuterRoundCore(self.core.me, self.core.stage, a.round, a.step, ask_timeout_s=self.ask_timeout_s)
         self._result = None
-        started = self.clock()
+        started, bytes_before = self.clock(), self.sync.bytes_sent
         actions = oc.start(started)
         while True:
             event: OuterEvent | None = None
@@ -101,6 +100,7 @@ class OuterSync:
                     self.progress.event(
                         "outer_sync", round=a.round, step=a.step, attempt=oc.attempt, role=oc.role, resync=act.resync,
                         hash=act.param_hash, reason=act.reason, weights=oc.weights, seconds=round(self.clock() - started, 4),
+                        sync_bytes=self.sync.bytes_sent - bytes_before,
                     )
                     return OuterDone(a.step, act.param_hash, act.resync, act.reason)
                 got = await self._carry(act, oc, a.step)
@@ -120,9 +120,9 @@ class OuterSync:
                 await trio.sleep(act.delay_s)
             return await self._ask(act)
         if isinstance(act, AverageOuter):
-            return await self._average(act)
+            return await self._average(act, step)
         if isinstance(act, FetchOuter):
-            return await self._fetch(act)
+            return await self._fetch(act, step)
         if isinstance(act, ApplyOuter):
             return await self._apply(act, step)
         raise TypeError(f"no adapter for outer round action {act!r}")
@@ -142,34 +142,38 @@ class OuterSync:
         weights = {w.peer_id: w.weight for w in reply.weights}
         return Decided(reply.role, reply.reason, weights, tuple(reply.followers))
 
-    async def _average(self, act: AverageOuter) -> OuterEvent:
+    async def _average(self, act: AverageOuter, step: int) -> OuterEvent:
         weight = act.weights[self.core.me]
 
         def contribution() -> torch.Tensor:
             return self.worker.pseudo_gradient() * weight  # (N,)
 
-        def mean(done: Done) -> torch.Tensor | None:  # (N,): the token-weighted mean pseudo-gradient
-            total = total_weight(act.weights, done.contributors)
-            return done.result / total if total > 0 else None
-
         flat = await trio.to_thread.run_sync(contribution, limiter=self.compute)
         try:
-            done = await self.average(act.round_id, act.weights, flat, keep=mean)
+            done = await self.sync.average(step, act.round_id, act.weights, flat)
         except AveragingError as err:
             # Say so at once to a participant that asks this one for the result (it retries sooner).
-            self.averager.finished.done(act.round_id, None)
+            for phase in range(PHASES_PER_REVISION):
+                self.sync.averager.finished.done(phase_round(act.round_id, phase), None)
             return AverageFailed(str(err))
-        self._result = mean(done)
-        return Averaged(tuple(done.contributors))
+        contributors = tuple(p for p in act.weights if p not in set(done.excluded))
+        total = total_weight(act.weights, contributors)
+        self._result = done.result / total if total > 0 else None  # (N,): the token-weighted mean pseudo-gradient
+        return Averaged(contributors)
 
-    async def _fetch(self, act: FetchOuter) -> OuterEvent:
+    async def _fetch(self, act: FetchOuter, step: int) -> OuterEvent:
         self._result = None
-        try_s = act.try_s if act.try_s is not None else self.averager.timeout_s
+        try_s = act.try_s if act.try_s is not None else self.sync.averager.timeout_s
         with trio.move_on_after(try_s):
             try:
-                self._result = await self.averager.fetch_result(act.round_id, act.participants)
+                summed = await self.sync.fetch(step, act.round_id, act.weights)
             except AveragingError as err:
                 return Fetched(False, str(err))
+            # A proven result is a full round's: every participant's weight is in it.
+            total = total_weight(act.weights, list(act.weights))
+            if total <= 0:
+                return Fetched(False, f"outer round {act.round_id} has no weighted participant")
+            self._result = summed / total
         if self._result is None:
             return Fetched(False, f"no result within {try_s:g} s")
         return Fetched(True)
@@ -180,6 +184,7 @@ class OuterSync:
             raise RuntimeError(f"outer step after step {step} without a result")
         async with self.compute:
             param_hash = await trio.to_thread.run_sync(self.worker.apply_outer, result, step + 1)
+            self.sync.commit(step)  # the compression's residual of this round is this replica's now
         # The stage's new shared state: report it (I2) at once, and checkpoint it when one is due.
         self.hashes.record(step, param_hash)
         self.link.beat_now()

@@ -329,7 +329,7 @@ class Router:
         inputs = self.integrity.my_inputs("fwd", step, ticket) if self.integrity is not None else b""
         hidden = self.outbound.tensor(hidden, step, ticket, "fwd")
         while self.clock() < deadline and len(tried) < MAX_FORWARD_TRIES:
-            choice = self.routes.choose(tried, self.clock())
+            choice = self.routes.choose(tried, self.clock(), step)
             if choice.peer is None:
                 await trio.sleep(RETRY_PAUSE_S)  # the next stage may be joining; the view refreshes
                 continue

@@ -10,7 +10,7 @@ Request → reply:
   coordinator dials it back from a second host, on a fresh connection, at the node's own observed IP only
   (``coordinator/core/reachability.py``), and offers relays to a private node.
 - :class:`Join` → :class:`JoinReply`: the run config (TOML) and its hash, the assigned stage, the view and bans.
-- :class:`Heartbeat` → :class:`HeartbeatReply`: the node's state in, the current step, bans, the
+- :class:`Heartbeat` → :class:`HeartbeatReply` (also on a :data:`BEATS` stream): the node's state in, the current step, bans, the
   (possibly changed) stage assignment, the replicas per stage and the membership view out. The view
   holds a bounded number of members of each stage and is sent only when it changed since the view
   version the node holds: as a snapshot that replaces its list, or, when the node asks with
@@ -56,6 +56,10 @@ from pydantic import Field
 
 # The protocol's name, defined here only; the transport's protocol_id() makes it /protolearn/coordinator/1.0.0.
 COORDINATOR = "coordinator"
+# Heartbeats also go on one long-lived stream per member (a Heartbeat in, its HeartbeatReply or an ErrorReply
+# out, for as long as both keep it open): a request on a new stream costs about 4x the CPU of one on an open
+# stream, at both ends (docs/BENCHMARKS.md, "Coordinator over the network").
+BEATS = "coordinator-beats"
 
 # Bounds on every variable-size field (peer IDs and stage indices: protocol/bounds.py). Multiaddrs are
 # short. A member's addresses travel in every view reply, so they are few and short: 4 of 256 characters
@@ -82,6 +86,8 @@ MAX_REPLY_BYTES = 16 * 1024 * 1024
 NODE_STATES: tuple[str, ...] = tuple(s.value for s in NodeState)
 # On the wire a state is its string value; the schema turns it into the enum (and refuses any other).
 State = Annotated[NodeState, Field(strict=False)]
+# The longest heartbeat interval a coordinator may ask for (a node beats at least this often).
+MAX_HEARTBEAT_INTERVAL_S = 600.0
 
 Addr = Annotated[str, Field(min_length=1, max_length=MAX_ADDR)]
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
@@ -242,6 +248,8 @@ class HeartbeatReply(Message):
     # The finished run's model: "collecting" while the coordinator fetches it from the replicas (a member
     # that finished the run stays and serves its stage until then), "saved" once it holds it, "" otherwise.
     final: FinalState = ""
+    # The interval to beat at from now on: it grows with the swarm (coordinator/core/pacing.py); 0: unchanged.
+    heartbeat_interval_s: Annotated[float, Field(ge=0, le=MAX_HEARTBEAT_INTERVAL_S, allow_inf_nan=False)] = 0.0
 
 
 class Lease(Message):
@@ -258,6 +266,13 @@ class LeaseReply(Message):
     # One per index: the lease's nonce (protocol/acks.py), which the activation carries to the last stage and
     # its ack signs, so that an ack from an earlier lease of the ticket cannot complete this one.
     nonces: list[Nonce] = Field(default_factory=list, max_length=MAX_TICKETS_PER_REQUEST)
+    # Stage-1 replicas that sit out the rest of this step (coordinator/core/round_faults.py): route none of
+    # its tickets through them while others serve the stage.
+    avoid: list[PeerId] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)
+    # Stage-1 replicas that stage-0 replicas reported for lost microbatches and that carried no ticket to
+    # completion since (coordinator/core/verdicts.py): route fewer tickets through them (a report lowers a
+    # share, never bans alone).
+    suspects: list[PeerId] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)
 
 
 class Release(Message):
@@ -375,6 +390,13 @@ class StepInfo(Message):
     committed: bool = False
 
 
+# Why a replica asks for a redo: "" (a ticket's route broke on the open step, or not said); "round_failed" (its
+# stage's collective round failed here); "replica_out" (its round finished without replicas that died or fell
+# silent: their tickets); "lost_gradients" (it lost the gradients of tickets accounted to it, e.g. it
+# restarted); "orphaned" (every participant of its stage is gone, so nobody holds the stage's part of the step).
+RedoKind = Literal["", "round_failed", "replica_out", "lost_gradients", "orphaned"]
+
+
 class Redo(Message):
     KIND: ClassVar[str] = "coord.redo"
     step: Step
@@ -384,6 +406,12 @@ class Redo(Message):
     # revision than the step's last closing is stale and refused: it would reopen a step whose newer
     # revision the other replicas are averaging, and the replicas could leapfrog each other forever.
     revision: Annotated[int, Field(ge=0, lt=2**31)] = 0
+    # Why, as a code (the coordinator charges the cost by it, never by the reason's prose): see REDO_KINDS.
+    kind: RedoKind = ""
+    # With ``round_failed``: the participants whose statements or silence ended the round here, as its
+    # collective found (its cause). Charged to them only once a strict majority of the stage's participants
+    # name them (coordinator/core/round_faults.py); until then the sender's word costs the sender.
+    causes: list[PeerId] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)
 
 
 class RedoReply(Message):
@@ -421,6 +449,9 @@ class Report(Message):
     KIND: ClassVar[str] = "coord.report"
     target: PeerId
     reason: Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]
+    # A liveness report (reason ``liveness: ...``): how many microbatches in a row the target lost; fewer than
+    # protocol/lost_reports.py's REPORT_AFTER_LOST (0: it left holding some) make a notice that never flags or bans.
+    lost: Annotated[int, Field(ge=0, lt=2**31)] = 0
     # With ``conflicting``: two statements the target signed that cannot both be honest.
     evidence: StatementEvidence | None = None
     conflicting: StatementEvidence | None = None

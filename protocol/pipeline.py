@@ -13,8 +13,9 @@ dtype, shape, size) before reading a payload byte.
   route recorded in the activation; the loss (computed on the last stage) rides along to stage 0.
 - ``collective``: :class:`~protolearn.protocol.collective.PartHeader` + tensor (raw float32, never
   lossy: replicas must agree bit for bit) → :class:`Ack` or :class:`Refuse`.
-  A replica that the step's accounting leaves out (it processed no ticket) sends
-  :class:`ResultRequest` instead and gets :class:`Ack` + the whole reduced vector from a participant.
+  A replica that the step's accounting leaves out (it processed no ticket), or a participant whose own round
+  failed, sends :class:`ResultRequest` instead and gets :class:`ResultServed` (the participants' signed fins
+  that prove it, :mod:`protolearn.protocol.collective.result_proof`) + the whole reduced vector.
 - ``state``: :class:`StateRequest` → :class:`StateInfo`, then per tensor a :class:`StateChunk` + tensor,
   for syncing a stage's parameters and optimizer state from a live replica.
 - ``show``: :class:`ShowRequest` → :class:`Ack` + the input frame a stage received for a microbatch
@@ -34,8 +35,8 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
-from protolearn.protocol.bounds import MAX_STAGES, Hash, Nonce, PeerId, Signature, StageIndex, Step, Ticket
-from protolearn.protocol.wire import Message
+from protolearn.protocol.bounds import MAX_PARTICIPANTS, MAX_STAGES, Hash, Nonce, PeerId, Signature, StageIndex, Step, Ticket
+from protolearn.protocol.wire import Message, Record
 
 # The node-to-node protocol names, each defined only here; the transport's protocol_id() makes
 # "/protolearn/<name>/1.0.0" of one. The coordinator's is protocol/coordination.py's COORDINATOR.
@@ -116,6 +117,24 @@ class ResultRequest(Message):
     KIND: ClassVar[str] = "pipe.result_request"
     round: Step
     stage: StageIndex
+
+
+class ServedFin(Record):
+    """A participant's signed fin of a round: its contributor set (a bitmask over the sorted participants) and
+    result hash."""
+
+    signer: PeerId
+    mask: Annotated[bytes, Field(max_length=(MAX_PARTICIPANTS + 7) // 8)]
+    digest: Annotated[bytes, Field(max_length=64)]
+    signature: Signature
+
+
+class ResultServed(Message):
+    """The round's full result follows (raw float32), with the fins the serving participant holds: the taker
+    accepts it only if a strict majority of the participants signed it (protocol/collective/result_proof.py)."""
+
+    KIND: ClassVar[str] = "pipe.result_served"
+    fins: list[ServedFin] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)
 
 
 class StateRequest(Message):

@@ -12,6 +12,10 @@ that holds the same slices recomputes the part; if the bytes differ it vetoes th
 * the reducer's signed statement: (round, part, contributor set ``S``, inputs digest, part hash);
 * every slice of ``S``, with its contributor's signature.
 
+In a round with a slice compression (``[sync] compression``, :mod:`~protolearn.protocol.sync_compression`)
+a slice is the contributor's contribution as it signed it (float32, the values its encoding carried), and
+the reduction ends with the compression's projection of the reduced part, which the verifier applies too.
+
 :func:`verify_reducer_fault` needs no trust in the accuser: the reducer's signature shows it vouched for
 exactly these slices (their hashes give its inputs digest) and for the part hash; the contributors'
 signatures show the slices are theirs; recomputing the reduction (a pure function of ``S`` and the slices,
@@ -158,29 +162,36 @@ def _shape_error(ev: ReducerFault) -> str:
 
 
 def verify_reducer_fault(
-    evidence: ReducerFault, public_key_of: Callable[[str], bytes | None], *, aggregation_cfg: Any
+    evidence: ReducerFault, public_key_of: Callable[[str], bytes | None], *, aggregation_cfg: Any, compression: str = "none"
 ) -> tuple[bool, str]:
     """Whether ``evidence`` proves that its reducer signed a wrong part, with the reason either way.
 
     ``public_key_of(peer)``: a peer's raw Ed25519 public key, or None if unknown (e.g.
     :func:`peer_id_public_key`). ``aggregation_cfg``: the run's aggregation, a :class:`~.robust.Aggregation` or the
-    run config's ``integrity`` section; a round that used another one does not verify (its statements are
-    bound to it).
+    run config's ``integrity`` section; ``compression``: the run's ``[sync] compression``
+    (:mod:`protolearn.sync_spec`), whose projection of a reduced part is part of the reduction. A round that
+    used another rule or compression does not verify (its statements are bound to them).
     """
     import torch
 
     from protolearn.protocol.collective.robust import Aggregation, robust_reduce
     from protolearn.protocol.statements import part_hash
+    from protolearn.protocol.sync_compression.slice_codec import slice_codec
+    from protolearn.sync_spec import SyncSpecError, parse_sync_compression
 
     why = _shape_error(evidence)
     if why:
         return False, f"malformed evidence: {why}"
     agg = aggregation_cfg if isinstance(aggregation_cfg, Aggregation) else Aggregation.from_config(aggregation_cfg)
+    try:
+        codec = slice_codec(parse_sync_compression(compression))
+    except SyncSpecError as err:
+        return False, f"the run's compression cannot check this evidence: {err}"
     ev = evidence
     weights = dict(zip(ev.participants, ev.weights))
     if ev.op == "weighted_mean" and sum(weights.values()) <= 0:
         return False, "malformed evidence: a weighted mean needs a positive weight"
-    rd = round_digest(ev.round, weights, ev.numel, op_tag(ev.op, agg.tag, True))
+    rd = round_digest(ev.round, weights, ev.numel, op_tag(ev.op, agg.tag, True, "none" if codec is None else codec.tag))
     statement = part_statement(rd, ev.part, members_mask(ev.participants, ev.members), ev.digest, ev.inputs)
     if not _signed(public_key_of, ev.reducer, statement, ev.signature):
         return False, f"the part statement is not signed by {ev.reducer} (or belongs to another round or aggregation rule)"
@@ -196,6 +207,7 @@ def verify_reducer_fault(
     tensors = {s.peer: torch.frombuffer(bytearray(s.data), dtype=torch.float32) for s in ev.slices}  # (L,) each
     if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
         return False, "a slice holds NaN or Inf (the collective refuses those)"
-    if part_hash(robust_reduce(tensors, ev.members, weights, ev.op, b - a, agg)) == ev.digest:
+    reduced = robust_reduce(tensors, ev.members, weights, ev.op, b - a, agg)
+    if part_hash(reduced if codec is None else codec.reduced(reduced)) == ev.digest:
         return False, f"part {ev.part} signed by {ev.reducer} is the reduction of the slices: no fault"
     return True, f"{ev.reducer} signed part {ev.part} of round {ev.round} with bytes that are not the {agg.rule} of its contributors' signed slices"

@@ -83,10 +83,12 @@ def round_digest(round_id: int, weights: Mapping[str, float], numel: int, op: st
     return h.digest()
 
 
-def op_tag(op: str, rule_tag: str = "mean", cross_check: bool = False) -> str:
+def op_tag(op: str, rule_tag: str = "mean", cross_check: bool = False, compression: str = "none") -> str:
     """What a round's digest names as its operation: ``op``, the aggregation rule with its parameters unless it
-    is the mean, and whether slices are cross-checked (a plain mean round's digest is what it always was)."""
-    return op + ("" if rule_tag == "mean" else f"/{rule_tag}") + ("/xc" if cross_check else "")
+    is the mean, whether slices are cross-checked, and the slice compression unless it is none (a plain mean
+    round's digest is what it always was)."""
+    return (op + ("" if rule_tag == "mean" else f"/{rule_tag}") + ("/xc" if cross_check else "")
+            + ("" if compression == "none" else f"/z:{compression}"))
 
 
 def members_mask(peers: Sequence[str], members: Collection[str]) -> bytes:

@@ -22,6 +22,7 @@ SUITES: dict[str, str] = {
     "swarm": "scripts/bench_swarm.py",
     "recovery": "scripts/bench_recovery.py",
     "coordinator": "scripts/bench_coordinator.py",
+    "coordinator-net": "scripts/bench_coordinator_net.py",
     "restart": "scripts/bench_restart.py",
     "abuse": "scripts/bench_abuse.py",
     "integrity": "scripts/bench_integrity.py",
@@ -33,6 +34,7 @@ SUITES: dict[str, str] = {
     "linkrecovery": "scripts/bench_linkrecovery.py",
     "report": "scripts/bench_report.py",
     "framing": "scripts/bench_framing.py",
+    "sync": "scripts/bench_sync.py",
 }
 
 

@@ -213,3 +213,58 @@ def render_linkrecovery(r: dict[str, Any], figs: Path, plt: Any) -> str:
         vals = [r.get("kill_to_next_close_s"), r.get("join_to_synced_s"), r.get("join_to_first_microbatch_s"), transfer]
         out += ["", bars(plt, figs / "linkrecovery.png", labels, {"seconds": vals}, ylabel="seconds", title=f"recovery on {r.get('link')}")]
     return "\n".join(out)
+
+
+def render_sync(r: dict[str, Any], figs: Path, plt: Any) -> str:
+    modes = r.get("modes", {})
+    loop = r.get("none_loopback", {})
+    base = get(r, "modes", "none", "replica_bytes_per_token")
+    per_step = (r.get("tokens") or 0) / (r.get("steps") or 1)  # tokens per step
+    rows = []
+    for m, v in modes.items():
+        per = v.get("per_seed", {})
+        bpt = v.get("replica_bytes_per_token")
+        rows.append([f"**{m}**" if m == r.get("best") else m, f"`{get(v, 'overrides', 'sync.compression')}`", num(bpt),
+                     dec(bpt * per_step / 1e6, 3) if bpt is not None else "–",
+                     dec(base / v["replica_bytes_per_token"], 1) if base and v.get("replica_bytes_per_token") else "–",
+                     num(v.get("tokens_per_s")), dec(v.get("final_val_loss"), 4),
+                     ", ".join(dec(p.get("final_val_loss"), 4) for p in per.values()),
+                     ", ".join(num(p.get("averaging_s")) for p in per.values())])
+    rows.append(["none, loopback", "`none`", "–", "–", "–", num(loop.get("tokens_per_s")), dec(loop.get("final_val_loss"), 4),
+                 ", ".join(dec(p.get("final_val_loss"), 4) for p in loop.get("per_seed", {}).values()),
+                 ", ".join(num(p.get("averaging_s")) for p in loop.get("per_seed", {}).values())])
+    out = [
+        f"{r.get('nodes')} nodes over {r.get('stages')} stages (two replicas per stage), one torch thread each, the demo run at "
+        f"{r.get('steps')} steps ({num(r.get('tokens'))} tokens, the same for every mode), seeds {r.get('seeds')}, every node on "
+        f"`{r.get('link')}` (the coordinator unshaped); per-step `none` also on loopback. `replica_bytes_per_token`: what a replica "
+        "wrote on its collective streams (parts, fins, probes, headers; counted by the averaging adapter) over the run ÷ the tokens "
+        "the swarm trained (the reducer cross-check, on in the demo run, sends every slice to two replicas: 1.5× the bytes of a plain "
+        f"reduce-scatter and all-gather). tokens/s from the coordinator's step closes after {r.get('warmup')} steps; the final validation loss is "
+        "the exported final model's on the run's validation batches. Values are means over the seeds.",
+        "",
+        table(["mode", "`[sync] compression`", "`replica_bytes_per_token`", "MB per replica per step", "× fewer than `none`", "tokens/s", "final val loss",
+               "per seed", "averaging s/step per seed"], rows),
+        "",
+        f"Best ({r.get('best_rule')}): `{r.get('best')}`: `bytes_reduction` **{dec(r.get('bytes_reduction'), 1)}**, `loss_rel_diff` "
+        f"**{pct(r.get('loss_rel_diff'))}**, `internet_efficiency` **{dec(r.get('internet_efficiency'), 3)}** (its tokens/s on the "
+        f"links ÷ per-step `none` on loopback; `none` itself: {dec(r.get('none_internet_efficiency'), 3)}). The runs went one after "
+        "another on a shared machine, so tokens/s carry the load's drift between them; bytes per token and losses do not.",
+    ]
+    curves = r.get("curves", {})
+    if plt is not None and curves:
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))
+        for m, c in curves.items():
+            ax.plot([max(x, 1e-3) for x in c["mib"]], c["loss"], lw=1.0, label=f"{m} (seed {c['seed']})")
+        ax.set_xscale("log")
+        ax.set_xlabel("MiB a replica had sent for sync")
+        ax.set_ylabel("training loss")
+        ax.set_title(f"loss against replica-sync bytes, {r.get('link')}", fontsize=10)
+        ax.legend(fontsize=8)
+        names = [*modes, "none, loopback"]
+        bx.bar(names, [modes[m].get("tokens_per_s") or 0.0 for m in modes] + [loop.get("tokens_per_s") or 0.0],
+               color=["C0"] * len(modes) + ["C7"])
+        bx.set_ylabel("tokens/s")
+        bx.set_title(f"tokens/s per mode on {r.get('link')} (grey: none on loopback)", fontsize=10)
+        bx.tick_params(axis="x", rotation=20)
+        out += ["", fmt.save(fig, figs / "sync.png")]
+    return "\n".join(out)

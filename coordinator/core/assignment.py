@@ -6,8 +6,16 @@ replicas it passes ``T_s / w_s`` (scaled) tokens per second, and the pipeline ru
 slowest stage, ``min_s T_s / w_s``. *Balance quality* is that rate divided by the ideal rate with the
 same total compute, ``sum(T) / sum(w)``: 1.0 is perfect, 0.0 means some stage is empty.
 
-- A joiner goes to the stage with the least throughput relative to its share (ties: fewer replicas
-  per share, then the lower index), which is the stage that raises the bottleneck most. A returning
+- A joiner goes to a stage with the least throughput relative to its share, which is the stage that raises
+  the bottleneck most. **It cannot choose which** (DESIGN.md, Trust; issue 27, rule 6): an empty stage comes
+  first, and a stage below :data:`PLACEMENT_DRAW_MIN_REPLICAS` replicas is filled in order (with one or two
+  replicas a stage has no majority a Sybil could be steered to take: one liar owns a stage of one and halts
+  a stage of two, wherever it lands); otherwise every stage within :data:`PLACEMENT_SLACK` of the least is a
+  candidate in throughput, among the stages within the slack of the fewest replicas per share (a stage's
+  majorities count replicas, and a claim of almost no throughput moves no stage's throughput), and the
+  coordinator's ``pick`` draws one with a keyed hash the joiner can neither predict nor repeat (its secret key,
+  the joiner's ID and a count of the joins so far), so identities that join and leave until they land in a
+  target stage need as many tries as there are candidates, each a fresh identity's join. A returning
   identity that holds its old stage's state (the registry checks its last reported hash against the
   stage's majority, or nobody serves that stage) goes back to that stage unless that would leave another stage empty (:func:`place`);
   any other returning identity is placed like a newcomer.
@@ -32,13 +40,19 @@ first).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 # A node that reports zero throughput still counts a little, so an empty stage stays distinguishable
 # from one whose replicas have not measured yet.
 MIN_THROUGHPUT = 1e-6
+# Stages whose throughput per share is within this fraction of the least are all candidates for a joiner, once
+# the least loaded one has at least this many replicas (below, stages are filled in order).
+PLACEMENT_SLACK = 0.25
+PLACEMENT_DRAW_MIN_REPLICAS = 3
 
 
 # Claims are binned by factors of 2**(1/_BINS_PER_DOUBLING) from MIN_THROUGHPUT up to MAX_CLAIM.
@@ -134,19 +148,45 @@ def balance_quality(loads: Sequence[StageLoad], shares: Sequence[float]) -> floa
     return swarm_rate(loads, shares) / (total / sum(shares))
 
 
-def choose_stage(loads: Sequence[StageLoad], shares: Sequence[float], fits: Sequence[bool] | None = None) -> Choice:
+def placement_key(secret: bytes) -> bytes:
+    """The key of a joiner's stage draw, derived from the coordinator's secret (the lease-nonce key), distinct
+    from the other keys derived from it."""
+    return hmac.new(secret, b"protolearn/placement-draw", hashlib.sha256).digest()
+
+
+def choose_stage(
+    loads: Sequence[StageLoad], shares: Sequence[float], fits: Sequence[bool] | None = None, pick: Callable[[Sequence[int]], int] | None = None,
+) -> Choice:
     """The stage a joiner should take: the least throughput relative to its share (among those that
-    ``fits`` allows, all by default)."""
+    ``fits`` allows, all by default). ``pick`` draws one of several candidates (the coordinator's keyed draw:
+    see the module docstring); without it, the least loaded (ties: fewer replicas per share, then the lower
+    index)."""
     candidates = [s for s in range(len(loads)) if fits is None or fits[s]]
     if not candidates:
         raise ValueError("a run has at least one stage, and a joiner fits at least one")
-    best = min(
-        candidates,
-        key=lambda s: (loads[s].throughput / shares[s], loads[s].replicas / shares[s], s),
-    )
+
+    def key(s: int) -> tuple[float, float, int]:
+        return (loads[s].throughput / shares[s], loads[s].replicas / shares[s], s)
+
+    # A stage crowded in replicas per share takes no joiner while another stage has fewer (once every candidate
+    # holds PLACEMENT_DRAW_MIN_REPLICAS): majorities count replicas, and a claim of almost no throughput moves no
+    # stage's throughput, so identities that claim little keep their stage the least loaded and, by leaving whenever
+    # they are placed elsewhere, could pile into it (abuse bench stage_steering: 7 of 9 replicas of a stage after 12
+    # joins). Throughput then decides among the uncrowded stages; the rebalancer still moves fast nodes to slow stages.
+    if min(loads[s].replicas for s in candidates) >= PLACEMENT_DRAW_MIN_REPLICAS:
+        fewest = min(loads[s].replicas / shares[s] for s in candidates)
+        candidates = [s for s in candidates if loads[s].replicas / shares[s] <= fewest * (1 + PLACEMENT_SLACK)]
+    best = min(candidates, key=key)
     load = loads[best]
     if load.replicas == 0:
         return Choice(best, f"stage {best} has no replicas")
+    least = load.throughput / shares[best]
+    near = sorted(s for s in candidates if loads[s].throughput / shares[s] <= least * (1 + PLACEMENT_SLACK))
+    if pick is not None and len(near) > 1 and load.replicas >= PLACEMENT_DRAW_MIN_REPLICAS:
+        best = near[pick(near) % len(near)]
+        load = loads[best]
+        return Choice(best, f"stage {best} drawn among the {len(near)} stages within {PLACEMENT_SLACK:.0%} of the least throughput "
+                            f"per share ({load.throughput / shares[best]:.3g}, {load.replicas} replicas)")
     return Choice(
         best,
         f"stage {best} has the least throughput per share ({load.throughput / shares[best]:.3g}, "
@@ -154,12 +194,15 @@ def choose_stage(loads: Sequence[StageLoad], shares: Sequence[float], fits: Sequ
     )
 
 
-def place(loads: Sequence[StageLoad], shares: Sequence[float], previous: int | None, fits: Sequence[bool] | None = None) -> Choice:
-    """The stage a joiner gets: :func:`choose_stage`'s, or, for a returning identity, the stage it held
-    before (``previous``): its local state is worth reusing, but a halted stage comes first, so not when
-    another stage has no replica while its old one has some. With ``fits`` (per stage, whether the joiner's
-    memory holds it: fit.py; at least one does) only those stages are candidates."""
-    choice = choose_stage(loads, shares, fits)
+def place(
+    loads: Sequence[StageLoad], shares: Sequence[float], previous: int | None, fits: Sequence[bool] | None = None,
+    pick: Callable[[Sequence[int]], int] | None = None,
+) -> Choice:
+    """The stage a joiner gets: :func:`choose_stage`'s (with ``pick``), or, for a returning identity that holds
+    its stage's state, the stage it held before (``previous``): its local state is worth reusing, but a halted
+    stage comes first, so not when another stage has no replica while its old one has some. With ``fits`` (per
+    stage, whether the joiner's memory holds it: fit.py; at least one does) only those stages are candidates."""
+    choice = choose_stage(loads, shares, fits, pick)
     if previous is not None and 0 <= previous < len(loads) and (fits is None or fits[previous]):
         halted_elsewhere = loads[choice.stage].replicas == 0 and loads[previous].replicas > 0
         if not halted_elsewhere:

@@ -36,7 +36,7 @@ from functools import partial
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.acks import AckDesk, default_nonce_key
 from protolearn.coordinator.core.admission import Admission, counted
-from protolearn.coordinator.core.assignment import shares_from_layers
+from protolearn.coordinator.core.assignment import placement_key, shares_from_layers
 from protolearn.coordinator.core.changes import Changes
 from protolearn.coordinator.core.cooldown import BanCooldown
 from protolearn.coordinator.core.corpus import CorpusDesk
@@ -48,9 +48,11 @@ from protolearn.coordinator.core.leases import LeaseDiscipline
 from protolearn.coordinator.core.members import LIVE, HeartbeatInfo, JoinInfo, Member
 from protolearn.coordinator.core.outer_desk import OuterDesk
 from protolearn.coordinator.core.outer_rounds import Decision
+from protolearn.coordinator.core.pacing import Pacing
 from protolearn.coordinator.core.reachability import ReachabilityDesk, Verdict, build_reply, relay_refusal
 from protolearn.coordinator.core.redo import RedoBudget, orphaned
 from protolearn.coordinator.core.registry import Registry
+from protolearn.coordinator.core.round_faults import RoundFaults
 from protolearn.coordinator.core.reports import Reports
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.status import build_status
@@ -93,22 +95,28 @@ class CoordinatorCore:
         self.peer_id = peer_id
         self.started_at = started_at
         self.verify = verify
-        self.registry = Registry(run.num_stages, shares_from_layers(run.layers), settings, run.footprints)
+        secret = nonce_key or default_nonce_key(peer_id)
+        # The heartbeat interval in force grows with the live members (pacing.py); expiry and the "silent" rules follow it.
+        self.pacing = Pacing(settings, started_at)
+        self.registry = Registry(
+            run.num_stages, shares_from_layers(run.layers), settings, run.footprints, pacing=self.pacing, placement_key=placement_key(secret),
+        )
         # An untrained model's loss is about ln(V); no honest microbatch is max_loss_factor times worse.
         max_loss = settings.max_loss_factor * math.log(run.vocab_size) if run.vocab_size >= 2 else math.inf
         self.ledger = TicketLedger(
             run.microbatches_per_step, run.num_stages, lease_s=settings.lease_s, block=settings.lease_block,
             max_revisions=settings.max_revisions, max_loss=max_loss,
         )
-        self.acks = AckDesk(run.run_hash, self.ledger, nonce_key or default_nonce_key(peer_id), verify)
-        self.verdicts = VerdictPolicy(settings)
+        self.acks = AckDesk(run.run_hash, self.ledger, secret, verify)
+        self.verdicts = VerdictPolicy(settings, pacing=self.pacing)
         self.integrity = IntegrityDesk(self.registry, self.verdicts, run, enabled=settings.integrity_bans, key=witness_key(self.acks.key))
         self.reports = Reports(self.registry, self.verdicts, self.integrity, verify=verify, apply_ban=self._apply_ban)
         self.leases = LeaseDiscipline(
             settings, self.registry, self.ledger, self.verdicts, ban=self.ban, acked=lambda msg: self.acks.signature_refusal(msg) is None,
         )
-        self.holdups = Holdups(settings, self.ledger, self.verdicts, ban=self.ban)
+        self.holdups = Holdups(settings, self.ledger, self.verdicts, ban=self.ban, membership=self._joined_at)
         self.redos = RedoBudget(settings.max_redos_per_peer, self.verdicts)
+        self.round_faults = RoundFaults(settings, self.verdicts, ban=self.ban)
         self.admission = Admission(settings, self.registry, self.verdicts)
         self.cooldown = BanCooldown(settings.ban_cooldown_s)
         self.step_history = StepHistory(self.ledger)
@@ -183,6 +191,7 @@ class CoordinatorCore:
                 final_step=self.final_model.held_step,
             )
         if isinstance(msg, cm.Join):
+            self.pacing.update(self.registry.num_live + 1, now)  # the interval this joiner is told counts it
             return self._join(peer, msg, now, connections, ip)
         member = self.admission.live_member(peer)
         if isinstance(msg, cm.Heartbeat):
@@ -295,8 +304,8 @@ class CoordinatorCore:
             step=self.ledger.frontier,
             rejoined=rejoined,
             reason=reason,
-            heartbeat_interval_s=s.heartbeat_interval_s,
-            expiry_s=s.expiry_s,
+            heartbeat_interval_s=self.pacing.interval_s,
+            expiry_s=self.pacing.expiry_s,
             lease_s=s.lease_s,
             bans=self.verdicts.banned(),
             view_version=view.version,
@@ -318,6 +327,7 @@ class CoordinatorCore:
         member = self.registry.members[peer]
         stages = self._view_stages(member, delta=msg.view_delta)
         view = self.registry.view.update_for(peer, stages, msg.view_version, delta=msg.view_delta)
+        interval = self.pacing.update(self.registry.num_live, now)
         return cm.HeartbeatReply(
             stage=d.stage,
             step=self.ledger.frontier,
@@ -331,17 +341,25 @@ class CoordinatorCore:
             removed=[] if view is None else view.removed,
             stage_replicas=self.registry.working_counts(),
             final=self.final_model.phase(),
+            heartbeat_interval_s=interval,
         )
 
     def _lease(self, member: Member, msg: cm.Lease, now: float) -> cm.LeaseReply:
         if member.stage != 0:
             raise Refusal("not_stage0", f"only stage-0 members lease tickets; {member.peer_id} holds stage {member.stage}")
+        step = self.ledger.step
+        avoid = sorted(self._barred(step, 1)) if self.ledger.num_stages > 1 else []
+        suspects = self.verdicts.suspects(lambda p: self._stage_of(p) == 1, now) if self.ledger.num_stages > 1 else []
+        if member.peer_id in self._barred(step, 0):
+            why = f"sits out the rest of step {step}: its stage named it the cause of a failed round of it (round_faults.py)"
+            return cm.LeaseReply(step=step, indices=[], lease_s=self.settings.lease_s, reason=why, avoid=avoid, suspects=suspects)
         d = self.ledger.lease(member.peer_id, now, msg.max_tickets, share=self.leases.share(member.peer_id))
         if d.reissued:
             self.reissued += len(d.reissued)
             log.info("re-issued expired leases step=%d tickets=%s to peer=%s", d.step, d.reissued, member.peer_id)
         nonces = [self.nonce(d.step, i) for i in d.indices]
-        return cm.LeaseReply(step=d.step, indices=d.indices, lease_s=self.settings.lease_s, reason=d.reason, nonces=nonces)
+        return cm.LeaseReply(step=d.step, indices=d.indices, lease_s=self.settings.lease_s, reason=d.reason, nonces=nonces, avoid=avoid,
+                             suspects=suspects)
 
     def nonce(self, step: int, index: int, attempt: int | None = None) -> bytes:
         """The nonce of lease ``attempt`` (default: the latest) of ticket ``(step, index)``: :meth:`AckDesk.nonce`."""
@@ -371,7 +389,9 @@ class CoordinatorCore:
 
     def _redo(self, member: Member, msg: cm.Redo, now: float) -> cm.RedoReply:
         peer = member.peer_id
-        self.redos.check(peer, msg.step, now)
+        free = self._round_failure_causes(member, msg, now)
+        if not free:
+            self.redos.check(peer, msg.step, now)
 
         def holds(p: str) -> bool:  # a participant that held the commit past its grace, silent since, holds nothing
             return self.registry.present(p) and not self.holdups.silent(p)
@@ -382,10 +402,47 @@ class CoordinatorCore:
         )
         if not d.accepted:
             raise Refusal(d.code, d.reason)
-        if d.foreign:
+        if d.foreign and not free:
             self.redos.charge(peer, msg.step, num_live=self.registry.num_live, oldest=self.ledger.last_closed)
-        log.info("redo peer=%s step=%d tickets=%s reopened=%s reason=%s", peer, msg.step, d.indices, d.reopened, msg.reason)
+        log.info("redo peer=%s step=%d tickets=%s reopened=%s kind=%s causes=%s reason=%s", peer, msg.step, d.indices, d.reopened,
+                 msg.kind or "-", ",".join(msg.causes) or "-", msg.reason)
         return cm.RedoReply(step=msg.step, indices=d.indices, reopened=d.reopened, open_step=self.ledger.step)
+
+    def _round_failure_causes(self, member: Member, msg: cm.Redo, now: float) -> bool:
+        """Costs to their cause (round_faults.py): a participant whose round of the last closed step failed
+        names its causes. True when a strict majority of the stage's participants named one of them: the
+        sender's redo is then free, and so, in hindsight, are those of the others that named it."""
+        closed = self.ledger.closed.get(msg.step)
+        # The last closed step, or that step reopened already (by another participant's redo of this round).
+        if msg.kind != "round_failed" or not msg.causes or closed is None or msg.step not in (self.ledger.last_closed, self.ledger.step):
+            return False
+        if msg.revision and msg.revision != closed.revision:
+            return False  # about another closing: the ledger refuses it as stale
+        stage = member.stage
+        named = self.round_faults.name(
+            member.peer_id, step=msg.step, revision=closed.revision, stage=stage, causes=msg.causes,
+            participants=closed.accounting().get(stage, {}), now=now,
+        )
+        for p in named.refund:
+            self.redos.refund(p, msg.step)
+        if self.ledger.step == msg.step:  # already reopened: a stage-0 replica barred now gives back what it leased of it
+            for p in self._barred(msg.step, 0):
+                self.ledger.expire_leases(p, now)
+        return bool(named.corroborated)
+
+    def _joined_at(self, peer: str) -> float | None:
+        """When a live member's current membership began (None: not a live member)."""
+        m = self.registry.members.get(peer)
+        return m.joined_at if m is not None and m.status == LIVE else None
+
+    def _stage_of(self, peer: str) -> int | None:
+        """A live member's assigned stage (None: not a live member)."""
+        m = self.registry.members.get(peer)
+        return m.stage if m is not None and m.status == LIVE else None
+
+    def _barred(self, step: int, stage: int) -> set[str]:
+        """The members of ``stage`` that sit out the rest of ``step`` (round_faults.py)."""
+        return self.round_faults.barred(step, self._stage_of, self.registry.serving, stage)
 
     def _averaged(self, member: Member, msg: cm.Averaged, now: float) -> cm.StepInfo:
         # A replica moving to another stage still finishes (and reports) the step of the stage it serves.
@@ -448,6 +505,7 @@ class CoordinatorCore:
     def housekeeping(self, now: float) -> list[str]:
         """Expire silent members, prune reports, maybe rebalance. Returns log lines of what happened."""
         events = []
+        self.pacing.update(self.registry.num_live, now)
         for m in self.registry.expire(now):
             self.integrity.forget(m.peer_id)
             freed = self.ledger.revoke_peer(m.peer_id)

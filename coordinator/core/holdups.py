@@ -24,6 +24,11 @@ never on a peer's word:
   may redo the whole step (``redo.py``'s orphaned rule) rather than resync for ever;
 - a replica excused on one step that has not reported since holds nothing of the next ones either: on
   each later step it is excused at once (if it processed no ticket of it), while its hold goes on;
+- when the step closes again after a redo reopened it, every hold restarts its grace (keeping its strikes):
+  the replicas average the step anew, and that delay is the reopener's cost, not theirs (reopenings are
+  bounded per step, so this delays a real holdout's strikes by a bounded time); likewise the holds of a
+  stage one of whose participants departed (left, expired, was banned, lost its connection) while the step
+  waits: its stage-mates' round waits on it until they hold it out, and that wait is the departed one's;
 - every grace it holds is a strike (flag ``commit_hold``), whatever anyone else is doing (no other
   replica need be leasing), and ``expel_after_strikes`` of them with no report in between ban it
   (``liveness: held the commit ...``). A report clears the count. On a step whose round in its stage had
@@ -49,6 +54,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.core.steps import ClosedStep
 from protolearn.coordinator.core.tickets import TicketLedger
 from protolearn.coordinator.core.verdicts import VerdictPolicy
 
@@ -74,14 +80,21 @@ class Holdups:
 
     def __init__(
         self, settings: CoordinatorSettings, ledger: TicketLedger, verdicts: VerdictPolicy, *,
-        ban: Callable[[str, str, float], object],
+        ban: Callable[[str, str, float], object], membership: Callable[[str], float | None] = lambda peer: 0.0,
     ) -> None:
+        """``membership(peer)``: when its current membership began (None: not a live member), so that leaving
+        and rejoining at once counts as a departure."""
         self.settings = settings
         self.ledger = ledger
         self.verdicts = verdicts
         self.ban = ban
+        self.membership = membership
         self._step = -1  # the last closed step the close time belongs to
         self._closed_at: float | None = None
+        self._closing: tuple[int, int] | None = None  # (step, revision) of the closing the holds are timed on
+        # That closing's participants per stage (its accounting), and those seen departed since.
+        self._participants: tuple[tuple[int, int] | None, dict[int, dict[str, list[int]]], dict[str, float | None], set[str]] = (
+            None, {}, {}, set())
         # A hold lasts from when the peer was first seen as a holdout until it reports (across steps: a
         # replica that never reported step N holds nothing of step N+1 either).
         self._since: dict[str, float] = {}
@@ -118,9 +131,11 @@ class Holdups:
             self._closed_at, self.waiting = None, None
             return []
         if step != self._step or self._closed_at is None:
-            self._step, self._closed_at = step, now  # a reopened step keeps its close time
+            self._step, self._closed_at = step, now
+        self._restart_after_reopen(step, closed.revision, now)
         # Each stage's waited-for replicas, once per pass (the registry sorts them on every call).
         stages = [set(ledger.waited(needed)(s)) for s in range(ledger.num_stages)]
+        self._restart_after_departures(closed, stages, now)
         waited = stages.__getitem__
         holdouts = ledger.barrier.holdouts(waited)
         silent = self._silent_stage(stages, holdouts)
@@ -166,6 +181,42 @@ class Holdups:
             if d.committed:
                 events.append(f"step committed step={step} without the replicas that held it")
         return events
+
+    def _restart_after_departures(self, closed: ClosedStep, stages: list[set[str]], now: float) -> None:
+        """Costs go to their cause: a participant of the step that left, expired, was banned or lost its
+        connection while the step waits to commit leaves its stage's round waiting on it until the others
+        hold it out and redo its tickets. That wait is the departed one's: the holds of its stage restart
+        their grace (keeping their strikes). Each participant departs at most once per closing, so this
+        delays a real holdout's strikes by at most the stage's participants' worth of graces."""
+        key = (closed.step, closed.revision)
+        if self._participants[0] != key:
+            account = closed.accounting()  # O(B x S), once per closing
+            since = {p: self.membership(p) for peers in account.values() for p in peers}
+            self._participants = (key, account, since, set())
+        _, account, since, gone = self._participants
+        for stage, peers in account.items():
+            left = [p for p in peers if p not in gone and stage < len(stages)
+                    and (p not in stages[stage] or self.membership(p) != since.get(p))]
+            if not left:
+                continue
+            gone.update(left)
+            grace = self.grace_s()
+            for peer in [p for p in self._since if stage < len(stages) and p in stages[stage]]:
+                self._since[peer] = now - self._struck.get(peer, 0) * grace
+
+    def _restart_after_reopen(self, step: int, revision: int, now: float) -> None:
+        """Costs go to their cause (DESIGN.md, Trust, rule 3): when the step closes again after a redo
+        reopened it, its replicas must average it anew, and the time the reopening cost them is the
+        reopener's, never theirs. So every hold restarts its grace from this closing (keeping the strikes it
+        took: the next one comes a whole grace later). Reopenings are bounded (``max_revisions`` per step,
+        ``max_redos_per_peer`` of others' work per peer), so a colluder that keeps reopening a step delays a
+        real holdout's strikes by a bounded time, never for good."""
+        closing = (step, revision)
+        if self._closing is not None and self._closing[0] == step and self._closing[1] != revision:
+            grace = self.grace_s()
+            for peer in self._since:
+                self._since[peer] = now - self._struck.get(peer, 0) * grace
+        self._closing = closing
 
     def silent(self, peer: str) -> bool:
         """Whether ``peer`` held a commit past its grace, or was excused, and has not reported since: for

@@ -217,7 +217,7 @@ class IntegrityDesk:
                 raise Refusal("bad_evidence", f"slice signer {peer[-8:]} is not a replica of the reducer's stage")
         from protolearn.protocol.reducer_check import peer_id_public_key, verify_reducer_fault
 
-        ok, why = verify_reducer_fault(ev, peer_id_public_key, aggregation_cfg=self.run)
+        ok, why = verify_reducer_fault(ev, peer_id_public_key, aggregation_cfg=self.run, compression=self.run.sync_compression)
         if not ok:
             raise Refusal("bad_evidence", why)
         why = f"collective: it signed part {ev.part} of round {ev.round} with bytes that are not the reduction of the slices it was sent ({why})"

@@ -21,8 +21,11 @@ it checks out: a slow honest replica still delivers, a blackhole never does.
 **Costs go to their cause** (DESIGN.md, Trust, rule 3). A holder whose tickets went downstream to a peer that
 never sent their gradient back is not the cause of its late leases. So a late holder that reported such a
 peer (``liveness:``, see ``verdicts.py``) since its late leases began is not struck, provided the coordinator's
-own record agrees: no ticket routed through the reported peer completed since that report. A holder that
-blames a peer which does carry tickets to completion is struck as before: the word alone excuses nothing.
+own record agrees: no ticket routed through the reported peer completed since that report. A holder reports
+its first lost microbatch (a notice, ``verdicts.py``), then at most once per
+:data:`~protolearn.protocol.lost_reports.REPORT_INTERVAL_S`, so a report that much older than the
+late lease still counts. A holder that blames a peer which does carry tickets to completion is struck as
+before: the word alone excuses nothing.
 
 The strikes are found by :meth:`LeaseDiscipline.strike`, a timer pass over the open step's tickets
 (O(B)); the request paths (:meth:`~LeaseDiscipline.share`, :meth:`~LeaseDiscipline.completed`) are O(1).
@@ -39,6 +42,7 @@ from protolearn.coordinator.core.registry import Registry
 from protolearn.coordinator.core.tickets import TicketLedger
 from protolearn.coordinator.core.verdicts import VerdictPolicy
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.lost_reports import REPORT_INTERVAL_S
 
 # Refusals of a completion whose ticket went to another replica meanwhile (or was completed by one): a
 # struck peer's late completion of such a ticket still shows that it works.
@@ -175,9 +179,10 @@ class LeaseDiscipline:
     def _downstream_cause(self, peer: str, since: float) -> str | None:
         """A peer ``peer`` reported for lost microbatches since ``since`` that carried no ticket to completion
         after the report (the coordinator's own record), or None."""
-        for target, by in self.verdicts.liveness.items():
+        for target, by in self.verdicts.notices.items():
             at = by.get(peer)
-            if at is not None and at >= since and self.verdicts.carried.get(target, -math.inf) < at:
+            # A holder reports a peer at most once per interval: its last report before the lease began still speaks of it.
+            if at is not None and at >= since - REPORT_INTERVAL_S and self.verdicts.carried.get(target, -math.inf) < at:
                 return target
         return None
 

@@ -15,7 +15,8 @@ step, a same-stage redo only resets tickets still carrying their frozen route: a
 from a second survivor finds them already redone and leaves the new attempts alone.
 
 **How often** (issue 12). A peer may have at most ``max_redos_per_peer`` redos of *other* peers' work
-granted per step (:class:`RedoBudget`; its own leases do not count): past that it is flagged
+granted per step (:class:`RedoBudget`; its own leases do not count, nor a redo after a failed round whose
+cause a strict majority of its stage's participants named: ``round_faults.py``): past that it is flagged
 ``redo_storm``, once per step however long the storm goes on, and refused ``redo_limit``. Together with
 the ledger's cap on revisions, one peer alone can reopen a step at most that many times.
 """
@@ -107,6 +108,16 @@ class RedoBudget:
             self.verdicts.flag(peer, "redo_storm", f"asked for more than {self.limit} redos of others' work in step {step}", now)
             log.warning("redo storm peer=%s step=%d: flagged, its further redos of the step are refused", peer, step)
         raise Refusal("redo_limit", f"already had {self.limit} redos of other peers' work granted in step {step}; no more")
+
+    def refund(self, peer: str, step: int) -> None:
+        """Give back one redo of ``step`` charged to ``peer``: its cause turned out to be another peer
+        (round_faults.py)."""
+        key = (step, peer)
+        n = self._granted.get(key, 0)
+        if n > 1:
+            self._granted[key] = n - 1
+        elif n == 1:
+            del self._granted[key]
 
     def charge(self, peer: str, step: int, *, num_live: int, oldest: int) -> None:
         """``peer`` had a redo of others' work granted in ``step``; entries before ``oldest`` (the last closed

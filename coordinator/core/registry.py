@@ -35,13 +35,17 @@ joiner or a returning identity goes is decided by ``assignment.py``.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.address_cap import AddressCap, subnet_of
 from protolearn.coordinator.core.assignment import Move, StageLoad, place, propose_move
 from protolearn.coordinator.core.fit import fitting, no_fit_reason
+from protolearn.coordinator.core.pacing import Pacing
 from protolearn.coordinator.core.members import (
     BANNED,
     EXPIRED,
@@ -72,6 +76,8 @@ class Registry:
     settings: CoordinatorSettings
     # Each stage's memory footprint (stages/footprint.py; empty: placement ignores memory, fit.py).
     footprints: Sequence[StageFootprint] = ()
+    # The heartbeat interval in force (pacing.py); None: the settings' fixed one.
+    pacing: Pacing | None = None
     members: dict[str, Member] = field(default_factory=dict)
     # The first view version (see view.first_version): distinct per coordinator run.
     first_version: int = 0
@@ -91,14 +97,36 @@ class Registry:
     tallies: StageTallies = field(init=False)
     # What nodes are told about the live members (see view.py), kept in step by _touch.
     view: SwarmView = field(init=False)
+    # The coordinator's secret for drawing a joiner's stage among the near-least loaded (assignment.py), and
+    # the joins drawn so far (so a rejoining identity draws afresh). None: no draw, the least loaded stage (a
+    # registry on its own, in unit tests; the coordinator core always passes its secret).
+    placement_key: bytes | None = None
+    _draws: int = 0
 
     def __post_init__(self) -> None:
         self.tallies = StageTallies(self.num_stages, self.members.values())
         self.view = SwarmView(self.num_stages, self.first_version, [view_entry(m) for m in self.live()])
 
     @property
+    def heartbeat_interval_s(self) -> float:
+        """The heartbeat interval in force (pacing.py)."""
+        return self.settings.heartbeat_interval_s if self.pacing is None else self.pacing.interval_s
+
+    @property
+    def expiry_s(self) -> float:
+        """How long a member may stay silent before it expires, at the interval in force."""
+        return self.settings.expiry_s if self.pacing is None else self.pacing.expiry_s
+
+    @property
     def view_version(self) -> int:
         return self.view.version
+
+    def _draw(self, peer_id: str, candidates: Sequence[int]) -> int:
+        """A keyed draw among ``candidates`` for ``peer_id``'s join, which it can neither predict nor repeat."""
+        assert self.placement_key is not None
+        self._draws += 1
+        msg = f"{peer_id}|{self._draws}|{','.join(map(str, candidates))}".encode()
+        return int.from_bytes(hmac.new(self.placement_key, msg, hashlib.sha256).digest()[:8], "big")
 
     def connection_changed(self, peer_id: str, connected: bool, now: float) -> None:
         """The host saw ``peer_id``'s first connection open or its last one close."""
@@ -220,7 +248,7 @@ class Registry:
             if not any(fits):
                 return MemberDecision(False, "address_cap", cap.reason(info.ip))
         previous = old.stage if old is not None and self._holds_stage_state(old) else None
-        choice = place(self.loads(), self.shares, previous, fits)
+        choice = place(self.loads(), self.shares, previous, fits, None if self.placement_key is None else partial(self._draw, peer_id))
         rejoined = old is not None
         m = Member(
             peer_id=peer_id,
@@ -365,7 +393,7 @@ class Registry:
         """Expire silent members; forget departed ones past retention. Returns the newly expired."""
         out = []
         for m in list(self.members.values()):
-            if m.status == LIVE and now - m.last_seen > self.settings.expiry_s and now >= self.grace_until:
+            if m.status == LIVE and now - m.last_seen > self.expiry_s and now >= self.grace_until:
                 self.tallies.count(m, -1)
                 m.status, m.left_at = EXPIRED, now
                 self._touch(m, True)
@@ -419,7 +447,7 @@ class Registry:
         heartbeat intervals. A stage's state lives only in its replicas, so a move must never take its last
         one; and a replica that went silent may be dead, not yet expired (counting it once emptied a stage),
         while moving it would fill nothing."""
-        recent = 2 * self.settings.heartbeat_interval_s
+        recent = 2 * self.heartbeat_interval_s
         heard = [p for p in self.tallies.working_peers(m.stage) if now - self.members[p].last_seen <= recent]
         return m.peer_id in heard and len(heard) >= 2
 

@@ -90,7 +90,7 @@ class Reports:
         stage = target.serving_stage
         v = self.verdicts.liveness_report(
             peer, msg.target, msg.reason, target_stage=stage, upstream=self.registry.serving(stage - 1) if stage >= 1 else (), now=now,
-            replicas=len(self.registry.serving(stage)), heard_s_ago=now - target.last_seen,
+            replicas=len(self.registry.serving(stage)), heard_s_ago=now - target.last_seen, lost=msg.lost,
         )
         log.info("liveness report reporter=%s target=%s ban=%s reason=%s", peer, msg.target, v.ban, v.reason)
         if v.ban and self.registry.is_live(msg.target):

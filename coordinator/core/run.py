@@ -40,6 +40,8 @@ class RunInfo:
     trim_fraction: float = 0.25
     clip_tau: float = 1.0
     clip_iters: int = 3
+    # The replicas' sync compression (protolearn/sync_spec.py): part of a compressed round's reduction.
+    sync_compression: str = "none"
     # The run's subspace (protolearn/subspace.py) as (seed, vocab_size, d_model, rank, init_std), None
     # without one: what decodes a ``subspace`` frame in evidence.
     subspace: tuple[int, int, int, int, float] | None = None
@@ -74,6 +76,7 @@ class RunInfo:
             trim_fraction=run.integrity.trim_fraction,
             clip_tau=run.integrity.clip_tau,
             clip_iters=run.integrity.clip_iters,
+            sync_compression=run.sync.compression,
             subspace=run.subspace_key,
             footprints=stage_footprints(run),
             outer=_outer_spec(run),

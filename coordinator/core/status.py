@@ -307,7 +307,7 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.S
     for m in live:
         since = max(0.0, now - m.last_seen)
         f = flags[m.peer_id]
-        if since > 2 * settings.heartbeat_interval_s:
+        if since > 2 * core.registry.heartbeat_interval_s:
             f.insert(0, "stale")
         if m.throughput <= 0:
             f.append("no-throughput")

@@ -20,7 +20,9 @@ coordinator's own host gate refuses every banned peer.
 ``result_mismatch`` (it reported an averaged result its stage's majority did not hold) and
 ``late_leases`` (it sat on leased tickets past a fraction of ``lease_s`` without completing any),
 ``commit_hold`` (it held a step's commit past its grace without reporting its result: ``holdups.py``),
-``outer_hold`` (DiLoCo: a live replica its stage's outer round went ahead without, that never arrived: ``outer_desk.py``) and
+``outer_hold`` (DiLoCo: a live replica its stage's outer round went ahead without, that never arrived: ``outer_desk.py``),
+``round_fault`` (a strict majority of its stage's participants named it the cause of their failed round:
+``round_faults.py``) and
 ``lost_microbatches`` (a previous-stage replica reported that microbatches it handed this peer, and the
 peer acknowledged, never got their gradient back). A flag counts strikes and shows in ``swarm status``;
 it never bans on its own (an honest but slow or unlucky replica earns some), but it is the input a
@@ -48,10 +50,12 @@ with those before them, so that they do not add up to a ban once it is heard aga
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.core.pacing import Pacing
+from protolearn.protocol.lost_reports import REPORT_AFTER_LOST
 from protolearn.protocol.majority import majority_size
 
 # Bound on remembered reports per target (more distinct reporters than this changes no decision).
@@ -61,7 +65,8 @@ _MAX_REPORTS_PER_TARGET = 1024
 MAX_BANS_IN_REPLY = 4096
 # Bound on flagged peers remembered (the oldest flag is forgotten first); each peer has a few flag kinds.
 _MAX_FLAGGED = 100_000
-FLAG_KINDS = ("redo_storm", "result_mismatch", "late_leases", "lost_microbatches", "integrity", "commit_hold", "outer_hold")
+FLAG_KINDS = ("redo_storm", "result_mismatch", "late_leases", "lost_microbatches", "integrity", "commit_hold", "round_fault",
+              "outer_hold")
 # A report whose reason starts with this is a liveness claim (lost microbatches), weighed by
 # :meth:`VerdictPolicy.liveness_report` rather than as a plain report.
 LIVENESS_REASON = "liveness:"
@@ -102,9 +107,14 @@ class VerdictPolicy:
 
     # target → reporter → when it last reported lost microbatches (liveness claims, see the docstring)
     liveness: dict[str, dict[str, float]] = field(default_factory=dict)
+    # target → reporter → when it last said a microbatch it handed the target was lost, notices included: what
+    # excuses the reporter's late leases (leases.py) and marks a victim of a peer further down
+    notices: dict[str, dict[str, float]] = field(default_factory=dict)
     # peer → when a completed ticket's route last went through it past stage 0 (the coordinator's own record:
     # the last stage signed the route); entries older than report_window_s are dropped by prune().
     carried: dict[str, float] = field(default_factory=dict)
+    # The heartbeat interval in force, for "silent for two intervals" (pacing.py); None: the settings' fixed one.
+    pacing: Pacing | None = None
 
     # The banned peer IDs, sorted, as every heartbeat reply carries them (rebuilt after a ban).
     _banned: list[str] | None = field(default=None, init=False, repr=False)
@@ -129,6 +139,7 @@ class VerdictPolicy:
             self.dirty.add(peer_id)
             self.reports.pop(peer_id, None)
             self.liveness.pop(peer_id, None)
+            self.notices.pop(peer_id, None)
         return ban
 
     def restore(self, bans: Iterable[Ban]) -> None:
@@ -172,9 +183,11 @@ class VerdictPolicy:
 
     def liveness_report(
         self, reporter: str, target: str, reason: str, *, target_stage: int, upstream: Collection[str], now: float,
-        replicas: int = 2, heard_s_ago: float = 0.0,
+        replicas: int = 2, heard_s_ago: float = 0.0, lost: int,
     ) -> Verdict:
-        """``reporter`` says microbatches it handed ``target`` (of ``target_stage``) never came back.
+        """``reporter`` says ``lost`` microbatches in a row that it handed ``target`` (of ``target_stage``) never
+        came back. Fewer than :data:`REPORT_AFTER_LOST` (0 included: the target left holding some) make a
+        notice only (:mod:`protolearn.protocol.lost_reports`): recorded in :attr:`notices`, nothing more.
 
         ``upstream``: the live replicas of stage ``target_stage - 1`` now. Flags ``target`` every time; bans
         it on at least 2 distinct reporters in ``upstream`` that are also a strict majority of it, within
@@ -189,7 +202,15 @@ class VerdictPolicy:
             return banned
         window = self.settings.report_window_s
         self._prune_liveness(now)
-        if heard_s_ago > 2 * self.settings.heartbeat_interval_s:
+        told = self.notices.setdefault(target, {})
+        if len(told) >= _MAX_REPORTS_PER_TARGET and reporter not in told:
+            del told[min(told, key=told.__getitem__)]
+        told[reporter] = now
+        if lost < REPORT_AFTER_LOST:
+            return Verdict(False, f"noted: {reporter} lost {lost} microbatch(es) in a row to {target}; "
+                                  f"{REPORT_AFTER_LOST} in a row make a report that counts")
+        interval = self.settings.heartbeat_interval_s if self.pacing is None else self.pacing.interval_s
+        if heard_s_ago > 2 * interval:
             # Silent to the coordinator too: its absence explains the losses, these and the ones reported before.
             self.liveness.pop(target, None)
             self.flag(target, "lost_microbatches", f"reported by {reporter} while silent: {reason}", now)
@@ -212,7 +233,7 @@ class VerdictPolicy:
         if self.carried.get(target, float("-inf")) >= since:
             return Verdict(False, f"{target} carried a ticket to completion {now - self.carried[target]:.1f} s ago, after the reports "
                                   "began (the coordinator's own record): lost microbatches are not proof that it drops work; flagged only")
-        if any(target in reporters for reporters in self.liveness.values()):
+        if any(target in reporters for reporters in self.notices.values()):
             return Verdict(False, f"{target} reported lost microbatches itself: it may be the victim of a peer further down; flagged only")
         if replicas <= 1:
             return Verdict(False, f"{target} is the only serving replica of stage {target_stage}; flagged only")
@@ -221,6 +242,19 @@ class VerdictPolicy:
         ban = self.ban(target, f"liveness: {len(agree)} of {len(live)} live stage-{target_stage - 1} replicas reported within {window:g} s "
                                f"that microbatches it acknowledged never came back ({reason})", now)
         return Verdict(True, ban.reason)
+
+    def suspects(self, keep: Callable[[str], bool], now: float) -> list[str]:
+        """The reported peers for which ``keep`` holds that a report counting toward a liveness ban named within
+        the window and that carried no ticket to completion since the earliest such report (the coordinator's
+        own record): routers give them less work (:data:`~protolearn.node.core.balancer.SUSPECT_FACTOR`), and
+        one completion clears it. O(reported peers), not O(members)."""
+        window = self.settings.report_window_s
+        out = []
+        for p, by in self.liveness.items():
+            times = [at for at in by.values() if now - at <= window]
+            if times and self.carried.get(p, float("-inf")) < min(times) and keep(p):
+                out.append(p)
+        return sorted(out)
 
     def completed(self, route: Iterable[str], now: float) -> None:
         """A ticket along ``route`` completed (its last-stage ack verified): every hop past stage 0 carried it."""
@@ -235,12 +269,13 @@ class VerdictPolicy:
             if now - self.carried[oldest] <= window:
                 break
             del self.carried[oldest]
-        for target in list(self.liveness):
-            by = {r: at for r, at in self.liveness[target].items() if now - at <= window}
-            if by:
-                self.liveness[target] = by
-            else:
-                del self.liveness[target]
+        for table in (self.liveness, self.notices):
+            for target in list(table):
+                by = {r: at for r, at in table[target].items() if now - at <= window}
+                if by:
+                    table[target] = by
+                else:
+                    del table[target]
 
     def flag(self, peer: str, kind: str, reason: str, now: float) -> Flag:
         """Add a strike of ``kind`` to ``peer`` (never bans on its own; see the module docstring)."""

@@ -36,6 +36,7 @@ def witness_key(secret: bytes) -> bytes:
     return hmac.new(secret, b"protolearn/witness-draw", hashlib.sha256).digest()
 
 
+
 def needed(eligible: int) -> int:
     """Witnesses a conviction needs when ``eligible`` replicas could be drawn: a strict majority, 2 to 8."""
     return min(MAX_WITNESSES, max(2, eligible // 2 + 1))

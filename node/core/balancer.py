@@ -14,7 +14,10 @@ microbatch faster than this node sends the next reports an empty queue and answe
 replica never trained (and never got a service time measured).
 
 A failure adds a penalty that decays over ``penalty_half_life_s``, so a flaky peer is avoided for a
-while and then tried again; a banned peer is never chosen. A peer that refused because it is not ready
+while and then tried again; a banned peer is never chosen. A peer the coordinator names a suspect (others
+reported it for lost microbatches, unanswered by any completion since) looks :data:`SUSPECT_FACTOR` times
+slower: a report lowers its share of the work, never to nothing (DESIGN.md, Trust: a word only makes others
+look for themselves). A peer that refused because it is not ready
 for the step (it is behind it: still syncing, or not yet applied the step before) is no failure: it is
 skipped while any other peer is ready, for :data:`NOT_READY_S`, doubled per refusal in a row up to
 :data:`NOT_READY_MAX_S` (:meth:`Balancer.on_not_ready`), and one accepted microbatch resets that. With
@@ -49,6 +52,10 @@ MIN_DEADLINE_S = 2.0
 # A peer that is not ready for the step is skipped for this long, doubled per refusal in a row, at most the max.
 NOT_READY_S = 0.5
 NOT_READY_MAX_S = 30.0
+# A suspect (the coordinator's word: stage-0 replicas reported it for lost microbatches, and it has carried no
+# ticket to completion since) looks this many times slower: it gets less work, not none, so an honest peer a
+# liar reported still carries tickets, and one completion clears it.
+SUSPECT_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,7 @@ class Balancer:
     min_deadline_s: float = MIN_DEADLINE_S
     _stats: dict[str, PeerStats] = field(default_factory=dict)
     _banned: set[str] = field(default_factory=set)
+    suspects: frozenset[str] = frozenset()
     # Slowest round trip (hand-over to gradient back) seen lately: an EMA that jumps up at once.
     _round_trip_s: float | None = None
 
@@ -108,7 +116,8 @@ class Balancer:
     def expected_finish_s(self, peer: str, now: float, awaited: int = 0) -> float:
         st = self._get(peer)
         service = st.service_s if st.service_s is not None else self._prior()
-        return (self._queue(st, awaited) + 1.0) * service + self._penalty(st, now)
+        finish = (self._queue(st, awaited) + 1.0) * service + self._penalty(st, now)
+        return finish * SUSPECT_FACTOR if peer in self.suspects else finish
 
     @staticmethod
     def _queue(st: PeerStats, awaited: int) -> float:

@@ -18,8 +18,12 @@ stage, which peer accounts for which tickets):
 2. A replica the accounting **left out** fetches the round's result from a participant. While that
    fails it asks whether the step reopened, and, once every participant is gone, to redo the step.
 3. **The round** leaves out replicas that died (their tickets are redone, the step reopens and closes
-   at r+1) or fails outright (the whole step is redone). No replica applies a sum that misses a ticket
-   unless the coordinator refused the redo, which is logged as ``tickets_lost``.
+   at r+1) or fails outright. A replica whose round failed first asks the other participants for the
+   round's result: if they finished it, it takes their full average, proven by a strict majority of the
+   participants' signed fins (a liar that failed only this replica's round gains nothing); otherwise it
+   asks for the whole step to be redone, naming the round's causes (``round_failed``: the coordinator
+   charges the redo to them once a majority of the stage's participants name them). No replica applies a
+   sum that misses a ticket unless the coordinator refused the redo, which is logged as ``tickets_lost``.
 4. **The commit barrier.** Every replica waits until every stage has averaged t at r. If the step
    reopened meanwhile, it waits for it to close again; otherwise it applies the identical update. If the
    coordinator refused its result (its stage's majority holds another hash), it resyncs instead.
@@ -145,6 +149,8 @@ class NodeCore:
         self._started_at = 0.0
         self._missing: list[int] = []
         self._lost: tuple[list[int], list[str]] = ([], [])
+        # This participant's round failed: it first takes the others' result, if they finished (see point 3).
+        self._failed: RoundFailed | None = None
         self._redo_all_next = False
         self._last_redo = Redo(-1, 0, [], "")
         # The step committed without this replica: how many times it asked whether a live replica holds it.
@@ -190,9 +196,8 @@ class NodeCore:
             return self._round_done(event)
         if isinstance(event, RoundFailed):
             self._expect(Phase.AVERAGING, event)
-            self.phase = Phase.IDLE
-            return [Emit("averaging_failed", {"step": self._step, "reason": event.reason}),
-                    *self._redo(self.all_tickets(), f"stage {self.stage} averaging failed: {event.reason}", Fallback.RESYNC)]
+            self._failed = event
+            return [Emit("averaging_failed", {"step": self._step, "reason": event.reason, "causes": list(event.causes)}), *self._fetch()]
         if isinstance(event, Fetched):
             return self._fetched(event, now)
         if isinstance(event, RedoAnswer):
@@ -231,7 +236,7 @@ class NodeCore:
                          f"step {event.step} closed, but this replica trains step {self.applied}")]
         self._step, self._revision, self._loss = event.step, event.revision, event.loss
         self._account = {p: sorted(ts) for p, ts in event.account.items()}
-        self._counted, self._started_at = None, now
+        self._counted, self._started_at, self._failed = None, now, None
         self._holder_checks = 0
         self.state = NodeState.AVERAGING
         if not self._account:
@@ -255,14 +260,16 @@ class NodeCore:
             return out + [AskReported(event.step)]
         return out + self._average()
 
+    def _weights(self) -> dict[str, float]:
+        return {p: float(len(ts)) for p, ts in self._account.items()}
+
     def _average(self) -> list[Action]:
         self.phase = Phase.AVERAGING
-        weights = {p: float(len(ts)) for p, ts in self._account.items()}
-        return [Average(self._step, self._revision, round_id(self._step, self._revision), weights, self._summed)]
+        return [Average(self._step, self._revision, round_id(self._step, self._revision), self._weights(), self._summed)]
 
     def _fetch(self) -> list[Action]:
         self.phase = Phase.FETCHING
-        return [Fetch(self._step, self._revision, round_id(self._step, self._revision), sorted(self._account), FETCH_TRY_S)]
+        return [Fetch(self._step, self._revision, round_id(self._step, self._revision), self._weights(), FETCH_TRY_S)]
 
     def _reported(self, event: Reported) -> list[Action]:
         self._expect(Phase.ASK_REPORTED, event)
@@ -273,7 +280,7 @@ class NodeCore:
             return self._resync(f"step {self._step}: accounted tickets {missing} have no gradients here; a replica applied the step")
         return [Emit("missing_tickets", {"step": self._step, "tickets": missing}, logging.ERROR,
                      f"step {self._step}: accounted tickets {missing} have no gradients here; asking to redo them"),
-                *self._redo(missing, "replica lost the tickets' gradients", Fallback.RESYNC)]
+                *self._redo(missing, "replica lost the tickets' gradients", Fallback.RESYNC, kind="lost_gradients")]
 
     def _round_done(self, event: RoundDone) -> list[Action]:
         self._expect(Phase.AVERAGING, event)
@@ -284,12 +291,21 @@ class NodeCore:
             out: list[Action] = [Emit("replica_out", {"step": self._step, "excluded": excluded, "tickets": lost})]
             if lost:
                 self._lost = (lost, excluded)
-                return out + self._redo(lost, f"replicas {excluded} of stage {self.stage} died during averaging", Fallback.LOST)
+                return out + self._redo(lost, f"replicas {excluded} of stage {self.stage} died during averaging", Fallback.LOST,
+                                        kind="replica_out")
             return out + self._commit()
         return self._commit()
 
     def _fetched(self, event: Fetched, now: float) -> list[Action]:
         self._expect(Phase.FETCHING, event)
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            # This participant's own round failed: the others' proven full result has every ticket in; else redo.
+            if event.ok:
+                self._counted = self.all_tickets()
+                return [Emit("result_taken", {"step": self._step, "revision": self._revision}), *self._commit()]
+            return self._redo(self.all_tickets(), f"stage {self.stage} averaging failed: {failed.reason}", Fallback.RESYNC,
+                              kind="round_failed", causes=failed.causes)
         if event.ok:
             return self._commit()
         if event.gone:
@@ -300,12 +316,14 @@ class NodeCore:
         self._redo_all_next = True
         return [AskReopened(self._step, self._revision)]
 
-    def _redo(self, tickets: list[int], reason: str, fallback: Fallback, *, expected: bool = False) -> list[Action]:
+    def _redo(
+        self, tickets: list[int], reason: str, fallback: Fallback, *, expected: bool = False, kind: str = "", causes: tuple[str, ...] = (),
+    ) -> list[Action]:
         self.phase = Phase.REDOING
         self._window(self._step, self._revision + 1)
         self._fallback = fallback
         self._redo_all_next = False
-        self._last_redo = Redo(self._step, self._revision, tickets, reason, expected)
+        self._last_redo = Redo(self._step, self._revision, tickets, reason, expected, kind=kind, causes=tuple(causes))
         return [self._last_redo]
 
     def _redo_answer(self, event: RedoAnswer, now: float) -> list[Action]:
@@ -346,7 +364,7 @@ class NodeCore:
             if self._redo_all_next:
                 # Granted only once every participant of the stage is gone: nobody holds its gradients.
                 return self._redo(self.all_tickets(), f"all replicas of stage {self.stage} that averaged the step are gone",
-                                  Fallback.FETCH, expected=True)
+                                  Fallback.FETCH, expected=True, kind="orphaned")
             if now > self._deadline:
                 return self._resync(f"step {self._step}: no participant of stage {self.stage} served the result")
             return self._fetch()

@@ -46,6 +46,8 @@ class RoundFailed:
     step: int
     revision: int
     reason: str
+    # The participants whose statements or silence ended the round here (the collective's Failed.missing).
+    causes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,10 +141,13 @@ class Average:
 
 @dataclass(frozen=True)
 class Fetch:
+    """Take the round's result from a participant that finished it: this replica was left out of the round, or
+    its own round failed. ``weights``: the round's participants and their weights (what proves a result)."""
+
     step: int
     revision: int
     round: int
-    participants: list[str]
+    weights: dict[str, float]
     try_s: float
 
 
@@ -156,6 +161,9 @@ class Redo:
     expected: bool = False
     # Ask after this long (the coordinator did not answer the last time).
     delay_s: float = 0.0
+    # Why, as the coordinator's code (protocol/coordination.py RedoKind), and with "round_failed" its causes.
+    kind: str = ""
+    causes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

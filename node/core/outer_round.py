@@ -9,19 +9,24 @@ After applying step ``b = r*H - 1`` (the last inner step of outer round r) a rep
 2. as a **participant**, contributes ``w * delta`` to the stage's collective (:class:`AverageOuter`: its
    pseudo-gradient scaled by its weight, summed over the participants) and divides the result by the
    summed weight of the contributors the collective kept (every survivor holds the same set and the same
-   bits), so it holds the token-weighted mean pseudo-gradient, which it also serves; as a **follower** (in
-   sync, but it processed nothing since the sync), fetches that mean from a participant (:class:`FetchOuter`);
+   bits), so it holds the token-weighted mean pseudo-gradient; as a **follower** (in sync, but it processed
+   nothing since the sync), fetches the round's result from a participant (:class:`FetchOuter`), taken only
+   when a strict majority of the participants signed it and it is a full round's (every participant's
+   contribution in: ``protocol/collective/result_proof.py``, the same proof as a step's fetched result);
 3. installs the outer Nesterov step on it (:class:`ApplyOuter`, ``stages/outer.py``): every participant
    and follower then holds the same new anchor (I2 as restated for DiLoCo: replicas are identical after
    every outer sync);
 4. **left out** (it arrived late, its anchor is not its stage's, or the round was over), or a follower whose
    fetch failed: it resyncs, taking a participant's post-sync state (``node/syncing.py``) and trains on
    from the next step; the round never waited for it;
-5. a participant whose collective **failed** first asks the other participants for the round's mean: the
-   collective makes every participant that finishes end with the same result, but one that started late
-   (a slow node, a coordinator restart between the decisions) can fail where the others finish without it,
-   and must then take their result, not average again without them. Only if none serves one (the round
-   failed everywhere: a reducer caught lying, two deaths at once) does it ask for the round's next attempt
+5. a participant whose collective **failed** first asks the other participants for the round's proven result,
+   as a step's participant does (one mechanism: ``node/replica_sync.py``'s fetch): the collective makes every
+   participant that finishes end with the same result, and one whose own round failed after its part was in
+   must take that result, not average again without them. A round that finished here with only a minority of
+   its participants' parts is not applied either (no majority could prove it to the rest): this replica asks
+   for the next attempt too. A round that finished elsewhere without this
+   replica is not a full round and is not served (its result has no proof this replica can check); nor is a
+   round that failed everywhere (a reducer caught lying, two deaths at once): then it asks for the round's next attempt
    (a fresh round id; the coordinator decides it like the first, and the banned or dead are out), up to
    ``MAX_OUTER_ATTEMPTS`` (then it resyncs).
 
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field
 
 from protolearn.node.core.events import Emit
 from protolearn.node.core.inner_step import outer_round_id
+from protolearn.protocol.majority import is_strict_majority
 from protolearn.protocol.rounds import MAX_OUTER_ATTEMPTS
 
 # A coordinator that does not answer: ask again after this long.
@@ -105,11 +111,11 @@ class AverageOuter:
 
 @dataclass(frozen=True)
 class FetchOuter:
-    """Fetch round ``round_id``'s weighted mean from one of ``participants``, trying for up to ``try_s``
-    (None: the averager's own deadline)."""
+    """Fetch round ``round_id``'s result from one of its participants (``weights``, the decision's: the proof of
+    the result is over all of them), trying for up to ``try_s`` (None: the averager's own deadline)."""
 
     round_id: int
-    participants: list[str]
+    weights: dict[str, float]
     try_s: float | None = None
 
 
@@ -169,17 +175,21 @@ class OuterRoundCore:
         if isinstance(event, Averaged):
             if total_weight(self.weights, event.contributors) <= 0:
                 return self._resync(f"outer round {self.round}: the collective kept no weighted contribution")
+            if not is_strict_majority(len(set(event.contributors) & set(self.weights)), len(self.weights)):
+                # A minority's result: nothing the rest could take (no majority of fins proves it), so applying
+                # it would split the stage. The round's next attempt, which the majority that went on refuses
+                # (this replica then resyncs to its state) or which the rest join.
+                return self._retry(f"only {len(event.contributors)} of its {len(self.weights)} participants' parts were in", now)
             out: list[OuterAction] = []
             gone = sorted(set(self.weights) - set(event.contributors))
             if gone:
                 out.append(Emit("outer_replica_out", {"round": self.round, "excluded": gone}))
             return [*out, ApplyOuter()]
         if isinstance(event, AverageFailed):
-            others = sorted(p for p in self.weights if p != self.me)
-            if not others:
+            if not any(p != self.me for p in self.weights):
                 return self._retry(event.reason, now)
             self._failed = event.reason
-            return [FetchOuter(self.round_id, others, FETCH_AFTER_FAILURE_S)]
+            return [FetchOuter(self.round_id, dict(self.weights), FETCH_AFTER_FAILURE_S)]
         if isinstance(event, Fetched):
             failed, self._failed = self._failed, ""
             if event.ok:
@@ -202,7 +212,7 @@ class OuterRoundCore:
         if event.role == "participant" and self.me in self.weights:
             return [AverageOuter(self.round_id, self.weights)]
         if event.role == "follower" and self.weights:
-            return [FetchOuter(self.round_id, sorted(self.weights))]
+            return [FetchOuter(self.round_id, dict(self.weights))]
         return self._resync(f"outer round {self.round}: the decision ({event.role}) names no contribution of this replica to take part with")
 
     def _retry(self, reason: str, now: float) -> list[OuterAction]:

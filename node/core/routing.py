@@ -37,15 +37,31 @@ class RouteCore:
         self.balancer = balancer if balancer is not None else Balancer()
         # The next stage's live replicas in the node's view (empty on the last stage).
         self.next_peers: list[str] = []
+        # (step, peers): next-stage replicas that sit out the rest of that step (the coordinator's word in a
+        # lease reply, coordinator/core/round_faults.py): chosen only when no other replica serves.
+        self._avoid: tuple[int, frozenset[str]] = (-1, frozenset())
 
     @property
     def has_next_stage(self) -> bool:
         return bool(self.next_peers)
 
     # -- forward ---------------------------------------------------------------------------------
-    def choose(self, tried: set[str], now: float) -> Choice:
-        """The next-stage peer for a microbatch already offered to ``tried`` (all again once all were)."""
-        candidates = [p for p in self.next_peers if p not in tried] or list(self.next_peers)
+    def suspect(self, peers: list[str]) -> None:
+        """The coordinator's current suspects among the next stage (:data:`~.balancer.SUSPECT_FACTOR`)."""
+        self.balancer.suspects = frozenset(peers)
+
+    def avoid(self, step: int, peers: list[str]) -> None:
+        """The coordinator says ``peers`` sit out the rest of ``step`` (a newer step's word replaces an older one's)."""
+        if step >= self._avoid[0]:
+            self._avoid = (step, frozenset(peers))
+
+    def choose(self, tried: set[str], now: float, step: int | None = None) -> Choice:
+        """The next-stage peer for a microbatch of ``step`` already offered to ``tried`` (all again once all
+        were); a peer that sits out the step is chosen only when no other serves."""
+        peers = self.next_peers
+        if step is not None and step == self._avoid[0] and self._avoid[1]:
+            peers = [p for p in peers if p not in self._avoid[1]] or peers
+        candidates = [p for p in peers if p not in tried] or list(peers)
         return self.balancer.choose(candidates, now, self.tickets.awaited_per_peer())
 
     def sending(self, peer: str) -> None:

@@ -26,7 +26,8 @@ why it is correct. The modules:
 
 The signed statements and the evidence they leave (:mod:`protolearn.protocol.statements`,
 :mod:`protolearn.protocol.reducer_check`) stay outside this package: the coordinator checks them, and
-starts without torch.
+starts without torch. A round may carry a slice compression (``codec``); why everything below still
+holds then is :mod:`protolearn.protocol.sync_compression`'s docstring.
 
 Why survivors agree (crash-stop peers)
 --------------------------------------

@@ -2,8 +2,9 @@
 
 A round's messages travel on the protocol named :data:`protolearn.protocol.pipeline.COLLECTIVE`, with
 the rest of that exchange (``ResultRequest``, ``Ack``, ``Refuse``): the node-to-node protocol names
-have one owner there. Each message is a :class:`PartHeader`, followed by the part's raw float32 bytes for
-scatter and gather; a fin and a probe are the header alone. Every field is bounded, so a peer cannot
+have one owner there. Each message is a :class:`PartHeader`, followed by the part for scatter and gather
+(its raw float32 bytes, or in a compressed round the blob of :mod:`protolearn.protocol.sync_compression.wire`);
+a fin and a probe are the header alone. Every field is bounded, so a peer cannot
 make a replica allocate past the round's own size before the round has checked what it sent.
 """
 
@@ -22,7 +23,7 @@ MAX_STATEMENT_BYTES = 64 + HASH_BYTES + 6 + MAX_PARTICIPANTS // 8 + 2 * HASH_BYT
 
 
 class PartHeader(Message):
-    """Precedes a part (scatter/gather: a raw float32 tensor follows) or is alone (fin, probe).
+    """Precedes a part (scatter/gather: a raw float32 tensor or a compressed blob follows) or is alone (fin, probe).
 
     ``contributors``: for gather, whose vectors the part sums; for fin, the sender's committed set.
     ``suspects``: peers the sender holds to be out (a claim: it makes the receiver probe them).

@@ -56,6 +56,8 @@ How it works
   with "left" if the round failed there, so nobody waits out a deadline on a replica that is done.)
 * With ``cross_check=True`` each part's checker also recomputes its owner's part and vetoes a wrong one
   (:mod:`.cross_check`).
+* With a slice ``codec``, contributions come projected and an owner projects its reduced part before
+  signing it (:meth:`~.spec.RoundSpec.reduce`); why all of the above still holds: :mod:`protolearn.protocol.sync_compression`.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ from protolearn.protocol.collective.scatter import Scatter
 from protolearn.protocol.collective.spec import RoundSpec
 from protolearn.protocol.collective.waits import Waits
 from protolearn.protocol.statements import SignedStatement, Sign, Verify, part_hash, result_hash, veto_digest
+from protolearn.protocol.sync_compression.slice_codec import SliceCodec
 
 # Hard cap on one round; the adaptive per-wait deadlines (:mod:`.waits`) normally end a round long before.
 DEFAULT_TIMEOUT_S = 60.0
@@ -98,7 +101,8 @@ class CollectiveRound:
     ``cross_check``: contributors also send (signed) slices to each part's checker, which recomputes the
     owner's part and vetoes the round if it differs (:mod:`.cross_check`). ``part_filter``: applied to
     the parts this replica reduces before it signs them (injected by integrity tests; None in real use). All participants must use
-    the same ``aggregation`` and ``cross_check`` (both are bound into every statement).
+    the same ``aggregation``, ``cross_check`` and ``codec`` (the slice compression, None: raw float32; all
+    are bound into every statement).
     """
 
     round_id: int
@@ -116,13 +120,14 @@ class CollectiveRound:
     sign: Sign = field(kw_only=True, repr=False)
     verify: Verify = field(kw_only=True, repr=False)
     part_filter: PartFilter | None = field(default=None, kw_only=True, repr=False)
+    codec: SliceCodec | None = field(default=None, kw_only=True)
     peers: list[str] = field(init=False)
     bounds: list[tuple[int, int]] = field(init=False)
     suspects: set[str] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self._spec = spec = RoundSpec(self.round_id, self.me, self.weights, self.numel, self.op, self.aggregation, self.cross_check,
-                                      self.sign, self.verify)
+                                      self.sign, self.verify, self.codec)
         if self.max_liars < 0:
             raise ValueError(f"max_liars must be at least 0, got {self.max_liars}")
         self.peers, self.bounds, self._round_digest, self._all = spec.peers, spec.bounds, spec.digest, spec.contributors
@@ -159,6 +164,14 @@ class CollectiveRound:
     def committed(self) -> Done | None:
         """The result once this replica holds it (it may still be serving others before finishing)."""
         return self._committed
+
+    def held_fins(self) -> dict[str, tuple[frozenset[str], bytes, bytes]]:
+        """Every fin this replica holds, its own committed one included: signer → (members, result hash,
+        signature). A finished participant serves them with its result (:mod:`.result_proof`)."""
+        out = {p: (f.members, f.digest, f.signature) for p, f in self._fins.received.items()}
+        if self._committed is not None:
+            out[self.me] = (frozenset(self._C), self._committed.digest, self._committed.signature)
+        return out
 
     def contributors(self) -> list[str]:
         """Peers whose vector is (so far) part of the result, in the fixed reduction order."""
@@ -201,7 +214,7 @@ class CollectiveRound:
 
     # -- events ----------------------------------------------------------------------------------
     def start(self, vector: torch.Tensor, now: float) -> list[Action]:
-        """Contribute ``vector`` (flat float32 of ``numel``); returns the scatter sends."""
+        """Contribute ``vector`` (flat float32 of ``numel``; with a ``codec``, its contributions); returns the scatter sends."""
         if self._started_at is not None:
             raise RuntimeError(f"round {self.round_id} was already started")
         if vector.dtype != torch.float32 or vector.dim() != 1 or vector.numel() != self.numel:
@@ -256,7 +269,8 @@ class CollectiveRound:
             # here can match it. Its signed fin names the cause of this failure.
             return self._fail([peer], f"{peer} signed that it committed round {self.round_id} without this replica; "
                                       "resync from a replica", (self._fins.evidence(peer, Fin(members, digest, signature)),))
-        now_out, to_probe = self._suspicion.claimed(peer, suspects)
+        # Claims about this replica itself were weighed above (doubters): it never probes, or holds out, itself.
+        now_out, to_probe = self._suspicion.claimed(peer, [x for x in suspects if x != self.me])
         actions: list[Action] = [Probe(p) for p in to_probe]
         self._detector.alive(peer, self._now)
         if phase == "fin":
@@ -372,6 +386,8 @@ class CollectiveRound:
             if self.part_filter is not None:
                 a, b = self.bounds[j]
                 data = self.part_filter(j, data).detach().to(torch.float32).contiguous().reshape(-1)[: b - a]
+                if self.codec is not None:  # a filtered part still travels in the round's encoding
+                    data = self.codec.reduced(data)
             digest = part_hash(data)
             inputs = self._cross.inputs(j, members)
             signature = self.sign(self._ledger.statement(j, members, digest, inputs))

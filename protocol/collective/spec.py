@@ -1,11 +1,13 @@
 """What every participant of one collective round agrees on before it starts, and what follows from it.
 
 A :class:`RoundSpec` is fixed for the round's life: its id, the participants with their weights, the
-vector's length, the operation, the aggregation rule and whether parts are cross-checked, which the
+vector's length, the operation, the aggregation rule, whether parts are cross-checked and the slice
+compression (:mod:`protolearn.protocol.sync_compression.slice_codec`; None: raw float32), which the
 round digest binds every signed statement to (:func:`~protolearn.protocol.statements.round_digest`),
 plus this replica's identity and keys. From it follow the sorted peers, the parts' bounds
 (:func:`~.ownership.part_bounds`), the contributors (weight > 0) and the reduction of a part over a set
-(:func:`~.robust.robust_reduce`, a pure function of the set and its slices). The parts of a round
+(:func:`~.robust.robust_reduce`, a pure function of the set and its slices, then the compression's
+projection of a reduced part, also pure). The parts of a round
 (:mod:`.fins`, :mod:`.cross_check`, :mod:`.scatter`, :mod:`.waits`, :mod:`.admission`) read it.
 """
 
@@ -20,6 +22,7 @@ from protolearn.protocol.bounds import MAX_PARTICIPANTS
 from protolearn.protocol.collective.ownership import Op, part_bounds
 from protolearn.protocol.collective.robust import Aggregation, robust_reduce
 from protolearn.protocol.statements import Sign, Verify, members_mask, op_tag, round_digest
+from protolearn.protocol.sync_compression.slice_codec import SliceCodec
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class RoundSpec:
     cross_check: bool
     sign: Sign = field(repr=False)
     verify: Verify = field(repr=False)
+    codec: SliceCodec | None = None
     peers: list[str] = field(init=False)
     bounds: list[tuple[int, int]] = field(init=False)
     contributors: frozenset[str] = field(init=False)
@@ -50,7 +54,7 @@ class RoundSpec:
         if self.op == "weighted_mean" and sum(self.weights.values()) <= 0:
             raise ValueError("a weighted mean needs at least one participant with a positive weight")
         peers = sorted(self.weights)
-        tag = op_tag(self.op, self.aggregation.tag, self.cross_check)
+        tag = op_tag(self.op, self.aggregation.tag, self.cross_check, "none" if self.codec is None else self.codec.tag)
         object.__setattr__(self, "peers", peers)
         object.__setattr__(self, "bounds", part_bounds(self.numel, len(peers)))
         object.__setattr__(self, "contributors", frozenset(p for p in peers if self.weights[p] > 0))
@@ -63,4 +67,5 @@ class RoundSpec:
     def reduce(self, held: Mapping[str, torch.Tensor], members: frozenset[str], part: int) -> torch.Tensor:
         """Part ``part`` over ``members`` from their ``held`` slices: the same bytes on every replica."""
         a, b = self.bounds[part]
-        return robust_reduce(held, members, self.weights, self.op, b - a, self.aggregation)
+        reduced = robust_reduce(held, members, self.weights, self.op, b - a, self.aggregation)
+        return reduced if self.codec is None else self.codec.reduced(reduced)

@@ -30,6 +30,14 @@ class TransportConfig(BaseModel):
     max_message_bytes: int = Field(default=16 * 1024 * 1024, gt=wire.LENGTH_PREFIX.size)
     chunk_bytes: int = Field(default=1024 * 1024, gt=0)
     max_inbound_streams: int = Field(default=64, gt=0)
+    # Live connections in all (py-libp2p's cap), inbound handshakes in flight, and inbound connections one IP
+    # address may hold (loopback is exempt): protocol/transport/inbound.py. The defaults suit a node; the
+    # coordinator, which every member holds a connection to, raises the first (coordinator/config.py).
+    max_connections: int = Field(default=300, gt=0)
+    max_pending_connections: int = Field(default=64, gt=0)
+    max_connections_per_ip: int = Field(default=32, gt=0)
+    # Loopback (this machine) is exempt from max_connections_per_ip unless this is set (tests of the cap).
+    cap_loopback: bool = False
     # Per-peer limits (issue 12, protocol/gate.py): one peer's concurrent inbound streams per protocol
     # (a protocol's own max_inbound is the cap when lower). A peer over a limit is refused, others are not.
     max_inbound_streams_per_peer: int = Field(default=16, gt=0)

@@ -5,7 +5,8 @@ that takes in py-libp2p. A ban (for good, :meth:`~Gatekeeper.ban`, or for a whil
 closes the peer's connections; bans are decided synchronously and closing is async, so a bounded queue
 hands the peer to :meth:`~Gatekeeper.disconnect_service`. :class:`ConnectionWatch`, registered with the
 swarm, closes a banned peer's connection as soon as it is established and tells the host about every
-other peer that connects or loses its last connection. :meth:`~Gatekeeper.log_service` writes each
+other peer that connects or loses its last connection (and counts inbound connections per address,
+:mod:`.inbound`). :meth:`~Gatekeeper.log_service` writes each
 peer's rejection and refusal summaries when their interval ends (the first of each in full, then
 counts: a peer must not fill the disk with our logs).
 """
@@ -26,6 +27,7 @@ from protolearn.protocol.gate import BULK_LIMIT, Abuse, Gate
 from protolearn.protocol.log_digest import LogDigest, Summary
 from protolearn.protocol.transport.clock import Clock
 from protolearn.protocol.transport.config import TransportConfig
+from protolearn.protocol.transport.inbound import InboundCap, count_closed, count_opened
 from protolearn.protocol.transport.libp2p_errors import why
 from protolearn.protocol.transport.names import parse_peer_id
 
@@ -120,11 +122,15 @@ class ConnectionWatch(INotifee):
     """Closes a banned peer's connection as soon as the swarm reports it, and tells ``on_change(peer,
     connected)`` when any other peer connects or its last connection closes (e.g. it died)."""
 
-    def __init__(self, keeper: Gatekeeper, on_change: Callable[[str, bool], None]) -> None:
+    def __init__(self, keeper: Gatekeeper, on_change: Callable[[str, bool], None], inbound: InboundCap | None = None) -> None:
         self._keeper = keeper
         self._on_change = on_change
+        # Counts each inbound connection under its address while it lives (inbound.py).
+        self._inbound = inbound
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
+        if self._inbound is not None:
+            count_opened(self._inbound, conn)
         peer = str(conn.muxed_conn.peer_id)
         keeper = self._keeper
         rejection = keeper.gate.check_connection(peer, keeper.clock())
@@ -135,6 +141,8 @@ class ConnectionWatch(INotifee):
             self._on_change(peer, True)
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        if self._inbound is not None:
+            count_closed(self._inbound, conn)
         peer = conn.muxed_conn.peer_id
         # Only the peer's last connection going away means it is gone.
         self._on_change(str(peer), any(not c.is_closed for c in network.get_connections(peer)))

@@ -25,7 +25,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.exceptions import BaseLibp2pError
-from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.network.config import RetryConfig
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
@@ -42,6 +42,8 @@ from protolearn.protocol.transport.connections import Connections
 from protolearn.protocol.transport.dialing import Dialer
 from protolearn.protocol.transport.gatekeeper import ConnectionWatch, Gatekeeper
 from protolearn.protocol.transport.holepunch import HolePuncher
+from protolearn.protocol.transport.inbound import InboundCap, connection_config, install, resource_manager
+from protolearn.protocol.transport.peerstore import HostPeerStore
 from protolearn.protocol.transport.libp2p_errors import reset_quietly, single_leaf, why
 from protolearn.protocol.transport.link import LinkShaper, pumps
 from protolearn.protocol.transport.names import parse_peer_id, protocol_id
@@ -76,6 +78,7 @@ class Host:
         self.peer_id = str(lp.get_id())
         self._keeper = Gatekeeper(lp, config, clock)
         self.gate = self._keeper.gate
+        self.inbound = InboundCap(config.max_connections_per_ip, config.max_pending_connections, cap_loopback=config.cap_loopback)
         # The emulated access link (config.link): it shapes every TCP connection and the bulk lane.
         self.link = LinkShaper(config.link, clock=clock) if config.link is not None else None
         # None when config.bulk is off; host.bulk.stats counts what went over the lane.
@@ -347,12 +350,15 @@ async def open_host(
     listen_addrs = [parse_multiaddr(a, "local") for a in listen]
     for addr in listen_addrs:
         check_port_free(addr)
+    peers = HostPeerStore(cfg.max_connections)
     lp = new_host(
+        peerstore_opt=peers,
         key_pair=key_pair,
         sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)},
         muxer_opt=create_yamux_muxer_option(),
         listen_addrs=listen_addrs,
-        connection_config=ConnectionConfig(max_connections_per_peer=1),
+        connection_config=connection_config(cfg),
+        resource_manager=resource_manager(cfg),
         enable_mDNS=False,
         enable_upnp=False,
     )
@@ -361,11 +367,13 @@ async def open_host(
     # here retry with their own deadlines, and the dial book (dial_book.py) paces redials of a dead peer,
     # so one quick retry is kept for a fluke and the rest is left to them. (new_host() takes no retry_config.)
     lp.get_network().retry_config = RetryConfig(max_retries=DIAL_RETRIES)
+    peers.own = lp.get_id()
     host = Host(lp, cfg, clock=clock, relay=relay, puncher=HolePuncher(lp))
+    install(lp, host.inbound)
     if host.link is not None:
         host.link.install(lp)
     host.relay.install()
-    lp.get_network().register_notifee(ConnectionWatch(host._keeper, host._connection_changed))
+    lp.get_network().register_notifee(ConnectionWatch(host._keeper, host._connection_changed, host.inbound))
     # The swarm and the host's services run in a task of their own under a shield, so a cancel from
     # outside (a signal stopping the node) reaches the body but not them: the body's cleanup (a
     # node's goodbye to the coordinator) still has a host. They stop when the body is done, within

@@ -36,6 +36,8 @@ PORT_WAIT_S = 30.0
 # How often to look again: nodes are retrying, so every moment the port is free but unused counts.
 PORT_RETRY_S = 0.2
 log = logging.getLogger("protolearn.coordinator")
+# File descriptors besides the members' connections: listeners, SQLite, the checker's dials, logs.
+OTHER_FILES = 1024
 
 
 def _with_port(listen: str, data_dir: Path) -> str:
@@ -135,6 +137,8 @@ def _serve(
     from protolearn.stages.config import RunConfig, load_run_config
 
     configure_stderr_logging(log_level)
+    settings = CoordinatorSettings(ban_on_evidence=ban_on_evidence, keep_final=True, **({} if lease_s is None else {"lease_s": lease_s}))
+    _raise_open_files(settings.max_connections + OTHER_FILES)
     saved = persisted_run_toml(data_dir)
     if config is None:
         run = RunConfig.from_toml_text(saved, source=f"run saved in {data_dir}") if saved else load_run_config(None)
@@ -159,9 +163,7 @@ def _serve(
                 return await nursery.start(
                     lambda task_status: serve(
                         run, data_dir, listen_on, metrics_port=metrics_port, metrics_host=metrics_host,
-                        settings=CoordinatorSettings(
-                            ban_on_evidence=ban_on_evidence, keep_final=True, **({} if lease_s is None else {"lease_s": lease_s}),
-                        ),
+                        settings=settings,
                         relay=relay, announce=announce, link=link, task_status=task_status,
                     )
                 )
@@ -197,6 +199,20 @@ def _serve(
         if saved is None and not printed:
             _forget_fresh_state(data_dir)
         raise
+
+
+def _raise_open_files(wanted: int) -> None:
+    """Every member holds a connection, i.e. a file descriptor: raise the soft limit on open files toward
+    ``wanted`` (up to the hard limit), and say so when the hard limit is lower."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < wanted:
+        log.warning("open files are limited to %d (ulimit -Hn): the coordinator holds at most about %d member connections",
+                    target, max(0, target - OTHER_FILES))
 
 
 def _say_addresses(addrs: list, wildcard: bool) -> None:

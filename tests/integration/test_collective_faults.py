@@ -307,7 +307,7 @@ class MuteAverager(Averager):
     async def _handle(self, peer: str, s) -> None:
         msg = await s.receive((PartHeader,))
         if msg.phase not in ("probe", "fin"):
-            await s.receive_tensor(codec="none", dtype=torch.float32, shape=None, limits=self._limits)
+            await s.receive_tensor(codec="none", dtype=torch.float32, shape=None, limits=self._part_limits)
         await s.send(Ack())
 
 

@@ -13,6 +13,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 from protolearn.coordinator.config import CoordinatorSettings
+from protolearn.coordinator.core.wait_slots import MIN_AGE_S
 from protolearn.coordinator.service import Running, serve
 from protolearn.node.coordinator_link import CoordinatorBusy, CoordinatorLink, CoordinatorRefused, RetryPolicy
 from protolearn.protocol import coordination as cm
@@ -322,8 +323,10 @@ async def _raw_join(host, coord: Running):
 def test_busy_is_asked_again_and_never_read_as_no(open_hosts, run_trio, tmp_path, caplog):
     """Issue 27: a node read any refusal of "did the step reopen?" as "no", busy included, and then applied
     a step missing tickets (I1) or resynced. With the coordinator's one long-poll slot taken, another
-    member's long poll is refused ``busy``: its link asks again until the slot frees and gets the answer;
-    asked for less long than the slot stays taken, it raises CoordinatorBusy, a timeout, never a refusal."""
+    member's long poll is refused ``busy``: its link asks again, and once the slot's poll has lasted
+    MIN_AGE_S, takes its slot (the busier peer's poll is answered early, with the step as it stands) and gets
+    its answer, long before that poll would have ended. Asked for less long than that, it raises
+    CoordinatorBusy, a timeout, never a refusal."""
     caplog.set_level(logging.INFO, logger="protolearn.node")
     settings = FAST.model_copy(update={"max_concurrent_waits": 1, "expiry_s": 30.0})
 
@@ -335,27 +338,83 @@ def test_busy_is_asked_again_and_never_read_as_no(open_hosts, run_trio, tmp_path
                 la, lb = (CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in (a, b))
                 await la.join(join_msg(a))
                 await lb.join(join_msg(b))
-                for retry, answered in ((RETRY, True), (RetryPolicy(retry_for_s=0.3, request_timeout_s=5.0), False)):
-                    lb.retry = retry
+                # Answered: a's poll (10 s, on step 0, which stays open) gives its slot up once it is MIN_AGE_S old.
+                answered: dict[str, Any] = {}
+
+                async def a_polls() -> None:
+                    answered["a"] = await la.wait_step(0, timeout_s=10.0)
+                    answered["a_at"] = trio.current_time()
+
+                async with trio.open_nursery() as inner:
                     seen = polls.count
-                    async with trio.open_nursery() as inner:
-                        inner.start_soon(lambda: la.wait_step(0, timeout_s=1.5))  # step 0 stays open: it holds the slot 1.5 s
-                        await polls.wait_for(seen + 1)
-                        parked = trio.current_time()
-                        if answered:
-                            info = await lb.wait_step(0, timeout_s=0.2)
-                            assert isinstance(info, cm.StepInfo) and not info.closed
-                            assert trio.current_time() - parked >= 1.5, "answered only once a's poll freed the slot"
-                        else:
-                            with pytest.raises(CoordinatorBusy) as busy:
-                                await lb.wait_step(0, timeout_s=0.2)
-                            assert busy.value.code == "busy" and not isinstance(busy.value, Refused)
-                            assert isinstance(busy.value, PeerTimeout), "no answer, which callers treat as 'ask again'"
+                    inner.start_soon(a_polls)
+                    await polls.wait_for(seen + 1)
+                    parked = trio.current_time()
+                    info = await lb.wait_step(0, timeout_s=0.2)
+                    took = trio.current_time() - parked
+                assert isinstance(info, cm.StepInfo) and not info.closed
+                assert MIN_AGE_S / 2 < took < 5.0, f"b was answered {took:.2f} s after a parked: once a's poll was old enough, not at its end"
+                early = answered["a"]
+                assert isinstance(early, cm.StepInfo) and not early.closed, "a's poll was answered early, with the step as it stands"
+                assert answered["a_at"] - parked < 5.0
+                # Not answered in time: b asks for less long than a's fresh poll takes to give its slot up.
+                lb.retry = RetryPolicy(retry_for_s=0.3, request_timeout_s=5.0)
+                async with trio.open_nursery() as inner:
+                    seen = polls.count
+                    inner.start_soon(lambda: la.wait_step(0, timeout_s=1.5))
+                    await polls.wait_for(seen + 1)
+                    with pytest.raises(CoordinatorBusy) as busy:
+                        await lb.wait_step(0, timeout_s=0.2)
+                    assert busy.value.code == "busy" and not isinstance(busy.value, Refused)
+                    assert isinstance(busy.value, PeerTimeout), "no answer, which callers treat as 'ask again'"
             nursery.cancel_scope.cancel()
 
     run_trio(main, timeout=30)
     asked_again = [r.getMessage() for r in caplog.records if "coordinator busy (busy:" in r.getMessage()]
     assert asked_again, "b was refused busy and asked again"
+
+
+def test_sybil_members_holding_every_long_poll_slot_never_shut_a_node_out(open_hosts, run_trio, tmp_path):
+    """Issue 27 (abuse bench ``long_poll_slots``): members that each hold as many long polls as the transport
+    lets one peer open, on a step that no change answers, kept every other member's polls refused ``busy`` until
+    theirs ended: training stopped for as long as they liked. Now a member that waits on fewer things than the
+    busiest takes one of its slots, so the node's questions are answered while the Sybils re-poll."""
+    settings = FAST.model_copy(update={"max_concurrent_waits": 8, "expiry_s": 30.0})
+    never = cm.WaitStep(step=0, min_revision=2**30, timeout_s=cm.MAX_WAIT_S)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            coord = await start(nursery, tmp_path, settings)
+            polls = LongPolls(coord.core)
+            async with open_hosts(3, introduce=False) as (s1, s2, node):
+                links = [CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in (s1, s2, node)]
+                for link in links:
+                    await link.join(join_msg(link.host))
+                sybil_answers: list[cm.StepInfo] = []
+
+                async def hold(h) -> None:
+                    while True:  # re-poll at once, as an attacker would
+                        try:
+                            sybil_answers.append(await h.request(links[0].peer, cm.COORDINATOR, never, cm.StepInfo, timeout=40))
+                        except Refused:
+                            await trio.sleep(0.01)
+
+                async with trio.open_nursery() as sybils:
+                    seen = polls.count
+                    for h in (s1, s2):
+                        for _ in range(8):
+                            sybils.start_soon(hold, h)
+                    await polls.wait_for(seen + 8)  # every slot is a Sybil's
+                    for _ in range(3):  # the node's questions, one after another
+                        t0 = trio.current_time()
+                        info = await links[2].wait_step(0, min_revision=2, timeout_s=0.5)
+                        assert isinstance(info, cm.StepInfo) and trio.current_time() - t0 < 5.0
+                    sybils.cancel_scope.cancel()
+                assert sybil_answers and all(isinstance(i, cm.StepInfo) and not i.closed for i in sybil_answers), (
+                    "the polls that gave their slots up were answered, with the step as it stands")
+            nursery.cancel_scope.cancel()
+
+    run_trio(main, timeout=60)
 
 
 def test_a_dead_stage0_nodes_leases_go_to_another_replica_long_before_they_expire(open_hosts, run_trio, tmp_path):

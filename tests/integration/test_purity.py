@@ -71,12 +71,12 @@ CASES = {
     # read and write files (checkpoints, model export), with the one adapter that binds them to libp2p.
     "protocol-stages-node-cores": Pure(
         packages=("protolearn.protocol", "protolearn.stages", "protolearn.node.core"),
-        modules=("protolearn.codec_spec", "protolearn.node.checkpoint", "protolearn.node.export", "protolearn.node.hf_export",
+        modules=("protolearn.codec_spec", "protolearn.sync_spec", "protolearn.node.checkpoint", "protolearn.node.export", "protolearn.node.hf_export",
                  "protolearn.data_dir_lock", "protolearn.precision", "protolearn.node.memory"),
         exempt=("protolearn.protocol.transport",),
         must_find=("protolearn.protocol.wire", "protolearn.protocol.tensors", "protolearn.protocol.codecs", "protolearn.protocol.identity",
                    "protolearn.stages.model", "protolearn.stages.reference", "protolearn.node.core.closed_step", "protolearn.node.core.leasing",
-                   "protolearn.stages.outer"),
+                   "protolearn.stages.outer", "protolearn.protocol.sync_compression.powersgd", "protolearn.protocol.sync_compression.wire"),
         witness="protolearn.protocol.transport",
         why="move that code into the adapter (protolearn.protocol.transport)",
     ),
@@ -107,7 +107,7 @@ CASES = {
     "commands-without-torch": Pure(
         modules=("protolearn.cli.main", "protolearn.cli.coordinator", "protolearn.cli.swarm", "protolearn.coordinator.service",
                  "protolearn.node.coordinator_link", "protolearn.protocol.transport", "protolearn.protocol.frames",
-                 "protolearn.stages.config"),
+                 "protolearn.stages.config", "protolearn.sync_spec"),
         forbidden=("torch",), witness="protolearn.protocol.tensors",
         why="import tensor support lazily (see protocol/frames.py)",
     ),

@@ -241,12 +241,13 @@ class DilocoSim(Sim):
             self._answer_outer(node, HOP_S, tell)
 
     def _outer_fetch(self, node: SimNode, a: orc.FetchOuter) -> None:
-        """A participant that finished serves the round's mean (also one that left someone out), for up to ``try_s``."""
+        """A participant that finished serves the round's result for up to ``try_s``, only a full round's (nobody
+        left out), as the node's proven fetch takes nothing else (protocol/collective/result_proof.py)."""
         give_up = self.now + (a.try_s if a.try_s is not None else 10.0)
 
         def look() -> orc.OuterEvent | None:
             o = self.outer_rounds.get((node.stage, a.round_id))
-            if o is not None and o.outcome is not None and o.outcome[0] == "done":
+            if o is not None and o.outcome is not None and o.outcome[0] == "done" and not o.outcome[2]:
                 if any(self.nodes[p].live(self.now) for p in o.joined if p != node.peer and p not in o.outcome[2]):
                     self.replicas[node.peer].result = o.outcome[1]
                     return orc.Fetched(True)

@@ -34,6 +34,7 @@ from protolearn.coordinator.store import Store
 from protolearn.node.core import closed_step as nc
 from protolearn.node.core import events as ev
 from protolearn.node.core import leasing as lc
+from protolearn.protocol.lost_reports import should_notice_departure, should_report
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement
 
@@ -44,8 +45,6 @@ POLL_S = 0.1  # the long polls' answer delay when nothing changed
 ROUND_TIMEOUT_S = 2.0
 STALL_S = 2.0  # stage 0 restarts a ticket whose gradient has not come back
 SEND_TIMEOUT_S = 1.0
-REPORT_AFTER_LOST = 3  # node/driver.py's
-REPORT_INTERVAL_S = 5.0
 SETTINGS = CoordinatorSettings(
     heartbeat_interval_s=HEARTBEAT_S, expiry_s=3.0, restart_grace_s=5.0, lease_s=4.0, disconnect_grace_s=0.5,
     lease_block=2, rate_per_s=1e6, rate_burst=1e6, rebalance_interval_s=1e9,
@@ -96,9 +95,11 @@ class SimNode:
     nonces: dict[tuple[int, int], bytes] = field(default_factory=dict)
     # Stage 0: the stage-1 peer each started ticket went to, microbatches each peer lost in a row, and when
     # each was last reported (node/driver.py's liveness reports).
-    handed: dict[tuple[int, int], str] = field(default_factory=dict)
+    # Stage 0: (step, stage-1 replicas that sit out the rest of it), the last lease reply's word.
+    avoid: tuple[int, set[str]] = (-1, set())
+    handed: dict[tuple[int, int], tuple[str, float | None]] = field(default_factory=dict)  # peer, its membership's join time
     lost: dict[str, int] = field(default_factory=dict)
-    reported_at: dict[str, float] = field(default_factory=dict)
+    reported_at: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     def live(self, now: float) -> bool:
         return self.alive and now >= self.hung_until and not self.moved
@@ -146,6 +147,9 @@ class Sim:
         # whose own progress the run does not wait for. With any, a joiner takes only the state a strict
         # majority of its stage reported (the real rule, node/syncing.py); without, every live replica holds it.
         self.adversaries: set[str] = set()
+        # Adversaries that fail every round they take part in for everyone else (a fin that leaves the others
+        # out, sent to all): the others' collective names them as the cause.
+        self.round_breakers: set[str] = set()
         # step → stage → the result hash the commit barrier committed it with.
         self.committed: dict[int, dict[int, str]] = {}
         for k in range(stages * replicas):
@@ -283,8 +287,15 @@ class Sim:
             except Refusal:
                 return
             if isinstance(again, cm.JoinReply) and again.stage != node.stage:
-                node.moved = True  # the coordinator moved it: out of this simulation
-                self.log.append(f"{self.now:.2f} {node.peer} rejoined at stage {again.stage}: leaves the sim")
+                self.move_out(node, f"rejoined at stage {again.stage}: leaves the sim")
+
+    def move_out(self, node: SimNode, why: str) -> None:
+        """The coordinator placed ``node`` in another stage: it leaves this simulation, and its old stage's rounds
+        no longer wait for it (its peers find it gone at once, as they do a dead one)."""
+        node.moved = True
+        for r in [r for r in self.rounds.values() if node.peer in r.participants and r.outcome is None]:
+            self._settle(r)
+        self.log.append(f"{self.now:.2f} {node.peer} {why}")
 
     def stage_nodes(self, stage: int) -> list[SimNode]:
         return [n for n in self.nodes.values() if n.stage == stage]
@@ -390,7 +401,8 @@ class Sim:
         elif isinstance(a, ev.Redo):
             def redo() -> ev.Event:
                 try:
-                    self.request(node.peer, cm.Redo(step=a.step, indices=a.tickets, reason=a.reason[:100], revision=a.revision))
+                    self.request(node.peer, cm.Redo(step=a.step, indices=a.tickets, reason=a.reason[:100], revision=a.revision,
+                                                    kind=a.kind, causes=list(a.causes)))  # type: ignore[arg-type]
                 except Refusal as err:
                     return ev.RedoAnswer(a.step, a.revision, granted=False, reason=str(err), code=err.code)
                 except Unavailable as err:
@@ -494,15 +506,20 @@ class Sim:
     def _settle(self, r: Round, *, timeout: bool = False) -> None:
         if r.outcome is not None:
             return
-        waiting = [p for p in r.participants if p not in r.joined and self.nodes[p].alive and not timeout]
+        # A replica that left its stage (the coordinator moved it, or it rejoined elsewhere) has dropped the stage's
+        # round: its peers find it gone at once (a refused probe), as they do a dead one.
+        waiting = [p for p in r.participants if p not in r.joined and self.nodes[p].alive and not self.nodes[p].moved and not timeout]
         if waiting:
             return
-        ok = [p for p in r.joined if self.nodes[p].alive and (timeout is False or self.nodes[p].live(self.now))]
+        ok = [p for p in r.joined if self.nodes[p].alive and not self.nodes[p].moved and (timeout is False or self.nodes[p].live(self.now))]
         excluded = sorted(r.participants - set(ok))
+        breakers = sorted(self.round_breakers & set(ok))
         if not ok:
             r.outcome = ("failed", (), excluded)
             return
-        if len(excluded) >= 2 and self.rng.random() < 0.5:
+        if breakers:
+            r.outcome = ("failed", (), breakers)  # the breakers' fins end the round: the collective names them
+        elif len(excluded) >= 2 and self.rng.random() < 0.5:
             r.outcome = ("failed", (), excluded)
         else:
             r.outcome = ("done", tuple(sorted(t for p in ok for t in r.joined[p])), excluded)
@@ -516,7 +533,7 @@ class Sim:
                     node.result = result
                     self._feed(node, ev.RoundDone(r.step, r.revision, list(excl)))
                 else:
-                    self._feed(node, ev.RoundFailed(r.step, r.revision, f"replicas {excl} left out"))
+                    self._feed(node, ev.RoundFailed(r.step, r.revision, f"replicas {excl} left out", tuple(p for p in excl if p != node.peer)))
 
             self.to_node(node, HOP_S, tell)
 
@@ -526,6 +543,11 @@ class Sim:
 
         def look() -> None:
             r = self.rounds.get((node.stage, a.step, a.revision))
+            if r is not None and r.outcome is not None and r.outcome[0] == "failed" and node.peer in r.participants:
+                # Its own round failed, and so did the others' (the model gives every survivor one outcome): each
+                # answers "left" at once (node/finished_rounds.py), so it asks for the redo without waiting.
+                self._feed(node, ev.Fetched(a.step, a.revision, ok=False, reason="the round failed at every other participant"))
+                return
             if r is not None and r.outcome is not None and r.outcome[0] == "done" and not r.outcome[2]:  # full averages only
                 if any(self.nodes[p].live(self.now) for p in r.joined if p not in r.outcome[2]):
                     node.result = r.outcome[1]
@@ -571,6 +593,7 @@ class Sim:
                         return
                     assert isinstance(reply, cm.LeaseReply)
                     node.nonces.update(((reply.step, i), n) for i, n in zip(reply.indices, reply.nonces))
+                    node.avoid = (reply.step, set(reply.avoid))
                     self._carry_lease(node, lease.handle(lc.Leased(reply.step, list(reply.indices)), self.now))
 
                 self.to_node(node, HOP_S, ask)
@@ -604,11 +627,18 @@ class Sim:
         self.to_node(node, HOP_S, go)
 
     def _start_ticket(self, node: SimNode, step: int, ticket: int) -> None:
-        lost_to = node.handed.pop((step, ticket), None)
-        if lost_to is not None and self.nodes[lost_to].alive:
-            # Restarted while the peer it went to is connected: its gradient is overdue (a dead peer's
-            # closed connection restarts its tickets at once and counts as no loss, as node/driver.py does).
-            self._lost(node, lost_to)
+        handed = node.handed.pop((step, ticket), None)
+        if handed is not None and self.nodes[handed[0]].alive:
+            lost_to, member_since = handed
+            if member_since is not None and self._joined_at(lost_to) == member_since:
+                # Restarted while the peer it went to is connected: its gradient is overdue (a dead peer's
+                # closed connection restarts its tickets at once and counts as no loss, as node/driver.py does).
+                self._lost(node, lost_to)
+            else:
+                # It left the swarm since (and maybe rejoined): the router forgot its losses, and the driver sent
+                # the coordinator a departure notice (node/driver.py's peer_down, at the view change).
+                node.lost.pop(lost_to, None)
+                self._notice_departure(node, lost_to)
         d = node.core.accounting.admit_forward(step, ticket)
         if d.action != "process":
             self._not_started(node, step, ticket)
@@ -633,20 +663,28 @@ class Sim:
         if not candidates:
             self._drop(node, step, ticket)
             return
+        if stage == 1 and node.avoid[0] == step:  # the router's RouteCore.choose: sit-outs only when nobody else serves
+            candidates = [n for n in candidates if n.peer not in node.avoid[1]] or candidates
         target = self.rng.choice(candidates)
-        if stage == 1:
-            node.handed[(step, ticket)] = target.peer
         if not target.alive or target.moved:
             self._drop(node, step, ticket)  # the dial fails at once
             return
         if self.now < target.hung_until:
             self.to_node(node, SEND_TIMEOUT_S, lambda: self._drop(node, step, ticket))  # the send times out
             return
+        if stage == 1:
+            # A hand-over the peer acknowledged (as the real router records it), in the peer's current membership.
+            node.handed[(step, ticket)] = (target.peer, self._joined_at(target.peer))
         if stage == 1 and node.lease is not None:  # stage 1 took it: the attempt is handed on (its ack)
             self._carry_lease(node, node.lease.handle(lc.Handed(step, ticket), self.now))
         self.to_node(target, HOP_S, lambda: self._forward_arrived(target, step, ticket, route, node.peer))
 
+    def _joined_at(self, peer: str) -> float | None:
+        m = self.coord.registry.members.get(peer)
+        return m.joined_at if m is not None and m.status == "live" else None
+
     def _drop(self, node: SimNode, step: int, ticket: int) -> None:
+        node.handed.pop((step, ticket), None)  # refused or never delivered: no hand-over, so no loss (RouteCore)
         if node.stage == 0:
             self._not_started(node, step, ticket)
         else:
@@ -688,16 +726,29 @@ class Sim:
         self.to_node(prev, HOP_S, arrive)
 
     def _lost(self, node: SimNode, peer: str) -> None:
-        """``peer`` lost one of ``node``'s microbatches; after REPORT_AFTER_LOST in a row, report it (at most
-        once per REPORT_INTERVAL_S), as the real driver does."""
+        """``peer`` lost one of ``node``'s microbatches: report it when the real driver would
+        (:func:`~protolearn.protocol.lost_reports.should_report`)."""
         n = node.lost[peer] = node.lost.get(peer, 0) + 1
-        if n < REPORT_AFTER_LOST or self.now - node.reported_at.get(peer, -REPORT_INTERVAL_S) < REPORT_INTERVAL_S:
+        if not should_report(n, node.reported_at.get(peer), self.now):
             return
-        node.reported_at[peer] = self.now
+        node.reported_at[peer] = (self.now, n)
 
         def report() -> None:
             try:
-                self.request(node.peer, cm.Report(target=peer, reason=f"liveness: {n} microbatches it acknowledged got no gradient back"))
+                self.request(node.peer, cm.Report(target=peer, reason=f"liveness: {n} microbatches it acknowledged got no gradient back", lost=n))
+            except (Refusal, Unavailable):
+                pass
+
+        self.to_node(node, HOP_S, report)
+
+    def _notice_departure(self, node: SimNode, peer: str) -> None:
+        if not should_notice_departure(node.reported_at.get(peer), self.now):
+            return
+        node.reported_at[peer] = (self.now, 0)
+
+        def report() -> None:
+            try:
+                self.request(node.peer, cm.Report(target=peer, reason="liveness: it left holding microbatches it acknowledged", lost=0))
             except (Refusal, Unavailable):
                 pass
 

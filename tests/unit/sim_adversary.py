@@ -8,7 +8,9 @@ tickets, liveness and integrity reports against honest members (claims, or evide
 witness draws, forged result hashes, completions with acks it signs itself, leases it never uses, releases,
 and leaving and rejoining. Scripted strategies weight the draw toward one attack for a whole schedule: the
 named attacks of the issue (a redo storm, liveness bans by bare words, a claimed stage, stage steering by
-rejoining, framing with colluding witnesses) and withholding (it takes activations and never answers).
+rejoining, framing with colluding witnesses), withholding (it takes activations and never answers) and
+breaking rounds (as a participant it fails its stage's round for every other replica, which then name it as
+the cause, as the real collective does; its redos name any causes it likes).
 
 Colluders (several adversaries of one schedule) aim at the same honest target and sign for each other.
 """
@@ -24,7 +26,7 @@ from protolearn.protocol.boundary import OutputEvidence, SignedOutput
 
 from tests.unit.node_sim import Sim, SimNode, Unavailable, _sim_sign
 
-STRATEGIES = ("random", "redo_storm", "liveness_words", "claim_stage", "rejoin_steering", "frame", "withhold", "forged_acks")
+STRATEGIES = ("random", "redo_storm", "liveness_words", "claim_stage", "rejoin_steering", "frame", "withhold", "forged_acks", "break_rounds")
 ACTIONS = ("heartbeat", "redo", "liveness", "report", "integrity_claim", "frame", "draw", "averaged", "complete", "lease", "release", "rejoin")
 FAVOURITE = {"redo_storm": "redo", "liveness_words": "liveness", "claim_stage": "heartbeat", "rejoin_steering": "rejoin", "frame": "frame",
              "forged_acks": "complete"}
@@ -48,6 +50,8 @@ class Adversary:
         for p in peers:
             if strategy == "withhold":
                 sim.nodes[p].compute_hung = True  # it heartbeats and takes work, and never answers
+            if strategy == "break_rounds":
+                sim.round_breakers.add(p)  # it fails every round of its stage it takes part in
             sim.after(rng.uniform(*EVENT_S), lambda p=p: self._act(p))
 
     def _act(self, peer: str) -> None:
@@ -85,10 +89,15 @@ class Adversary:
         ))
 
     def _redo(self, node: SimNode) -> None:
-        self.sim.request(node.peer, cm.Redo(step=self._step(), indices=self._tickets(), reason="round failed", revision=self.rng.randint(0, 3)))
+        kind = self.rng.choice(("", "round_failed", "replica_out", "lost_gradients", "orphaned"))
+        causes = self.rng.sample(sorted(self.sim.nodes), self.rng.randint(0, 2)) if kind == "round_failed" else []
+        self.sim.request(node.peer, cm.Redo(step=self._step(), indices=self._tickets(), reason="round failed", revision=self.rng.randint(0, 3),
+                                            kind=kind, causes=causes))  # type: ignore[arg-type]
 
     def _liveness(self, node: SimNode) -> None:
-        self.sim.request(node.peer, cm.Report(target=self._victim(), reason="liveness: 3 microbatches it acknowledged got no gradient back"))
+        lost = self.rng.choice((0, 1, 3, 8, 2**31 - 1))
+        self.sim.request(node.peer, cm.Report(target=self._victim(), reason=f"liveness: {lost} microbatches it acknowledged got no gradient back",
+                                              lost=lost))
 
     def _report(self, node: SimNode) -> None:
         # Two "contradicting" statements, both signed by the reporter itself: never the accused's signature.
@@ -141,5 +150,4 @@ class Adversary:
         reply = self.sim.request(node.peer, cm.Join(addrs=["/ip4/127.0.0.1/tcp/1"], throughput=self.rng.choice((1.0, 100.0, 1e4))))
         assert isinstance(reply, cm.JoinReply)
         if reply.stage != node.stage:
-            node.moved = True  # placed elsewhere: out of the simulation, like any moved node
-            self.sim.log.append(f"{self.sim.now:.2f} {node.peer} rejoined at stage {reply.stage} (was {node.stage})")
+            self.sim.move_out(node, f"rejoined at stage {reply.stage} (was {node.stage})")

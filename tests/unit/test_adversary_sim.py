@@ -5,11 +5,11 @@ core) with adversaries from :mod:`sim_adversary` in one stage: one of three repl
 five. Each schedule draws a strategy (random messages, or one of the named attacks) and the adversaries'
 seeded choices. After every schedule:
 
-- no honest replica is banned, and none carries a redo-storm or result-mismatch strike (the claims the
-  adversaries file, ``integrity`` and ``lost_microbatches``, are shown in status and never strike). Strikes the coordinator takes from its own observation of an
-  honest replica that the adversary slowed (``late_leases`` of a stage-0 replica whose tickets an adversary
-  downstream sat on, ``commit_hold`` of one whose step it kept reopening) are counted and printed, not
-  asserted: charging those to their cause is the open part of rule 5 (docs/THREATS.md);
+- no honest replica is banned or struck: none carries a redo-storm, result-mismatch, late-lease or
+  commit-hold strike (the claims the adversaries file, ``integrity`` and ``lost_microbatches``, are shown
+  in status and never strike). The last two are the coordinator's own observations of an honest replica
+  that an adversary slowed (a withholder downstream sat on its tickets, or it kept reopening the step):
+  costs go to their cause, so they must land on nobody honest;
 - every step's committed hash of each stage is an honest one, and no honest replica installed an
   adversary's state;
 - honest replicas apply every step with exactly its B tickets (I1) and agree with each other (I2);
@@ -32,12 +32,11 @@ from tests.unit.sim_adversary import STRATEGIES, Adversary
 SEEDS = range(*map(int, os.environ.get("PROTOLEARN_ADVERSARY_SEEDS", "0:400").split(":")))
 STEPS = 6
 RUN_S = 120.0  # simulated seconds for 6 steps (without an adversary: median 2.3 s, at most 2.7 s over 100 seeds)
-# Strikes an adversary must never bring on an honest replica; and those it still can (counted, rule 5's gap).
-NEVER = ("redo_storm", "result_mismatch")
+# Strikes an adversary must never bring on an honest replica.
+NEVER = ("redo_storm", "result_mismatch", "late_leases", "commit_hold")
 # Leases as long against the stall deadline as the defaults are (lease_s 20 s, late at half of it, a stall
 # deadline of a few seconds): a stage-0 replica finds an overdue gradient before its lease turns late.
 ADVERSARY_SETTINGS = SETTINGS.model_copy(update={"lease_s": 5 * STALL_S})
-SLOWED = ("late_leases", "commit_hold")
 
 
 def run_schedule(seed: int, replicas: int, adversaries: int, tmp) -> tuple[Sim, Adversary]:
@@ -48,11 +47,6 @@ def run_schedule(seed: int, replicas: int, adversaries: int, tmp) -> tuple[Sim, 
     adv = Adversary(sim, bad, STRATEGIES[seed % len(STRATEGIES)], rng)
     sim.run_until_done(limit_s=RUN_S)
     return sim, adv
-
-
-def slowed(sim: Sim) -> int:
-    """Honest replicas with a strike of the kinds an adversary that slows them still causes."""
-    return sum(any(f.split(":")[0] in SLOWED for f in sim.coord.verdicts.flags_of(n.peer)) for n in sim.nodes.values() if n.peer not in sim.adversaries)
 
 
 def check(sim: Sim, adv: Adversary) -> None:
@@ -83,10 +77,9 @@ def check(sim: Sim, adv: Adversary) -> None:
 def test_an_adversary_that_signs_anything_bans_nobody_honest_and_never_commits(replicas: int, adversaries: int, block: int, tmp_path) -> None:
     seeds = [s for s in SEEDS if s % 4 == block]
     print(f"seeds {seeds[0]}..{seeds[-1]}, every 4th")
-    struck, slowest = 0, 0.0
+    slowest = 0.0
     for seed in seeds:
         sim, adv = run_schedule(seed, replicas, adversaries, tmp_path / f"s{seed}")
-        struck += slowed(sim) > 0
         slowest = max(slowest, sim.now)
         try:
             check(sim, adv)
@@ -94,5 +87,4 @@ def test_an_adversary_that_signs_anything_bans_nobody_honest_and_never_commits(r
             detail = "\n".join(sim.log[-40:] + [f"{n.peer}: " + "; ".join(n.events[-8:]) for n in sim.nodes.values()])
             raise AssertionError(f"seed {seed} ({adv.strategy}, {adversaries} of {replicas}, adversaries {sorted(adv.peers)}): {err}\n"
                                  f"sent {adv.sent}, refused {adv.refused}\n{detail}") from None
-    print(f"schedules with an honest replica struck for being slowed (rule 5's gap): {struck} of {len(seeds)}; "
-          f"the slowest took {slowest:.1f} simulated s for {STEPS} steps")
+    print(f"{len(seeds)} schedules; the slowest took {slowest:.1f} simulated s for {STEPS} steps")

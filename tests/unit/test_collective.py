@@ -350,6 +350,11 @@ def test_one_peers_unsigned_word_that_this_replica_is_dead_never_fails_its_round
     for _ in range(3):
         out = r.receive("b", "scatter", 0, torch.ones(2), suspects=["a"], now=0.1)
         assert not [x for x in out if isinstance(x, Failed)] and r.finished is None, out
+        # Nor does it probe itself (the abuse bench saw honest replicas dial their own peer id on such claims).
+        assert not [x for x in out if isinstance(x, Probe) and x.peer == "a"], out
+    # A claim naming it and another peer makes it look at the other one only.
+    probes = [x.peer for x in r.receive("b", "probe", 0, None, suspects=["a", "c"], now=0.15) if isinstance(x, Probe)]
+    assert probes == ["c"] and r.finished is None
     # More than max_liars (1) distinct peers saying so is not one liar's word: then it resyncs.
     (failed,) = [x for x in r.receive("c", "probe", 0, None, suspects=["a"], now=0.2) if isinstance(x, Failed)]
     assert failed.missing == ["b", "c"] and "2 peers (b, c) hold this replica out" in failed.reason

@@ -250,3 +250,71 @@ def test_when_a_stages_only_participant_goes_silent_its_left_out_replica_may_red
     assert core.verdicts.flags_of(s0) == ["commit_hold:1"] and not core.verdicts.flags_of(left_out)
     granted = core.handle(left_out, cm.Redo(step=step, revision=1, indices=list(range(B)), reason="fetch failed"), now)
     assert granted.reopened and granted.indices == list(range(B))
+
+
+def test_a_step_a_liar_keeps_reopening_restarts_the_holds_and_strikes_nobody_it_delays() -> None:
+    """Costs go to their cause (issue 27, rule 5): a participant that keeps reopening the closed step with redos
+    makes its stage-mates average it anew each time; the time that costs them is the reopener's. Before, a
+    hold's clock ran across revisions, and two honest replicas of a stage were struck for a commit a liar
+    kept reopening (adversary simulator, redo_storm, seed 9)."""
+    core = make_core()
+    stages = _members(core, "abcde")
+    three = next(s for s, peers in stages.items() if len(peers) == 3)
+    other = 1 - three
+    liar = stages[three][0]
+    _beat(core, 0.1)
+    B = core.run.microbatches_per_step
+    step = core.ledger.step
+
+    def close(now: float) -> None:  # every replica of the stage of three is a participant
+        while core.ledger.step == step:
+            for k, holder in enumerate(stages[0]):
+                for i in core.handle(holder, cm.Lease(max_tickets=1), now).indices:
+                    route = [holder, stages[1][k % len(stages[1])] if three == 0 else stages[1][i % 3]]
+                    core.handle(holder, cm.Complete(ack=TEST_ACK, nonce=core.nonce(step, i), step=step, index=i, route=route, loss=1.0), now)
+
+    close(0.2)
+    revision = 1
+    now = 0.2
+    for _ in range(3):  # the honest replicas average each closing for most of a grace; the liar reopens before they report
+        for p in stages[other]:
+            core.handle(p, cm.Averaged(step=step, revision=revision), now)
+        now = _wait(core, now + 0.8 * GRACE, now)
+        assert core.handle(liar, cm.Redo(step=step, indices=[0], reason="round failed", revision=revision), now).reopened
+        close(now)
+        revision += 1
+    assert now > 2 * GRACE, "the step was held past two graces in all"
+    honest = [p for peers in stages.values() for p in peers if p != liar]
+    assert not any(core.verdicts.flags_of(p) for p in honest), {p: core.verdicts.flags_of(p) for p in honest}
+    # A real holdout is still struck, one grace after the last closing.
+    hung = stages[three][2]
+    for p in [p for peers in stages.values() for p in peers if p != hung]:
+        core.handle(p, cm.Averaged(step=step, revision=revision), now)
+    now = _wait(core, now + GRACE + 0.5, now)
+    assert core.verdicts.flags_of(hung) == ["commit_hold:1"]
+    assert core.ledger.committed(step)
+
+
+def test_a_participant_that_departs_while_the_step_waits_restarts_its_stage_mates_holds() -> None:
+    """Costs go to their cause: a participant that leaves (here: leaves and rejoins at once, a new membership)
+    while its stage averages leaves the others' round waiting until they hold it out; that wait is its own, so
+    their holds restart (adversary simulator, random strategy, seed 1269: two honest stage-1 replicas struck)."""
+    core = make_core()
+    stages = _members(core, "abcde")
+    three = next(s for s, peers in stages.items() if len(peers) == 3)
+    other = 1 - three
+    leaver, a, b = stages[three]
+    _beat(core, 0.1)
+    B = core.run.microbatches_per_step
+    step = core.ledger.step
+    while core.ledger.step == step:  # every replica of the stage of three is a participant
+        for k, holder in enumerate(stages[0]):
+            for i in core.handle(holder, cm.Lease(max_tickets=1), 0.2).indices:
+                route = [holder, stages[1][k % len(stages[1])] if three == 0 else stages[1][i % 3]]
+                core.handle(holder, cm.Complete(ack=TEST_ACK, nonce=core.nonce(step, i), step=step, index=i, route=route, loss=1.0), 0.2)
+    _report(core, step, stages[other], 0.3)
+    now = _wait(core, 0.3 + 0.8 * GRACE, 0.3)
+    core.handle(leaver, cm.Leave(reason="gone mid-round"), now)
+    join(core, leaver, now)  # at once again: still a departure
+    now = _wait(core, now + 0.8 * GRACE, now)
+    assert now > 0.3 + GRACE and not core.verdicts.flags_of(a) and not core.verdicts.flags_of(b), "their wait was the leaver's"

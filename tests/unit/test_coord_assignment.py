@@ -17,6 +17,7 @@ from protolearn.coordinator.core.assignment import (
     shares_from_layers,
     stage_loads,
 )
+from protolearn.protocol import coordination as cm
 
 
 def test_joiner_goes_to_the_stage_with_least_throughput_per_share() -> None:
@@ -114,3 +115,82 @@ def test_with_no_claims_there_is_no_reference_and_a_claim_counts_as_made() -> No
     c = ThroughputClaims()
     c.add(0.0)  # not measured yet: not a claim
     assert c.count == 0 and c.lower_median() is None and c.bound(1e15, 4.0) == 1e15
+
+
+def test_a_joiner_cannot_choose_among_near_least_loaded_stages_the_coordinator_draws() -> None:
+    """Issue 27, rule 6: among stages within PLACEMENT_SLACK of the least loaded (once it has
+    PLACEMENT_DRAW_MIN_REPLICAS replicas) the coordinator's keyed draw picks; a stage past the slack is never
+    drawn, and small stages fill in order."""
+    from protolearn.coordinator.core.assignment import PLACEMENT_DRAW_MIN_REPLICAS, PLACEMENT_SLACK
+
+    shares = [1.0, 1.0, 1.0]
+    n = PLACEMENT_DRAW_MIN_REPLICAS
+    balanced = [StageLoad(100.0 * n, n), StageLoad(100.0 * n, n), StageLoad(100.0 * n * (1 + PLACEMENT_SLACK) * 1.01, n + 1)]
+    seen = {choose_stage(balanced, shares, pick=lambda c, k=k: k).stage for k in range(12)}
+    assert seen == {0, 1}, "the draw spans the near-least stages, never one past the slack"
+    assert "drawn among the 2 stages" in choose_stage(balanced, shares, pick=lambda c: 1).reason
+    small = [StageLoad(100.0, 1), StageLoad(100.0, 1), StageLoad(100.0, 1)]
+    assert {choose_stage(small, shares, pick=lambda c, k=k: k).stage for k in range(6)} == {0}, "small stages fill in order"
+    empty = [StageLoad(400.0, 4), StageLoad(0.0, 0), StageLoad(400.0, 4)]
+    assert choose_stage(empty, shares, pick=lambda c: 0).stage == 1, "an empty stage always comes first"
+
+
+def test_identities_that_leave_whenever_placed_off_target_land_in_it_at_the_draws_rate_and_cannot_crowd_it() -> None:
+    """Stage steering with the real coordinator core: a Sybil pool joins, keeps an identity only when the
+    coordinator placed it in the target stage, and leaves otherwise. The draw makes it pay about one join per
+    candidate stage for each landing, and the balancer's slack bounds how far the target can outgrow the rest."""
+    from protolearn.coordinator.core.assignment import PLACEMENT_SLACK
+    from tests.support.coordinator import join, make_core, run_info
+
+    core = make_core(run_info(3))
+    for k in range(12):  # four honest replicas per stage
+        join(core, f"honest{k}")
+    target, kept, tries = 2, [], 0
+    for k in range(60):
+        tries += 1
+        if join(core, f"sybil{k}", 1.0).stage == target:
+            kept.append(k)
+        else:
+            core.handle(f"sybil{k}", cm.Leave(reason="not the stage I wanted"), 1.0)
+    loads = [load.replicas for load in core.registry.loads()]
+    assert loads[target] <= (1 + PLACEMENT_SLACK) * min(loads) + 1, loads
+    assert 0 < len(kept) < tries, f"{len(kept)} of {tries} joins landed in the target: the joiner cannot choose"
+
+
+def test_identities_that_claim_almost_no_throughput_cannot_crowd_a_stage_by_leaving_either() -> None:
+    """The abuse bench's stage_steering (issue 27, rule 6): the slack was in throughput only, and identities that
+    claim almost none never move a stage's throughput, so the target stayed a candidate of every draw and the
+    pool kept 7 of its 9 replicas after 12 joins (and 36 of 38 after 60). The draw's candidates are near the
+    least loaded in replicas per share too, so the bound on replicas holds whatever the claims."""
+    from protolearn.coordinator.core.assignment import PLACEMENT_SLACK
+    from tests.support.coordinator import join, make_core, run_info
+
+    core = make_core(run_info(3))
+    for k in range(12):  # four honest replicas per stage
+        join(core, f"honest{k}")
+    target, kept = 2, []
+    for k in range(60):
+        # The pool keeps one identity off target per stage, so that every stage has the draw's replicas.
+        if join(core, f"sybil{k}", 1.0, throughput=1e-3).stage == target or k < 2:
+            kept.append(k)
+        else:
+            core.handle(f"sybil{k}", cm.Leave(reason="not the stage I wanted"), 1.0)
+        loads = [load.replicas for load in core.registry.loads()]
+        assert loads[target] <= (1 + PLACEMENT_SLACK) * min(loads) + 1, (k, loads)
+
+
+def test_a_stage_least_in_throughput_but_crowded_in_replicas_takes_no_joiner() -> None:
+    """The abuse bench's stage_steering with low claims (issue 27, rule 6): identities claiming almost no throughput
+    in the target kept it the least loaded in throughput, and the least loaded stage was a candidate whatever its
+    replicas, so the target got every join and held 5 replicas to the other stage's 4. A stage past the slack in
+    replicas per share is never a candidate while another stage has fewer; small stages still fill by throughput."""
+    from protolearn.coordinator.core.assignment import PLACEMENT_SLACK
+
+    shares = [1.0, 1.0]
+    crowded = [StageLoad(400.0, 4), StageLoad(300.0 + 1e-3, 4 + int(4 * PLACEMENT_SLACK) + 1)]
+    assert {choose_stage(crowded, shares, pick=lambda c, k=k: k).stage for k in range(6)} == {0}
+    assert choose_stage(crowded, shares).stage == 0
+    within = [StageLoad(400.0, 4), StageLoad(300.0, 5)]  # 5 <= 1.25 * 4: throughput decides
+    assert choose_stage(within, shares).stage == 1
+    small = [StageLoad(200.0, 2), StageLoad(100.0, 1 + 2)]  # below the draw's replicas: throughput decides
+    assert choose_stage(small, shares).stage == 1

@@ -110,7 +110,7 @@ def test_a_follower_fetches_and_one_left_out_resyncs() -> None:
     c = oc()
     c.start(0.0)
     (fetch,) = c.handle(orc.Decided("follower", "go", {"a": 1.0, "b": 2.0}, ("me",)), 1.0)
-    assert fetch == orc.FetchOuter(round_id(2 * H - 1, 1), ["a", "b"])
+    assert fetch == orc.FetchOuter(round_id(2 * H - 1, 1), {"a": 1.0, "b": 2.0})
     assert c.handle(orc.Fetched(True), 2.0) == [orc.ApplyOuter()]
     c2 = oc()
     c2.start(0.0)
@@ -126,9 +126,10 @@ def test_a_failed_collective_takes_a_participant_that_finished_else_retries_unti
     c = oc()
     c.start(0.0)
     c.handle(orc.Decided("participant", "go", {"me": 1.0, "b": 1.0, "c": 1.0}), 1.0)
-    # Others may have finished without this replica (it started late): their result, not a new average.
+    # Others may have finished with this replica's part in (its own round failed after): their proven result,
+    # not a new average; the proof is over every participant's weight, this replica's too.
     (fetch,) = c.handle(orc.AverageFailed("left out"), 2.0)
-    assert fetch == orc.FetchOuter(round_id(2 * H - 1, 1), ["b", "c"], orc.FETCH_AFTER_FAILURE_S)
+    assert fetch == orc.FetchOuter(round_id(2 * H - 1, 1), {"me": 1.0, "b": 1.0, "c": 1.0}, orc.FETCH_AFTER_FAILURE_S)
     assert c.handle(orc.Fetched(True), 2.5) == [orc.ApplyOuter()]
     # Nobody finished: the next attempt.
     c2 = oc()
@@ -142,6 +143,21 @@ def test_a_failed_collective_takes_a_participant_that_finished_else_retries_unti
     c2.handle(orc.AverageFailed("vetoed"), 5.0)
     (fin,) = c2.handle(orc.Fetched(False, "refused"), 6.0)
     assert fin.resync
+
+
+def test_a_round_that_kept_only_a_minority_of_its_participants_is_not_applied_but_attempted_again() -> None:
+    # The others were left out here while they still worked (late, not dead): they cannot take this replica's
+    # result (a strict majority of fins proves a fetched one), so applying it would split the stage.
+    c = oc()
+    c.start(0.0)
+    c.handle(orc.Decided("participant", "go", {"me": 1.0, "b": 1.0, "c": 1.0}), 1.0)
+    actions = c.handle(orc.Averaged(("me",)), 2.0)
+    assert orc.ApplyOuter() not in actions and actions[-1] == orc.AskReady(2, 2)
+    # Two of three is a majority: applied (the third resyncs to it).
+    c2 = oc()
+    c2.start(0.0)
+    c2.handle(orc.Decided("participant", "go", {"me": 1.0, "b": 1.0, "c": 1.0}), 1.0)
+    assert c2.handle(orc.Averaged(("b", "me")), 2.0)[-1] == orc.ApplyOuter()
 
 
 def test_a_silent_coordinator_is_asked_again_then_the_replica_resyncs() -> None:

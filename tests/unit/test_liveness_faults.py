@@ -161,17 +161,17 @@ def _policy(**kw: object) -> VerdictPolicy:
 
 def test_one_reporter_only_flags_a_later_stage_peer() -> None:
     v = _policy()
-    d = v.liveness_report("a", "x", "liveness: 3 lost", target_stage=1, upstream=["a", "b"], now=1.0)
+    d = v.liveness_report("a", "x", "liveness: 3 lost", target_stage=1, upstream=["a", "b"], now=1.0, lost=3)
     assert not d.ban and "1 of the 2" in d.reason
     assert v.flags_of("x") == ["lost_microbatches:1"]
-    d = v.liveness_report("a", "x", "liveness: 3 lost", target_stage=1, upstream=["a", "b"], now=2.0)
+    d = v.liveness_report("a", "x", "liveness: 3 lost", target_stage=1, upstream=["a", "b"], now=2.0, lost=3)
     assert not d.ban  # the same reporter twice is still one
 
 
 def test_two_upstream_reporters_that_are_a_majority_ban() -> None:
     v = _policy()
-    v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b", "c"], now=1.0)
-    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b", "c"], now=2.0)
+    v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b", "c"], now=1.0, lost=3)
+    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b", "c"], now=2.0, lost=3)
     assert d.ban and v.bans["x"].reason.startswith("liveness: 2 of 3 live stage-0 replicas")
 
 
@@ -179,9 +179,9 @@ def test_reporters_outside_the_upstream_stage_or_a_minority_do_not_ban() -> None
     v = _policy()
     up = ["a", "b", "c", "d"]
     for r in ("a", "b", "sybil1", "sybil2"):  # sybils are not live replicas of the stage before
-        d = v.liveness_report(r, "x", "liveness: lost", target_stage=1, upstream=up, now=1.0)
+        d = v.liveness_report(r, "x", "liveness: lost", target_stage=1, upstream=up, now=1.0, lost=3)
     assert not d.ban and "2 of the 4" in d.reason  # 2 of 4 is no strict majority
-    d = v.liveness_report("c", "x", "liveness: lost", target_stage=1, upstream=up, now=2.0)
+    d = v.liveness_report("c", "x", "liveness: lost", target_stage=1, upstream=up, now=2.0, lost=3)
     assert d.ban
 
 
@@ -189,47 +189,47 @@ def test_reports_against_a_peer_the_coordinator_has_not_heard_from_either_only_f
     """A frozen peer (a suspended laptop) is silent to everyone: its membership expires; only a peer that
     keeps heartbeating while it drops work (a blackhole) is banned on its upstream's reports."""
     v = _policy(heartbeat_interval_s=1.0)
-    v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0, heard_s_ago=2.5)
-    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=2.0, heard_s_ago=3.5)
+    v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0, heard_s_ago=2.5, lost=3)
+    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=2.0, heard_s_ago=3.5, lost=3)
     assert not d.ban and "has not heartbeated for 3.5 s" in d.reason
     # Heard again: the reports made while it was silent do not count, fresh ones do.
-    d = v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=3.0, heard_s_ago=0.4)
+    d = v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=3.0, heard_s_ago=0.4, lost=3)
     assert not d.ban and "1 of the 2" in d.reason
-    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=4.0, heard_s_ago=0.4)
+    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=4.0, heard_s_ago=0.4, lost=3)
     assert d.ban  # still its microbatches never come back
 
 
 def test_reports_expire_after_the_window() -> None:
     v = _policy(report_window_s=10.0)
-    v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=0.0)
-    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=20.0)
+    v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=0.0, lost=3)
+    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=20.0, lost=3)
     assert not d.ban
 
 
 def test_a_peer_that_itself_lost_microbatches_downstream_is_only_flagged() -> None:
     """In a 3-stage run a stage-2 blackhole starves stage 1 too; stage 0 then blames the stage-1 victim."""
     v = _policy()
-    v.liveness_report("x", "z", "liveness: lost", target_stage=2, upstream=["x"], now=0.5)  # x blames z
-    v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0)
-    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0)
+    v.liveness_report("x", "z", "liveness: lost", target_stage=2, upstream=["x"], now=0.5, lost=3)  # x blames z
+    v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0, lost=3)
+    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0, lost=3)
     assert not d.ban and "victim" in d.reason
 
 
 def test_the_only_serving_replica_of_a_stage_is_flagged_not_banned() -> None:
     v = _policy()
     for r in ("a", "b"):
-        d = v.liveness_report(r, "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0, replicas=1)
+        d = v.liveness_report(r, "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0, replicas=1, lost=3)
     assert not d.ban and "only serving replica" in d.reason
 
 
 def test_stage0_targets_and_a_disabled_policy_never_ban() -> None:
     v = _policy()
     for r in ("a", "b", "c"):
-        d = v.liveness_report(r, "x", "liveness: lost", target_stage=0, upstream=[], now=1.0)
+        d = v.liveness_report(r, "x", "liveness: lost", target_stage=0, upstream=[], now=1.0, lost=3)
     assert not d.ban
     v = _policy(expel_on_liveness_reports=False)
     for r in ("a", "b"):
-        d = v.liveness_report(r, "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0)
+        d = v.liveness_report(r, "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0, lost=3)
     assert not d.ban and v.flags_of("x") == ["lost_microbatches:2"]
 
 
@@ -238,15 +238,15 @@ def test_reports_never_ban_a_peer_whose_tickets_complete_after_they_began() -> N
     to 2 s timeouts under it, and both stage-0 replicas' reports banned it. The coordinator saw its tickets
     complete (their routes signed by the last stage): reports never ban alone."""
     v = _policy()
-    v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0)
+    v.liveness_report("a", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0, lost=3)
     v.completed(["a", "x"], 1.5)  # a ticket through x completed after the first report
-    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=2.0)
+    d = v.liveness_report("b", "x", "liveness: lost", target_stage=1, upstream=["a", "b"], now=2.0, lost=3)
     assert not d.ban and "carried a ticket to completion" in d.reason
     assert v.flags_of("x") == ["lost_microbatches:2"]
     # A peer that carried work only before the reports began is a blackhole now: the reports stand.
     v.completed(["a", "w"], 0.5)
-    v.liveness_report("a", "w", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0)
-    assert v.liveness_report("b", "w", "liveness: lost", target_stage=1, upstream=["a", "b"], now=2.0).ban
+    v.liveness_report("a", "w", "liveness: lost", target_stage=1, upstream=["a", "b"], now=1.0, lost=3)
+    assert v.liveness_report("b", "w", "liveness: lost", target_stage=1, upstream=["a", "b"], now=2.0, lost=3).ban
 
 
 def test_the_core_routes_liveness_reports_to_the_stage_majority_rule() -> None:
@@ -254,11 +254,11 @@ def test_the_core_routes_liveness_reports_to_the_stage_majority_rule() -> None:
     swarm = Swarm(core, per_stage=2)
     a, b = swarm.stages[0]
     x, y = swarm.stages[1]
-    r = core.handle(a, cm.Report(target=x, reason="liveness: 4 microbatches got no gradient back"), 1.0)
+    r = core.handle(a, cm.Report(target=x, reason="liveness: 4 microbatches got no gradient back", lost=4), 1.0)
     assert isinstance(r, cm.ReportReply) and not r.banned
-    r = core.handle(y, cm.Report(target=x, reason="liveness: 4 microbatches got no gradient back"), 1.0)
+    r = core.handle(y, cm.Report(target=x, reason="liveness: 4 microbatches got no gradient back", lost=4), 1.0)
     assert not r.banned  # y is x's fellow replica, not upstream
-    r = core.handle(b, cm.Report(target=x, reason="liveness: 4 microbatches got no gradient back"), 1.0)
+    r = core.handle(b, cm.Report(target=x, reason="liveness: 4 microbatches got no gradient back", lost=4), 1.0)
     assert r.banned and core.verdicts.is_banned(x) and not core.registry.is_live(x)
     # A plain report (any other reason) still never bans.
     for p in (a, b):
@@ -311,12 +311,14 @@ def test_stage0_restarts_overdue_tickets_elsewhere_and_reports_a_peer_that_keeps
     import trio
     from protolearn.node.core import leasing as lc
     from protolearn.node.core.accounting import Accounting
-    from protolearn.node.driver import REPORT_AFTER_LOST, TicketDriver
+    from protolearn.protocol.lost_reports import REPORT_AFTER_LOST
+    from protolearn.node.driver import TicketDriver
 
     reports: list[tuple[str, str]] = []
 
     class Link:
-        async def report(self, target: str, reason: str) -> cm.ReportReply:
+        async def report(self, target: str, reason: str, *, lost: int = 0) -> cm.ReportReply:
+            assert reason.startswith(f"liveness: {lost} microbatches")
             reports.append((target, reason))
             return cm.ReportReply(banned=False, reason="flagged")
 
@@ -370,7 +372,7 @@ def test_a_holder_whose_tickets_a_silent_downstream_peer_sat_on_is_not_struck_bu
 
         def blame(t: float) -> None:
             if t == TICK:  # before anything completed
-                core.handle(victim, cm.Report(target=target, reason="liveness: 3 microbatches it acknowledged got no gradient back"), t)
+                core.handle(victim, cm.Report(target=target, reason="liveness: 3 microbatches it acknowledged got no gradient back", lost=3), t)
 
         run(core, swarm, {victim: Part(delay=None), other: Part()}, until=2.5 * LATE_S, hook=blame)
         assert core.verdicts.flags_of(target) == ["lost_microbatches:1"]
@@ -378,3 +380,117 @@ def test_a_holder_whose_tickets_a_silent_downstream_peer_sat_on_is_not_struck_bu
 
     assert late_strikes(blamed=0) == []
     assert late_strikes(blamed=1) != []
+
+
+def test_a_report_of_fewer_than_three_losses_is_a_notice_that_neither_flags_nor_counts_toward_a_ban() -> None:
+    """A stage-0 replica tells the coordinator of its first lost microbatch (so that its own late leases are
+    charged to the peer that sat on them), but only reports of three in a row flag the target and count."""
+    v = _policy()
+    for r in ("a", "b"):
+        d = v.liveness_report(r, "x", "liveness: 1 microbatches", target_stage=1, upstream=["a", "b", "c"], now=1.0, lost=1)
+        assert not d.ban and d.reason.startswith("noted")
+    assert v.flags_of("x") == [] and "x" not in v.liveness and set(v.notices["x"]) == {"a", "b"}
+    v.liveness_report("a", "x", "liveness: 3 microbatches", target_stage=1, upstream=["a", "b", "c"], now=2.0, lost=3)
+    d = v.liveness_report("b", "x", "liveness: 3 microbatches", target_stage=1, upstream=["a", "b", "c"], now=2.0, lost=3)
+    assert d.ban
+
+
+def test_the_first_lost_microbatch_is_reported_and_reaching_three_is_reported_at_once() -> None:
+    from protolearn.protocol.lost_reports import REPORT_AFTER_LOST, REPORT_INTERVAL_S, should_report
+
+    assert not should_report(0, None, 0.0)
+    assert should_report(1, None, 0.0)
+    assert not should_report(2, (0.0, 1), 1.0), "within the interval a second loss is not reported again"
+    assert should_report(REPORT_AFTER_LOST, (0.0, 2), 1.0), "reaching the count that bans is reported at once"
+    assert not should_report(REPORT_AFTER_LOST + 1, (1.0, REPORT_AFTER_LOST), 2.0)
+    assert should_report(REPORT_AFTER_LOST + 1, (1.0, REPORT_AFTER_LOST), 1.0 + REPORT_INTERVAL_S)
+
+
+def test_a_holder_that_noticed_its_first_lost_microbatch_is_not_struck_for_late_leases() -> None:
+    """Costs go to their cause (issue 27, rule 5): a stage-0 replica whose tickets a downstream withholder sat
+    on had lost two microbatches when its lease turned late; it told the coordinator at the first one, so
+    it is not struck (adversary simulator, withhold, seed 38: struck before its report of three)."""
+    core = make_core(RUN, SETTINGS)
+    swarm = Swarm(core, per_stage=2)
+    victim, other = swarm.stages[0]
+    silent, carrier = swarm.stages[1]
+    swarm.stages[1] = [carrier]
+
+    def notice(t: float) -> None:
+        if t == TICK:
+            core.handle(victim, cm.Report(target=silent, reason="liveness: 1 microbatches it acknowledged got no gradient back", lost=1), t)
+
+    run(core, swarm, {victim: Part(delay=None), other: Part()}, until=2.5 * LATE_S, hook=notice)
+    assert core.verdicts.flags_of(silent) == [], "a notice flags nobody"
+    assert [f for f in core.verdicts.flags_of(victim) if f.startswith("late_leases")] == []
+
+
+def test_a_peer_that_leaves_holding_handed_microbatches_gets_a_notice_and_its_losses_are_forgotten() -> None:
+    """A next-stage peer that leaves and rejoins would launder its losses (the router forgets a departed peer);
+    so its departure with handed microbatches is a notice (``lost`` 0), which names it as the cause of the
+    holder's late leases and never flags or bans it."""
+    from types import SimpleNamespace
+
+    import trio
+    from protolearn.node.core import leasing as lc
+    from protolearn.node.core.accounting import Accounting
+    from protolearn.node.driver import TicketDriver
+
+    reports: list[tuple[str, int]] = []
+
+    class Link:
+        async def report(self, target: str, reason: str, *, lost: int = 0) -> cm.ReportReply:
+            reports.append((target, lost))
+            return cm.ReportReply(banned=False, reason="noted")
+
+    class Progress:
+        def event(self, *a: object, **kw: object) -> None: ...
+
+    routes = RouteCore()
+
+    async def start(step: int, ticket: int, nonce: bytes) -> bool:
+        return True
+
+    d = TicketDriver(SimpleNamespace(max_in_flight=8, lease_block=4, request_timeout_s=30.0),  # type: ignore[arg-type]
+                     SimpleNamespace(stages=SimpleNamespace(num_stages=2)), Link(), Progress(),  # type: ignore[arg-type]
+                     accounting=Accounting(4, 8, 2), routes=routes, start=start, clock=lambda: 1.0)
+    d.core.begin(5, [], 0.0)
+    d.core.handle(lc.Leased(5, [0, 1]), 0.0)
+    for t in (0, 1):
+        routes.tickets.handed((5, t), "gone", 0.0)
+        d.core.handle(lc.Handed(5, t), 0.0)
+    routes.balancer.on_lost("gone", 0.5)
+    assert routes.lost("gone") == 1
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            d._nursery = nursery
+            d.peer_down("gone", departed=True)
+            d.peer_down("gone", departed=True)  # a second view change within the interval: one notice
+        d._nursery = None
+
+    trio.run(main)
+    assert reports == [("gone", 0)]
+    assert routes.lost("gone") == 0, "its losses before it left are forgotten"
+    assert routes.overdue(100.0, 1.0) == [], "nothing is awaited from it any more"
+
+
+def test_a_reported_peer_is_a_suspect_with_a_lower_share_until_it_carries_a_ticket() -> None:
+    """Liveness reports lower the accused's routing share (issue 27, rule 5), never to nothing, and a
+    completion through it (the coordinator's own record) clears it."""
+    from protolearn.node.core.balancer import SUSPECT_FACTOR, Balancer
+
+    v = _policy()
+    v.liveness_report("a", "x", "liveness: 3 lost", target_stage=1, upstream=["a", "b", "c"], now=1.0, lost=3)
+    v.liveness_report("a", "y", "liveness: 1 lost", target_stage=1, upstream=["a", "b", "c"], now=1.0, lost=1)
+    assert v.suspects(lambda p: True, 2.0) == ["x"], "a notice makes no suspect"
+    assert v.suspects(lambda p: p != "x", 2.0) == []
+    v.completed(["s0", "x"], 3.0)
+    assert v.suspects(lambda p: True, 4.0) == []
+    b = Balancer()
+    b.on_done("x", 0.1)
+    b.on_done("z", 0.1)
+    b.suspects = frozenset({"x"})
+    assert b.expected_finish_s("x", 0.0) == SUSPECT_FACTOR * b.expected_finish_s("z", 0.0)
+    assert b.choose(["x", "z"], 0.0).peer == "z"
+    assert b.choose(["x", "z"], 0.0, {"z": 3}).peer == "x", "a suspect still gets work when the others are busier"

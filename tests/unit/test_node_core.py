@@ -93,19 +93,38 @@ def test_an_unanswered_reopen_question_is_asked_again_then_resyncs() -> None:
     core = make()
     core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
     core.handle(ev.RoundFailed(0, 1, "two replicas died"), 1.0)
+    core.handle(ev.Fetched(0, 1, ok=False, reason="the round failed at every other participant"), 1.05)
     core.handle(ev.RedoAnswer(0, 1, granted=False), 1.1)
     (ask,) = only(core.handle(ev.ReopenAnswer(0, 1, reopened=None, reason="timeout"), 1.2), ev.AskReopened)
     assert ask.delay_s == nc.ASK_AGAIN_S
     assert only(core.handle(ev.ReopenAnswer(0, 1, reopened=None, reason="timeout"), 10.5), ev.Resync)
 
 
-def test_a_failed_round_redoes_the_whole_step_or_resyncs_if_refused() -> None:
+def test_a_failed_round_redoes_the_whole_step_naming_its_causes_or_resyncs_if_refused() -> None:
     core = make()
     core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[0, 1]), 0.0)
-    actions = core.handle(ev.RoundFailed(0, 1, "two replicas died"), 1.0)
-    assert emitted(actions) == ["averaging_failed"] and only(actions, ev.Redo)[0].tickets == [0, 1, 2, 3]
-    core.handle(ev.RedoAnswer(0, 1, granted=False), 1.1)
-    assert only(core.handle(ev.ReopenAnswer(0, 1, reopened=False), 1.2), ev.Resync)
+    actions = core.handle(ev.RoundFailed(0, 1, "mate signed a fin without me", ("mate",)), 1.0)
+    assert emitted(actions) == ["averaging_failed"]
+    (fetch,) = only(actions, ev.Fetch)  # first: did the others finish the round?
+    assert fetch.weights == {"me": 2.0, "mate": 2.0}
+    (redo,) = only(core.handle(ev.Fetched(0, 1, ok=False, reason="the round failed at every other participant"), 1.1), ev.Redo)
+    assert redo.tickets == [0, 1, 2, 3] and redo.kind == "round_failed" and redo.causes == ("mate",)
+    core.handle(ev.RedoAnswer(0, 1, granted=False), 1.2)
+    assert only(core.handle(ev.ReopenAnswer(0, 1, reopened=False), 1.3), ev.Resync)
+
+
+def test_a_replica_whose_round_failed_takes_the_others_proven_result_and_redoes_nothing() -> None:
+    """A liar that fails only this replica's round (a fin without it) while the others finish gains nothing:
+    this replica takes their full average (proven by a majority of fins, result_proof.py) and reports it."""
+    core = make()
+    core.handle(ev.Closed(0, 1, ACCOUNT, 2.5, held=[0, 1]), 0.0)
+    core.handle(ev.RoundFailed(0, 1, "mate signed a fin without me", ("mate",)), 1.0)
+    actions = core.handle(ev.Fetched(0, 1, ok=True), 1.1)
+    assert emitted(actions) == ["result_taken"] and not [a for a in actions if isinstance(a, ev.Redo)]
+    (wait,) = [a for a in actions if isinstance(a, ev.WaitCommit)]
+    assert wait.report
+    (apply,) = only(core.handle(ev.CommitAnswer(0, 1, True), 1.2), ev.Apply)
+    assert apply.counted == [0, 1, 2, 3], "the others' full average has every ticket in"
 
 
 def test_lost_gradients_resync_when_a_replica_applied_else_are_redone() -> None:
@@ -121,7 +140,7 @@ def test_lost_gradients_resync_when_a_replica_applied_else_are_redone() -> None:
 def test_a_left_out_replica_fetches_reports_and_applies() -> None:
     core = make(me="idle")
     (fetch,) = only(core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[]), 0.0), ev.Fetch)
-    assert fetch.participants == ["mate", "me"] and fetch.round == nc.round_id(0, 1)
+    assert sorted(fetch.weights) == ["mate", "me"] and fetch.round == nc.round_id(0, 1)
     (wait,) = only(core.handle(ev.Fetched(0, 1, ok=True), 0.5), ev.WaitCommit)
     assert wait.report, "a replica that holds the result says so: the commit waits for it"
     assert only(core.handle(ev.CommitAnswer(0, 1, True), 0.6), ev.Apply)[0].counted is None

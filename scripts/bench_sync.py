@@ -1,0 +1,207 @@
+"""Bench suite ``sync``: replica sync modes on home links, at equal tokens (issue 24).
+
+``python scripts/bench.py sync --json [--modes none,int8,topk,powersgd] [--seeds 0,1] [--steps 300] [--warmup 5] [--quick]``
+
+For each sync mode (:data:`MODES`: run-config overrides, so a mode is one entry) and seed, the same local
+swarm (4 nodes over 2 stages, so both stages have two replicas that average; one torch thread each; the
+demo run at ``--steps`` steps, its learning-rate schedule fitted to them) trains with every node on
+``50mbit,40ms`` links (the coordinator unshaped); per-step ``none`` also runs on loopback. Runs go one
+after another, seed by seed, so a drift in the machine's load spreads over the modes. Per mode (means
+over the seeds):
+
+* ``replica_bytes_per_token``: the bytes a replica wrote on its collective streams (parts, fins,
+  probes and their headers, counted by the averaging adapter and logged per step as ``sync_bytes``),
+  summed over the run, divided by the tokens the swarm trained, averaged over the replicas;
+* ``tokens_per_s``: from the coordinator's step closes after ``--warmup`` steps;
+* ``final_val_loss``: the run's final model (every stage's last checkpoint, exported and evaluated on
+  the run's fixed validation batches, as ``protolearn export`` and ``protolearn evaluate`` do).
+
+Then ``best``: the mode with the fewest bytes per token whose final validation loss is within
+:data:`MAX_LOSS_REL_DIFF` of per-step ``none``'s (if none is, the one with the smallest loss gap);
+``bytes_reduction`` = ``none``'s bytes per token / the best mode's; that mode's ``loss_rel_diff`` =
+(its loss - ``none``'s) / ``none``'s; and ``internet_efficiency`` = its tokens/s on the links / per-step
+``none``'s tokens/s on loopback. ``curves`` keeps each mode's loss against the bytes a replica had sent,
+which the report plots (``python scripts/bench.py report --only sync``, :mod:`report_links`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+LINK = "50mbit,40ms"
+# Each mode: the run-config overrides that select it. A DiLoCo mode is one more entry here.
+MODES: dict[str, dict[str, Any]] = {
+    "none": {"sync.mode": "step", "sync.compression": "none"},
+    "int8": {"sync.mode": "step", "sync.compression": "int8"},
+    "topk": {"sync.mode": "step", "sync.compression": "topk:0.01"},
+    "powersgd": {"sync.mode": "step", "sync.compression": "powersgd:4"},
+}
+BASELINE = "none"
+MAX_LOSS_REL_DIFF = 0.02
+CLI = [sys.executable, "-m", "protolearn.cli.main"]
+
+
+def _internet() -> Any:
+    spec = importlib.util.spec_from_file_location("protolearn_bench_internet_for_sync", Path(__file__).with_name("bench_internet.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def sync_bytes(workdir: Path, tokens_per_step: int) -> tuple[float, list[float]]:
+    """Replica sync bytes per token (mean over the replicas), and the mean bytes per replica after each step."""
+    per_node: list[float] = []
+    per_step: dict[int, list[int]] = {}
+    for log in sorted(workdir.glob("node*/node.jsonl")):
+        steps = [e for e in map(json.loads, (ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("{")))
+                 if e.get("event") == "step"]
+        if not steps:
+            continue
+        sent = [int(e.get("sync_bytes") or 0) for e in steps]
+        per_node.append(sum(sent) / (len(steps) * tokens_per_step))
+        for e, b in zip(steps, sent):
+            per_step.setdefault(int(e["step"]), []).append(b)
+    if not per_node:
+        raise SystemExit(f"error: no node of {workdir} logged a step")
+    cumulative, total = [], 0.0
+    for t in sorted(per_step):
+        total += statistics.mean(per_step[t])
+        cumulative.append(total)
+    return statistics.mean(per_node), cumulative
+
+
+def final_val_loss(workdir: Path) -> tuple[int, float]:
+    """(step, validation loss) of the run's final model: the newest checkpoint of each stage, exported and evaluated."""
+    newest: dict[int, tuple[int, Path]] = {}
+    for path in workdir.glob("node*/**/stage-*-step-*.safetensors"):
+        _, stage, _, step = path.stem.split("-")
+        if int(step) > newest.get(int(stage), (-1, path))[0]:
+            newest[int(stage)] = (int(step), path)
+    if not newest or len({s for s, _ in newest.values()}) != 1:
+        raise SystemExit(f"error: the stages of {workdir} left no common final checkpoint: {newest}")
+    final = workdir / "final"
+    final.mkdir(exist_ok=True)
+    for stage, (step, path) in newest.items():
+        (final / path.name).unlink(missing_ok=True)
+        (final / path.name).symlink_to(path.resolve())
+    model = final / "model.safetensors"
+    for args in (["export", "--checkpoints", str(final), "--out", str(model), "--json"], ["evaluate", "--model", str(model), "--json", "--threads", "1"]):
+        proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=600, check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"error: protolearn {args[0]} failed on {workdir}: {proc.stderr.strip()[-500:]}")
+    out = json.loads(proc.stdout)
+    return int(out["step"]), float(out["val_loss"])
+
+
+def one_run(workdir: Path, mode: str, seed: int, *, link: str | None, steps: int, warmup: int, nodes: int) -> dict[str, Any]:
+    from protolearn.stages.config import default_run
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = workdir / "base.toml"
+    config.write_text(default_run().replace(seed=seed, **MODES[mode]).to_toml())
+    r = _internet().swarm_run(workdir, nodes=nodes, stages=2, steps=steps, warmup=warmup, link=link, config=config)
+    bpt, cumulative = sync_bytes(workdir, r["tokens_per_step"])
+    step, val = final_val_loss(workdir)
+    return {"mode": mode, "seed": seed, "link": link, "tokens_per_s": r["tokens_per_s"], "s_per_step": r["s_per_step"],
+            "replica_bytes_per_token": bpt, "final_val_loss": val, "final_step": step, "final_loss": r["final_loss"],
+            "losses": r["losses"], "cumulative_bytes": cumulative, "nodes_failed": r["nodes_failed"], "wall_s": r["wall_s"],
+            "breakdown": r["breakdown"].get("seconds", {}), "workdir": str(workdir)}
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "replica_bytes_per_token": round(statistics.mean(r["replica_bytes_per_token"] for r in runs), 2),
+        "tokens_per_s": round(statistics.mean(r["tokens_per_s"] for r in runs), 1),
+        "final_val_loss": round(statistics.mean(r["final_val_loss"] for r in runs), 4),
+        "per_seed": {str(r["seed"]): {"replica_bytes_per_token": round(r["replica_bytes_per_token"], 2), "tokens_per_s": round(r["tokens_per_s"], 1),
+                                      "final_val_loss": round(r["final_val_loss"], 4), "s_per_step": round(r["s_per_step"], 3),
+                                      "averaging_s": r["breakdown"].get("averaging_s"), "nodes_failed": r["nodes_failed"]} for r in runs},
+    }
+
+
+def pick_best(modes: dict[str, dict[str, Any]]) -> tuple[str, str]:
+    """The mode with the fewest bytes per token within the loss tolerance of the baseline, and the rule that picked it."""
+    base = modes[BASELINE]["final_val_loss"]
+    others = {m: v for m, v in modes.items() if m != BASELINE} or modes
+    gap = {m: (v["final_val_loss"] - base) / base for m, v in others.items()}
+    within = [m for m in others if gap[m] <= MAX_LOSS_REL_DIFF]
+    if within:
+        return min(within, key=lambda m: others[m]["replica_bytes_per_token"]), f"fewest bytes per token with loss_rel_diff <= {MAX_LOSS_REL_DIFF}"
+    return min(others, key=lambda m: gap[m]), f"no mode within loss_rel_diff {MAX_LOSS_REL_DIFF}: the smallest loss gap"
+
+
+def curves(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, list[float]]]:
+    """Per mode, its first seed's training loss per step against the MiB a replica had sent by then (for the report's plot)."""
+    out = {}
+    for mode, rs in runs.items():
+        r = rs[0]
+        n = min(len(r["losses"]), len(r["cumulative_bytes"]))
+        out[mode] = {"seed": r["seed"], "loss": [round(x, 4) for x in r["losses"][:n]],
+                     "mib": [round(b / 2**20, 4) for b in r["cumulative_bytes"][:n]]}
+    return out
+
+
+def run(argv: list[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="bench.py sync", description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--steps", type=int, default=300, help="steps per run, warmup included (equal tokens for every mode)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps not timed for tokens/s")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="8 steps, one seed")
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or BASELINE not in modes:
+        raise SystemExit(f"error: --modes must include {BASELINE} and name only {', '.join(MODES)}; got {args.modes!r}")
+    seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",") if s]
+    steps, warmup = (8, 2) if args.quick else (args.steps, args.warmup)
+    root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="protolearn-bench-sync-"))
+    t0 = time.monotonic()
+    common = {"steps": steps - warmup, "warmup": warmup, "nodes": args.nodes}
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    loop_runs: list[dict[str, Any]] = []
+    for seed in seeds:
+        # Loopback first in one seed and last in the other, so a drift of the machine's load biases neither.
+        order = [None, *modes] if seed % 2 == 0 else [*modes, None]
+        for mode in order:
+            if mode is None:
+                loop_runs.append(one_run(root / f"none-loopback-{seed}", BASELINE, seed, link=None, **common))
+            else:
+                runs[mode].append(one_run(root / f"{mode}-link-{seed}", mode, seed, link=LINK, **common))
+            print(f"sync bench: {mode or 'none (loopback)'} seed {seed} done after {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    summary = {m: summarise(rs) for m, rs in runs.items()}
+    loopback = summarise(loop_runs)
+    best, rule = pick_best(summary)
+    base = summary[BASELINE]
+    out: dict[str, Any] = {
+        "link": LINK, "seeds": seeds, "steps": steps, "warmup": warmup, "nodes": args.nodes, "stages": 2,
+        "tokens": steps * _tokens_per_step(),
+        "modes": {m: {**v, "overrides": MODES[m]} for m, v in summary.items()}, "none_loopback": loopback,
+        "best": best, "best_rule": rule,
+        "bytes_reduction": round(base["replica_bytes_per_token"] / summary[best]["replica_bytes_per_token"], 2),
+        "loss_rel_diff": round((summary[best]["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"], 4),
+        "internet_efficiency": round(summary[best]["tokens_per_s"] / loopback["tokens_per_s"], 4),
+        "none_internet_efficiency": round(base["tokens_per_s"] / loopback["tokens_per_s"], 4),
+        "seconds": round(time.monotonic() - t0, 1), "workdir": str(root),
+    }
+    out["curves"] = curves(runs)
+    return out
+
+
+def _tokens_per_step() -> int:
+    from protolearn.stages.config import default_run
+
+    return default_run().batch.tokens_per_step
