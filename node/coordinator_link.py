@@ -371,17 +371,9 @@ class CoordinatorLink:
         reply, _ = await self._request(cm.Averaged(step=step, revision=revision, result_hash=result_hash), cm.StepInfo)
         return reply
 
-    async def outer_ready(
-        self, stage: int, round_: int, attempt: int, *, anchor_hash: str, since_step: int, tokens: int = 0, timeout_s: float = 10.0,
-    ) -> cm.OuterDecision:
-        """DiLoCo: this replica is ready for outer round ``round_`` of ``stage``; long-polls the decision (``pending``
-        after ``timeout_s``). ``anchor_hash``: its state after the last sync; ``since_step``: the first inner step
-        its parameters cover since it took that state."""
-        timeout_s = min(timeout_s, cm.MAX_WAIT_S)
-        msg = cm.OuterReady(stage=stage, round=round_, attempt=attempt, anchor_hash=anchor_hash, since_step=since_step, tokens=tokens,
-                            timeout_s=timeout_s)
-        reply, _ = await self._request(msg, cm.OuterDecision, timeout=timeout_s + self.retry.request_timeout_s)
-        return reply
+    async def outer_ready(self, msg: cm.OuterReady) -> cm.OuterDecision:
+        """DiLoCo: this replica is ready for an outer round; long-polls the decision (``pending`` after ``msg.timeout_s``)."""
+        return (await self._request(msg, cm.OuterDecision, timeout=min(msg.timeout_s, cm.MAX_WAIT_S) + self.retry.request_timeout_s))[0]
 
     async def check_corpus(self, fingerprint: str, *, wait_s: float = CORPUS_WAIT_S) -> cm.CorpusCheckReply:
         """Check this node's training data against the swarm's (refused with ``corpus_mismatch``).

@@ -55,6 +55,7 @@ from protolearn.node.progress import Progress
 from protolearn.node.replica_hashes import ReplicaHashes
 from protolearn.node.replica_sync import ReplicaSync
 from protolearn.node.worker import StageWorker
+from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.rounds import PHASES_PER_REVISION, phase_round
 
@@ -67,16 +68,16 @@ class OuterSync:
     """Runs the outer rounds of one built stage; the node makes one per build (DiLoCo mode only)."""
 
     def __init__(
-        self, core: InnerStepCore, worker: StageWorker, sync: ReplicaSync, link: CoordinatorLink, compute: trio.CapacityLimiter,
+        self, core: InnerStepCore, worker: StageWorker, replica_sync: ReplicaSync, link: CoordinatorLink, compute: trio.CapacityLimiter,
         progress: Progress, *, hashes: ReplicaHashes, persistence: StagePersistence, target_steps: int, ask_timeout_s: float,
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
-        """``sync``: the stage's replica sync (the seam to the collective, compressed as the run says); ``hashes``:
+        """``replica_sync``: the stage's replica sync (the seam to the collective, compressed as the run says); ``hashes``:
         where the new anchor's hash goes for the heartbeat; ``persistence``: writes a checkpoint of it when one is
         due (``target_steps``: this node's last step)."""
         self.core = core
         self.worker = worker
-        self.sync = sync
+        self.replica_sync = replica_sync
         self.link = link
         self.compute = compute
         self.progress = progress
@@ -91,7 +92,7 @@ class OuterSync:
         """Outer round ``a.round`` after inner step ``a.step``; see the module docstring."""
         oc = OuterRoundCore(self.core.me, self.core.stage, a.round, a.step, ask_timeout_s=self.ask_timeout_s)
         self._result = None
-        started, bytes_before = self.clock(), self.sync.bytes_sent
+        started, bytes_before = self.clock(), self.replica_sync.bytes_sent
         actions = oc.start(started)
         while True:
             event: OuterEvent | None = None
@@ -100,7 +101,7 @@ class OuterSync:
                     self.progress.event(
                         "outer_sync", round=a.round, step=a.step, attempt=oc.attempt, role=oc.role, resync=act.resync,
                         hash=act.param_hash, reason=act.reason, weights=oc.weights, seconds=round(self.clock() - started, 4),
-                        sync_bytes=self.sync.bytes_sent - bytes_before,
+                        sync_bytes=self.replica_sync.bytes_sent - bytes_before,
                     )
                     return OuterDone(a.step, act.param_hash, act.resync, act.reason)
                 got = await self._carry(act, oc, a.step)
@@ -131,10 +132,11 @@ class OuterSync:
         outer = self.worker.outer
         assert outer is not None  # a DiLoCo worker
         try:
-            reply = await self.link.outer_ready(
-                self.core.stage, act.round, act.attempt, anchor_hash=outer.anchor_hash, since_step=max(0, outer.since_step),
-                timeout_s=READY_POLL_S,
-            )
+            # anchor_hash: its state after the last sync; since_step: the first inner step its parameters cover since it took it.
+            reply = await self.link.outer_ready(cm.OuterReady(
+                stage=self.core.stage, round=act.round, attempt=act.attempt, anchor_hash=outer.anchor_hash,
+                since_step=max(0, outer.since_step), tokens=0, timeout_s=min(READY_POLL_S, cm.MAX_WAIT_S),
+            ))
         except CoordinatorRefused as err:  # an answer about this round: this replica cannot take part
             return Decided("left_out", f"the coordinator refused outer round {act.round}: {err.detail}")
         except ProtocolError as err:
@@ -150,11 +152,11 @@ class OuterSync:
 
         flat = await trio.to_thread.run_sync(contribution, limiter=self.compute)
         try:
-            done = await self.sync.average(step, act.round_id, act.weights, flat)
+            done = await self.replica_sync.average(step, act.round_id, act.weights, flat)
         except AveragingError as err:
             # Say so at once to a participant that asks this one for the result (it retries sooner).
             for phase in range(PHASES_PER_REVISION):
-                self.sync.averager.finished.done(phase_round(act.round_id, phase), None)
+                self.replica_sync.averager.finished.done(phase_round(act.round_id, phase), None)
             return AverageFailed(str(err))
         contributors = tuple(p for p in act.weights if p not in set(done.excluded))
         total = total_weight(act.weights, contributors)
@@ -163,10 +165,10 @@ class OuterSync:
 
     async def _fetch(self, act: FetchOuter, step: int) -> OuterEvent:
         self._result = None
-        try_s = act.try_s if act.try_s is not None else self.sync.averager.timeout_s
+        try_s = act.try_s if act.try_s is not None else self.replica_sync.averager.timeout_s
         with trio.move_on_after(try_s):
             try:
-                summed = await self.sync.fetch(step, act.round_id, act.weights)
+                summed = await self.replica_sync.fetch(step, act.round_id, act.weights)
             except AveragingError as err:
                 return Fetched(False, str(err))
             # A proven result is a full round's: every participant's weight is in it.
@@ -184,7 +186,7 @@ class OuterSync:
             raise RuntimeError(f"outer step after step {step} without a result")
         async with self.compute:
             param_hash = await trio.to_thread.run_sync(self.worker.apply_outer, result, step + 1)
-            self.sync.commit(step)  # the compression's residual of this round is this replica's now
+            self.replica_sync.commit(step)  # the compression's residual of this round is this replica's now
         # The stage's new shared state: report it (I2) at once, and checkpoint it when one is due.
         self.hashes.record(step, param_hash)
         self.link.beat_now()

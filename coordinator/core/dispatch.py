@@ -46,7 +46,7 @@ from protolearn.coordinator.core.holdups import Holdups
 from protolearn.coordinator.core.integrity import EvidenceRecord, IntegrityDesk
 from protolearn.coordinator.core.leases import LeaseDiscipline
 from protolearn.coordinator.core.members import LIVE, HeartbeatInfo, JoinInfo, Member
-from protolearn.coordinator.core.outer_desk import OuterDesk
+from protolearn.coordinator.core.outer_desk import OuterDesk, answer_ready
 from protolearn.coordinator.core.outer_rounds import Decision
 from protolearn.coordinator.core.pacing import Pacing
 from protolearn.coordinator.core.reachability import ReachabilityDesk, Verdict, build_reply, relay_refusal
@@ -207,12 +207,7 @@ class CoordinatorCore:
         if isinstance(msg, cm.Averaged):
             return self._averaged(member, msg, now)
         if isinstance(msg, cm.OuterReady):
-            if self.outer is None:
-                raise Refusal("not_diloco", "this run averages every step ([sync] mode = \"step\"); it has no outer rounds")
-            reply = self.outer.ready(member, msg, now)
-            for line in self.outer.settle(now):
-                log.info("%s", line)
-            return reply
+            return answer_ready(self.outer, member, msg, now)
         if isinstance(msg, cm.CorpusCheck):
             return self.corpus_desk.check(member, msg.fingerprint)
         if isinstance(msg, cm.Report):

@@ -26,6 +26,7 @@ not struck again.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from protolearn.coordinator.core.members import Member
@@ -36,6 +37,8 @@ from protolearn.coordinator.core.verdicts import VerdictPolicy
 from protolearn.coordinator.errors import Refusal
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.majority import strict_majority
+
+log = logging.getLogger("protolearn.coordinator")
 
 
 class OuterDesk:
@@ -156,3 +159,14 @@ def decision_lines(decisions: list[Decision]) -> list[str]:
     return [f"outer round decided {d.reason}; weights={ {p[-8:]: round(w) for p, w in d.weights.items()} } "
             f"left_out={ {p[-8:]: why.split(':')[0] for p, why in d.left_out.items()} }" + (f" notes={list(d.notes)}" if d.notes else "")
             for d in decisions]
+
+
+def answer_ready(desk: OuterDesk | None, member: Member, msg: cm.OuterReady, now: float) -> cm.OuterDecision:
+    """The coordinator's answer to ``member``'s :class:`~protolearn.protocol.coordination.OuterReady` (``desk``:
+    None when the run averages every step), settling the rounds it completes."""
+    if desk is None:
+        raise Refusal("not_diloco", "this run averages every step ([sync] mode = \"step\"); it has no outer rounds")
+    reply = desk.ready(member, msg, now)
+    for line in desk.settle(now):
+        log.info("%s", line)
+    return reply
