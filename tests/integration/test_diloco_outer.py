@@ -9,7 +9,8 @@ Nesterov step. Checked: every replica of a stage ends bit-identical, on the toke
 coordinator's records) mean of the pseudo-gradients; and a replica that arrives after the grace, in a run
 whose quorum is one, is left out (it resyncs) while the other goes ahead alone. Run with ``[sync] compression``
 ``none`` (exact) and ``int8`` (the pseudo-gradients go through the same replica sync as a step's gradients:
-the replicas still end bit-identical, near the exact mean, and the follower takes the proven int8 round).
+the replicas still end bit-identical, near the exact mean, and the follower takes the proven int8 round), and
+``powersgd:2`` (two rounds per outer round, the follower takes both; only agreement is checked).
 """
 
 from __future__ import annotations
@@ -102,10 +103,11 @@ async def _steps(run, reps: dict[int, list[Replica]], steps: range) -> None:
         assert (await s0[0].link.wait_step(step, timeout_s=10.0, until="committed")).committed
 
 
-@pytest.mark.parametrize("compression", ["none", "int8"])
+@pytest.mark.parametrize("compression", ["none", "int8", "powersgd:2"])
 def test_replicas_average_pseudo_gradients_by_recorded_tokens_and_a_late_one_is_left_out(open_hosts, run_trio, tmp_path, compression) -> None:
     run = _run(quorum=1, grace_s=1.0, compression=compression)
     # int8: one power-of-two scale per 64 values, drifts of ~1e-2: each value within ~1e-4, times lr * (1 + mu).
+    # powersgd:2: a rank-2 approximation of random drifts is far from them; only the replicas' agreement is checked.
     tol = {"rtol": 1e-5, "atol": 1e-6} if compression == "none" else {"rtol": 0.0, "atol": 1e-3}
 
     async def main() -> None:
@@ -148,7 +150,8 @@ def test_replicas_average_pseudo_gradients_by_recorded_tokens_and_a_late_one_is_
                         else:  # the other replica processed nothing: it followed (fetched the mean)
                             avg = deltas[a.host.peer_id]
                         want, _ = nesterov_step(anchors[s], torch.zeros_like(anchors[s]), avg, lr=0.7, mu=0.9)
-                        torch.testing.assert_close(a.worker.outer.anchor, want, **tol)
+                        if not compression.startswith("powersgd"):
+                            torch.testing.assert_close(a.worker.outer.anchor, want, **tol)
                         if compression != "none" and weights[1]:
                             assert not torch.equal(a.worker.outer.anchor, want)  # it really went through int8
                     decided = coord.core.outer.last(1)
