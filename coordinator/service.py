@@ -84,6 +84,7 @@ REQUEST_TYPES: tuple[type[Message], ...] = (
     cm.WaitStep,
     cm.Redo,
     cm.Averaged,
+    cm.OuterReady,
     cm.CorpusCheck,
     cm.Report,
     cm.WitnessDraw,
@@ -180,11 +181,13 @@ class _Service:
         )
         self.sync_bans()
 
-    def _progress(self) -> tuple[int, int, int]:
-        """(open step, last closed step's revision, last committed step): long polls wake when it changes."""
+    def _progress(self) -> tuple[int, int, int, int]:
+        """(open step, last closed step's revision, last committed step, outer decisions taken): long polls
+        wake when it changes."""
         led = self.core.ledger
         closed = led.closed.get(led.step - 1)
-        return led.step, closed.revision if closed is not None else 0, led.committed_through
+        outer = self.core.outer.version if self.core.outer is not None else 0
+        return led.step, closed.revision if closed is not None else 0, led.committed_through, outer
 
     def sync_bans(self) -> None:
         """Refuse banned peers at connection time once their ban is ``ban_notice_s`` old. Until then each
@@ -214,6 +217,8 @@ class _Service:
         try:
             if isinstance(msg, cm.WaitStep):
                 return await self._wait(peer, msg)
+            if isinstance(msg, cm.OuterReady):
+                return await self._outer_wait(peer, msg)
             if isinstance(msg, cm.ReachabilityRequest):
                 reply: Message = await self._check_reachability(peer, msg)
             else:
@@ -269,6 +274,29 @@ class _Service:
         finally:
             self._waits.pop(taken.token, None)
             self._slots.release(taken.token)
+
+    async def _outer_wait(self, peer: str, msg: cm.OuterReady) -> cm.OuterDecision:
+        """DiLoCo: record the arrival, then wait (up to ``msg.timeout_s``) for its outer round's decision. Each
+        ask again is the same idempotent arrival (coordinator/core/outer_rounds.py)."""
+
+        def ask() -> cm.OuterDecision:
+            reply = self.core.handle(peer, msg, self.clock())
+            assert isinstance(reply, cm.OuterDecision)  # the core answers an OuterReady with one
+            self.commit()  # a decision wakes the other replicas' polls
+            return reply
+
+        reply = ask()
+        if reply.role != "pending" or self._waiting >= self.core.settings.max_concurrent_waits:
+            return reply  # decided, or no wait slot: the node asks again
+        self._waiting += 1
+        try:
+            with trio.move_on_after(msg.timeout_s):
+                while reply.role == "pending":
+                    await self._changed.wait()
+                    reply = ask()
+            return reply
+        finally:
+            self._waiting -= 1
 
     async def _check_reachability(self, peer: str, msg: cm.ReachabilityRequest) -> cm.ReachabilityReply:
         """Dial ``peer`` back (see the module docstring): one check per peer, MAX_CHECKS at once, and at most

@@ -4,7 +4,8 @@ One file, ``<data dir>/coordinator.sqlite``, in WAL mode with ``synchronous=NORM
 transaction survives a process kill (WAL is append-only and replayed on open), and a commit costs
 tens of microseconds, cheap enough to write after every state-changing request.
 
-Tables: ``meta`` (run TOML and hash, open step, last committed step, corpus fingerprint), ``members`` (one JSON row per member, live or
+Tables: ``meta`` (run TOML and hash, open step, last committed step, corpus fingerprint, DiLoCo's last outer
+round decisions as JSON), ``members`` (one JSON row per member, live or
 departed), ``tickets`` (the open step's tickets and leases), ``steps`` (each closed step: loss and
 routes, from which the accounting is rebuilt), ``bans``. :meth:`Store.apply` writes one
 :class:`~protolearn.coordinator.core.changes.Changes` in one transaction; :meth:`Store.load` reads it all back.
@@ -22,6 +23,7 @@ from protolearn.coordinator.core.changes import Changes
 from protolearn.coordinator.core.history import KEEP_HISTORY, LossRecord
 from protolearn.coordinator.core.integrity import EvidenceRecord
 from protolearn.coordinator.core.members import Member
+from protolearn.coordinator.core.outer_rounds import Decision
 from protolearn.coordinator.core.steps import KEEP_CLOSED, ClosedStep, Ticket
 from protolearn.coordinator.core.verdicts import Ban
 from protolearn.coordinator.errors import StoreError
@@ -95,6 +97,9 @@ class Store:
                     db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('committed', ?)", (str(ch.committed),))
                 if ch.corpus is not None:
                     db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('corpus', ?)", (ch.corpus,))
+                if ch.outer is not None:
+                    db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('outer_rounds', ?)",
+                               (json.dumps([d.to_json() for d in ch.outer]),))
                 db.executemany(
                     "INSERT OR REPLACE INTO members (peer_id, data) VALUES (?, ?)",
                     [(m.peer_id, json.dumps(asdict(m))) for m in ch.members],
@@ -166,4 +171,5 @@ class Store:
             "committed": int(committed) if committed is not None else None,
             "corpus": self.get_meta("corpus"),
             "evidence": evidence,
+            "outer": [Decision.from_json(d) for d in json.loads(self.get_meta("outer_rounds") or "[]")],
         }

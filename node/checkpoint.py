@@ -2,7 +2,8 @@
 
 A stage's state is a flat dict of named CPU tensors: ``param/<name>`` for each parameter and, once
 the optimizer has stepped, ``step/<name>``, ``exp_avg/<name>`` and ``exp_avg_sq/<name>`` for its AdamW
-state. ``<name>`` is the global parameter name (``embed.weight``, ``blocks.3.attn.wq.weight``,
+state; in DiLoCo mode (``[sync] mode = "diloco"``) also ``outer_m/<name>``, the outer Nesterov momentum, and
+``param/<name>`` is then the stage's state after the last outer sync (``stages/outer.py``). ``<name>`` is the global parameter name (``embed.weight``, ``blocks.3.attn.wq.weight``,
 ``head.out.weight``), the same in a stage and in the whole-model ``Transformer``. The same dict is
 what a replica hands a joiner, so :func:`load_stage_state` trusts nothing: every name, dtype, shape
 and value is checked against the locally built stage before anything is copied.
@@ -49,6 +50,8 @@ MAX_HEADER_BYTES = 16 * 2**20
 # The optimizer state entries AdamW keeps per parameter (the stage state's ``<key>/<name>`` entries); a
 # checkpoint or a donor's snapshot with any other is refused.
 OPTIM_KEYS = ("step", "exp_avg", "exp_avg_sq")
+# DiLoCo's outer momentum per parameter: in a DiLoCo run's state, for every parameter or none.
+OUTER_KEY = "outer_m"
 _FILE = re.compile(r"^stage-(\d+)-step-(\d+)\.safetensors$")
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64"}
 
@@ -87,8 +90,9 @@ class CheckpointInfo:
 # -- stage state (shared with state sync over the network) ------------------------------------
 
 
-def state_spec(module: torch.nn.Module) -> Spec:
-    """Every name a state of ``module`` may hold, with the dtype and shape it must have."""
+def state_spec(module: torch.nn.Module, *, outer: bool = False) -> Spec:
+    """Every name a state of ``module`` may hold, with the dtype and shape it must have (``outer``: a DiLoCo
+    run's, with the outer momentum)."""
     spec: Spec = {}
     for name, p in module.named_parameters():
         shape = tuple(p.shape)
@@ -96,6 +100,8 @@ def state_spec(module: torch.nn.Module) -> Spec:
         spec[f"step/{name}"] = (torch.float32, ())
         spec[f"exp_avg/{name}"] = (p.dtype, shape)
         spec[f"exp_avg_sq/{name}"] = (p.dtype, shape)
+        if outer:
+            spec[f"{OUTER_KEY}/{name}"] = (torch.float32, shape)
     return spec
 
 
@@ -108,9 +114,14 @@ def _params(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
 
 
 @torch.no_grad()
-def stage_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
-    """Parameters and AdamW state of ``module`` as named contiguous CPU copies (safe to keep or send)."""
+def stage_state(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, *, outer_momentum: Mapping[str, Tensor] | None = None,
+) -> dict[str, Tensor]:
+    """Parameters and AdamW state of ``module`` as named contiguous CPU copies (safe to keep or send), with
+    DiLoCo's ``outer_momentum`` (parameter name → tensor) when given."""
     out: dict[str, Tensor] = {}
+    for name, t in (outer_momentum or {}).items():
+        out[f"{OUTER_KEY}/{name}"] = t.detach().to("cpu", torch.float32, copy=True).contiguous()
     params = _params(module, optimizer)
     for name in sorted(params):
         out[f"param/{name}"] = params[name].detach().to("cpu", copy=True).contiguous()
@@ -152,19 +163,21 @@ def _check_names(source: str, spec: Spec, got: Mapping[str, tuple[torch.dtype | 
     missing = [n for n in names if f"param/{n}" not in got]
     if missing:
         raise err(source, f"lacks parameter {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") + "; it is not a full state of this stage")
-    with_optim = [n for n in names if any(f"{k}/{n}" in got for k in OPTIM_KEYS)]
-    if with_optim:
-        for n in names:
-            for k in OPTIM_KEYS:
-                if f"{k}/{n}" not in got:
-                    raise err(source, f"optimizer state is incomplete: {k}/{n} is missing")
+    for keys in (OPTIM_KEYS, (OUTER_KEY,)):
+        if any(f"{k}/{n}" in got for n in names for k in keys):
+            for n in names:
+                for k in keys:
+                    if f"{k}/{n}" not in got:
+                        raise err(source, f"optimizer state is incomplete: {k}/{n} is missing")
 
 
 @torch.no_grad()
 def load_stage_state(
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: Mapping[str, Tensor], *, peer_or_path: str
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: Mapping[str, Tensor], *, peer_or_path: str,
+    outer: dict[str, Tensor] | None = None,
 ) -> None:
-    """Install ``tensors`` (from :func:`stage_state`) into ``module`` and ``optimizer`` after checking it all.
+    """Install ``tensors`` (from :func:`stage_state`) into ``module`` and ``optimizer`` after checking it all;
+    with ``outer`` (a DiLoCo run), the outer momentum entries are accepted and put there by parameter name.
 
     Every name must belong to the stage with the exact dtype and shape, every parameter must be there,
     the optimizer state must cover all parameters or none, values must be finite and the AdamW step a
@@ -172,7 +185,7 @@ def load_stage_state(
     ``peer_or_path`` is raised and nothing has been changed.
     """
     params = _params(module, optimizer)
-    spec = state_spec(module)
+    spec = state_spec(module, outer=outer is not None)
     for name, t in tensors.items():
         if not isinstance(name, str) or not isinstance(t, Tensor):
             raise StageStateError(peer_or_path, f"entry {str(name)[:80]!r} is not a named tensor")
@@ -199,6 +212,9 @@ def load_stage_state(
                 "exp_avg": tensors[f"exp_avg/{name}"].to(p.device, copy=True),
                 "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(p.device, copy=True),
             }
+    if outer is not None:
+        outer.clear()
+        outer.update({n.partition("/")[2]: t.to("cpu", copy=True) for n, t in tensors.items() if n.startswith(f"{OUTER_KEY}/")})
 
 
 # -- safetensors files --------------------------------------------------------------------------
@@ -323,14 +339,15 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
 
 def save_checkpoint(
     directory: str | Path, run: RunConfig, stage: int, step: int, module: StageModule, optimizer: torch.optim.Optimizer,
-    *, keep: int = DEFAULT_KEEP,
+    *, keep: int = DEFAULT_KEEP, outer_momentum: Mapping[str, Tensor] | None = None,
 ) -> Path:
-    """Write stage ``stage`` after ``step`` applied steps atomically; keep this run's newest ``keep`` of the stage."""
+    """Write stage ``stage`` after ``step`` applied steps atomically; keep this run's newest ``keep`` of the stage.
+    ``outer_momentum``: DiLoCo's, by parameter name (the module then holds the state after the last outer sync)."""
     if keep < 1:
         raise ValueError(f"keep={keep} must be at least 1")
     if module.stage != stage or module.run_config.run_hash() != run.run_hash():
         raise ValueError(f"module is stage {module.stage} of run {module.run_config.run_hash()[:12]}, not stage {stage} of {run.run_hash()[:12]}")
-    state = stage_state(module, optimizer)
+    state = stage_state(module, optimizer, outer_momentum=outer_momentum)
     meta = {
         "format": STAGE_FORMAT, "run_hash": run.run_hash(), "run_toml": run.to_toml(), "stage": str(stage),
         "step": str(step), "num_stages": str(module.plan.num_stages), "state_hash": module.state_hash(),
@@ -381,8 +398,12 @@ def latest_checkpoint(directory: str | Path, stage: int | None = None) -> Checkp
     return max(infos, key=lambda i: (i.step, i.stage), default=None)
 
 
-def load_checkpoint(path: str | Path, run: RunConfig, stage: int, module: StageModule, optimizer: torch.optim.Optimizer) -> int:
+def load_checkpoint(
+    path: str | Path, run: RunConfig, stage: int, module: StageModule, optimizer: torch.optim.Optimizer, *,
+    outer: dict[str, Tensor] | None = None,
+) -> int:
     """Load a stage checkpoint into ``module``/``optimizer``; returns its step (optimizer steps applied).
+    ``outer``: a DiLoCo run's outer momentum goes there (see :func:`load_stage_state`).
 
     A checkpoint of another run or stage, a malformed or truncated file, or one whose parameters do
     not match the digest it recorded is a :class:`CheckpointError`; the module is then unchanged.
@@ -394,8 +415,8 @@ def load_checkpoint(path: str | Path, run: RunConfig, stage: int, module: StageM
         raise CheckpointError(src, f"belongs to run {info.run_hash[:12]}, not this run {run.run_hash()[:12]}; use a checkpoint of this run or its run config")
     if info.stage != stage:
         raise CheckpointError(src, f"holds stage {info.stage}, not stage {stage}; pick the file named stage-{stage}-step-*.safetensors")
-    tensors = read_tensors(path, read_header(path), state_spec(module))
+    tensors = read_tensors(path, read_header(path), state_spec(module, outer=outer is not None))
     if state_digest(tensors) != info.state_digest:
         raise CheckpointError(src, "its tensors do not match the digest recorded when it was saved; the file is corrupt")
-    load_stage_state(module, optimizer, tensors, peer_or_path=src)
+    load_stage_state(module, optimizer, tensors, peer_or_path=src, outer=outer)
     return info.step

@@ -371,6 +371,10 @@ class CoordinatorLink:
         reply, _ = await self._request(cm.Averaged(step=step, revision=revision, result_hash=result_hash), cm.StepInfo)
         return reply
 
+    async def outer_ready(self, msg: cm.OuterReady) -> cm.OuterDecision:
+        """DiLoCo: this replica is ready for an outer round; long-polls the decision (``pending`` after ``msg.timeout_s``)."""
+        return (await self._request(msg, cm.OuterDecision, timeout=min(msg.timeout_s, cm.MAX_WAIT_S) + self.retry.request_timeout_s))[0]
+
     async def check_corpus(self, fingerprint: str, *, wait_s: float = CORPUS_WAIT_S) -> cm.CorpusCheckReply:
         """Check this node's training data against the swarm's (refused with ``corpus_mismatch``).
 

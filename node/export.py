@@ -107,7 +107,9 @@ def export_model(checkpoint_dir: str | Path, out: str | Path, run: RunConfig | N
     params: dict[str, Tensor] = {}
     for s in range(num_stages):  # one stage in memory at a time, besides the assembled parameters
         module = build_stage(run, s)
-        load_checkpoint(d / checkpoint_name(s, step), run, s, module, make_optimizer(module.parameters(), run.optim))
+        # A DiLoCo run's checkpoint also holds the outer momentum (its parameters are the state after an outer sync).
+        load_checkpoint(d / checkpoint_name(s, step), run, s, module, make_optimizer(module.parameters(), run.optim),
+                        outer={} if run.sync.diloco else None)
         params.update({n: p.detach().to("cpu", copy=True).contiguous() for n, p in module.named_parameters()})
     return write_model(params, run, step, out, note=note)
 

@@ -12,6 +12,11 @@ round's result hash (the one its signed fin names); a replica that fetched the r
 way (per part, over the round's participants, :func:`~protolearn.protocol.collective.result_proof.vector_digest`). If its stage's majority holds
 another result, the coordinator refuses the report (``result_mismatch``) and the core resyncs instead of
 applying.
+
+In DiLoCo mode (an :class:`~protolearn.node.outer_sync.OuterSync` is passed in) the core is an
+:class:`~protolearn.node.core.inner_step.InnerStepCore`: every replica reports the fixed inner-step result
+hash, applies its own inner step (:meth:`StageWorker.apply_inner`), and after an outer round's last inner
+step runs the outer sync before the step counts as applied.
 """
 
 from __future__ import annotations
@@ -46,10 +51,13 @@ from protolearn.node.core.events import (
     RoundFailed,
     Skip,
     StartHeld,
+    SyncOuter,
     WaitClosed,
     WaitCommit,
 )
 from protolearn.node.core.closed_step import NodeCore
+from protolearn.node.core.inner_step import INNER_RESULT
+from protolearn.node.outer_sync import OuterSync
 from protolearn.node.driver import emit
 from protolearn.node.progress import Progress
 from protolearn.node.replica_sync import ReplicaSync
@@ -91,8 +99,11 @@ class Finisher:
         start_held: Callable[[list], None],
         clock: Callable[[], float] = trio.current_time,
         timing: StepTimer | None = None,
+        outer: OuterSync | None = None,
     ) -> None:
+        """``outer``: DiLoCo mode's outer rounds (None: the replicas average every step)."""
         self.core = core
+        self.outer = outer
         self.timing = timing
         self.worker = worker
         self.sync = sync
@@ -114,7 +125,7 @@ class Finisher:
         account = {pt.peer_id: list(pt.tickets) for sa in info.accounting if sa.stage == self.core.stage for pt in sa.peers}
         held = await trio.to_thread.run_sync(self.worker.held_tickets, step, limiter=self.compute)
         self._result: torch.Tensor | None = None
-        self._result_hash = ""
+        self._result_hash = INNER_RESULT if self.outer is not None else ""
         event: Event | None = Closed(step, info.revision, account, info.loss, held)
         while event is not None:
             actions = self.core.handle(event, self.clock())
@@ -218,27 +229,40 @@ class Finisher:
             self.worker.applied = a.step + 1
             follow = self.core.handle(Applied(a.step, param_hash), self.clock())
         await trio.to_thread.run_sync(self.worker.forget, a.step, limiter=self.compute)
-        for b in follow:
-            await self._carry(b)
+        await self._follow(follow)
         return param_hash
 
     async def _apply(self, a: Apply) -> str:
         result = self._result
-        if result is None:
+        if result is None and self.outer is None:
             raise RuntimeError(f"step {a.step}: the node core applies a step without a result")
         t_avg = self.core.averaging_seconds(self.clock())
         # The update and the applied count change together under the compute lock, so a snapshot or a
         # checkpoint (taken under the same lock) never sees new parameters with the old count.
         async with self.compute:
-            param_hash, norm = await trio.to_thread.run_sync(self.worker.apply, a.step, result)
-            self.sync.commit(a.step)
+            if result is None:  # DiLoCo: this replica's own inner step on its own tickets
+                param_hash, norm = await trio.to_thread.run_sync(self.worker.apply_inner, a.step, a.tickets)
+            else:
+                param_hash, norm = await trio.to_thread.run_sync(self.worker.apply, a.step, result)
+                self.sync.commit(a.step)
             follow = self.core.handle(Applied(a.step, param_hash), self.clock())
         await trio.to_thread.run_sync(self.worker.forget, a.step, limiter=self.compute)
-        for b in follow:
-            await self._carry(b)
         self.progress.event(
             "step", step=a.step, loss=a.loss, hash=param_hash, tickets=a.tickets, replicas=a.replicas, counted=a.counted,
-            grad_norm=norm, averaging_s=round(t_avg, 4), revision=a.revision,
+            grad_norm=norm, averaging_s=round(t_avg, 4), revision=a.revision, inner=self.outer is not None,
             sync_bytes=self.sync.bytes_sent - self._bytes_mark[1] if self._bytes_mark[0] == a.step else None,
         )
+        await self._follow(follow)
         return param_hash
+
+    async def _follow(self, actions: list[Action]) -> None:
+        """Carry out what the core decided once the step counted applied; in DiLoCo mode that may be an
+        outer sync (whose end the core decides on in turn) or, for a replica left out of it, a resync."""
+        for b in actions:
+            if isinstance(b, SyncOuter) and self.outer is not None:
+                done = await self.outer.sync(b)
+                await self._follow(self.core.handle(done, self.clock()))
+            elif isinstance(b, Resync):
+                await self.resync(b.step)
+            else:
+                await self._carry(b)

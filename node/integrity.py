@@ -23,6 +23,11 @@ The :class:`~protolearn.node.router.Router` calls it for every tensor it sends a
   cannot be settled (one witness only, or a witness that does not answer) is reported without evidence
   (a flag).
 - **Serving** ``show`` and ``check`` to the neighbours that check this node: :mod:`protolearn.node.check_serving`.
+
+In DiLoCo mode the replicas of a stage hold the same weights only right after an outer sync, so spot checks
+are made of the first inner step after each sync only (``checkable``), and a replica recomputes only with
+its weights after such a sync (:meth:`StageWorker.recompute`); the monitors watch every tensor, and the
+robust aggregation rules act on the pseudo-gradients of the outer rounds.
 """
 
 from __future__ import annotations
@@ -104,14 +109,16 @@ class Integrity:
     def __init__(
         self, host: Host, run: RunConfig, worker, corpus: Corpus | None, compute: trio.CapacityLimiter, *,
         tickets: Tickets, replicas: Callable[[int], list[str]], witnesses: Witnesses, stage_of: Callable[[str], int | None], report: Report,
-        timeout_s: float, seed: int, outbound: Outbound = PASS_THROUGH,
+        timeout_s: float, seed: int, outbound: Outbound = PASS_THROUGH, checkable: Callable[[int], bool] | None = None,
     ) -> None:
         """``tickets``: the stage's per-ticket record (node/core/tickets.py), where the router keeps the
         frames this replica received and sent and to whom. ``replicas``/``stage_of``: the membership view
         (who may recompute a check that then passes). ``witnesses``: asks the coordinator for the witnesses
         of a check that did not pass. ``report``: sends an integrity report to the coordinator. ``worker``, ``corpus``, ``compute``
         and ``outbound`` (the filter each result passes through, node/outbound.py) serve the checks that
-        neighbours make of this replica (node/check_serving.py)."""
+        neighbours make of this replica (node/check_serving.py). ``checkable(step)``: whether the replicas of a
+        stage hold the same weights for ``step``, so that another one can recompute an output of it (DiLoCo mode:
+        only the first inner step after each outer sync; None: every step)."""
         self.host = host
         self.run = run
         self.stage = worker.stage
@@ -127,6 +134,7 @@ class Integrity:
         self.monitor = BoundaryMonitor(codec=run.codec) if cfg.monitors else None
         self.rng = random.Random(seed)
         self.checks = cfg.spot_check_rate > 0  # 0: no spot checks at all (probation included)
+        self.checkable = checkable if checkable is not None else (lambda step: True)
         self.policy = SpotCheckPolicy(rate=cfg.spot_check_rate, half_life=cfg.probation_half_life, rng=self.rng)
         # What this node serves the neighbours that check it.
         self.server = CheckServer(host, run, worker, corpus, compute, tickets=tickets, stage_of=stage_of, outbound=outbound)
@@ -201,7 +209,9 @@ class Integrity:
         if self.monitor is not None:
             self.monitor.observe(got.peer, got.stage, got.direction, got.tensor)
             suspect = self.monitor.suspect(got.peer)
-        if self._nursery is None or not self.checks or not self.policy.should_check(got.peer, suspect=suspect):
+        if self._nursery is None or not self.checks or not self.checkable(got.step):
+            return
+        if not self.policy.should_check(got.peer, suspect=suspect):
             return
         if self._in_flight >= MAX_CHECKS_IN_FLIGHT:
             return

@@ -16,6 +16,13 @@ averaged it in full (the commit barrier), so a replica that dies while any stage
 never lost. Every replica applies the identical optimizer step, logs its parameter hash, and reports
 it in its heartbeat, where its stage's replicas' hashes are compared (I2). Work for step t+1 that
 arrives before t is applied is held (bounded) and released after.
+
+In DiLoCo mode (``[sync] mode = "diloco"``) the core is an :class:`InnerStepCore`: each replica applies its
+own inner steps, and every H steps :class:`~protolearn.node.outer_sync.OuterSync` runs the stage's outer
+round. What the replica reports (hash, step), serves a joiner and checkpoints is then its state after the
+last outer sync, the only state its stage's replicas share; its heartbeat carries its inner step beside it.
+A (re)starting replica takes that state from the stage and trains on from the open step
+(:meth:`Node.sync_state`).
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from protolearn.node.compute_watch import ComputeWatch
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
 from protolearn.node.core.closed_step import CoreConfig, NodeCore
 from protolearn.node.core.events import Synced
+from protolearn.node.core.inner_step import InnerStepCore
 from protolearn.node.core.routing import RouteCore
 from protolearn.node.core.tickets import Tickets
 from protolearn.node.driver import TicketDriver
@@ -42,6 +50,7 @@ from protolearn.node.integrity import Integrity
 from protolearn.node.join import resolve_device
 from protolearn.node.membership import Membership
 from protolearn.node.outbound import PASS_THROUGH
+from protolearn.node.outer_sync import OuterSync
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
 from protolearn.node.reachability import Reachability
@@ -93,7 +102,7 @@ class Node:
         self.compute_watch = ComputeWatch()
         self.last_loss: float | None = None
         self.target_steps = min(run.steps, config.max_steps) if config.max_steps else run.steps
-        self.hashes = ReplicaHashes(link, progress, host.peer_id, applied=lambda: self.applied)
+        self.hashes = ReplicaHashes(link, progress, host.peer_id, applied=lambda: self.state_applied)
         self._first_logged = False
         self._moved_warned = False
         # Cancelled when the coordinator moves this node to a stage nobody works in: see _wait_closed.
@@ -130,6 +139,19 @@ class Node:
         """Steps this node's stage has applied (0 before it is built)."""
         return self.core.applied if self.core is not None else 0
 
+    @property
+    def diloco(self) -> bool:
+        return self.run.sync.diloco
+
+    @property
+    def state_applied(self) -> int:
+        """The steps the state this replica shares with its stage is after: its applied steps, or in DiLoCo
+        mode those of its last outer sync (what it reports, serves and checkpoints)."""
+        if self.diloco and self.core is not None:
+            outer = self.worker.outer
+            return max(0, outer.anchor_applied) if outer is not None else 0  # -1 while a state is being installed
+        return self.applied
+
     # -- set-up ------------------------------------------------------------------------------
     async def build(self, stage: int) -> None:
         """Build ``stage`` (again, after the coordinator moved this node) and serve its protocols."""
@@ -152,10 +174,12 @@ class Node:
                 if err.code == "corpus_mismatch":
                     raise JoinError(err.detail) from None
                 raise
-        core = NodeCore(self.host.peer_id, stage, CoreConfig(
+        core_config = CoreConfig(
             microbatches_per_step=run.batch.microbatches_per_step, max_in_flight=self.config.max_in_flight,
             max_deferred=self.config.max_deferred, averaging_timeout_s=self.config.averaging_timeout_s,
-        ))
+        )
+        core = (InnerStepCore(self.host.peer_id, stage, core_config, inner_steps=run.sync.inner_steps, steps=run.steps)
+                if self.diloco else NodeCore(self.host.peer_id, stage, core_config))
         # One record per ticket (node/core/tickets.py), which routing, integrity and stage 0's driver share.
         tickets = Tickets()
         self.routes = RouteCore(tickets)
@@ -164,6 +188,7 @@ class Node:
             self.host, run, self.worker, corpus, self.compute, tickets=tickets, outbound=outbound,
             replicas=lambda s: self.view.stage_peers(s), witnesses=self._witnesses, stage_of=lambda peer: self.view.stage_of(peer),
             report=self._integrity_report, timeout_s=self.config.request_timeout_s, seed=self.integrity_seed,
+            checkable=(lambda step: step % run.sync.inner_steps == 0) if self.diloco else None,
         )
         # The driver starts tickets through the router built next (the closure reaches it when one starts).
         self.driver = TicketDriver(
@@ -188,10 +213,15 @@ class Node:
             stage=stage, run_hash=self.run_hash, donors=lambda: [p for p in self.view.stage_peers(stage) if p != self.host.peer_id],
             say_waiting=self._say_waiting, clock=self.clock,
         )
+        outer = None
+        if isinstance(core, InnerStepCore):
+            outer = OuterSync(core, self.worker, self.replica_sync, self.link, self.compute, self.progress, hashes=self.hashes,
+                              persistence=self.persistence, target_steps=self.target_steps, ask_timeout_s=self.config.sync_timeout_s,
+                              clock=self.clock)
         self.finisher = Finisher(
             core, self.worker, self.replica_sync, self.link, self.compute, self.progress,
             reported_hashes=self.syncer.reported_hashes, resync=self.resync, start_held=self.router.release, clock=self.clock,
-            timing=self.timing,
+            timing=self.timing, outer=outer,
         )
         StateServer(self.host, stage, self.run_hash, self._snapshot).register()
         self.core = core
@@ -203,21 +233,29 @@ class Node:
         )
 
     async def _snapshot(self) -> Snapshot | None:
-        core = self.core
-        if core is None or core.state is NodeState.SYNCING:
+        core, outer = self.core, self.worker.outer
+        if core is None or core.state is NodeState.SYNCING or (outer is not None and outer.anchor_applied < 0):
             return None
-
-        def take() -> Snapshot:
-            self_test = self.worker.self_test().numpy().tobytes() if self.run.integrity.self_test else b""
-            return core.applied, self.worker.param_hash(), self.worker.snapshot(), self_test
-
-        return await trio.to_thread.run_sync(take, limiter=self.compute)
+        # The applied count is read in the thread, under the compute lock the finisher applies steps under.
+        return await trio.to_thread.run_sync(self.worker.shared_snapshot, lambda: core.applied, self.run.integrity.self_test, limiter=self.compute)
 
     async def sync_state(self, open_step: int) -> None:
         """Take the stage's state (see :class:`~protolearn.node.syncing.StageSync`); the core counts it applied."""
         assert self.core is not None  # built
         self.worker.applied = -1  # weights being replaced: no spot check recomputes with them meanwhile
         self.replica_sync.reset()  # its residual and warm start belong to the state it had
+        if self.diloco:
+            # The stage's state after its last outer sync; this replica trains on from the open step.
+            got, frontier = await self.syncer.sync_anchor(open_step)
+            outer = self.worker.outer
+            assert outer is not None
+            self.worker.anchored(got, since_step=frontier)
+            self.worker.applied = frontier
+            if got > 0:
+                self.hashes.record(got - 1, outer.anchor_hash)
+            self.progress.event("anchor", applied=got, trains_from=frontier, hash=outer.anchor_hash)
+            self.core.handle(Synced(frontier), self.clock())
+            return
         applied = await self.syncer.sync(open_step)
         self.worker.applied = applied
         if applied > 0:
@@ -317,7 +355,7 @@ class Node:
         path = self.relay_watch.path(self.view.neighbours(self.stage))
         if self.core is None:  # heartbeats start before the stage is built, so a slow start never expires
             return cm.Heartbeat(state=self.state, view_version=self.view.version, path=path, addrs=self.relay_watch.addrs())
-        applied = self.core.applied
+        applied = self.state_applied
         if self.router.stats.first_at is not None and not self._first_logged:
             self._first_logged = True
             self.progress.event("first_microbatch", at=self.router.stats.first_at, stage=self.stage)
@@ -335,6 +373,7 @@ class Node:
             view_version=self.view.version,
             path=path,
             addrs=self.relay_watch.addrs(),
+            inner_step=self.core.applied - 1 if self.diloco else -1,
         )
 
     def _elapsed(self) -> float:
@@ -408,8 +447,9 @@ class Node:
     async def _after_apply(self, step: int, info: cm.StepInfo, param_hash: str) -> None:
         core = self.core
         assert core is not None
-        self.hashes.record(step, param_hash)
-        await self.persistence.after_step(self.stage, self.worker, lambda: core.applied, self.target_steps)
+        if not self.diloco:  # in DiLoCo mode only outer syncs give a state to report and checkpoint (_outer_synced)
+            self.hashes.record(step, param_hash)
+            await self.persistence.after_step(self.stage, self.worker, lambda: core.applied, self.target_steps)
         if self.worker.last and info.loss is not None:
             self.last_loss = info.loss
         tps = self.router.stats.tokens / self._elapsed()
@@ -457,4 +497,4 @@ class Node:
         core = self.core
         if core is None or core.state is NodeState.SYNCING:
             return
-        await self.persistence.at_leave(self.stage, self.worker, lambda: core.applied)
+        await self.persistence.at_leave(self.stage, self.worker, lambda: self.state_applied)

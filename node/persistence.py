@@ -5,7 +5,10 @@ writes its stage, parameters plus AdamW state plus step and run hash, into
 ``<data dir>/checkpoints/<run name>-<run hash>`` (one folder per run, so two runs never mix)
 with :func:`~protolearn.node.checkpoint.save_checkpoint` (atomic: temp file, fsync, rename; the newest
 ``checkpoint_keep`` are kept). Every replica writes on the same steps, so the stage files of one step
-form a consistent whole model, which ``protolearn export --checkpoints`` assembles.
+form a consistent whole model, which ``protolearn export --checkpoints`` assembles. In DiLoCo mode the
+stage's state is the one after its last outer sync (its replicas differ between syncs), with the outer
+momentum: it is written after the outer syncs in which a multiple of ``checkpoint_every`` steps falls
+(:func:`checkpoint_due` with ``span`` H), and at leave.
 
 Restore. :func:`plan_restore` is the sans-IO decision a node makes once it knows its stage, the open
 step and the stage's live replicas; it returns a :class:`RestorePlan` with a reason:
@@ -76,9 +79,11 @@ class RestorePlan:
     applied: int = 0
 
 
-def checkpoint_due(applied: int, every: int, target: int) -> bool:
-    """Whether to write a checkpoint after ``applied`` steps (every ``every``, 0 = never, and at the last)."""
-    return applied > 0 and ((every > 0 and applied % every == 0) or applied >= target)
+def checkpoint_due(applied: int, every: int, target: int, *, span: int = 1) -> bool:
+    """Whether to write a checkpoint of the state after ``applied`` steps, which follows the last one by
+    ``span`` steps: when a multiple of ``every`` (0 = never) lies in that span, and at the last step.
+    ``span`` 1: every ``every`` steps; DiLoCo writes only the state after each outer sync (span H)."""
+    return applied > 0 and ((every > 0 and applied // every > (applied - span) // every) or applied >= target)
 
 
 def plan_restore(
@@ -190,7 +195,10 @@ class StagePersistence:
 
         def install() -> str:
             worker.zero_grads()
-            load_checkpoint(info.path, self.run, stage, worker.module, worker.optimizer)
+            outer: dict | None = {} if worker.outer is not None else None
+            load_checkpoint(info.path, self.run, stage, worker.module, worker.optimizer, outer=outer)
+            if outer is not None:  # DiLoCo: the checkpoint holds the state after an outer sync, and its momentum
+                worker.take_anchor(outer or None)
             return worker.param_hash()
 
         got = await trio.to_thread.run_sync(install, limiter=self.compute)
@@ -205,9 +213,9 @@ class StagePersistence:
         self.progress.event("restored", source=plan.source, path=str(info.path), checkpoint_step=info.step, applied=plan.applied, hash=got, reason=plan.reason)
         return plan.applied
 
-    async def after_step(self, stage: int, worker: StageWorker, applied: Callable[[], int], target: int) -> None:
-        """Write a checkpoint if one is due after the step just applied."""
-        if checkpoint_due(applied(), self.every, target):
+    async def after_step(self, stage: int, worker: StageWorker, applied: Callable[[], int], target: int, *, span: int = 1) -> None:
+        """Write a checkpoint if one is due after the step just applied (``span``: see :func:`checkpoint_due`)."""
+        if checkpoint_due(applied(), self.every, target, span=span):
             await self.write(stage, worker, applied)
 
     async def at_leave(self, stage: int, worker: StageWorker, applied: Callable[[], int]) -> None:
@@ -224,7 +232,14 @@ class StagePersistence:
 
         def save() -> tuple[int, Path]:
             n = applied()  # read under the limiter: no optimizer step runs while this writes
-            return n, save_checkpoint(self.dir, self.run, stage, n, worker.module, worker.optimizer, keep=self.keep)
+
+            def write_it() -> Path:
+                return save_checkpoint(
+                    self.dir, self.run, stage, n, worker.module, worker.optimizer, keep=self.keep, outer_momentum=worker.outer_momentum(),
+                )
+
+            # DiLoCo: the stage's state is the one after the last outer sync (its replicas differ between syncs).
+            return n, worker.with_anchor(write_it) if worker.outer is not None else write_it()
 
         try:
             n, path = await trio.to_thread.run_sync(save, limiter=self.compute)

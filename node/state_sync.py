@@ -150,8 +150,9 @@ async def _fetch(
                     raise StateSyncError(f"replica {donor} offered stage {info.stage} of run {info.run_hash[:12]}, not stage {worker.stage} of {run_hash[:12]}")
                 if self_tests is not None and info.self_test:
                     self_tests[donor] = info.self_test
-                if info.num_tensors > 4 * len(worker.names):
-                    raise ProtocolError(donor, f"state of {info.num_tensors} tensors; stage {worker.stage} has at most {4 * len(worker.names)}")
+                most = (5 if worker.outer is not None else 4) * len(worker.names)  # parameters, AdamW's 3, DiLoCo's momentum
+                if info.num_tensors > most:
+                    raise ProtocolError(donor, f"state of {info.num_tensors} tensors; stage {worker.stage} has at most {most}")
                 for i in range(part, info.num_tensors, parts):
                     chunk = await s.receive(StateChunk)
                     want = worker.expected(chunk.name)

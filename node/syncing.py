@@ -34,6 +34,12 @@ before it touches training. A state from the init or a checkpoint skips the test
 The first replica of a stage has no donors: it keeps the init (or a checkpoint), see
 :mod:`protolearn.node.persistence`. While the coordinator lists a live replica, a failed download is
 retried and never replaced by an older checkpoint (I2).
+
+In DiLoCo mode (:meth:`StageSync.sync_anchor`) the state the replicas share, report and serve is the one
+after their last outer sync (the anchor), so that is what the rule above checks; a joiner then trains on
+from the open step. It takes only the anchor the open step's outer round started from: while the stage's
+replicas are still in the outer round before it (they serve the anchor from before), it waits for its
+result, so a joiner syncs at an outer boundary and never trains a round from a stale anchor.
 """
 
 from __future__ import annotations
@@ -192,6 +198,29 @@ class StageSync:
             else:
                 self.say_waiting(f"syncing stage {self.stage}: no replica handed over its state yet" if donors else "")
             await trio.sleep(SYNC_RETRY_S)
+
+    async def sync_anchor(self, open_step: int) -> tuple[int, int]:
+        """DiLoCo: take the stage's state after its last outer sync (a donor's, a checkpoint's or the init); returns
+        (the steps that state is after, the step this replica trains next). See the module docstring. A stage with
+        no live replica continues from its checkpoint, as in step mode."""
+        deadline = self.clock() + self.config.sync_timeout_s
+        h, steps = self.worker.run.sync.inner_steps, self.worker.run.steps
+        while True:
+            got = await self.sync(open_step)
+            frontier = max(self.link.step, got)
+            needed = min(h * (frontier // h), steps)  # the sync that started the open step's outer round
+            if got >= needed or not self.donors():
+                break
+            if self.clock() > deadline:
+                raise StateSyncError(f"stage {self.stage}'s replicas did not finish the outer sync after step {needed - 1} "
+                                     f"within {self.config.sync_timeout_s:g} s; restart the node to try again")
+            self.say_waiting(f"syncing stage {self.stage}: its replicas are in the outer sync after step {needed - 1}")
+            await trio.sleep(SYNC_RETRY_S)
+            open_step = self.link.step
+        self.say_waiting("")
+        if got == 0:  # the init (or a donor's state after no sync) is the anchor
+            await trio.to_thread.run_sync(self.worker.take_anchor, limiter=self.compute)
+        return got, frontier
 
     async def _no_checks(self) -> str:
         """Why no download could be checked now (empty: one may be). Before the first commit the init is

@@ -16,18 +16,44 @@ The store holds at most the step's tickets that passed through this replica: B Ã
 the worst case. Gradients are exchanged with the replicas as one flat float32 vector over the
 parameters in sorted name order, which every replica of the stage derives identically. The optimizer state travels by
 parameter name (``param/<name>``, ``exp_avg/<name>``, ...), never by position or pickle.
+
+In DiLoCo mode (``[sync] mode = "diloco"``) the worker also holds the stage's outer state
+(:class:`OuterState`: the parameters after the last outer sync, the anchor, and the outer momentum). An
+inner step (:meth:`StageWorker.apply_inner`) is this replica's own AdamW step on the mean gradient of the
+tickets the accounting gives it; an outer step (:meth:`StageWorker.apply_outer`) installs
+``stages/outer.py``'s Nesterov step on the averaged pseudo-gradient. What this replica serves a joiner, and
+what a spot check may recompute with, is then the anchor: the one state its stage's replicas share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
-from protolearn.node.checkpoint import OPTIM_KEYS
+from protolearn.node.checkpoint import OPTIM_KEYS, OUTER_KEY
 from protolearn.stages.config import RunConfig
 from protolearn.stages.optim import apply_step, make_optimizer
+from protolearn.stages.outer import flatten, nesterov_step, pseudo_gradient, unflatten_into
 from protolearn.stages.stage import StageModule, build_stage
+
+T = TypeVar("T")
+
+
+@dataclass
+class OuterState:
+    """DiLoCo's state of one stage replica: the parameters after the last outer sync (``anchor``, flat
+    float32 ``(N,)``, hashing to ``anchor_hash``, after ``anchor_applied`` steps), the outer momentum
+    ``(N,)``, and the first inner step its current parameters cover since it took the anchor
+    (``since_step``: the anchor's own step, or later for a replica that took it mid-round)."""
+
+    anchor: torch.Tensor
+    momentum: torch.Tensor
+    anchor_applied: int
+    anchor_hash: str
+    since_step: int
 
 
 class StageWorker:
@@ -51,6 +77,11 @@ class StageWorker:
         # Optimizer steps the weights are after (the weights step ``applied``'s microbatches use); -1
         # while unknown (a state being installed). A spot check recomputes only at the checked step's weights.
         self.applied = 0
+        # DiLoCo mode: the stage's outer state (None when the replicas average every step).
+        self.outer: OuterState | None = None
+        if run.sync.diloco:
+            anchor = flatten(self.params)
+            self.outer = OuterState(anchor, torch.zeros_like(anchor), 0, self.module.state_hash(), 0)
 
     @property
     def first(self) -> bool:
@@ -133,6 +164,9 @@ class StageWorker:
         middle stage). Float32 on the CPU."""
         if self.applied != step:
             raise ValueError(f"this replica's weights are after {self.applied} steps, not the {step} the check needs")
+        if self.outer is not None and self.outer.anchor_applied != step:
+            raise ValueError(f"step {step} is not the first inner step after this replica's last outer sync "
+                             f"(after {self.outer.anchor_applied} steps): between syncs replicas differ")
         if direction == "fwd":
             if self.last:
                 raise ValueError("the last stage sends no activations")
@@ -200,6 +234,74 @@ class StageWorker:
         self.applied = step + 1
         return self.module.state_hash(), norm
 
+    # -- DiLoCo ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def apply_inner(self, step: int, tickets: list[int]) -> tuple[str, float]:
+        """DiLoCo's inner step ``step``: this replica's own AdamW step on the mean gradient of exactly ``tickets``
+        (each ticket's gradient is scaled by 1/B, so their sum is rescaled by B/len); with no ticket, no update.
+        Returns (param hash, grad norm)."""
+        if not tickets:
+            self.applied = step + 1
+            return self.module.state_hash(), 0.0
+        flat = self.flat_grads(step, tickets) * (self.run.batch.microbatches_per_step / len(tickets))
+        return self.apply(step, flat)
+
+    def pseudo_gradient(self) -> torch.Tensor:
+        """DiLoCo: the anchor minus the parameters now, flat float32 ``(N,)`` (``stages/outer.py``)."""
+        return pseudo_gradient(self._outer().anchor, self.params)
+
+    @torch.no_grad()
+    def apply_outer(self, avg: torch.Tensor, applied: int) -> str:
+        """DiLoCo's outer step on the averaged pseudo-gradient ``avg`` ``(N,)``: the new anchor becomes the
+        parameters, after ``applied`` steps. The inner AdamW state stays this replica's. Returns the new hash."""
+        o = self._outer()
+        sync = self.run.sync
+        o.anchor, o.momentum = nesterov_step(o.anchor, o.momentum, avg, lr=sync.outer_lr, mu=sync.outer_momentum)
+        unflatten_into(o.anchor, self.params)
+        o.anchor_hash = self.module.state_hash()
+        o.anchor_applied = o.since_step = applied
+        self.applied = applied
+        return o.anchor_hash
+
+    def with_anchor(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` with the anchor installed as the parameters, then put the parameters back bit for bit."""
+        now = flatten(self.params)
+        unflatten_into(self._outer().anchor, self.params)
+        try:
+            return fn()
+        finally:
+            unflatten_into(now, self.params)
+
+    def outer_momentum(self) -> dict[str, torch.Tensor] | None:
+        """DiLoCo: the outer momentum by parameter name (what a checkpoint stores); None otherwise."""
+        if self.outer is None:
+            return None
+        out, offset = {}, 0
+        for n, p in zip(self.names, self.params):
+            out[n] = self.outer.momentum[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        return out
+
+    def take_anchor(self, momentum: dict[str, torch.Tensor] | None = None) -> None:
+        """DiLoCo: the parameters just installed (a donor's anchor, a checkpoint's, or the init) are the
+        anchor, with ``momentum`` by parameter name (None: zeros). Its step is unknown until :meth:`anchored`."""
+        o = self._outer()
+        o.anchor = flatten(self.params)
+        o.momentum = flatten([momentum[n] for n in self.names]) if momentum else torch.zeros_like(o.anchor)
+        o.anchor_hash = self.module.state_hash()
+        o.anchor_applied = o.since_step = -1
+
+    def anchored(self, applied: int, since_step: int) -> None:
+        """DiLoCo: the anchor is the stage's state after ``applied`` steps, and this replica trains on from
+        ``since_step`` (its inner steps cover the steps from there to the next sync)."""
+        o = self._outer()
+        o.anchor_applied, o.since_step = applied, since_step
+
+    def _outer(self) -> OuterState:
+        if self.outer is None:
+            raise RuntimeError("this run averages every step; it has no outer state")
+        return self.outer
+
     def zero_grads(self) -> None:
         """Drop accumulated gradients and in-flight graphs (before installing another replica's state)."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -214,14 +316,30 @@ class StageWorker:
     # -- state sync ------------------------------------------------------------------------------
     @torch.no_grad()
     def snapshot(self) -> list[tuple[str, torch.Tensor]]:
-        """Parameters and optimizer state as (name, CPU tensor) pairs, copies safe to send later."""
-        out = [(f"param/{n}", p.detach().cpu().clone()) for n, p in zip(self.names, self.params)]
+        """Parameters and optimizer state as (name, CPU tensor) pairs, copies safe to send later. In DiLoCo
+        mode the parameters are the anchor (the stage's shared state), with the outer momentum."""
+        if self.outer is not None:
+            out = self.with_anchor(lambda: [(f"param/{n}", p.detach().cpu().clone()) for n, p in zip(self.names, self.params)])
+            out += [(f"{OUTER_KEY}/{n}", m.clone()) for n, m in (self.outer_momentum() or {}).items()]
+        else:
+            out = [(f"param/{n}", p.detach().cpu().clone()) for n, p in zip(self.names, self.params)]
         for n, p in zip(self.names, self.params):
             st = self.optimizer.state.get(p, {})
             for k in OPTIM_KEYS:
                 if k in st:
                     out.append((f"{k}/{n}", st[k].detach().cpu().clone()))
         return out
+
+    def shared_snapshot(self, applied: Callable[[], int], self_test: bool) -> tuple[int, str, list[tuple[str, torch.Tensor]], bytes]:
+        """What this replica serves a joiner: (steps its state is after, its hash, :meth:`snapshot`, and the
+        self-test output computed with it as raw float32 bytes, or b""). ``applied()``: this replica's applied
+        steps, read here, with the parameters it goes with (the caller holds the compute lock); in DiLoCo mode
+        the state is the anchor instead, after its own steps."""
+        if self.outer is None:
+            test = self.self_test().numpy().tobytes() if self_test else b""
+            return applied(), self.param_hash(), self.snapshot(), test
+        test = self.with_anchor(self.self_test).numpy().tobytes() if self_test else b""
+        return self.outer.anchor_applied, self.outer.anchor_hash, self.snapshot(), test
 
     def expected(self, name: str) -> tuple[torch.dtype, list[int]] | None:
         """The dtype and shape a snapshot entry must have, or None if the name is not one of ours."""
@@ -233,6 +351,8 @@ class StageWorker:
             return torch.float32, []
         if kind in ("param", "exp_avg", "exp_avg_sq"):
             return p.dtype, list(p.shape)
+        if kind == OUTER_KEY and self.outer is not None:
+            return torch.float32, list(p.shape)
         return None
 
     @property
@@ -255,4 +375,7 @@ class StageWorker:
             if st:
                 # AdamW keeps "step" on the CPU (not capturable); the moments live beside the parameter.
                 self.optimizer.state[p] = {k: (v.clone() if k == "step" else v.to(self.device).clone()) for k, v in st.items()}
+        if self.outer is not None:
+            momentum = {n: entries[f"{OUTER_KEY}/{n}"] for n in self.names if f"{OUTER_KEY}/{n}" in entries}
+            self.take_anchor(momentum if len(momentum) == len(self.names) else None)
         return self.module.state_hash()

@@ -29,6 +29,8 @@ Request → reply:
   then does any replica apply it (the commit barrier, I1). A replica whose hash is not the majority's is
   refused with ``result_mismatch`` and resyncs (see ``coordinator/core/commit.py``).
 - :class:`Redo` → :class:`RedoReply`: un-complete tickets whose route broke (fault tolerance, I1).
+- :class:`OuterReady` → :class:`OuterDecision` (DiLoCo mode): a long poll for a stage's outer round: who
+  averages pseudo-gradients with what weight, who follows, who is left out (``coordinator/core/outer_rounds.py``).
 - :class:`CorpusCheck` → :class:`CorpusCheckReply`: a node that reads the training data (stage 0 or the
   last stage) checks its corpus fingerprint against the swarm's; the first one sets it.
 - :class:`Report` → :class:`ReportReply`: a fault report about a peer, with optional signed evidence.
@@ -47,6 +49,7 @@ from protolearn.precision import Precision
 from protolearn.protocol.boundary import MAX_WITNESSES, Direction, OutputEvidence
 from protolearn.protocol.bounds import MAX_HASH, MAX_PARTICIPANTS, MAX_STAGES, Hash, InFlight, MemoryGB, Nonce, PeerId, Session, Signature, StageIndex, Step, Ticket
 from protolearn.protocol.reducer_check import ReducerFault
+from protolearn.protocol.rounds import MAX_OUTER_ATTEMPTS
 from protolearn.protocol.states import NodeState
 from protolearn.protocol.wire import Message, Record
 from pydantic import Field
@@ -218,6 +221,9 @@ class Heartbeat(Message):
     # whose relay went away reserved on another); empty: unchanged.
     addrs: list[Addr] = Field(default_factory=list, max_length=MAX_ADDRS)
     session: Session = ""  # the session it joined with: another process's heartbeats are refused
+    # DiLoCo: the last inner step it applied (-1: none, or not in DiLoCo mode); ``step``/``param_hash`` and
+    # ``recent`` then name its state after the last outer syncs, the only states its stage's replicas share.
+    inner_step: Annotated[int, Field(ge=-1, lt=2**62)] = -1
 
 
 class HeartbeatReply(Message):
@@ -322,6 +328,43 @@ class Averaged(Message):
     # The hex SHA-256 of the averaged update the sender holds (the collective's result hash). The step
     # commits only when a strict majority of each stage's live replicas report the same one.
     result_hash: Hash = ""
+
+
+class OuterReady(Message):
+    """DiLoCo: the sender applied inner step ``round * H - 1`` of its stage and is ready for outer round
+    ``round`` (1-based; ``attempt`` > 1 after the round's collective failed). A long poll: the reply comes
+    once the round is decided, or after ``timeout_s`` as ``pending`` (coordinator/core/outer_rounds.py)."""
+
+    KIND: ClassVar[str] = "coord.outer_ready"
+    stage: StageIndex
+    round: Annotated[int, Field(ge=1, lt=2**40)]
+    attempt: Annotated[int, Field(ge=1, le=MAX_OUTER_ATTEMPTS)] = 1
+    # The hash of its parameters after the last outer sync ("" before the first): the stage's majority must hold it.
+    anchor_hash: Hash = ""
+    # The first inner step its parameters cover since it last took the stage's state (a claim that can only
+    # lower its own weight), and the tokens it counted itself (shown, never used: the records decide).
+    since_step: Step = 0
+    tokens: Annotated[int, Field(ge=0, lt=2**62)] = 0
+    timeout_s: Annotated[float, Field(gt=0.0, le=MAX_WAIT_S)] = 10.0
+
+
+class OuterWeight(Record):
+    peer_id: PeerId
+    weight: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+
+class OuterDecision(Message):
+    """The answer to :class:`OuterReady`: ``role`` ``pending`` (ask again), ``participant`` (average with
+    ``weights``), ``follower`` (fetch the result from the participants) or ``left_out`` (resync)."""
+
+    KIND: ClassVar[str] = "coord.outer_decision"
+    stage: int
+    round: int
+    attempt: int
+    role: Literal["pending", "participant", "follower", "left_out"]
+    reason: Text
+    weights: list[OuterWeight] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)
+    followers: list[PeerId] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)
 
 
 class PeerTickets(Record):

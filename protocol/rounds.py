@@ -15,6 +15,10 @@ from __future__ import annotations
 
 # Round ids per step. The coordinator caps revisions far below this (its max_revisions, 32 by default).
 REVISIONS_PER_STEP = 1 << 12
+# DiLoCo: attempts of one outer round whose collective failed, before its replicas give up on it. An outer
+# round after step b uses b's round ids (attempt a is revision a, its phases as a step's), which no inner
+# step uses in that mode.
+MAX_OUTER_ATTEMPTS = 64
 # Rounds per revision: phase 0, and phase 1 for a sync that averages twice per step (PowerSGD).
 PHASES_PER_REVISION = 2
 

@@ -25,6 +25,28 @@ class RunView(Record):
     tokens_per_step: int
     # The run's optimizer steps (schema 4; 0: not said).
     steps: int = 0
+    # How replicas stay in step (schema 5): "step" (every step) or "diloco" (an outer sync every inner_steps).
+    sync: Literal["step", "diloco"] = "step"
+    inner_steps: int = 0
+
+
+class LeftOut(Record):
+    peer_id: str
+    reason: str
+
+
+class OuterView(Record):
+    """A DiLoCo stage's last outer round (schema 5): round ``round`` (attempt ``attempt``) after inner step
+    ``step``, decided at ``decided_at`` with ``quorum``; who contributed, who followed, who was left out."""
+
+    round: int
+    attempt: int
+    step: int
+    decided_at: float
+    quorum: int
+    participants: list[str]
+    followers: list[str]
+    left_out: list[LeftOut]
 
 
 class StageView(Record):
@@ -36,6 +58,8 @@ class StageView(Record):
     param_step: int
     param_hashes: list[ParamHash]
     hashes_agree: bool
+    # DiLoCo (schema 5): the stage's last outer round (None: none yet, or not in DiLoCo mode).
+    outer: OuterView | None = None
 
 
 class NodeView(Record):
@@ -60,6 +84,8 @@ class NodeView(Record):
     # NAT (schema 3): the coordinator's reachability verdict, and how its stage peers reach it ("": not said yet).
     reachability: Reachability = "unknown"
     path: NodePath = ""
+    # DiLoCo (schema 5): the last inner step it applied (-1: not said); ``step`` is then its last outer sync's.
+    inner_step: int = -1
 
 
 class LossPoint(Record):

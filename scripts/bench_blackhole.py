@@ -76,8 +76,9 @@ max_bytes = 200000
 """
 
 
-def _run_toml(stages: int, steps: int, microbatches: int = 6) -> str:
-    return TINY.format(steps=steps, stages=stages, microbatches=microbatches)
+def _run_toml(stages: int, steps: int, microbatches: int = 6, extra_toml: str = "") -> str:
+    """The run; ``extra_toml``: more sections (e.g. ``[sync]`` for DiLoCo mode, bench.py integrity --diloco)."""
+    return TINY.format(steps=steps, stages=stages, microbatches=microbatches) + extra_toml
 
 
 @dataclass
@@ -95,7 +96,7 @@ class Outcome:
 
 def _swarm_run(
     workdir: Path, *, stages: int, steps: int, num_nodes: int, lease_s: float, hole: str | None, deadline_s: float, hole_stage: int = 0,
-    stage1_replicas: int = 1,
+    stage1_replicas: int = 1, extra_toml: str = "",
 ) -> Outcome:
     import trio
     from protolearn.cli.demo import LocalSwarm
@@ -103,7 +104,7 @@ def _swarm_run(
 
     from protolearn.stages.footprint import stage_footprints
 
-    run_toml = _run_toml(stages, steps)
+    run_toml = _run_toml(stages, steps, extra_toml=extra_toml)
     run = RunConfig.from_toml_text(run_toml)
     tokens_per_step = run.batch.tokens_per_step
     # With two stage-1 replicas, nodes 2 and 0 offer less memory than stage 0 needs, so placement can only
@@ -226,15 +227,15 @@ def _last_error(path: Path) -> str | None:
 
 def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: int | None = None, from_step: int = 2,
             lease_s: float | None = None, warmup: int = 2, hole_stage: int = 0, workdir: Path | None = None,
-            kind: str = "blackhole", stage1_replicas: int = 1) -> dict:
+            kind: str = "blackhole", stage1_replicas: int = 1, extra_toml: str = "") -> dict:
     """Run the honest and the blackhole swarm back to back and compare their tokens/s (module docstring)."""
     return measure_kinds({kind: from_step}, quick=quick, stages=stages, num_nodes=num_nodes, steps=steps, lease_s=lease_s,
-                         warmup=warmup, hole_stage=hole_stage, workdir=workdir, stage1_replicas=stage1_replicas)[kind]
+                         warmup=warmup, hole_stage=hole_stage, workdir=workdir, stage1_replicas=stage1_replicas, extra_toml=extra_toml)[kind]
 
 
 def measure_kinds(kinds: dict[str, int], *, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: int | None = None,
                   lease_s: float | None = None, warmup: int = 2, hole_stage: int = 0, workdir: Path | None = None,
-                  stage1_replicas: int = 1) -> dict[str, dict]:
+                  stage1_replicas: int = 1, extra_toml: str = "") -> dict[str, dict]:
     """One honest run, then one run per adversary ``kind`` (from its step ``kinds[kind]``), each compared with
     the same honest run: ``{kind: measure()'s dict}``. Each adversary run is in ``workdir/blackhole`` for
     ``blackhole`` and ``workdir/KIND`` otherwise. ``stage1_replicas`` 2 (with ``hole_stage`` 1): node 0
@@ -248,12 +249,13 @@ def measure_kinds(kinds: dict[str, int], *, quick: bool = False, stages: int = 1
     if stage1_replicas not in (1, 2) or (stage1_replicas == 2 and hole_stage != 1):
         raise ValueError(f"stage1_replicas {stage1_replicas}: 1, or 2 with hole_stage 1")
     honest = _swarm_run(workdir / "honest", stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s, hole=None, deadline_s=deadline,
-                        hole_stage=hole_stage, stage1_replicas=stage1_replicas)
+                        hole_stage=hole_stage, stage1_replicas=stage1_replicas, extra_toml=extra_toml)
     out = {}
     for kind, from_step in kinds.items():
         where = workdir / ("blackhole" if kind == "blackhole" else kind)
         hole = _swarm_run(where, stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s,
-                          hole=f"{kind}:{from_step}", deadline_s=deadline, hole_stage=hole_stage, stage1_replicas=stage1_replicas)
+                          hole=f"{kind}:{from_step}", deadline_s=deadline, hole_stage=hole_stage, stage1_replicas=stage1_replicas,
+                          extra_toml=extra_toml)
         out[kind] = _compare(honest, hole, kind=kind, from_step=from_step, steps=steps, lease_s=lease_s, stages=stages,
                              num_nodes=num_nodes, warmup=warmup, hole_stage=hole_stage, where=where, workdir=workdir)
     return out

@@ -14,7 +14,11 @@ banned (``false_positives``), and the final loss against the honest run's (``los
 is within 3%). ``overhead``: the honest swarm's tokens/s with integrity checks off, against monitors
 plus spot checks at p = 0.05, measured in the same invocation (the goal is ≤ 5% slower).
 
-Usage: ``python scripts/bench.py integrity --json [--kinds scale,nan] [--steps 14] [--quick]``.
+``--diloco H`` runs every scenario in DiLoCo mode (``[sync] mode = "diloco"``, ``inner_steps = H``, quorum 2,
+grace 2 s; issue 24): spot checks then check the first inner step after each outer sync only, and the robust
+rules act on pseudo-gradients; the report says so (``sync``).
+
+Usage: ``python scripts/bench.py integrity --json [--kinds scale,nan] [--steps 14] [--quick] [--diloco 4]``.
 """
 
 from __future__ import annotations
@@ -58,6 +62,14 @@ max_bytes = 200000
 monitors = {monitors}
 spot_check_rate = {rate}
 precisions = {precisions}
+"""
+
+DILOCO = """
+[sync]
+mode = "diloco"
+inner_steps = {inner_steps}
+quorum = 2
+grace_s = 2.0
 """
 
 NODES = 5
@@ -110,7 +122,7 @@ async def _watch(swarm, timeout_s: float, may_fail: set[int]):
 
 def scenario(
     workdir: Path, *, kind: str | None = None, from_step: int = 0, steps: int = 30, seed: int = 0, codec: str = "none",
-    rate: float = 0.25, monitors: bool = True, timeout_s: float = 300.0, bf16: bool = False,
+    rate: float = 0.25, monitors: bool = True, timeout_s: float = 300.0, bf16: bool = False, extra_toml: str = "",
 ) -> dict:
     """One swarm run; ``kind`` None is the honest run. See the module docstring for what it returns.
 
@@ -121,7 +133,7 @@ def scenario(
     from protolearn.cli.demo import LocalSwarm
 
     precisions = '["fp32", "bf16"]' if bf16 else '["fp32"]'
-    run_toml = TINY.format(seed=seed, steps=steps, codec=codec, rate=rate, monitors=str(monitors).lower(), precisions=precisions)
+    run_toml = TINY.format(seed=seed, steps=steps, codec=codec, rate=rate, monitors=str(monitors).lower(), precisions=precisions) + extra_toml
     per_node = {ADVERSARY: ["--adversary", f"{kind}:{from_step}"]} if kind else {}
     if bf16:
         per_node[ADVERSARY + 1] = ["--bf16"]
@@ -188,7 +200,7 @@ def scenario(
     return out
 
 
-def _liveness(workdir: Path, kind: str) -> dict:
+def _liveness(workdir: Path, kind: str, extra_toml: str = "") -> dict:
     """A liveness fault against the honest swarm in the same invocation (bench_blackhole.py): a blackhole
     among 3 stage-0 nodes, or a ``hang`` (its compute thread blocks for good from step 20) in a 2-stage
     swarm of three (two in stage 0)."""
@@ -200,12 +212,12 @@ def _liveness(workdir: Path, kind: str) -> dict:
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     if kind == "hang":
-        r = module.measure(quick=True, workdir=workdir, kind="hang", stages=2, num_nodes=3, from_step=20)
+        r = module.measure(quick=True, workdir=workdir, kind="hang", stages=2, num_nodes=3, from_step=20, extra_toml=extra_toml)
         return {
             **r, "detected": r["left_out_after_s"] is not None, "false_positives": len(r["honest_banned"]),
             "microbatches_to_ban": None, "throughput_ratio_after_ban": r["ratio"],
         }
-    r = module.measure(quick=True, workdir=workdir)
+    r = module.measure(quick=True, workdir=workdir, extra_toml=extra_toml)
     return {
         **r, "detected": bool(r["banned"]), "false_positives": len(r["honest_banned"]),
         "microbatches_to_ban": r["leases_until_ban"], "throughput_ratio_after_ban": r["ratio"],
@@ -224,7 +236,9 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--overhead-only", action="store_true", help="only the overhead runs")
     parser.add_argument("--overhead-steps", type=int, default=60, help="steps of each overhead run")
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--diloco", type=int, default=0, metavar="H", help="run every scenario in DiLoCo mode with H inner steps")
     args = parser.parse_args(argv)
+    extra = DILOCO.format(inner_steps=args.diloco) if args.diloco else ""
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="protolearn-bench-integrity-"))
     kinds = [k for k in args.kinds.split(",") if k] if not args.overhead_only else []
     unknown = sorted(set(kinds) - set(KINDS))
@@ -232,21 +246,22 @@ def run(argv: list[str]) -> dict:
         raise SystemExit(f"error: unknown adversary kinds {unknown}; choose from {', '.join(KINDS)}")
     if args.overhead_only:
         return {"overhead": _overhead(root, args.overhead_steps, args.seed), "workdir": str(root)}
-    honest = scenario(root / "honest", steps=args.steps, seed=args.seed, rate=args.rate)
+    honest = scenario(root / "honest", steps=args.steps, seed=args.seed, rate=args.rate, extra_toml=extra)
     per_kind = {}
     for kind in kinds:
         if kind in ("blackhole", "hang"):  # liveness faults: measured by throughput, scripts/bench_blackhole.py
-            per_kind[kind] = _liveness(root / kind, kind)
+            per_kind[kind] = _liveness(root / kind, kind, extra)
             continue
-        r = scenario(root / kind, kind=kind, from_step=args.from_step, steps=args.steps, seed=args.seed, rate=args.rate)
+        r = scenario(root / kind, kind=kind, from_step=args.from_step, steps=args.steps, seed=args.seed, rate=args.rate, extra_toml=extra)
         if r["final_loss"] and honest["final_loss"]:
             r["loss_ratio"] = r["final_loss"] / honest["final_loss"]
         per_kind[kind] = r
     honest_runs = [honest]
     for seed in range(1, args.honest_seeds):
         codec = "int8" if seed == args.honest_seeds - 1 else "none"
-        honest_runs.append(scenario(root / f"honest-{seed}-{codec}", steps=args.steps, seed=seed, codec=codec, rate=args.rate))
+        honest_runs.append(scenario(root / f"honest-{seed}-{codec}", steps=args.steps, seed=seed, codec=codec, rate=args.rate, extra_toml=extra))
     out: dict = {
+        "sync": f"diloco:{args.diloco}" if args.diloco else "step",
         "honest": honest,
         "kinds": per_kind,
         "detection_rate": {k: float(r["detected"]) for k, r in per_kind.items()},

@@ -105,6 +105,8 @@ SECTIONS: tuple[Section, ...] = (
             quick=("--tickets", "500"), anchor="framing-an-honest-replica-the-coordinators-witness-draw"),
     Section("integrity", "integrity", ("--no-overhead",), "Integrity: every adversary kind", "report_suites:render_integrity", "suites",
             quick=("--kinds", "signflip", "--steps", "12", "--no-overhead"), anchor="integrity-each-adversary-kind-in-a-real-swarm"),
+    Section("integrity-diloco", "integrity", ("--no-overhead", "--diloco", "4", "--steps", "50", "--honest-seeds", "5"),
+            "Integrity in DiLoCo mode: every adversary kind", "report_suites:render_integrity", "suites", default=False),
     Section("compression", "compression", ("--plot", "docs/compression.png"), "Boundary compression against loss", "report_suites:render_compression",
             "suites", default=False, store="docs/compression.json", anchor="compression-bytes-per-token-against-loss"),
     Section("nat", "nat", (), "Paths through real NATs", "report_suites:render_nat", "suites", quick=("--mib", "4"), needs=_root_and("ip", "iptables"), anchor="nat-paths-through-real-nats"),

@@ -197,7 +197,11 @@ def render_integrity(r: dict[str, Any], figs: Path, plt: Any) -> str:
         rows.append([kind, num(k.get("detected")), num(k.get("microbatches_to_ban")), num(k.get("false_positives")), effect,
                      f"`{reason[:90]}`" if reason else "–"])
     runs = r.get("honest_runs", [])
-    out = [f"Every adversary kind in a real local swarm (2 + 2 honest nodes, a 30-step 2-stage run; the adversary joins as a newcomer). "
+    steps = (r.get("honest") or {}).get("steps_closed") or 30
+    sync = r.get("sync", "step")
+    mode = "" if sync == "step" else (f", in DiLoCo mode with {sync.split(':')[1]} inner steps between outer syncs (spot checks of the first "
+                                      "inner step after each sync only)")
+    out = [f"Every adversary kind in a real local swarm (2 + 2 honest nodes, a {steps}-step 2-stage run{mode}; the adversary joins as a newcomer). "
            f"Honest runs: {len(runs)}, banning {r.get('false_positives', {}).get('honest', '–')} nodes; final losses "
            f"{', '.join(dec(h.get('final_loss'), 3) for h in runs)}.", "",
            table(["kind", "banned", "microbatches to ban", "honest nodes banned", "final loss / honest run's", "the ban reason starts"], rows)]
@@ -207,7 +211,8 @@ def render_integrity(r: dict[str, Any], figs: Path, plt: Any) -> str:
                 f"(off {o.get('tokens_per_s_off')}, on {o.get('tokens_per_s_on')} tokens/s over {o.get('steps')} steps)."]
     if plt is not None and rows:
         kinds = list(r["kinds"])
-        out += ["", bars(plt, figs / "integrity.png", kinds, {"microbatches to ban": [r["kinds"][k].get("microbatches_to_ban") for k in kinds]},
+        fig = "integrity.png" if sync == "step" else "integrity-diloco.png"
+        out += ["", bars(plt, figs / fig, kinds, {"microbatches to ban": [r["kinds"][k].get("microbatches_to_ban") for k in kinds]},
                          ylabel="count", title="corrupted microbatches (leases for the blackhole) before the ban")]
     return "\n".join(out)
 

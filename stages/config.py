@@ -187,21 +187,40 @@ class SubspaceConfig(_Frozen):
 
 
 class SyncConfig(_Frozen):
-    """How the replicas of a stage keep in sync (DESIGN.md "How one training step flows", step 4).
+    """How the replicas of a stage stay in step (DESIGN.md "How one training step flows", step 4; issue 24).
 
-    ``mode = "step"``: every step, the replicas average their gradients with the collective. ``compression``
-    (:mod:`protolearn.sync_spec`; :mod:`protolearn.protocol.sync_compression`) is what that average sends:
-    ``none`` (raw float32: the swarm equals ``train-local``), ``int8``, ``topk:F`` or ``powersgd:R``.
+    ``mode = "step"``: every step, the replicas average their gradients with the collective (DESIGN.md's
+    one-step flow). ``diloco``: each replica takes its own AdamW inner steps on the tickets that pass
+    through it; after every ``inner_steps`` steps the replicas average their pseudo-gradients (parameters
+    at the last sync minus now) weighted by the tokens each processed, and apply one Nesterov outer step
+    with ``outer_lr`` and ``outer_momentum`` (node/core/outer_round.py). An outer round goes ahead once
+    ``quorum`` replicas of the stage (at most as many as are live) are ready and ``grace_s`` passed since
+    the first; late or dead replicas are left out and resync (coordinator/core/outer_rounds.py).
+    ``max_weight_share`` caps any one replica's share of the weight (Throttle); None: no cap.
+
+    ``compression`` (:mod:`protolearn.sync_spec`; :mod:`protolearn.protocol.sync_compression`) is what the
+    average sends, in either mode (a step's gradients, or an outer round's pseudo-gradients): ``none``
+    (raw float32: the swarm equals ``train-local``), ``int8``, ``topk:F`` or ``powersgd:R``.
     """
 
-    mode: str = Field("step", pattern=r"^step$")
+    mode: str = Field("step", pattern=r"^(step|diloco)$")
     compression: str = "none"
+    inner_steps: int = Field(32, ge=1, le=1000)
+    outer_lr: float = Field(0.7, gt=0.0, le=10.0)
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    quorum: int = Field(1, ge=1, le=1_000_000)
+    grace_s: float = Field(2.0, ge=0.0, le=3600.0)
+    max_weight_share: float | None = Field(None, gt=0.0, le=1.0)
 
     @field_validator("compression")
     @classmethod
     def _known_compression(cls, v: str) -> str:
         parse_sync_compression(v, field="sync.compression")
         return v
+
+    @property
+    def diloco(self) -> bool:
+        return self.mode == "diloco"
 
     @property
     def compression_spec(self) -> SyncCompression:

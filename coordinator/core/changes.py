@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from protolearn.coordinator.core.integrity import EvidenceRecord
 from protolearn.coordinator.core.members import Member
+from protolearn.coordinator.core.outer_rounds import Decision
 from protolearn.coordinator.core.steps import ClosedStep, Ticket
 from protolearn.coordinator.core.verdicts import Ban
 
@@ -35,9 +36,11 @@ class Changes:
     corpus: str | None = None
     # Integrity reports judged since the last drain (integrity.py).
     evidence: list[EvidenceRecord] = field(default_factory=list)
+    # DiLoCo: each stage's last outer-round decision, when one changed (outer_rounds.py).
+    outer: list[Decision] | None = None
 
     def empty(self) -> bool:
         return not (
             self.members or self.removed or self.tickets or self.tickets_reset or self.closed or self.bans
-            or self.committed is not None or self.corpus is not None or self.evidence
+            or self.committed is not None or self.corpus is not None or self.evidence or self.outer is not None
         )

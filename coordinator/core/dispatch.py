@@ -46,6 +46,8 @@ from protolearn.coordinator.core.holdups import Holdups
 from protolearn.coordinator.core.integrity import EvidenceRecord, IntegrityDesk
 from protolearn.coordinator.core.leases import LeaseDiscipline
 from protolearn.coordinator.core.members import LIVE, HeartbeatInfo, JoinInfo, Member
+from protolearn.coordinator.core.outer_desk import OuterDesk, answer_ready
+from protolearn.coordinator.core.outer_rounds import Decision
 from protolearn.coordinator.core.pacing import Pacing
 from protolearn.coordinator.core.reachability import ReachabilityDesk, Verdict, build_reply, relay_refusal
 from protolearn.coordinator.core.redo import RedoBudget, orphaned
@@ -128,6 +130,10 @@ class CoordinatorCore:
         self.reachability = ReachabilityDesk()
         # Whether the run finished, and the final model the adapter keeps (final_model.py, settings.keep_final).
         self.final_model = FinalModelDesk(run, self.ledger, keep=settings.keep_final)
+        # DiLoCo mode's outer rounds (outer_desk.py); None when the replicas average every step.
+        self.outer = None if run.outer is None else OuterDesk(
+            run.outer, run.num_stages, self.registry, self.ledger, self.verdicts, ban=self.ban, expel_after=settings.expel_after_strikes,
+        )
 
     # -- restore ------------------------------------------------------------------------------
 
@@ -144,6 +150,7 @@ class CoordinatorCore:
         committed: int | None = None,
         corpus: str | None = None,
         evidence: list[EvidenceRecord] | None = None,
+        outer: list[Decision] | None = None,
     ) -> None:
         """Load persisted state after a restart, giving live members and leases a fresh term."""
         self.registry.restore(members, now)
@@ -152,6 +159,8 @@ class CoordinatorCore:
         self.integrity.restore(evidence or [])
         self.corpus_desk.restore(corpus)
         self.step_history.restore(history)
+        if self.outer is not None:
+            self.outer.rounds.restore(outer or [])
 
     @property
     def corpus(self) -> str | None:
@@ -197,6 +206,8 @@ class CoordinatorCore:
             return self._redo(member, msg, now)
         if isinstance(msg, cm.Averaged):
             return self._averaged(member, msg, now)
+        if isinstance(msg, cm.OuterReady):
+            return answer_ready(self.outer, member, msg, now)
         if isinstance(msg, cm.CorpusCheck):
             return self.corpus_desk.check(member, msg.fingerprint)
         if isinstance(msg, cm.Report):
@@ -505,6 +516,8 @@ class CoordinatorCore:
             events.append(f"leases expired step={self.ledger.step} tickets={fresh} (re-issued on the next lease)")
         events += self.leases.strike(now)
         events += self.holdups.watch(self.registry.serving, now, self.leases.sat_out(self.ledger.last_closed))
+        if self.outer is not None:
+            events += self.outer.tick(now)
         self.verdicts.prune(now)
         # A replica the commit waited for may have died: the step can commit without it now.
         if self.ledger.try_commit(self.registry.reachable).committed:
@@ -524,5 +537,5 @@ class CoordinatorCore:
         return Changes(
             step=self.ledger.step, members=members, removed=removed, tickets=tickets.tickets, tickets_reset=tickets.reset,
             closed=self.step_history.drain(), bans=self.verdicts.drain(), committed=tickets.committed, corpus=self.corpus_desk.drain(),
-            evidence=self.integrity.drain(),
+            evidence=self.integrity.drain(), outer=self.outer.rounds.drain() if self.outer is not None else None,
         )

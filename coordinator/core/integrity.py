@@ -81,6 +81,9 @@ class IntegrityDesk:
         accused, me = self._pair(reporter, msg.target)
         if msg.step >= frontier + 1:
             raise Refusal("bad_step", f"step {msg.step} has not started")
+        if self.run.outer is not None and msg.step % self.run.outer.inner_steps:
+            # DiLoCo: replicas share weights only on the first inner step after an outer sync; no other step is checkable.
+            raise Refusal("not_checkable", f"step {msg.step} is not the first inner step after an outer sync; replicas differ there")
         if self.verdicts.is_banned(msg.target):
             return cm.WitnessDrawReply(witnesses=[])
         stage = accused.stage

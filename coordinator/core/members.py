@@ -65,6 +65,8 @@ class Member:
     session: str = ""
     # The IP address its join came from, as the coordinator saw it ("": unknown): address_cap.py.
     ip: str = ""
+    # DiLoCo: the last inner step it applied, as its heartbeat says (-1: not said); ``step`` is its last outer sync's.
+    inner_step: int = -1
 
     def __post_init__(self) -> None:
         self.state = NodeState(self.state)  # the store keeps it as its string value
@@ -119,12 +121,13 @@ class HeartbeatInfo:
     path: str = ""  # how its stage peers reach it ("": not said)
     addrs: tuple[str, ...] = ()  # where it is to be dialled now, if that changed since it joined (): unchanged)
     session: str = ""  # the session it joined with ("": not said)
+    inner_step: int = -1  # DiLoCo: its last inner step (-1: not said)
 
     @classmethod
     def of(cls, msg: cm.Heartbeat) -> HeartbeatInfo:
         return cls(
             msg.state, msg.throughput, msg.queue_len, msg.step, msg.param_hash, msg.loss, msg.stage, tuple((r.step, r.hash) for r in msg.recent),
-            msg.path, tuple(msg.addrs), msg.session,
+            msg.path, tuple(msg.addrs), msg.session, msg.inner_step,
         )
 
 

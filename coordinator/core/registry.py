@@ -322,6 +322,9 @@ class Registry:
             self._recent[peer_id] = tuple(sorted(recent.items()))
         if hb.loss is not None:
             m.loss = hb.loss
+        if hb.inner_step != m.inner_step:
+            # A claim for `swarm status` only, bounded by the frontier like the step above.
+            m.inner_step = hb.inner_step if frontier is None or hb.inner_step < frontier else -1
         if hb.path:
             m.path = hb.path
         moved = bool(hb.addrs) and list(hb.addrs) != m.addrs

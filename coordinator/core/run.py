@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protolearn.coordinator.core.outer_rounds import OuterSpec
 from protolearn.stages.footprint import StageFootprint
 
 
@@ -46,6 +47,8 @@ class RunInfo:
     subspace: tuple[int, int, int, int, float] | None = None
     # Each stage's memory footprint (stages/footprint.py): a joiner goes only where it fits (fit.py).
     footprints: tuple[StageFootprint, ...] = ()
+    # DiLoCo mode's outer rounds (coordinator/core/outer_rounds.py); None: the replicas average every step.
+    outer: OuterSpec | None = None
 
     @property
     def num_stages(self) -> int:
@@ -76,4 +79,15 @@ class RunInfo:
             sync_compression=run.sync.compression,
             subspace=run.subspace_key,
             footprints=stage_footprints(run),
+            outer=_outer_spec(run),
         )
+
+
+def _outer_spec(run) -> OuterSpec | None:
+    sync = run.sync
+    if not sync.diloco:
+        return None
+    return OuterSpec(
+        inner_steps=sync.inner_steps, steps=run.steps, quorum=sync.quorum, grace_s=sync.grace_s, max_weight_share=sync.max_weight_share,
+        tokens_per_ticket=run.batch.microbatch_size * run.batch.seq_len,
+    )

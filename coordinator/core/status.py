@@ -60,6 +60,7 @@ from protolearn.coordinator.core.history import LossRecord
 from protolearn.coordinator.core.holdups import Holdups, Waiting
 from protolearn.coordinator.core.integrity import IntegrityDesk
 from protolearn.coordinator.core.members import Member
+from protolearn.coordinator.core.outer_desk import OuterDesk
 from protolearn.coordinator.core.registry import Registry
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.tickets import TicketLedger
@@ -71,7 +72,8 @@ from protolearn.protocol.majority import majority_state
 # 2: nodes carry integrity, probation, checks_passed, checks_failed and evidence.
 # 3: nodes carry reachability and path (NAT traversal).
 # 4: nodes carry their name; the run its steps; the status at_risk, eta_s, final_step; a "finished" verdict.
-SCHEMA_VERSION = 4
+# 5: DiLoCo: the run its sync mode and inner_steps; stages their last outer round; nodes their inner step.
+SCHEMA_VERSION = 5
 # tokens/s is measured over this many of the most recent closed steps.
 RATE_WINDOW = 10
 # No step closed for this long (and this many average step times) while not halted: degraded.
@@ -99,7 +101,7 @@ def _obj(props: dict[str, Any]) -> dict[str, Any]:
 STATUS_JSON_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "protolearn swarm status",
-    "description": "Output of `protolearn swarm status --json` (schema_version 4).",
+    "description": "Output of `protolearn swarm status --json` (schema_version 5).",
     **_obj(
         {
             "schema_version": {"const": SCHEMA_VERSION},
@@ -113,6 +115,8 @@ STATUS_JSON_SCHEMA: dict[str, Any] = {
                     "microbatches_per_step": _INT,
                     "tokens_per_step": _INT,
                     "steps": {**_INT, "description": "the run's optimizer steps (0: not said)"},
+                    "sync": {"enum": ["step", "diloco"], "description": "replicas average every step, or DiLoCo outer syncs"},
+                    "inner_steps": {**_INT, "description": "DiLoCo: inner steps between outer syncs (0 otherwise)"},
                 }
             ),
             "step": {**_INT, "description": "the open step (the next to close)"},
@@ -148,6 +152,23 @@ STATUS_JSON_SCHEMA: dict[str, Any] = {
                             "items": _obj({"peer_id": _STR, "step": _INT, "hash": _STR}),
                         },
                         "hashes_agree": {"type": "boolean", "description": "a strict majority of the replicas at param_step hold one hash"},
+                        "outer": {
+                            "anyOf": [
+                                {"type": "null"},
+                                _obj(
+                                    {
+                                        "round": _INT, "attempt": _INT,
+                                        "step": {**_INT, "description": "the inner step the round synced after"},
+                                        "decided_at": _NUM,
+                                        "quorum": {**_INT, "description": "the replicas the round needed (quorum, at most the live ones)"},
+                                        "participants": {"type": "array", "items": _STR},
+                                        "followers": {"type": "array", "items": _STR},
+                                        "left_out": {"type": "array", "items": _obj({"peer_id": _STR, "reason": _STR})},
+                                    }
+                                ),
+                            ],
+                            "description": "DiLoCo: the stage's last outer round (null: none yet, or per-step averaging)",
+                        },
                     }
                 ),
             },
@@ -178,6 +199,7 @@ STATUS_JSON_SCHEMA: dict[str, Any] = {
                             "enum": list(get_args(cm.NodePath)),
                             "description": "how its stage peers reach it, from its last heartbeat; empty until it said",
                         },
+                        "inner_step": {**_INT, "description": "DiLoCo: the last inner step it applied (-1: not said); step is its last outer sync's"},
                     }
                 ),
             },
@@ -230,6 +252,8 @@ class StatusSource(Protocol):
     def final_model(self) -> FinalModelDesk: ...
     @property
     def holdups(self) -> Holdups: ...
+    @property
+    def outer(self) -> OuterDesk | None: ...
 
 
 def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.Status:
@@ -275,6 +299,7 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.S
                 param_step=param_step,
                 param_hashes=[cm.ParamHash(peer_id=m.peer_id, step=m.step, hash=m.param_hash) for m in reported],
                 hashes_agree=agree,
+                outer=_outer_view(core, s),
             )
         )
 
@@ -297,6 +322,7 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.S
                 evidence=core.integrity.against.get(m.peer_id, 0),
                 reachability=m.reachability if m.reachability in _REACH else "unknown",
                 path=m.path if m.path in _PATHS else "",
+                inner_step=m.inner_step,
             )
         )
 
@@ -316,6 +342,7 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.S
         run=ss.RunView(
             name=run.name, run_hash=run.run_hash, num_stages=run.num_stages,
             microbatches_per_step=run.microbatches_per_step, tokens_per_step=run.tokens_per_step, steps=run.steps,
+            sync="diloco" if run.outer is not None else "step", inner_steps=run.outer.inner_steps if run.outer is not None else 0,
         ),
         step=ledger.step,
         last_closed=ledger.last_closed,
@@ -332,6 +359,18 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.S
         stages=stages,
         nodes=nodes,
         bans=[ss.BanView(peer_id=b.peer_id, reason=b.reason, at=float(b.at)) for b in core.verdicts.bans.values()],
+    )
+
+
+def _outer_view(core: StatusSource, stage: int) -> ss.OuterView | None:
+    """A DiLoCo stage's last outer round, as the coordinator decided it (outer_rounds.py)."""
+    d = core.outer.last(stage) if core.outer is not None else None
+    if d is None:
+        return None
+    return ss.OuterView(
+        round=d.round, attempt=d.attempt, step=core.run.outer.boundary(d.round) if core.run.outer is not None else -1,
+        decided_at=float(d.at), quorum=d.quorum, participants=sorted(d.weights), followers=list(d.followers),
+        left_out=[ss.LeftOut(peer_id=p, reason=why) for p, why in sorted(d.left_out.items())],
     )
 
 

@@ -20,6 +20,7 @@ coordinator's own host gate refuses every banned peer.
 ``result_mismatch`` (it reported an averaged result its stage's majority did not hold) and
 ``late_leases`` (it sat on leased tickets past a fraction of ``lease_s`` without completing any),
 ``commit_hold`` (it held a step's commit past its grace without reporting its result: ``holdups.py``),
+``outer_hold`` (DiLoCo: a live replica its stage's outer round went ahead without, that never arrived: ``outer_desk.py``),
 ``round_fault`` (a strict majority of its stage's participants named it the cause of their failed round:
 ``round_faults.py``) and
 ``lost_microbatches`` (a previous-stage replica reported that microbatches it handed this peer, and the
@@ -64,7 +65,8 @@ _MAX_REPORTS_PER_TARGET = 1024
 MAX_BANS_IN_REPLY = 4096
 # Bound on flagged peers remembered (the oldest flag is forgotten first); each peer has a few flag kinds.
 _MAX_FLAGGED = 100_000
-FLAG_KINDS = ("redo_storm", "result_mismatch", "late_leases", "lost_microbatches", "integrity", "commit_hold", "round_fault")
+FLAG_KINDS = ("redo_storm", "result_mismatch", "late_leases", "lost_microbatches", "integrity", "commit_hold", "round_fault",
+              "outer_hold")
 # A report whose reason starts with this is a liveness claim (lost microbatches), weighed by
 # :meth:`VerdictPolicy.liveness_report` rather than as a plain report.
 LIVENESS_REASON = "liveness:"

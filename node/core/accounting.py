@@ -50,6 +50,9 @@ class Accounting:
     # Gradients admitted whose backward has not run yet: a second gradient for the same ticket (one per
     # attempt, after a redo) must not reach a graph that the first one already consumed.
     _backward_pending: set[Key] = field(default_factory=set)
+    # Work for the next step is held (True) or refused as ``ahead`` (False): while the replica waits long
+    # before it can train the next step (DiLoCo's outer sync), a sender had better route elsewhere than wait.
+    hold_next: bool = True
 
     @property
     def step(self) -> int:
@@ -85,6 +88,8 @@ class Accounting:
         if key in self._in_flight:
             return Admission("process", f"redo of step {step} ticket {ticket}: replaces the attempt in flight here")
         if step == self.applied + 1:
+            if not self.hold_next:
+                return Admission("refuse", f"step {step} is ahead: this replica is syncing after step {self.applied}", "ahead")
             if len(self._deferred) >= self.max_deferred:
                 return Admission("refuse", f"busy: {len(self._deferred)} next-step microbatches already waiting", "busy")
             self._deferred.append((key, payload))

@@ -107,6 +107,7 @@ class Phase(Enum):
     COMMITTING = "committing"
     APPLYING = "applying"
     RESYNCING = "resyncing"
+    OUTER = "outer"  # DiLoCo: applied an outer round's last inner step, syncing with the stage (inner_step.py)
 
 
 # What a replica does when a redo was refused and the step did not reopen.

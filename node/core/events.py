@@ -3,7 +3,8 @@
 Each action that asks something is answered by exactly one event: :class:`AskReported` by
 :class:`Reported`, :class:`Average` by :class:`RoundDone` or :class:`RoundFailed`, :class:`Fetch` by
 :class:`Fetched`, :class:`Redo` by :class:`RedoAnswer`, :class:`AskReopened` by :class:`ReopenAnswer`,
-:class:`WaitCommit` by :class:`CommitAnswer`, and :class:`Apply` and :class:`Skip` by :class:`Applied`. The rest
+:class:`WaitCommit` by :class:`CommitAnswer`, :class:`Apply` and :class:`Skip` by :class:`Applied`, and (DiLoCo)
+:class:`SyncOuter` by :class:`OuterDone`. The rest
 (:class:`Emit`, :class:`StartHeld`, :class:`Resync`, :class:`WaitClosed`) need no answer.
 """
 
@@ -105,7 +106,18 @@ class Synced:
     applied: int
 
 
-Event = Closed | Reported | RoundDone | RoundFailed | Fetched | RedoAnswer | ReopenAnswer | CommitAnswer | Applied | Synced
+@dataclass(frozen=True)
+class OuterDone:
+    """DiLoCo: the outer round after ``step`` ended here: ``param_hash`` is the stage's new shared state, or
+    ``resync`` (this replica was left out, or could not get the result)."""
+
+    step: int
+    param_hash: str = ""
+    resync: bool = False
+    reason: str = ""
+
+
+Event = Closed | Reported | RoundDone | RoundFailed | Fetched | RedoAnswer | ReopenAnswer | CommitAnswer | Applied | Synced | OuterDone
 
 
 # -- actions ---------------------------------------------------------------------------------------
@@ -211,6 +223,15 @@ class WaitClosed:
 
 
 @dataclass(frozen=True)
+class SyncOuter:
+    """DiLoCo: step ``step`` was the last inner step of outer round ``round``: sync with the stage (answered
+    by :class:`OuterDone`; ``node/outer_sync.py``)."""
+
+    step: int
+    round: int
+
+
+@dataclass(frozen=True)
 class Emit:
     """A progress event for the node's log (and, with ``level``, a log line)."""
 
@@ -220,4 +241,4 @@ class Emit:
     message: str = ""
 
 
-Action = AskReported | Average | Fetch | Redo | AskReopened | WaitCommit | Apply | Skip | Resync | StartHeld | WaitClosed | Emit
+Action = AskReported | Average | Fetch | Redo | AskReopened | WaitCommit | Apply | Skip | Resync | StartHeld | WaitClosed | SyncOuter | Emit

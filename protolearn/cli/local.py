@@ -43,6 +43,9 @@ def _train_local(
     codec_in_loop: Annotated[bool, typer.Option(
         "--codec-in-loop", help="Pass every boundary tensor through the run's codec, as a swarm with one node per stage does.",
     )] = False,
+    replicas: Annotated[int, typer.Option(
+        "--replicas", help="A DiLoCo run ([sync] mode = \"diloco\"): train as a swarm with this many replicas per stage would.",
+    )] = 2,
 ) -> None:
     """Train the run locally: all its pipeline stages chained in this process."""
     from protolearn.stages.config import load_run_config
@@ -53,6 +56,8 @@ def _train_local(
         raise ConfigError(f"--threads={threads} must be at least 1")
     if eval_every < 1:
         raise ConfigError(f"--eval-every={eval_every} must be at least 1")
+    if replicas < 1:
+        raise ConfigError(f"--replicas={replicas} must be at least 1")
     # A mistake in the config is told before torch loads (seconds sooner), unless the run comes from --init.
     run = load_run_config(config) if config is not None or init is None else None
 
@@ -90,8 +95,15 @@ def _train_local(
 
         subspace = None if run.subspace_key is None else make_subspace(*run.subspace_key)
         links = LinkSimulator(run.codec_spec, subspace, run.subspace.period)
+    if run.sync.diloco and (init is not None or links is not None):
+        raise ConfigError("a DiLoCo run ([sync] mode = \"diloco\") trains locally without --init and --codec-in-loop; drop them")
     with log_file:
-        trainer = ReferenceTrainer(run, boundary=links)
+        if run.sync.diloco:
+            from protolearn.stages.diloco_reference import DilocoTrainer
+
+            trainer: Any = DilocoTrainer(run, replicas=replicas)
+        else:
+            trainer = ReferenceTrainer(run, boundary=links)
         if init is not None:
             load_model(init, trainer.stages)
             trainer.step = start_step
@@ -123,6 +135,7 @@ def _train_local(
             "threads": torch.get_num_threads(),
             "log": str(log_path),
             "codec": run.codec if links is not None else None,
+            "sync": f"diloco:{run.sync.inner_steps}x{replicas}" if run.sync.diloco else "step",
             # Wire bytes per token across one boundary, forward and backward together (None: no codec in the loop).
             "boundary_bytes_per_token": links.bytes_per_token() if links is not None and links.tokens["fwd"] else None,
         }

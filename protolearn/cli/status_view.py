@@ -7,6 +7,11 @@ per node that fits 80 columns: name, stage, state, step, throughput and one heal
 (:func:`health`). A wider terminal, or ``wide=True`` (``--wide``), gets everything else too (peer ID,
 last seen, queue, integrity, spot checks, reachability, path, flags).
 
+In DiLoCo mode (the run's ``sync``) the header names the mode and H, a stage's ``synced@step`` is the step
+of its replicas' last outer sync (their shared state), a table shows each stage's last outer round (round,
+the step it synced after, its quorum, who took part and who was left out, and why), and a node's ``step``
+is its inner step (``--wide`` adds the step of its last outer sync).
+
 The loss chart covers the whole history it was given, averaged into at most :data:`CHART_WIDTH` bars on
 one fixed scale that is printed beside it (``▁`` = the lowest loss, ``█`` = the highest), so a falling
 loss reads as a falling line rather than as noise rescaled to the last few steps.
@@ -125,12 +130,37 @@ def _loss(st: ss.Status) -> Any:
     return text
 
 
+def _outer(st: ss.Status) -> Any:
+    """DiLoCo: each stage's last outer round (round, the step it synced after, its quorum, who took part and
+    who was left out), or None when no stage has had one."""
+    from rich import box
+    from rich.table import Table
+
+    if not any(s.outer for s in st.stages):
+        return None
+    names = {n.peer_id: label(n) for n in st.nodes}
+    table = Table(title="outer rounds", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("stage", "round", "after", "quorum", "in"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("left out", overflow="fold")
+    for s in st.stages:
+        o = s.outer
+        if o is None:
+            continue
+        took = f"{len(o.participants)}" + (f"+{len(o.followers)} following" if o.followers else "")
+        out = ", ".join(f"{names.get(x.peer_id, short(x.peer_id))} ({x.reason.split(':')[0]})" for x in o.left_out) or "-"
+        table.add_row(str(s.index), f"{o.round}" + (f" try {o.attempt}" if o.attempt > 1 else ""), f"step {o.step}", str(o.quorum), took, out,
+                      style="yellow" if o.left_out else "")
+    return table
+
+
 def _stages(st: ss.Status) -> Any:
     from rich import box
     from rich.table import Table
 
+    diloco = st.run.sync == "diloco"
     table = Table(title="stages", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("stage", "layers", "replicas", "tok/s", "params@step", "hashes"):
+    for col in ("stage", "layers", "replicas", "tok/s", "synced@step" if diloco else "params@step", "hashes"):
         table.add_column(col, no_wrap=True)
     for s in st.stages:
         if s.replicas == 0 and st.verdict == "finished":
@@ -155,10 +185,12 @@ def _nodes(st: ss.Status, wide: bool) -> Any:
     from rich import box
     from rich.table import Table
 
+    diloco = st.run.sync == "diloco"
     table = Table(title="nodes", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     cols = ["name", "stage", "state", "step", "tok/s", "health"]
     if wide:
-        cols = ["name", "peer", "stage", "state", "step", "tok/s", "last seen", "queue", "integrity", "checks", "reach", "path", "flags"]
+        cols = ["name", "peer", "stage", "state", "step", *(["synced"] if diloco else []), "tok/s", "last seen", "queue", "integrity",
+                "checks", "reach", "path", "flags"]
     for col in cols:
         # Compact: every cell fits 80 columns on one line. Wide on a narrow terminal: cells wrap, never cut.
         table.add_column(col, no_wrap=not wide, overflow="fold" if wide else "ellipsis")
@@ -167,14 +199,16 @@ def _nodes(st: ss.Status, wide: bool) -> Any:
         if names.count(name) > 1 and n.name:
             name = f"{n.name} {short(n.peer_id)}"  # two nodes with one name: tell them apart
         style = "yellow" if n.flags or n.probation == "failed" else ""
-        step = str(n.step) if n.step >= 0 else "-"
+        shown = n.inner_step if diloco else n.step  # DiLoCo: its inner step; n.step is then its last outer sync's
+        step = str(shown) if shown >= 0 else "-"
         if not wide:
             table.add_row(name, str(n.stage), n.state, step, f"{n.throughput:,.0f}", health(n), style=style)
             continue
         checks = f"{n.checks_passed}/{n.checks_failed}" + (f" ev:{n.evidence}" if n.evidence else "")
+        synced = ([str(n.step) if n.step >= 0 else "-"] if diloco else [])
         table.add_row(
-            n.name or "-", short(n.peer_id), str(n.stage), n.state, step, f"{n.throughput:,.0f}", f"{n.last_seen_s:.1f}s", str(n.queue_len),
-            _integrity(n), checks, n.reachability, n.path or "-", ",".join(n.flags) or "-", style=style,
+            n.name or "-", short(n.peer_id), str(n.stage), n.state, step, *synced, f"{n.throughput:,.0f}", f"{n.last_seen_s:.1f}s",
+            str(n.queue_len), _integrity(n), checks, n.reachability, n.path or "-", ",".join(n.flags) or "-", style=style,
         )
     return table
 
@@ -193,7 +227,8 @@ class StatusView:
         st = self.st
         head = Text()
         head.append(f"run {st.run.name}", style="bold")
-        head.append(f" · {st.run.num_stages} stages · B={st.run.microbatches_per_step} · coordinator {short(st.coordinator)} · up {duration(st.uptime_s)}")
+        mode = f" · DiLoCo H={st.run.inner_steps}" if st.run.sync == "diloco" else ""
+        head.append(f" · {st.run.num_stages} stages · B={st.run.microbatches_per_step}{mode} · coordinator {short(st.coordinator)} · up {duration(st.uptime_s)}")
         yield head
         word = verdict_word(st)
         verdict = Text(word.upper(), style=VERDICT_STYLE.get(word, "bold"))
@@ -207,6 +242,9 @@ class StatusView:
         yield Text(_progress(st))
         yield _loss(st)
         yield _stages(st)
+        outer = _outer(st)
+        if outer is not None:
+            yield outer
         if st.nodes:
             yield _nodes(st, self.wide if self.wide is not None else options.max_width >= WIDE_COLUMNS)
         if st.bans:

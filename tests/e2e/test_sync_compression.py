@@ -51,3 +51,39 @@ def test_two_stages_two_replicas_stay_identical_under_compressed_sync(swarm, com
         assert compared >= steps - 2, f"stage {stage}: both replicas applied only {compared} steps"
     losses = [d["loss"] for d in s.events(by_stage[0][0], "step")]
     assert losses[-1] < losses[0], losses
+
+
+def test_a_diloco_swarm_averages_its_pseudo_gradients_int8_compressed(swarm) -> None:
+    """``[sync] mode = "diloco"`` with ``compression = "int8"``: the outer rounds' pseudo-gradients go through the
+    same compressed replica sync; after every outer round the replicas of a stage that synced hold one hash, and a
+    round of two participants sends well below raw float32."""
+    steps, h = 8, 2
+    s = swarm(steps=steps, codec="none", layers=2, stages=2)
+    s.config.write_text(s.config.read_text() + f'[sync]\nmode = "diloco"\ninner_steps = {h}\nquorum = 2\ngrace_s = 2.0\ncompression = "int8"\n')
+    addr = s.start_coordinator()
+    names = [f"n{k}" for k in range(4)]
+    for n in names:
+        s.start_node(n, addr)
+    s.wait_nodes(names, DEADLINE_S)
+
+    by_stage: dict[int, list[str]] = {}
+    for n in names:
+        by_stage.setdefault(s.events(n, "built")[0]["stage"], []).append(n)
+    assert sorted(len(v) for v in by_stage.values()) == [2, 2], by_stage
+    paired = 0
+    for stage, members in by_stage.items():
+        numel = s.events(members[0], "built")[0]["params"]
+        synced: dict[int, set[str]] = {}
+        for n in members:
+            assert not s.events(n, "replica_mismatch"), n
+            for d in s.events(n, "outer_sync"):
+                if d["resync"]:
+                    continue
+                synced.setdefault(d["round"], set()).add(d["hash"])
+                if len(d["weights"]) == 2 and d["role"] == "participant":
+                    paired += 1
+                    assert 0 < d["sync_bytes"] < AT_MOST["int8"] * 4 * numel, (stage, d["round"], d["sync_bytes"], numel)
+        assert sorted(synced) == list(range(1, steps // h + 1)), f"stage {stage}: rounds synced {sorted(synced)}"
+        for round_, hashes in synced.items():
+            assert len(hashes) == 1, f"stage {stage}: replicas differ after outer round {round_}: {hashes}"
+    assert paired, "no outer round had two participants: nothing was compressed"

@@ -76,7 +76,7 @@ CASES = {
         exempt=("protolearn.protocol.transport",),
         must_find=("protolearn.protocol.wire", "protolearn.protocol.tensors", "protolearn.protocol.codecs", "protolearn.protocol.identity",
                    "protolearn.stages.model", "protolearn.stages.reference", "protolearn.node.core.closed_step", "protolearn.node.core.leasing",
-                   "protolearn.protocol.sync_compression.powersgd", "protolearn.protocol.sync_compression.wire"),
+                   "protolearn.stages.outer", "protolearn.protocol.sync_compression.powersgd", "protolearn.protocol.sync_compression.wire"),
         witness="protolearn.protocol.transport",
         why="move that code into the adapter (protolearn.protocol.transport)",
     ),
@@ -84,7 +84,7 @@ CASES = {
     "node-cores-no-socket-or-torch": Pure(
         packages=("protolearn.node.core",), forbidden=("trio", "libp2p", "socket", "torch"),
         must_find=("protolearn.node.core.closed_step", "protolearn.node.core.events", "protolearn.node.core.leasing",
-                   "protolearn.node.core.accounting"),
+                   "protolearn.node.core.accounting", "protolearn.node.core.inner_step", "protolearn.node.core.outer_round"),
         why="the node's decision cores take plain values; keep IO and tensors in the node's adapters",
     ),
     # The coordinator's cores, and the pure modules they build on. The SQLite store is an IO adapter (it
@@ -94,7 +94,7 @@ CASES = {
         packages=("protolearn.coordinator.core",),
         modules=("protolearn.protocol.coordination", "protolearn.protocol.acks", "protolearn.coordinator.config",
                  "protolearn.coordinator.errors", "protolearn.coordinator.store"),
-        must_find=("protolearn.coordinator.core.dispatch",),
+        must_find=("protolearn.coordinator.core.dispatch", "protolearn.coordinator.core.outer_rounds", "protolearn.coordinator.core.outer_desk"),
         why="the coordinator's cores must run in the simulator; keep IO in coordinator/service.py",
     ),
     # The coordinator checks a reducer's proof without torch.

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.dispatch import CoordinatorCore
+from protolearn.coordinator.core.outer_rounds import OuterSpec
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.errors import Refusal
 from protolearn.coordinator.store import Store
@@ -118,7 +119,9 @@ class Round:
 class Sim:
     def __init__(
         self, seed: int, tmp: Path, *, stages: int = 2, replicas: int = 2, tickets: int = 4, steps: int = 4, settings: CoordinatorSettings = SETTINGS,
+        outer: OuterSpec | None = None,
     ) -> None:
+        """``outer``: a DiLoCo run's outer rounds (tests/unit/diloco_sim.py drives them)."""
         self.rng = random.Random(seed)
         self.seed = seed
         self.tmp = tmp
@@ -126,7 +129,8 @@ class Sim:
         self.B = tickets
         self.S = stages
         self.steps = steps
-        self.run = RunInfo(name="sim", run_hash="0" * 64, run_toml="", layers=(1,) * stages, microbatches_per_step=tickets, tokens_per_step=tickets)
+        self.run = RunInfo(name="sim", run_hash="0" * 64, run_toml="", layers=(1,) * stages, microbatches_per_step=tickets, tokens_per_step=tickets,
+                           outer=outer)
         self.store: Store | None = None  # opened at the first coordinator crash (SQLite only where it is needed)
         self.settings = settings
         self.coord = CoordinatorCore(self.run, settings, peer_id="coord", started_at=0.0, verify=_sim_verify)
@@ -198,13 +202,22 @@ class Sim:
     def add_node(self, peer: str) -> SimNode:
         reply = self.request(peer, cm.Join(addrs=["/ip4/127.0.0.1/tcp/1"], throughput=100.0))
         assert isinstance(reply, cm.JoinReply)
-        core = nc.NodeCore(peer, reply.stage, nc.CoreConfig(self.B, max_in_flight=self.B, max_deferred=self.B, averaging_timeout_s=10.0))
+        core = self.make_core(peer, reply.stage)
         lease = lc.LeaseCore(max_in_flight=self.B, lease_block=2, stall_s=STALL_S, last_stage=self.S == 1) if reply.stage == 0 else None
         node = SimNode(peer, reply.stage, core, lease)
         self.nodes[peer] = node
         self.after(0.0, lambda: self._sync(node, first=True))
         self.after(HEARTBEAT_S, lambda: self._heartbeat_loop(node))
         return node
+
+    def make_core(self, peer: str, stage: int) -> nc.NodeCore:
+        return nc.NodeCore(peer, stage, nc.CoreConfig(self.B, max_in_flight=self.B, max_deferred=self.B, averaging_timeout_s=10.0))
+
+    def heartbeat(self, node: SimNode) -> cm.Heartbeat:
+        return cm.Heartbeat(
+            state=node.core.state, step=node.core.applied - 1, stage=node.stage,
+            param_hash=_hash(node.params) if node.params else "",
+        )
 
     def kill(self, node: SimNode) -> None:
         if not node.alive:
@@ -257,10 +270,7 @@ class Sim:
 
     def _beat(self, node: SimNode) -> None:
         """One heartbeat; a node the coordinator forgot (it expired while hung) joins again."""
-        hb = cm.Heartbeat(
-            state=node.core.state, step=node.core.applied - 1, stage=node.stage,
-            param_hash=_hash(node.params) if node.params else "",
-        )
+        hb = self.heartbeat(node)
         try:
             self.request(node.peer, hb)
         except Unavailable:
@@ -684,6 +694,8 @@ class Sim:
         if not admitted:
             d = node.core.accounting.admit_forward(step, ticket, (step, ticket, route, sender))
             if d.action == "refuse":
+                # A refusal is an answer, not a microbatch it acknowledged and lost (the real driver counts only those).
+                self.nodes[sender].handed.pop((step, ticket), None)
                 self._drop(self.nodes[sender], step, ticket)
                 return
             if d.action == "defer":

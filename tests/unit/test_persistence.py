@@ -47,3 +47,5 @@ def test_an_emptied_stage_without_a_checkpoint_is_lost_past_step_0() -> None:
 def test_checkpoints_are_due_every_n_steps_and_at_the_last() -> None:
     assert [a for a in range(13) if checkpoint_due(a, 5, 12)] == [5, 10, 12]
     assert [a for a in range(13) if checkpoint_due(a, 0, 12)] == [12]
+    # DiLoCo checkpoints the state after its outer syncs (every H = 4 steps): those in whose span a multiple of 5 falls.
+    assert [a for a in range(4, 41, 4) if checkpoint_due(a, 5, 40, span=4)] == [8, 12, 16, 20, 28, 32, 36, 40]

@@ -13,6 +13,7 @@ from rich.console import Console
 from protolearn.cli.status_view import WIDE_COLUMNS, chart, health, render
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.dispatch import CoordinatorCore
+from protolearn.coordinator.core.outer_rounds import OuterSpec
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.status import STATUS_JSON_SCHEMA
 from protolearn.protocol import coordination as cm
@@ -32,9 +33,10 @@ def _verify(peer: str, data: bytes, signature: bytes) -> bool:
     return signature == _sign(peer, data)
 
 
-def swarm(steps: int = 40, closed: int = 12, *, replicas_per_stage: int = 2) -> tuple[CoordinatorCore, float]:
+def swarm(steps: int = 40, closed: int = 12, *, replicas_per_stage: int = 2, outer: OuterSpec | None = None) -> tuple[CoordinatorCore, float]:
     """Two stages, named nodes, ``closed`` steps closed and committed with a falling loss; returns (core, now)."""
-    run = RunInfo(name="demo", run_hash="a" * 64, run_toml="", layers=(2, 2), microbatches_per_step=2, tokens_per_step=2048, steps=steps)
+    run = RunInfo(name="demo", run_hash="a" * 64, run_toml="", layers=(2, 2), microbatches_per_step=2, tokens_per_step=2048, steps=steps,
+                  outer=outer)
     core = CoordinatorCore(run, SETTINGS, peer_id="12D3KooWcoordinatorcoordinatorcoordinatorcoordi", started_at=0.0, verify=_verify)
     members = list(zip(PEERS, NAMES, strict=True))[: 2 * replicas_per_stage]
     stage_of = {}
@@ -54,7 +56,9 @@ def swarm(steps: int = 40, closed: int = 12, *, replicas_per_stage: int = 2) -> 
             core.handle(peer, cm.Averaged(step=step, revision=1, result_hash="r"), now)
         now += 2.0
         for peer, _ in members:
-            core.handle(peer, cm.Heartbeat(state="training", throughput=1500.0, step=step, param_hash=f"h{stage_of[peer]}-{step}", stage=stage_of[peer]), now)
+            # In DiLoCo mode a replica reports its state after the last outer sync: none in these first steps.
+            reported = {"step": step, "param_hash": f"h{stage_of[peer]}-{step}"} if outer is None else {"inner_step": step}
+            core.handle(peer, cm.Heartbeat(state="training", throughput=1500.0, stage=stage_of[peer], **reported), now)
     return core, now
 
 
@@ -103,7 +107,7 @@ def test_names_are_in_the_json_and_it_matches_schema_4() -> None:
     st = core.handle("reader", cm.StatusRequest(), now)
     doc = st.model_dump(mode="json")
     jsonschema.validate(doc, STATUS_JSON_SCHEMA)
-    assert doc["schema_version"] == 4 and doc["run"]["steps"] == 40
+    assert doc["schema_version"] == 5 and doc["run"]["steps"] == 40
     assert sorted(n["name"] for n in doc["nodes"]) == sorted(NAMES)
     assert doc["eta_s"] is not None and doc["eta_s"] > 0 and doc["at_risk"] == []
 
@@ -149,3 +153,32 @@ def test_health_names_the_most_urgent_problem() -> None:
     assert health(base.model_copy(update={"flags": ["behind", "stale"]})) == "stale"
     assert health(base.model_copy(update={"flags": ["hash-mismatch"]})) == "mismatch"
     assert health(base.model_copy(update={"flags": ["redo_storm:2"]})) == "flagged"
+
+
+def test_diloco_shows_the_mode_each_stages_last_outer_round_and_who_it_left_out_and_the_inner_steps() -> None:
+    core, now = swarm(closed=4, outer=OuterSpec(inner_steps=4, steps=40, quorum=1, grace_s=1.0, tokens_per_ticket=1024))
+    stage_of = {p: core.registry.members[p].stage for p in PEERS}
+    late = next(p for p in PEERS if stage_of[p] == 1)
+    for peer in PEERS:
+        if peer != late:
+            core.handle(peer, cm.OuterReady(stage=stage_of[peer], round=1, since_step=0), now)
+    core.housekeeping(now + 1.5)  # stage 1's grace ran out without its late replica
+    for peer in PEERS:
+        core.handle(peer, cm.Heartbeat(state="training", throughput=1500.0, step=3, param_hash=f"a{stage_of[peer]}", stage=stage_of[peer],
+                                       inner_step=3), now + 2)
+    st = core.handle("reader", cm.StatusRequest(), now + 2)
+    jsonschema.validate(st.model_dump(mode="json"), STATUS_JSON_SCHEMA)
+    assert st.run.sync == "diloco" and st.run.inner_steps == 4
+    assert [s.outer.round if s.outer else None for s in st.stages] == [1, 1]
+    assert st.stages[1].outer is not None and [x.peer_id for x in st.stages[1].outer.left_out] == [late]
+    lines = draw(st, 80)
+    text = "\n".join(lines)
+    print(text)
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    assert "DiLoCo H=4" in text and "synced@step" in text and "outer rounds" in text
+    late_name = NAMES[PEERS.index(late)]
+    row = next(line for line in lines if "step 3" in line and "late" in line)
+    assert f"{late_name} (late)" in row and row.split()[:5] == ["1", "1", "step", "3", "1"], row
+    assert "…" not in text.replace(f"…{st.coordinator[-8:]}", ""), "a header or a cell was cut"
+    node_rows = [line for line in lines if line.lstrip().startswith(tuple(NAMES))]
+    assert len(node_rows) == 4 and all(line.split()[3] == "3" for line in node_rows)  # each node's inner step
