@@ -1,6 +1,6 @@
 """Bench suite ``sync``: replica sync modes on home links, at equal tokens (issue 24).
 
-``python scripts/bench.py sync --json [--modes none,int8,topk,powersgd] [--seeds 0,1] [--steps 300] [--warmup 5] [--quick]``
+``python scripts/bench.py sync --json [--modes none,int8,topk,powersgd,diloco8,diloco32-int8,...] [--seeds 0,1] [--steps 300] [--warmup 5] [--quick]``
 
 For each sync mode (:data:`MODES`: run-config overrides, so a mode is one entry) and seed, the same local
 swarm (4 nodes over 2 stages, so both stages have two replicas that average; one torch thread each; the
@@ -38,12 +38,16 @@ from pathlib import Path
 from typing import Any
 
 LINK = "50mbit,40ms"
-# Each mode: the run-config overrides that select it. A DiLoCo mode is one more entry here.
+# Each mode: the run-config overrides that select it (per-step averaging, then DiLoCo at H = 8 and 32).
 MODES: dict[str, dict[str, Any]] = {
     "none": {"sync.mode": "step", "sync.compression": "none"},
     "int8": {"sync.mode": "step", "sync.compression": "int8"},
     "topk": {"sync.mode": "step", "sync.compression": "topk:0.01"},
     "powersgd": {"sync.mode": "step", "sync.compression": "powersgd:4"},
+    "diloco8": {"sync.mode": "diloco", "sync.inner_steps": 8, "sync.compression": "none"},
+    "diloco8-int8": {"sync.mode": "diloco", "sync.inner_steps": 8, "sync.compression": "int8"},
+    "diloco32": {"sync.mode": "diloco", "sync.inner_steps": 32, "sync.compression": "none"},
+    "diloco32-int8": {"sync.mode": "diloco", "sync.inner_steps": 32, "sync.compression": "int8"},
 }
 BASELINE = "none"
 MAX_LOSS_REL_DIFF = 0.02
