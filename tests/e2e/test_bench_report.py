@@ -42,7 +42,7 @@ def test_the_document_is_rendered_from_the_stored_results(tmp_path: Path) -> Non
     assert got["p11"] == {"none": 0.4, "int8": 0.61, "subspace": 0.55}
     doc = (tmp_path / "BENCHMARKS.md").read_text()
     for title in ("The link model's fidelity", "P11: the swarm on home links ÷ on loopback", "Where a step's time goes", "Pipeline efficiency",
-                  "Join and recovery on home links", "Local swarm vs reference", "Network attacks on a coordinator and a node", "Paths through real NATs"):
+                  "Join and recovery on home links", "Local swarm vs reference", "Network attacks on a coordinator, a node and a swarm", "Paths through real NATs"):
         assert f"### {title}" in doc, title
     assert "`python scripts/bench.py internet --json` — 2026-01-01 00:00, commit abc1234" in doc
     assert "| `int8` | 2,000 | 1,220 | **0.610** |" in doc  # the P11 row reads internet_efficiency
