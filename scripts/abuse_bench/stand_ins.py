@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
 from pydantic import Field
@@ -133,6 +133,13 @@ class VectorWorker:
         self.params = torch.zeros(self.numel)
         for s in range(steps):
             self.params += step_update(self.stage, s, self.num_tickets, self.numel)
+        self._grads.clear()
+        self.applied = steps
+
+    def copy_from(self, donor: Any, steps: int) -> None:
+        """A resync's state downloaded from a stage-mate (its bytes: a sum recomputed here would differ from the
+        collective's in the last bits, and the replica's later hashes with it)."""
+        self.params = donor.params.clone()
         self._grads.clear()
         self.applied = steps
 

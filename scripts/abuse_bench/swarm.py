@@ -19,7 +19,7 @@ one training step at a time.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -182,6 +182,8 @@ class Replica:
         self.closed_poll_s = CLOSED_POLL_S
         self.banned = ""
         self.resyncs: list[int] = []
+        # The stage-mates a resync may download from (the target's honest replicas; None: recompute the state).
+        self.donors: Callable[[], list[Replica]] | None = None
         # (step, ticket) -> the completion it sent (its last stage's ack over that lease's nonce), the latest few
         self.completed: dict[tuple[int, int], cm.Complete] = {}
         self._outcomes: dict[int, Outcome] = {}
@@ -312,7 +314,11 @@ class Replica:
         except ProtocolError:
             pass
         frontier = max(self.link.step, step)
-        self.worker.install(frontier)
+        donor = next((d for d in (self.donors() if self.donors else []) if d.stage == self.stage and d.core.applied == frontier), None)
+        if donor is not None:
+            self.worker.copy_from(donor.worker, frontier)
+        else:
+            self.worker.install(frontier)
         self.core.handle(Synced(frontier), trio.current_time())
 
     async def outcome(self, step: int) -> Outcome:

@@ -91,6 +91,8 @@ async def serve_target(data_dir: str, numel: int) -> None:
             for name in HONEST:
                 host = await stack.enter_async_context(open_host(Identity.generate()))
                 replicas.append(Replica(host, coord.addrs[0], run, name=name, numel=numel))
+            for r in replicas:
+                r.donors = lambda r=r: [x for x in replicas if x is not r]
             async with trio.open_nursery() as members:
                 for r, want in zip(replicas, STAGES, strict=True):
                     r.allow_leases(-1)

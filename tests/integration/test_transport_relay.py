@@ -120,8 +120,17 @@ def test_a_circuit_over_its_bytes_is_cut_and_the_relay_serves_others(run_trio: C
             await wait_until(lambda: relay.relay.cut == 1, "the relay to cut the circuit")
             assert len(got) < 4
             await wait_until(lambda: b.path_to(a.peer_id) is None, "b's circuit to close")
-            # Everyone else is still served: c reaches a through the same relay.
-            assert (await c.request(a.peer_id, "ping", Ping(n=7), Pong)).n == 8
+            # Everyone else is still served: c reaches a through the same relay. When the relay resets the cut
+            # circuit's stream to a, py-libp2p's yamux sometimes drops a's whole connection to the relay under load
+            # (a window update fails on the reset stream; 2 of 8 runs with the cores kept busy), and a's
+            # reservation with it: a node then reserves again (node/reachability.py), and so does a here.
+            try:
+                pong = await c.request(a.peer_id, "ping", Ping(n=7), Pong)
+            except PeerUnavailable:
+                assert relay.path_to(a.peer_id) is None, "the relay still held a's connection and refused c"
+                await a.reserve(relay.addrs()[0], timeout=5)
+                pong = await c.request(a.peer_id, "ping", Ping(n=7), Pong)
+            assert pong.n == 8
 
     run_trio(main)
 
