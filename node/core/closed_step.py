@@ -16,7 +16,9 @@ stage, which peer accounts for which tickets):
    (it restarted after the step closed), and a replica already applied the step, it resyncs; else it
    asks for those tickets to be redone. Then it runs the stage's collective round.
 2. A replica the accounting **left out** fetches the round's result from a participant. While that
-   fails it asks whether the step reopened, and, once every participant is gone, to redo the step.
+   fails it asks whether the step reopened, and, once every participant is gone, to redo the step. A
+   participant that no longer keeps the round moved past it: if the step reopened meanwhile the replica
+   waits for its next closing, else (the step committed) it resyncs.
 3. **The round** leaves out replicas that died (their tickets are redone, the step reopens and closes
    at r+1) or fails outright. A replica whose round failed first asks the other participants for the
    round's result: if they finished it, it takes their full average, proven by a strict majority of the
@@ -309,7 +311,11 @@ class NodeCore:
         if event.ok:
             return self._commit()
         if event.gone:
-            return self._resync(f"step {self._step}: {event.reason}")
+            # The participant moved past this round: either the step reopened meanwhile (this replica follows
+            # its later closing, as every replica does) or it committed (then a resync is the only way on).
+            self.phase = Phase.ASK_REOPENED
+            self._fallback = Fallback.RESYNC
+            return [AskReopened(self._step, self._revision)]
         # A participant died and its tickets are being redone, or every participant is gone: ask.
         self.phase = Phase.ASK_REOPENED
         self._fallback = Fallback.FETCH

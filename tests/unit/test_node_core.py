@@ -158,10 +158,25 @@ def test_a_left_out_replica_without_a_result_asks_reopen_then_redo_then_fetches_
     core.handle(ev.ReopenAnswer(0, 1, reopened=False), 9.1)
     core.handle(ev.RedoAnswer(0, 1, granted=False), 9.2)
     assert only(core.handle(ev.ReopenAnswer(0, 1, reopened=False), 10.5), ev.Resync)
-    # A participant that no longer keeps the round: straight to a resync.
+    # A participant that no longer keeps the round, and the step did not reopen (it committed): a resync.
     core = make(me="idle")
     core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[]), 0.0)
-    assert only(core.handle(ev.Fetched(0, 1, ok=False, gone=True, reason="moved on"), 0.1), ev.Resync)
+    only(core.handle(ev.Fetched(0, 1, ok=False, gone=True, reason="moved on"), 0.1), ev.AskReopened)
+    assert only(core.handle(ev.ReopenAnswer(0, 1, reopened=False), 0.2), ev.Resync)
+
+
+def test_a_left_out_replica_whose_participant_moved_on_to_a_reopened_revision_follows_the_step() -> None:
+    """Abuse bench (long_poll_slots, 1 run in 4): a Sybil left during step 6, its tickets were redone twice, and the
+    participant a left-out replica asked for revision 2's result was already at revision 4: the replica resynced,
+    though the step was still open to it. It now waits for the step's next closing, like every replica."""
+    core = make(me="idle")
+    core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[]), 0.0)
+    only(core.handle(ev.Fetched(0, 1, ok=False, gone=True, reason="round is not kept (next round 6)"), 0.1), ev.AskReopened)
+    (wait,) = only(core.handle(ev.ReopenAnswer(0, 1, reopened=True), 0.2), ev.WaitClosed)
+    assert wait.revision == 2
+    (fetch,) = only(core.handle(ev.Closed(0, 3, ACCOUNT, None, held=[]), 0.3), ev.Fetch)  # it closed twice more meanwhile
+    assert fetch.round == nc.round_id(0, 3)
+    only(core.handle(ev.Fetched(0, 3, ok=True), 0.4), ev.WaitCommit)
 
 
 def test_a_step_that_reopened_while_waiting_for_the_commit_is_finished_again() -> None:
