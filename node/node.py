@@ -237,7 +237,11 @@ class Node:
         if core is None or core.state is NodeState.SYNCING or (outer is not None and outer.anchor_applied < 0):
             return None
         # The applied count is read in the thread, under the compute lock the finisher applies steps under.
-        return await trio.to_thread.run_sync(self.worker.shared_snapshot, lambda: core.applied, self.run.integrity.self_test, limiter=self.compute)
+        snap = await trio.to_thread.run_sync(self.worker.shared_snapshot, lambda: core.applied, self.run.integrity.self_test, limiter=self.compute)
+        # The taker checks the state against the hashes its stage reported (node/syncing.py): report this one's
+        # now, not a heartbeat later (issue 28: the joiner waited a check poll for it).
+        self.link.beat_now()
+        return snap
 
     async def sync_state(self, open_step: int) -> None:
         """Take the stage's state (see :class:`~protolearn.node.syncing.StageSync`); the core counts it applied."""

@@ -69,8 +69,8 @@ log = logging.getLogger("protolearn.node")
 # A failed state download is retried this often while the stage has live replicas.
 SYNC_RETRY_S = 1.0
 # A downloaded state whose step the replicas have not reported yet is checked again this often, this many times.
-CHECK_POLL_S = 0.5
-CHECK_POLLS = 6
+CHECK_POLL_S = 0.1
+CHECK_POLLS = 30
 # A self-test result agrees within this many times the run's check_tolerance (no codec is involved).
 SELF_TEST_TOLERANCE_FACTOR = 10.0
 

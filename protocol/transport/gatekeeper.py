@@ -120,13 +120,23 @@ class Gatekeeper:
 
 class ConnectionWatch(INotifee):
     """Closes a banned peer's connection as soon as the swarm reports it, and tells ``on_change(peer,
-    connected)`` when any other peer connects or its last connection closes (e.g. it died)."""
+    connected)`` when any other peer connects or its last connection closes (e.g. it died).
+
+    A closed connection is told as soon as it is marked closed, not when py-libp2p notifies it: its
+    ``SwarmConn.close`` first closes the muxer and resets the streams, then sleeps 0.1 s, and only then
+    notifies, about 0.2 s after a crashed peer's EOF, which the coordinator's commit barrier and stage 0's
+    restart of tickets in flight waited out (issue 28). With ``nursery`` set (the host's services), one task
+    per connection waits for its ``event_closed``; the later notification of a connection already told
+    is not told again."""
 
     def __init__(self, keeper: Gatekeeper, on_change: Callable[[str, bool], None], inbound: InboundCap | None = None) -> None:
         self._keeper = keeper
         self._on_change = on_change
         # Counts each inbound connection under its address while it lives (inbound.py).
         self._inbound = inbound
+        self.nursery: trio.Nursery | None = None
+        # Connections whose close was told early (by id, while py-libp2p still holds them).
+        self._told: set[int] = set()
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
         if self._inbound is not None:
@@ -137,12 +147,25 @@ class ConnectionWatch(INotifee):
         if rejection is not None:
             keeper.gate.record(rejection, keeper.clock())
             keeper.schedule_disconnect(peer)
-        else:
-            self._on_change(peer, True)
+            return
+        self._on_change(peer, True)
+        closed = getattr(conn, "event_closed", None)
+        if self.nursery is not None and closed is not None:
+            self.nursery.start_soon(self._watch, network, conn, closed)
+
+    async def _watch(self, network: INetwork, conn: INetConn, closed: trio.Event) -> None:
+        await closed.wait()
+        peer = conn.muxed_conn.peer_id
+        if not any(not c.is_closed for c in network.get_connections(peer)):
+            self._told.add(id(conn))
+            self._on_change(str(peer), False)
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
         if self._inbound is not None:
             count_closed(self._inbound, conn)
+        if id(conn) in self._told:
+            self._told.discard(id(conn))
+            return
         peer = conn.muxed_conn.peer_id
         # Only the peer's last connection going away means it is gone.
         self._on_change(str(peer), any(not c.is_closed for c in network.get_connections(peer)))

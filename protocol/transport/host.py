@@ -95,6 +95,8 @@ class Host:
         # Told (peer, connected) when a peer connects or its last connection closes (e.g. it died);
         # it runs inside libp2p's notifier, so it must be quick and must not raise.
         self.on_connection: Callable[[str, bool], None] | None = None
+        # Tells on_connection; registered with the swarm by open_host, its nursery set once the services run.
+        self._watch = ConnectionWatch(self._keeper, self._connection_changed, self.inbound)
 
     # -- what the host is ---------------------------------------------------------------------
 
@@ -373,7 +375,7 @@ async def open_host(
     if host.link is not None:
         host.link.install(lp)
     host.relay.install()
-    lp.get_network().register_notifee(ConnectionWatch(host._keeper, host._connection_changed, host.inbound))
+    lp.get_network().register_notifee(host._watch)
     # The swarm and the host's services run in a task of their own under a shield, so a cancel from
     # outside (a signal stopping the node) reaches the body but not them: the body's cleanup (a
     # node's goodbye to the coordinator) still has a host. They stop when the body is done, within
@@ -426,6 +428,7 @@ async def _run_services(
                     await nursery.start(_run_libp2p_service, host.puncher)
                     host.puncher.install(host)
                 host._dialer.nursery = nursery
+                host._watch.nursery = nursery
                 ip = lane_ip([str(a) for a in listen_addrs])
                 if host.bulk is not None and ip is not None:
                     await nursery.start(host.bulk.serve, ip)

@@ -97,3 +97,45 @@ def test_a_stopped_node_leaves_the_coordinator_instead_of_expiring(run_trio, tmp
             coord_nursery.cancel_scope.cancel()
 
     run_trio(main, timeout=30)
+
+
+def test_a_peers_closed_connection_is_told_once_as_soon_as_it_closes(open_hosts, run_trio, fast_config):
+    """Issue 28: py-libp2p notifies a closed connection only after closing its muxer, resetting its streams and
+    sleeping 0.1 s, and the coordinator's commit barrier (and stage 0's restart of tickets sent to a dead peer)
+    waited that out after every crash. The host now tells the close as soon as the connection is marked closed
+    (at least those 0.1 s before py-libp2p's notification, by trio's own clock), and tells it once."""
+    from libp2p.abc import INotifee
+
+    async def echo(peer: str, msg: cm.Leave) -> cm.LeaveReply:
+        return cm.LeaveReply(released=[len(msg.reason)])
+
+    async def main():
+        async with open_hosts(1) as (server,):
+            server.serve("echo", echo, request_type=cm.Leave)
+            told: list[tuple[str, bool, float]] = []
+            notified: list[float] = []
+            gone = trio.Event()
+            server.on_connection = lambda peer, up: told.append((peer, up, trio.current_time()))
+
+            class Late(INotifee):  # py-libp2p's own notification, as any notifee gets it
+                async def disconnected(self, network, conn) -> None:
+                    notified.append(trio.current_time())
+                    gone.set()
+
+                async def connected(self, network, conn) -> None: ...
+                async def opened_stream(self, network, stream) -> None: ...
+                async def closed_stream(self, network, stream) -> None: ...
+                async def listen(self, network, multiaddr) -> None: ...
+                async def listen_close(self, network, multiaddr) -> None: ...
+
+            server._lp.get_network().register_notifee(Late())
+            async with open_host(Identity.generate(), config=fast_config) as client:
+                await client.request(server.addrs()[0], "echo", cm.Leave(reason="hi"), cm.LeaveReply)
+                me = client.peer_id
+            with trio.fail_after(5):
+                await gone.wait()
+            await trio.sleep(0.2)  # a second tell would come right after py-libp2p's notification
+            assert [(p, up) for p, up, _ in told] == [(me, True), (me, False)], told
+            assert notified[0] - told[1][2] >= 0.09, (told, notified)
+
+    run_trio(main, timeout=30)
