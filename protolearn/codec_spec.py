@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 from protolearn.errors import ConfigError
+from protolearn.spec_grammar import split_spec
 
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "subspace")
 DEFAULT_TOPK_FRACTION = 0.05
@@ -68,13 +69,8 @@ def parse_codec_spec(spec: object, *, field: str = "codec") -> CodecSpec:
 
     ``field`` names where the spec came from in the error (``codec``, ``frame codec``, …).
     """
-    if not isinstance(spec, str):
-        raise CodecSpecError(f"{field} must be a string, got {type(spec).__name__}; {_ALLOWED}")
-    if len(spec) > MAX_SPEC_CHARS:
-        raise CodecSpecError(f"{field}={spec[:MAX_SPEC_CHARS]!r}... is longer than {MAX_SPEC_CHARS} characters; {_ALLOWED}")
-    name, sep, arg = spec.partition(":")
-    if name not in CODECS or (sep and name not in ("topk", "subspace")):
-        raise CodecSpecError(f"{field}={spec!r} is unknown; {_ALLOWED}")
+    name, sep, arg = split_spec(spec, field=field, names=CODECS, with_argument=("topk", "subspace"), max_chars=MAX_SPEC_CHARS,
+                                allowed=_ALLOWED, error=CodecSpecError)
     if name == "subspace":
         inner = arg if sep else DEFAULT_SUBSPACE_INNER
         if inner not in SUBSPACE_INNER:

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 from protolearn.errors import ConfigError
+from protolearn.spec_grammar import split_spec
 
 COMPRESSIONS = ("none", "int8", "topk", "powersgd")
 DEFAULT_TOPK_FRACTION = 0.01
@@ -65,13 +66,8 @@ NONE = SyncCompression("none")
 
 def parse_sync_compression(spec: object, *, field: str = "sync.compression") -> SyncCompression:
     """Parse ``none | int8 | topk[:F] | powersgd[:R]``; ``field`` names where the spec came from in the error."""
-    if not isinstance(spec, str):
-        raise SyncSpecError(f"{field} must be a string, got {type(spec).__name__}; {_ALLOWED}")
-    if len(spec) > MAX_SPEC_CHARS:
-        raise SyncSpecError(f"{field}={spec[:MAX_SPEC_CHARS]!r}... is longer than {MAX_SPEC_CHARS} characters; {_ALLOWED}")
-    name, sep, arg = spec.partition(":")
-    if name not in COMPRESSIONS or (sep and name not in ("topk", "powersgd")):
-        raise SyncSpecError(f"{field}={spec!r} is unknown; {_ALLOWED}")
+    name, sep, arg = split_spec(spec, field=field, names=COMPRESSIONS, with_argument=("topk", "powersgd"), max_chars=MAX_SPEC_CHARS,
+                                allowed=_ALLOWED, error=SyncSpecError)
     if name == "topk":
         try:
             fraction = float(arg) if sep else DEFAULT_TOPK_FRACTION

@@ -18,21 +18,27 @@ from tests.support.swarm import DEADLINE_S
 AT_MOST = {"int8": 0.4, "topk:0.02": 0.15, "powersgd:2": 0.2}
 
 
-@pytest.mark.parametrize("compression", sorted(AT_MOST))
-def test_two_stages_two_replicas_stay_identical_under_compressed_sync(swarm, compression: str) -> None:
-    steps, B = 6, 4
-    s = swarm(steps=steps, codec="none", layers=2, stages=2)
-    s.config.write_text(s.config.read_text() + f'[sync]\ncompression = "{compression}"\n')
+def two_by_two(s, sync_toml: str) -> dict[int, list[str]]:
+    """Start a 2-stage swarm of 4 nodes under ``[sync]`` ``sync_toml``, run it to its end, and return each stage's
+    nodes (two replicas each)."""
+    s.config.write_text(s.config.read_text() + f"[sync]\n{sync_toml}")
     addr = s.start_coordinator()
     names = [f"n{k}" for k in range(4)]
     for n in names:
         s.start_node(n, addr)
     s.wait_nodes(names, DEADLINE_S)
-
     by_stage: dict[int, list[str]] = {}
     for n in names:
         by_stage.setdefault(s.events(n, "built")[0]["stage"], []).append(n)
     assert sorted(len(v) for v in by_stage.values()) == [2, 2], by_stage
+    return by_stage
+
+
+@pytest.mark.parametrize("compression", sorted(AT_MOST))
+def test_two_stages_two_replicas_stay_identical_under_compressed_sync(swarm, compression: str) -> None:
+    steps, B = 6, 4
+    s = swarm(steps=steps, codec="none", layers=2, stages=2)
+    by_stage = two_by_two(s, f'compression = "{compression}"\n')
     for stage, members in by_stage.items():
         numel = s.events(members[0], "built")[0]["params"]
         records = {n: {d["step"]: d for d in s.events(n, "step")} for n in members}
@@ -59,17 +65,7 @@ def test_a_diloco_swarm_averages_its_pseudo_gradients_int8_compressed(swarm) -> 
     round of two participants sends well below raw float32."""
     steps, h = 8, 2
     s = swarm(steps=steps, codec="none", layers=2, stages=2)
-    s.config.write_text(s.config.read_text() + f'[sync]\nmode = "diloco"\ninner_steps = {h}\nquorum = 2\ngrace_s = 2.0\ncompression = "int8"\n')
-    addr = s.start_coordinator()
-    names = [f"n{k}" for k in range(4)]
-    for n in names:
-        s.start_node(n, addr)
-    s.wait_nodes(names, DEADLINE_S)
-
-    by_stage: dict[int, list[str]] = {}
-    for n in names:
-        by_stage.setdefault(s.events(n, "built")[0]["stage"], []).append(n)
-    assert sorted(len(v) for v in by_stage.values()) == [2, 2], by_stage
+    by_stage = two_by_two(s, f'mode = "diloco"\ninner_steps = {h}\nquorum = 2\ngrace_s = 2.0\ncompression = "int8"\n')
     paired = 0
     for stage, members in by_stage.items():
         numel = s.events(members[0], "built")[0]["params"]

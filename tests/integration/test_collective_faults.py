@@ -30,8 +30,8 @@ from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse
 from protolearn.protocol.reducer_check import peer_id_public_key, verify_reducer_fault
 from protolearn.protocol.collective.robust import Aggregation, robust_reduce
 from protolearn.protocol.statements import fin_statement, members_mask, round_digest, verify_ed25519
-from protolearn.protocol.transport import TransportConfig, open_host
-from tests.support.hosts import open_mesh
+from protolearn.protocol.transport import TransportConfig
+from tests.support.hosts import open_member, open_mesh
 
 # Killing a host while a survivor is dialling it can leave that survivor's half-made py-libp2p socket to
 # the garbage collector. Collect after each test so it is reported here, and ignore only that warning.
@@ -96,13 +96,7 @@ async def run_case(
     async def replica(rank: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
         me = ids[rank].peer_id
         with trio.CancelScope() as scope:
-            async with open_host(ids[rank], config=CONFIG) as host:
-                addrs[me] = host.addrs()
-                task_status.started()
-                await all_up.wait()
-                for other, a in addrs.items():
-                    if other != me:
-                        host.add_peer_addrs(other, a)
+            async with open_member(ids[rank], CONFIG, addrs, all_up, task_status) as host:
                 avg = KillableAverager(host, STAGE, numel, timeout_s=30.0, first_round=ROUND, floor_s=floor_s, sign=ids[rank].sign)
                 avg.register()
                 if rank == victim_rank:

@@ -28,8 +28,9 @@ from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse
 from protolearn.protocol.rounds import round_id
 from protolearn.protocol.sync_compression.powersgd import PowerSGD, decode
 from protolearn.protocol.tensors import TensorFrame
-from protolearn.protocol.transport import TransportConfig, open_host
+from protolearn.protocol.transport import TransportConfig
 from protolearn.sync_spec import parse_sync_compression
+from tests.support.hosts import open_member
 
 SHAPES = [(96, 64), (64,), (64, 96), (7,)]
 FAULT_CONFIG = TransportConfig(request_timeout_s=5.0, chunk_timeout_s=5.0, connect_timeout_s=2.0)
@@ -152,13 +153,7 @@ def test_a_replica_that_dies_between_powersgds_two_rounds_is_left_out_of_the_sec
     async def replica(rank: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
         me = ids[rank].peer_id
         with trio.CancelScope() as scope:
-            async with open_host(ids[rank], config=FAULT_CONFIG) as host:
-                addrs[me] = host.addrs()
-                task_status.started()
-                await all_up.wait()
-                for other, a in addrs.items():
-                    if other != me:
-                        host.add_peer_addrs(other, a)
+            async with open_member(ids[rank], FAULT_CONFIG, addrs, all_up, task_status) as host:
                 avg = Averager(host, 1, NUMEL, timeout_s=30.0, floor_s=3.0, sign=ids[rank].sign, window=lambda: rid)
                 avg.register()
                 sync = ReplicaSync(avg, spec, SHAPES, seed=0)
