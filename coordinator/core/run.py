@@ -44,6 +44,8 @@ class RunInfo:
     subspace: tuple[int, int, int, int, float] | None = None
     # Each stage's memory footprint (stages/footprint.py): a joiner goes only where it fits (fit.py).
     footprints: tuple[StageFootprint, ...] = ()
+    # What a departed replica's tickets become (the run's batch.departures): "redo" or "drop" (tickets.py).
+    departures: str = "redo"
 
     @property
     def num_stages(self) -> int:
@@ -73,4 +75,5 @@ class RunInfo:
             clip_iters=run.integrity.clip_iters,
             subspace=run.subspace_key,
             footprints=stage_footprints(run),
+            departures=run.batch.departures,
         )
