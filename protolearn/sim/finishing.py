@@ -49,7 +49,8 @@ class Finisher:
         self.resync = resync
         self.applied = applied
         # Nodes whose train loop waits for a step to close, and nodes waiting for a step to commit.
-        self._close_waiters: dict[int, set[SimNode]] = {}
+        # An insertion-ordered set per step (a set of nodes iterates in id() order, which differs run to run).
+        self._close_waiters: dict[int, dict[SimNode, None]] = {}
         self._commit_waiters: dict[int, dict[SimNode, int]] = {}
         # Each stage's frozen accounting of (step, revision), built once and shared by its replicas.
         self._accounts: dict[tuple[int, int], dict[int, dict[str, list[int]]]] = {}
@@ -64,7 +65,7 @@ class Finisher:
 
     def _wait_closed(self, node: SimNode, step: int, revision: int) -> None:
         node.waiting, node.finishing = (step, revision), False
-        self._close_waiters.setdefault(step, set()).add(node)
+        self._close_waiters.setdefault(step, {})[node] = None
         self.drive(node, step)
         closed = self.w.host.core.ledger.closed.get(step) if self.w.host.up else None
         if closed is not None and closed.revision >= revision and step < self.w.host.core.ledger.step:
@@ -82,7 +83,7 @@ class Finisher:
         if info is None or not info.closed:
             return  # a later close will call again
         assert node.core is not None
-        self._close_waiters.get(step, set()).discard(node)
+        self._close_waiters.get(step, {}).pop(node, None)
         node.waiting, node.finishing = None, True
         account = self._account(info).get(node.stage, {})
         self.feed(node, ev.Closed(step, info.revision, account, info.loss, node.core.accounting.accumulated(step)))
@@ -99,7 +100,7 @@ class Finisher:
     def forget(self, node: SimNode) -> None:
         """The node dropped what it was doing (a resync, a move, its death)."""
         for waiters in self._close_waiters.values():
-            waiters.discard(node)
+            waiters.pop(node, None)
         for waiters in self._commit_waiters.values():
             waiters.pop(node, None)
         self.results.pop(node, None)
