@@ -1,6 +1,7 @@
 """A simulated swarm's scenario: the run, the nodes' hardware and links, churn, and the coordinator's settings.
 
-A scenario is a TOML file (``scripts/scenarios/*.toml``) read into a frozen :class:`Scenario`; the command
+A scenario is a TOML file (``scripts/scenarios/*.toml``, or the built-in ``default.toml`` beside this module:
+a 7B-class model in 32 stages) read into a frozen :class:`Scenario`; the command
 line of ``scripts/simulate.py`` overrides its main knobs. Every random draw of the simulation comes from
 the scenario's ``seed``, so a scenario and a seed give one run.
 
@@ -40,6 +41,8 @@ from protolearn.errors import ConfigError
 from protolearn.protocol.link import LinkSpec, parse_link
 from protolearn.stages.config import RunConfig, default_run, validate_run
 
+# The built-in scenario: a 7B-class model in 32 stages on home links (what the scale curves run).
+DEFAULT_SCENARIO = Path(__file__).with_name("default.toml")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|m|min|h|d)?\s*$")
 _UNITS = {None: 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -201,17 +204,15 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_scenario(path: str | Path | None) -> Scenario:
-    """The scenario in ``path`` (TOML), or the built-in default with none."""
-    if path is None:
-        return _validate({}, source="default scenario")
-    p = Path(path)
+    """The scenario in ``path`` (TOML), or with none the built-in one (:data:`DEFAULT_SCENARIO`)."""
+    p = DEFAULT_SCENARIO if path is None else Path(path)
     try:
         text = p.read_text()
     except OSError as err:
-        raise ConfigError(f"scenario {p}: cannot read it ({err.strerror}); give a TOML file like scripts/scenarios/swarm.toml") from None
+        raise ConfigError(f"scenario {p}: cannot read it ({err.strerror}); give a TOML file like scripts/scenarios/demo.toml") from None
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"scenario {p}: TOML syntax error: {err}; fix the file") from None
-    raw.setdefault("name", p.stem)
+    raw.setdefault("name", "default" if path is None else p.stem)
     return _validate(raw, source=f"scenario {p}")

@@ -16,16 +16,17 @@ from protolearn.sim.scenario import load_scenario
 from protolearn.sim.swarm import Swarm
 
 ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "scripts" / "scenarios" / "demo.toml"
 SMALL = {"swarm.nodes": 12, "swarm.stages": 3, "swarm.hours": 0.05, "swarm.seed": 3}
 
 
 def small_run() -> dict:
-    scenario = load_scenario(None).with_overrides(**SMALL)
+    scenario = load_scenario(DEMO).with_overrides(**SMALL)
     return report.build(Swarm(scenario).run(), 0.0)
 
 
 def test_simulate_runs_a_small_swarm_with_churn_and_reports_what_the_issue_asks() -> None:
-    argv = [sys.executable, "scripts/simulate.py", "--nodes", "24", "--stages", "3", "--hours", "0.1", "--mean-lifetime", "5m",
+    argv = [sys.executable, "scripts/simulate.py", "--scenario", str(DEMO), "--nodes", "24", "--stages", "3", "--hours", "0.1", "--mean-lifetime", "5m",
             "--seed", "2", "--json"]
     out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -54,6 +55,11 @@ def test_the_simulator_drives_the_real_coordinator_core(monkeypatch) -> None:
     monkeypatch.setattr(CommitBarrier, "check", lambda self, needed: CommitCheck(False, "a stub that never commits"))
     stubbed = small_run()
     assert stubbed["steps"] == 0 and stubbed["tokens_per_s"] == 0, stubbed
+
+
+def test_the_built_in_scenario_is_the_7b_class_model_in_32_stages() -> None:
+    scenario = load_scenario(None)
+    assert scenario.run.stages.num_stages == 32 and scenario.run.model.n_layers == 32 and scenario.run.model.d_model == 4096
 
 
 def test_a_scenario_that_cannot_run_is_one_line_naming_the_field(tmp_path) -> None:
