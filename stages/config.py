@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from protolearn.codec_spec import CodecSpec, parse_codec_spec
+from protolearn.step_limits import MAX_TICKETS_PER_STEP
 from protolearn.errors import ConfigError
 from protolearn.precision import PRECISIONS, Precision
 from protolearn.sync_spec import SyncCompression, parse_sync_compression
@@ -81,7 +82,7 @@ class StagesConfig(_Frozen):
 class BatchConfig(_Frozen):
     """One optimizer step = ``microbatches_per_step`` microbatches of ``microbatch_size`` x ``seq_len`` tokens."""
 
-    microbatches_per_step: int = Field(4, ge=1)
+    microbatches_per_step: int = Field(4, ge=1, le=MAX_TICKETS_PER_STEP)
     microbatch_size: int = Field(8, ge=1)
     seq_len: int = Field(128, ge=1)
     # What a step does with the tickets whose gradients a replica held when it departed (left, crashed, was banned)
