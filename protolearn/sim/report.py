@@ -62,6 +62,12 @@ def build(out: Outcome, wall_s: float) -> dict[str, Any]:
         "goodput": useful / work if work > 0 else None,
         "node_time_goodput": useful / m.node_s if m.node_s > 0 else None,
         "busy_share": work / m.node_s if m.node_s > 0 else None,
+        # Where the work that ended up in no committed step went, as shares of all work (1 - goodput in all).
+        "lost": {
+            "redone_or_dropped_compute": m.wasted_compute_s / work if work > 0 else None,
+            "failed_or_superseded_rounds": m.wasted_avg_s / work if work > 0 else None,
+            "state_downloads": m.sync_s / work if work > 0 else None,
+        },
         "useful_compute_s": m.useful_compute_s,
         "wasted_compute_s": m.wasted_compute_s,
         "useful_avg_s": m.useful_avg_s,
@@ -101,6 +107,8 @@ def lines(report: dict[str, Any]) -> list[str]:
         f"scenario {r['scenario']}: {r['nodes']} nodes, {r['stages']} stages, {r['sim_s'] / 3600:.2f} h simulated in {r['wall_s']:.1f} s "
         f"({r['events']:,} events)",
         f"goodput {f(r['goodput'])} (of node-time: {f(r['node_time_goodput'])}, busy {f(r['busy_share'])})",
+        f"work lost to: redone or dropped compute {f(r['lost']['redone_or_dropped_compute'])}, failed or superseded rounds "
+        f"{f(r['lost']['failed_or_superseded_rounds'])}, state downloads (joins, resyncs) {f(r['lost']['state_downloads'])}",
         f"steps {r['steps']}, step {f(r['step_s'], '.1f')} s, {f(r['tokens_per_s'], ',.0f')} tokens/s",
         f"bytes/token per boundary {r['boundary_bytes_per_token']} (codec fwd/bwd {r['codec_bytes_per_token']}), "
         f"replica sync {f(r['sync_bytes_per_token'], ',.1f')}",
