@@ -38,6 +38,7 @@ from protolearn.node.replica_sync import ReplicaSync
 from protolearn.node.config import NodeConfig
 from protolearn.node.compute_watch import ComputeWatch
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
+from protolearn.node.core.balancer import Balancer
 from protolearn.node.core.closed_step import CoreConfig, NodeCore
 from protolearn.node.core.events import Synced
 from protolearn.node.core.inner_step import InnerStepCore
@@ -182,7 +183,7 @@ class Node:
                 if self.diloco else NodeCore(self.host.peer_id, stage, core_config))
         # One record per ticket (node/core/tickets.py), which routing, integrity and stage 0's driver share.
         tickets = Tickets()
-        self.routes = RouteCore(tickets)
+        self.routes = RouteCore(tickets, Balancer(order=self.host.peer_id))
         outbound = attack.outbound(self.worker) if attack else PASS_THROUGH
         self.integrity = Integrity(
             self.host, run, self.worker, corpus, self.compute, tickets=tickets, outbound=outbound,

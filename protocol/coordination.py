@@ -52,6 +52,7 @@ from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.rounds import MAX_OUTER_ATTEMPTS
 from protolearn.protocol.states import NodeState
 from protolearn.protocol.wire import Message, Record
+from protolearn.step_limits import MAX_TICKETS_PER_STEP
 from pydantic import Field
 
 # The protocol's name, defined here only; the transport's protocol_id() makes it /protolearn/coordinator/1.0.0.
@@ -278,7 +279,7 @@ class LeaseReply(Message):
 class Release(Message):
     KIND: ClassVar[str] = "coord.release"
     step: Step
-    indices: list[Ticket] = Field(max_length=MAX_TICKETS_PER_REQUEST)
+    indices: list[Ticket] = Field(max_length=MAX_TICKETS_PER_STEP)
 
 
 class ReleaseReply(Message):
@@ -400,7 +401,9 @@ RedoKind = Literal["", "round_failed", "replica_out", "lost_gradients", "orphane
 class Redo(Message):
     KIND: ClassVar[str] = "coord.redo"
     step: Step
-    indices: list[Ticket] = Field(min_length=1, max_length=MAX_TICKETS_PER_REQUEST)
+    # Up to the whole step: a replica whose round failed asks for all of its stage's tickets (issue 26: 4,476 of a
+    # 5,000-ticket step once overran the per-request bound and stopped the simulated 10,000-node swarm).
+    indices: list[Ticket] = Field(min_length=1, max_length=MAX_TICKETS_PER_STEP)
     reason: Text = ""
     # The revision of the step's accounting the request is about (0: not said). A redo about an older
     # revision than the step's last closing is stale and refused: it would reopen a step whose newer

@@ -17,11 +17,12 @@ import math
 import tomllib
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from protolearn.codec_spec import CodecSpec, parse_codec_spec
+from protolearn.step_limits import MAX_TICKETS_PER_STEP
 from protolearn.errors import ConfigError
 from protolearn.precision import PRECISIONS, Precision
 from protolearn.sync_spec import SyncCompression, parse_sync_compression
@@ -81,9 +82,14 @@ class StagesConfig(_Frozen):
 class BatchConfig(_Frozen):
     """One optimizer step = ``microbatches_per_step`` microbatches of ``microbatch_size`` x ``seq_len`` tokens."""
 
-    microbatches_per_step: int = Field(4, ge=1)
+    microbatches_per_step: int = Field(4, ge=1, le=MAX_TICKETS_PER_STEP)
     microbatch_size: int = Field(8, ge=1)
     seq_len: int = Field(128, ge=1)
+    # What a step does with the tickets whose gradients a replica held when it departed (left, crashed, was banned)
+    # before its stage averaged them: "redo" them through every stage (I1 exact: every stage covers all B tickets),
+    # or "drop" them from that stage's sum only, the other stages keeping them (a large swarm with churn: redoing
+    # them made a step of a 32-stage swarm never close; the coordinator's tickets.py and docs/BENCHMARKS.md).
+    departures: Literal["redo", "drop"] = "redo"
 
     @property
     def tokens_per_step(self) -> int:

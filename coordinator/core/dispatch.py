@@ -56,7 +56,7 @@ from protolearn.coordinator.core.round_faults import RoundFaults
 from protolearn.coordinator.core.reports import Reports
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.status import build_status
-from protolearn.coordinator.core.steps import ClosedStep, Ticket
+from protolearn.coordinator.core.steps import DROPPED, ClosedStep, Ticket
 from protolearn.coordinator.core.tickets import TicketLedger
 from protolearn.coordinator.core.verdicts import Ban, VerdictPolicy
 from protolearn.coordinator.core.witnesses import witness_key
@@ -105,7 +105,7 @@ class CoordinatorCore:
         max_loss = settings.max_loss_factor * math.log(run.vocab_size) if run.vocab_size >= 2 else math.inf
         self.ledger = TicketLedger(
             run.microbatches_per_step, run.num_stages, lease_s=settings.lease_s, block=settings.lease_block,
-            max_revisions=settings.max_revisions, max_loss=max_loss,
+            max_revisions=settings.max_revisions, max_loss=max_loss, drop_departed=run.departures == "drop",
         )
         self.acks = AckDesk(run.run_hash, self.ledger, secret, verify)
         self.verdicts = VerdictPolicy(settings, pacing=self.pacing)
@@ -361,18 +361,22 @@ class CoordinatorCore:
         return self.acks.nonce(step, index, attempt)
 
     def _complete(self, member: Member, msg: cm.Complete, now: float) -> cm.CompleteReply:
+        route = list(msg.route)
         for stage, hop in enumerate(msg.route):
             m = self.registry.members.get(hop)
             if m is None or m.status != LIVE or m.stage != stage:
+                if self.ledger.drop_departed and stage > 0 and m is not None and m.status != LIVE and m.stage == stage:
+                    route[stage] = DROPPED  # it departed with this ticket's gradients at its stage (tickets.py)
+                    continue
                 raise Refusal("bad_route", f"route hop {stage} is {hop}, which is not a live member of stage {stage}; redo the ticket")
-        early = self.ledger.check_complete(member.peer_id, msg.step, msg.index, msg.route, msg.loss)
+        early = self.ledger.check_complete(member.peer_id, msg.step, msg.index, route, msg.loss)
         if early is not None:  # refused before any signature is checked
             self.leases.refused(member.peer_id, early.code, msg)
             raise Refusal(early.code, early.reason)
         refusal = self.acks.refusal(msg)
         if refusal is not None:
             raise refusal
-        d = self.ledger.complete(member.peer_id, msg.step, msg.index, msg.route, msg.loss, now)
+        d = self.ledger.complete(member.peer_id, msg.step, msg.index, route, msg.loss, now)
         if not d.accepted:
             raise Refusal(d.code, d.reason)
         self.leases.completed(member.peer_id, d.held_s, now)
@@ -384,6 +388,9 @@ class CoordinatorCore:
 
     def _redo(self, member: Member, msg: cm.Redo, now: float) -> cm.RedoReply:
         peer = member.peer_id
+        if self.ledger.drop_departed and msg.kind == "replica_out":
+            # The run drops what departed replicas held (tickets.py): the survivors apply the step without it.
+            raise Refusal("dropped", "this run drops the tickets of replicas that left a round: apply the step without them")
         free = self._round_failure_causes(member, msg, now)
         if not free:
             self.redos.check(peer, msg.step, now)

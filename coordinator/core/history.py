@@ -21,6 +21,8 @@ from protolearn.protocol import coordination as cm
 
 # Compact (step, loss, tickets, closed_at) history kept in memory for status and tokens/s.
 KEEP_HISTORY = 10_000
+# Closings whose long-poll accounting is kept built.
+KEEP_ACCOUNTS = 4
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class StepHistory:
         self.ledger = ledger
         self.records: deque[LossRecord] = deque(maxlen=KEEP_HISTORY)
         self._unsaved: list[ClosedStep] = []
+        # The wire form of the last closings' accounting, built once per closing: every member's long poll of a
+        # closed step gets it, so building it per answer made a step's close O(members × B × S).
+        self._accounts: dict[tuple[int, int], list[cm.StageAccount]] = {}
 
     def restore(self, records: Iterable[LossRecord]) -> None:
         self.records.extend(records)
@@ -72,10 +77,15 @@ class StepHistory:
             return cm.StepInfo(
                 step=step, closed=False, revision=rev, loss=None, num_tickets=ledger.num_tickets, accounting=[], open_step=open_step,
             )
-        accounting = [
-            cm.StageAccount(stage=stage, peers=[cm.PeerTickets(peer_id=p, tickets=t) for p, t in sorted(peers.items())])
-            for stage, peers in sorted(closed.accounting().items())
-        ]
+        accounting = self._accounts.get((step, closed.revision))
+        if accounting is None:
+            accounting = [
+                cm.StageAccount(stage=stage, peers=[cm.PeerTickets(peer_id=p, tickets=t) for p, t in sorted(peers.items())])
+                for stage, peers in sorted(closed.accounting().items())
+            ]
+            if len(self._accounts) >= KEEP_ACCOUNTS:
+                del self._accounts[min(self._accounts)]
+            self._accounts[(step, closed.revision)] = accounting
         return cm.StepInfo(
             step=step, closed=True, revision=closed.revision, loss=float(closed.loss),
             num_tickets=closed.num_tickets, accounting=accounting, open_step=open_step, committed=ledger.committed(step),

@@ -49,6 +49,8 @@ class RunInfo:
     footprints: tuple[StageFootprint, ...] = ()
     # DiLoCo mode's outer rounds (coordinator/core/outer_rounds.py); None: the replicas average every step.
     outer: OuterSpec | None = None
+    # What a departed replica's tickets become (the run's batch.departures): "redo" or "drop" (tickets.py).
+    departures: str = "redo"
 
     @property
     def num_stages(self) -> int:
@@ -80,6 +82,7 @@ class RunInfo:
             subspace=run.subspace_key,
             footprints=stage_footprints(run),
             outer=_outer_spec(run),
+            departures=run.batch.departures,
         )
 
 

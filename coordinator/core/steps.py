@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 # Closed steps kept in memory with their full routes (older ones live in the store only).
 KEEP_CLOSED = 1000
+# A route's hop whose replica departed holding the ticket's gradients, in a run that drops them (tickets.py):
+# no replica accounts for the ticket at that stage.
+DROPPED = ""
 
 
 @dataclass
@@ -44,12 +47,20 @@ class ClosedStep:
         return len(self.routes)
 
     def accounting(self) -> dict[int, dict[str, list[int]]]:
-        """stage → peer → the tickets that peer accounts for in this step."""
-        out: dict[int, dict[str, list[int]]] = {}
-        for index, route in enumerate(self.routes):
-            for stage, peer in enumerate(route):
-                out.setdefault(stage, {}).setdefault(peer, []).append(index)
-        return out
+        """stage → peer → the tickets that peer accounts for in this step.
+
+        Built once (O(B × S)) and then shared: every member's long poll of the closed step reads it, so
+        rebuilding it per call made answering a step's close O(members × B × S). Callers must not modify it.
+        """
+        got = self.__dict__.get("_accounting")
+        if got is None:
+            got = {}
+            for index, route in enumerate(self.routes):
+                for stage, peer in enumerate(route):
+                    if peer != DROPPED:
+                        got.setdefault(stage, {}).setdefault(peer, []).append(index)
+            object.__setattr__(self, "_accounting", got)
+        return got
 
     def processed_at(self, peer: str, stage: int | None) -> bool:
         """Whether ``peer`` processed a ticket of this step at ``stage`` (so it averaged that stage)."""

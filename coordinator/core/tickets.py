@@ -25,6 +25,13 @@ replica reported, the step *commits* (the rule and why a liar can neither commit
 and it never reopens. So a replica that dies while its stage averages is never lost: its stage's
 survivors redo its tickets and the step reopens, because no stage can have applied it yet (I1).
 
+**Departures.** By default (I1 exact) the open step's tickets that a departing peer leased or that were
+routed through it are freed and redone by others. A run with ``batch.departures = "drop"`` keeps a done
+ticket routed through the departed peer done and drops it from that peer's stage only (:meth:`revoke_peer`),
+and its replicas apply a step whose round left a replica out without that replica's tickets (the node
+core's ``tickets_lost`` path; ``dispatch.py`` refuses their redo). I1 then reads: every stage covers each of
+the step's tickets at most once, and all of them but those whose gradients a departed replica held there.
+
 **Bounds under attack.** A step reopens at most ``max_revisions`` times: a redo past that is refused
 (``revision_cap``) and the last revision stands, so no node's round id overflows. Its replicas take the
 node core's refused-redo fallback: a stage whose round left a dead replica out applies what it has (and
@@ -47,7 +54,7 @@ from dataclasses import dataclass
 
 from protolearn.coordinator.core.commit import AveragedDecision, CommitBarrier, waited_for
 from protolearn.coordinator.core.redo import RedoDecision, may_reopen, redo_open
-from protolearn.coordinator.core.steps import KEEP_CLOSED, ClosedStep, Ticket
+from protolearn.coordinator.core.steps import DROPPED, KEEP_CLOSED, ClosedStep, Ticket
 from protolearn.protocol.rounds import REVISIONS_PER_STEP
 
 # How many of a ticket's latest leases an ack may name (protocol/acks.py): a late completion of a lease re-issued
@@ -102,6 +109,7 @@ class TicketLedger:
         keep_closed: int = KEEP_CLOSED,
         max_revisions: int = REVISIONS_PER_STEP,
         max_loss: float = math.inf,
+        drop_departed: bool = False,
     ) -> None:
         if num_tickets < 1 or num_stages < 1 or keep_closed < 1:
             raise ValueError(
@@ -113,6 +121,8 @@ class TicketLedger:
         self.block = block
         self.max_revisions = max_revisions
         self.max_loss = max_loss
+        # The run's batch.departures = "drop": a departed peer's done tickets stay done without it (revoke_peer).
+        self.drop_departed = drop_departed
         # Closed steps kept with their full routes; older ones are dropped as new ones close.
         self.keep_closed = keep_closed
         self.step = step
@@ -395,10 +405,21 @@ class TicketLedger:
         return RedoDecision(True, f"step {step} reopened to redo tickets {wanted}", wanted, reopened=True, foreign=True)
 
     def revoke_peer(self, peer: str) -> list[int]:
-        """Free the open step's tickets leased by ``peer`` or routed through it (it was banned)."""
+        """Free the open step's tickets leased by ``peer`` or routed through it (it left, expired or was banned).
+
+        With ``drop_departed`` (the run's ``batch.departures = "drop"``) a done ticket routed through ``peer``
+        stays done: only ``peer``'s stage loses it, whose hop becomes :data:`~.steps.DROPPED` (no replica
+        accounts for it there), while the other stages keep the ticket they already hold. Redoing it instead
+        costs the whole pipeline again, and in a deep swarm with churn some peer on most routes departs before
+        the step closes, so the step never did. Only its leased, unfinished tickets are freed then.
+        """
         out = []
         for i, t in enumerate(self.tickets):
-            if (t.holder == peer and not t.done) or (t.done and peer in (t.route or ())):
+            routed = t.done and peer in (t.route or ())
+            if routed and self.drop_departed:
+                t.route = [DROPPED if p == peer else p for p in t.route or ()]
+                self.dirty.add(i)
+            elif (t.holder == peer and not t.done) or routed:
                 self.tickets[i] = Ticket(i, issued=t.issued + ACK_ATTEMPTS)
                 self.dirty.add(i)
                 out.append(i)

@@ -22,8 +22,13 @@ for the step (it is behind it: still syncing, or not yet applied the step before
 skipped while any other peer is ready, for :data:`NOT_READY_S`, doubled per refusal in a row up to
 :data:`NOT_READY_MAX_S` (:meth:`Balancer.on_not_ready`), and one accepted microbatch resets that. With
 the failure penalty a joiner that refused twice while the view still showed it training (a resync) was
-avoided for half a minute. Ties go to the smaller peer id, so the
-choice is deterministic for a given history. :meth:`Balancer.choose` returns the peer and the reason.
+avoided for half a minute. Ties go by an order of the peers that is this node's own (``order``: its peer id,
+hashed with each candidate's), so the choice is deterministic for a given history, and different senders
+break ties differently: with one order for all (the smaller peer id), every replica of a stage sent its first
+microbatch of a step to the same peer, its second to the next, and so on, so in a large stage the
+replicas at the end of the order got no work at all (issue 26: a third of a 31-replica stage of the
+simulated 1,000-node swarm took no ticket, and had to fetch each step's result).
+:meth:`Balancer.choose` returns the peer and the reason.
 
 Liveness (issue 11): a peer can Ack a microbatch and never send its gradient back (a blackhole). Which
 hand-overs are still awaited is the ticket record's (:mod:`.tickets`); the balancer keeps what follows
@@ -37,6 +42,7 @@ and counts in :meth:`Balancer.lost`. :mod:`.routing` puts the two together.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -95,6 +101,9 @@ class Balancer:
     _stats: dict[str, PeerStats] = field(default_factory=dict)
     _banned: set[str] = field(default_factory=set)
     suspects: frozenset[str] = frozenset()
+    # Whose tie order this is (its peer id; "" = the peers' own order): see the module docstring.
+    order: str = ""
+    _ranks: dict[str, bytes] = field(default_factory=dict)
     # Slowest round trip (hand-over to gradient back) seen lately: an EMA that jumps up at once.
     _round_trip_s: float | None = None
 
@@ -114,10 +123,27 @@ class Balancer:
         return sum(known) / len(known) if known else self.default_service_s
 
     def expected_finish_s(self, peer: str, now: float, awaited: int = 0) -> float:
+        return self._finish(peer, now, awaited, None)
+
+    def _finish(self, peer: str, now: float, awaited: int, prior: float | None) -> float:
+        """:meth:`expected_finish_s`, with the prior of unmeasured peers computed by the caller (once per choice:
+        it averages every known peer, so computing it per candidate made a choice O(candidates × peers))."""
         st = self._get(peer)
-        service = st.service_s if st.service_s is not None else self._prior()
+        if st.service_s is not None:
+            service = st.service_s
+        else:
+            service = self._prior() if prior is None else prior
         finish = (self._queue(st, awaited) + 1.0) * service + self._penalty(st, now)
         return finish * SUSPECT_FACTOR if peer in self.suspects else finish
+
+    def _rank(self, peer: str) -> bytes | str:
+        """``peer``'s place in this node's tie order."""
+        if not self.order:
+            return peer
+        got = self._ranks.get(peer)
+        if got is None:
+            got = self._ranks[peer] = hashlib.blake2b(f"{self.order}\x00{peer}".encode(), digest_size=8).digest()
+        return got
 
     @staticmethod
     def _queue(st: PeerStats, awaited: int) -> float:
@@ -133,8 +159,9 @@ class Balancer:
             return Choice(None, why)
         ready = [p for p in usable if self._get(p).not_ready_until <= now] or usable
         load = awaited or {}
-        best = min(ready, key=lambda p: (self.expected_finish_s(p, now, load.get(p, 0)), p))
-        eta = self.expected_finish_s(best, now, load.get(best, 0))
+        prior = self._prior()
+        best = min(ready, key=lambda p: (self._finish(p, now, load.get(p, 0), prior), self._rank(p)))
+        eta = self._finish(best, now, load.get(best, 0), prior)
         queue = self._queue(self._get(best), load.get(best, 0))
         return Choice(best, f"least expected finish {eta:.3f} s (queue {queue:.0f}, of {len(usable)} peers)", eta)
 
@@ -205,3 +232,4 @@ class Balancer:
     def forget(self, peer: str) -> None:
         """The peer left the swarm; drop its history (it may rejoin as a new node)."""
         self._stats.pop(peer, None)
+        self._ranks.pop(peer, None)

@@ -124,7 +124,18 @@ class RouteCore:
     def ban(self, peer: str) -> None:
         self.balancer.ban(peer)
 
-    def forget(self, peer: str) -> None:
-        """The peer left the swarm: drop its statistics and await nothing more from it."""
+    def forget(self, peer: str) -> list[Key]:
+        """The peer left the swarm: drop its statistics and await nothing more from it. Returns the hand-overs
+        to it still awaited, oldest first: their microbatches are lost downstream of this replica, which holds
+        their activation and sends it on to another replica (:meth:`resend`), so that only the work past it is redone."""
         self.balancer.forget(peer)
-        self.tickets.forget_peer(peer)
+        return self.tickets.forget_peer(peer)
+
+    def resend(self, key: Key, held_step: int) -> list[str] | None:
+        """The route to send ``key``'s activation on with again after its next-stage peer left, or None when
+        there is nothing to send: the ticket is not of ``held_step`` (the step this replica trains), or the
+        attempt held here never went out (no activation was kept)."""
+        route = self.tickets.route(key)
+        if key[0] != held_step or route is None or self.tickets.frame(key, "fwd") is None and self.tickets.sent_to(key, "fwd") is None:
+            return None
+        return route

@@ -136,9 +136,13 @@ class Tickets:
             del self._awaited[key]
         return out
 
-    def forget_peer(self, peer: str) -> None:
-        """``peer`` left the swarm: await nothing more from it."""
-        self._awaited = {k: at for k, at in self._awaited.items() if self._records[k].handed_to != peer}
+    def forget_peer(self, peer: str) -> list[Key]:
+        """``peer`` left the swarm: await nothing more from it. Returns the hand-overs to it that were still
+        awaited, oldest first (their gradient will never come)."""
+        gone = [k for k in self._awaited if self._records[k].handed_to == peer]
+        for k in gone:
+            del self._awaited[k]
+        return gone
 
     # -- forgetting ------------------------------------------------------------------------------
     def prune(self, applied: int) -> None:

@@ -214,3 +214,23 @@ def test_a_second_gradient_for_one_ticket_is_refused_while_the_first_is_applied(
     assert second.action == "refuse" and "already being applied" in second.reason
     acc.backward_done(0, 2)
     assert acc.admit_backward(0, 2).action == "refuse"  # the ticket's gradients are in: nothing left to apply
+
+
+def test_senders_with_their_own_tie_order_spread_a_step_over_every_replica() -> None:
+    """Issue 26: with one tie order for everybody (the smaller peer id), 31 senders that each had 4 tickets and no
+    measurements yet all sent them to the same 4 replicas of the next stage; each sender ordering ties by its own
+    id leaves (almost) no replica without work."""
+    receivers = [f"r{i:02d}" for i in range(31)]
+
+    def idle(order_of) -> int:
+        load = dict.fromkeys(receivers, 0)
+        for s in range(31):
+            b, awaited = Balancer(order=order_of(s)), {}
+            for _ in range(4):
+                peer = b.choose(receivers, 0.0, awaited).peer
+                awaited[peer] = awaited.get(peer, 0) + 1
+                load[peer] += 1
+        return sum(1 for n in load.values() if n == 0)
+
+    assert idle(lambda s: "") == 27  # one order: every sender used r00..r03
+    assert idle(lambda s: f"s{s:02d}") <= 3  # balls into bins: e^-4 of 31 expected idle

@@ -419,3 +419,19 @@ def test_a_stage_s_hashes_are_answered_from_its_serving_replicas_only() -> None:
     assert isinstance(reply, cm.StageHashes)
     assert [(p.peer_id, p.step, p.hash) for p in reply.param_hashes] == [(s0, 3, "aa")]
     assert core.handle(s1, cm.StageHashesRequest(stage=1), 1.1).param_hashes[0].hash == "cc"
+
+
+def test_a_run_that_drops_departures_refuses_the_redo_of_a_round_that_left_a_replica_out() -> None:
+    """batch.departures = "drop": the survivors apply the step without the left-out replica's tickets (the node
+    core's tickets_lost path) instead of reopening it for every stage."""
+    from tests.support.coordinator import make_core as core_for
+    from tests.support.coordinator import run_info
+
+    core = core_for(run_info(2, departures="drop"), SETTINGS, verify=lambda p, d, s: True)
+    for peer in ("a", "b", "c"):
+        join(core, peer)
+    stage1 = [p for p in ("b", "c") if core.registry.members[p].stage == 1] or ["b"]
+    run_step(core, "a", stage1[0], 1.0, commit=False)
+    with pytest.raises(Refusal) as err:
+        core.handle("a", cm.Redo(step=0, indices=[0], reason="replica out", revision=1, kind="replica_out"), 2.0)
+    assert err.value.code == "dropped"

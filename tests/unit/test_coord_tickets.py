@@ -293,3 +293,33 @@ def test_only_the_newest_closed_steps_are_kept() -> None:
     for step in range(4):
         finish(led, "a", float(step), commit=True)
     assert sorted(led.closed) == [2, 3]
+
+
+def test_a_run_that_drops_departures_keeps_their_done_tickets_and_drops_them_from_that_stage_only() -> None:
+    """batch.departures = "drop" (issue 26): a peer that departs while the step is open costs its own stage the
+    tickets it held, not a redo through every stage; its leased, unfinished tickets are still freed."""
+    led = ledger(drop_departed=True)
+    step = led.step
+    d = led.lease("a", 0.0, 3)
+    for i in d.indices:
+        assert led.complete("a", step, i, ["a", "gone" if i < 2 else "s1"], 1.0, 0.0).accepted
+    held = led.lease("x", 0.0, 1).indices
+    assert led.revoke_peer("gone") == []  # its two done tickets stay done
+    assert led.revoke_peer("x") == held  # x's unfinished lease is freed
+    while led.step == step:
+        got = led.lease("b", 0.0, 4)
+        for i in got.indices:
+            assert led.complete("b", step, i, ["b", "s1"], 1.0, 0.0).accepted
+    account = led.closed[step].accounting()
+    assert sorted(account[1]["s1"]) == sorted(set(range(B)) - {0, 1})  # stage 1 lost the departed's tickets
+    assert "gone" not in account[1] and "" not in account[1]
+    assert sorted(t for ts in account[0].values() for t in ts) == list(range(B))  # stage 0 keeps every ticket
+
+
+def test_by_default_a_departure_frees_every_ticket_routed_through_it() -> None:
+    led = ledger()
+    step = led.step
+    d = led.lease("a", 0.0, 2)
+    for i in d.indices:
+        assert led.complete("a", step, i, ["a", "gone"], 1.0, 0.0).accepted
+    assert led.revoke_peer("gone") == sorted(d.indices)

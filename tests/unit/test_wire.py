@@ -345,3 +345,19 @@ def test_a_run_toml_over_max_run_toml_is_refused(kind: str) -> None:
     assert "run_toml" in err.reason
     with pytest.raises(ValidationError):
         cls(run_toml="#" * (cm.MAX_RUN_TOML + 1), **fields)
+
+
+def test_a_redo_of_a_whole_step_at_the_largest_step_the_run_config_allows_goes_over_the_wire() -> None:
+    """Issue 26: a replica whose round failed asks for all its stage's tickets to be redone; with 5,000 tickets per
+    step (the simulated 10,000-node swarm) the redo overran the per-request bound of 1,024 and the node crashed.
+    The run config bounds a step's tickets, and a redo carries them all."""
+    from protolearn.protocol import coordination as cm
+    from protolearn.stages.config import RunConfig
+    from protolearn.step_limits import MAX_TICKETS_PER_STEP
+
+    redo = cm.Redo(step=3, indices=list(range(MAX_TICKETS_PER_STEP)), reason="round failed", kind="round_failed")
+    data = wire.encode(redo)
+    assert len(data) < 1024 * 1024
+    assert wire.decode(data, peer="p", expect=cm.Redo) == redo
+    with pytest.raises(ValidationError, match="microbatches_per_step"):
+        RunConfig.model_validate({"batch": {"microbatches_per_step": MAX_TICKETS_PER_STEP + 1}})
