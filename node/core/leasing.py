@@ -171,6 +171,7 @@ class LeaseCore:
         self.started = {t: at for t, at in self.started.items() if t in held}
         self._starting &= set(self.started)
         self.step, self._leasing, self._pause_until = step, False, now
+        self._empty = 0  # a new step, or a reopened one whose redone tickets are to be had now: no back-off left
         self._restart.clear()
 
     def poll(self, now: float, *, in_flight: int, has_next_stage: bool) -> list[LeaseAction]:

@@ -319,6 +319,24 @@ def test_empty_lease_answers_back_off_until_a_ticket_comes() -> None:
     assert core.next_wake(now) - now == pytest.approx(lc.LEASE_RETRY_S)
 
 
+def test_a_reopened_step_is_leased_at_once_whatever_back_off_its_empty_answers_built() -> None:
+    """Adversary sim seed 379 (redo_storm, 2 of 5): with the back-off kept across a reopen, an honest stage-0 replica
+    asked for the redone tickets up to 2 s late, held the commit, and was struck ``commit_hold``. Driving the step
+    again (a reopen, or the next step) starts the lease questions afresh."""
+    core = lease_core()
+    now = 0.0
+    for _ in range(8):  # a long run of empty answers: the pause has grown to its cap
+        while not only(core.poll(now, in_flight=0, has_next_stage=True), lc.RequestLease):
+            now = core.next_wake(now)
+        core.handle(lc.Leased(0, []), now)
+    soon = now + 2 * lc.LEASE_RETRY_S
+    assert not only(core.poll(soon, in_flight=0, has_next_stage=True), lc.RequestLease), "backed off"
+    core.begin(0, [], soon)  # the step reopened
+    assert only(core.poll(soon, in_flight=0, has_next_stage=True), lc.RequestLease)
+    core.handle(lc.Leased(0, []), soon)  # its redone tickets went to another replica first: ask again soon
+    assert only(core.poll(soon + 2 * lc.LEASE_RETRY_S, in_flight=0, has_next_stage=True), lc.RequestLease)
+
+
 def test_completions_are_reported_failures_released_and_bad_routes_handed_back() -> None:
     core = lease_core()
     core.poll(0.0, in_flight=0, has_next_stage=True)
