@@ -29,7 +29,7 @@ from protolearn.protocol import coordination as cm
 from protolearn.sim.engine import Engine
 from protolearn.sim.signatures import sim_verify
 
-PEER_ID = "coordinator"
+PEER_ID = "sim-coordinator"  # the simulated coordinator's peer id
 # The service persists after every change; the simulation drains the core this often (and at a crash).
 DRAIN_S = 10.0
 
