@@ -155,6 +155,8 @@ class ConnectionWatch(INotifee):
 
     async def _watch(self, network: INetwork, conn: INetConn, closed: trio.Event) -> None:
         await closed.wait()
+        if self._inbound is not None:
+            count_closed(self._inbound, conn)  # its address's slot is free once it is closed (idempotent)
         peer = conn.muxed_conn.peer_id
         if not any(not c.is_closed for c in network.get_connections(peer)):
             self._told.add(id(conn))

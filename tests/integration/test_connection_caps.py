@@ -31,7 +31,9 @@ def test_a_host_keeps_accepting_after_more_connections_came_and_went_than_libp2p
                 async with open_host(Identity.generate(), config=CLIENT) as client:
                     assert await client.connect(server.addrs()[0]) == server.peer_id, i
                 await wait_until(lambda: server.num_connections(client.peer_id) == 0, "the closed connection to go")
-            assert server.inbound.num_established == 0
+            # Every inbound slot comes back. (The count drops when the connection is marked closed, a task switch
+            # after num_connections does; asserted at once, it failed 1 run in CI with the cores kept busy.)
+            await wait_until(lambda: server.inbound.num_established == 0, "every inbound slot to come back", timeout=10)
 
     run_trio(main, timeout=90)
 
