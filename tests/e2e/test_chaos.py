@@ -125,6 +125,7 @@ def test_kills_and_a_coordinator_restart_lose_no_ticket(tmp_path: Path, rng: ran
         s.stop()
 
     applied = _steps_by_stage(s, names)
+    peer_ids = {n: s.events(n, "start")[0]["peer_id"] for n in names}
     assert sorted(applied) == [0, 1, 2], sorted(applied)
     for stage, records in applied.items():
         members = list(records)
@@ -139,7 +140,10 @@ def test_kills_and_a_coordinator_restart_lose_no_ticket(tmp_path: Path, rng: ran
             tickets = sorted(i for n in members if t in records[n] for i in records[n][t]["tickets"])
             assert len(set(tickets)) == len(tickets) and set(tickets) <= set(range(B)), (stage, t, tickets)
             accounted = [n for n in members if t in records[n] and records[n][t]["tickets"]]
-            if len(logged) == len(logged[0]["replicas"]):
+            # When every replica in the step's accounting logged it, their tickets are all B. (Counting loggers is
+            # not enough: a lone participant killed right after averaging logs nothing, while the stage-mate that
+            # fetched its result logs the step with no tickets of its own; CI with the cores busy, seed-independent.)
+            if set(logged[0]["replicas"]) <= {peer_ids[n] for n in members if t in records[n]}:
                 assert tickets == list(range(B)), f"stage {stage} step {t}: tickets {tickets} (accounted by {accounted})"
             # The applied average held all B tickets' gradients, also when a replica died in the step's
             # accounting and logged nothing (participants log what went in; a restarted one may not have).
