@@ -239,9 +239,7 @@ class Node:
             return None
         # The applied count is read in the thread, under the compute lock the finisher applies steps under.
         snap = await trio.to_thread.run_sync(self.worker.shared_snapshot, lambda: core.applied, self.run.integrity.self_test, limiter=self.compute)
-        # The taker checks the state against the hashes its stage reported (node/syncing.py): report this one's
-        # now, not a heartbeat later (issue 28: the joiner waited a check poll for it).
-        self.link.beat_now()
+        self.hashes.served(snap[0])
         return snap
 
     async def sync_state(self, open_step: int) -> None:

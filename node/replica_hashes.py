@@ -37,11 +37,22 @@ class ReplicaHashes:
         self.applied = applied
         self._by_step: dict[int, str] = {}
         self._checked: set[int] = set()
+        self._served = -1
 
     def clear(self) -> None:
         """A new stage was built: its hashes start afresh."""
         self._by_step.clear()
         self._checked.clear()
+        self._served = -1
+
+    def served(self, applied: int) -> None:
+        """This replica's state after ``applied`` steps was just served. Its taker checks it against the hashes
+        the stage reported (node/syncing.py), so the heartbeat that reports this one's goes now, not an
+        interval later (issue 28: the joiner waited a check poll for it). Once per applied count: anyone may
+        ask for the state, and asking again must not make this node beat again (costs go to their cause)."""
+        if applied != self._served:
+            self._served = applied
+            self.link.beat_now()
 
     def record(self, step: int, param_hash: str) -> None:
         self._by_step[step] = param_hash

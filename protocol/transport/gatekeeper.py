@@ -14,6 +14,7 @@ counts: a peer must not fill the disk with our logs).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -135,8 +136,8 @@ class ConnectionWatch(INotifee):
         # Counts each inbound connection under its address while it lives (inbound.py).
         self._inbound = inbound
         self.nursery: trio.Nursery | None = None
-        # Connections whose close was told early (by id, while py-libp2p still holds them).
-        self._told: set[int] = set()
+        # Connections whose close was told early (weakly: a connection py-libp2p never notifies is not kept).
+        self._told: weakref.WeakSet[INetConn] = weakref.WeakSet()
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
         if self._inbound is not None:
@@ -159,14 +160,14 @@ class ConnectionWatch(INotifee):
             count_closed(self._inbound, conn)  # its address's slot is free once it is closed (idempotent)
         peer = conn.muxed_conn.peer_id
         if not any(not c.is_closed for c in network.get_connections(peer)):
-            self._told.add(id(conn))
+            self._told.add(conn)
             self._on_change(str(peer), False)
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
         if self._inbound is not None:
             count_closed(self._inbound, conn)
-        if id(conn) in self._told:
-            self._told.discard(id(conn))
+        if conn in self._told:
+            self._told.discard(conn)
             return
         peer = conn.muxed_conn.peer_id
         # Only the peer's last connection going away means it is gone.
