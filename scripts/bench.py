@@ -35,6 +35,7 @@ SUITES: dict[str, str] = {
     "report": "scripts/bench_report.py",
     "framing": "scripts/bench_framing.py",
     "sync": "scripts/bench_sync.py",
+    "simcurves": "scripts/bench_simcurves.py",
 }
 
 

@@ -100,6 +100,8 @@ SECTIONS: tuple[Section, ...] = (
             quick=("--sizes", "100,1000", "--repeat", "1"), anchor="coordinator-request-paths-as-the-swarm-grows"),
     Section("coordinator-net", "coordinator-net", (), "Coordinator over the network", "report_suites:render_coordinator_net", "suites",
             default=False, quick=("--levels", "40", "--workers", "2", "--window", "3")),
+    Section("simcurves", "simcurves", (), "The simulated swarm at scale: goodput against size, lifetime and stages", "report_suites:render_simcurves",
+            "suites", default=False, quick=("--quick",), timeout_s=3 * 3600),
     Section("abuse", "abuse", (), "Network attacks on a coordinator, a node and a swarm", "report_suites:render_abuse", "suites", quick=("--quick",), anchor="abuse-network-attacks-on-a-running-coordinator-and-node"),
     Section("framing", "framing", ("--tickets", "200000"), "Framing an honest replica: the coordinator's witness draw", "report_suites:render_framing", "suites",
             quick=("--tickets", "500"), anchor="framing-an-honest-replica-the-coordinators-witness-draw"),

@@ -291,3 +291,42 @@ def render_coordinator_net(r: dict[str, Any], figs: Path, plt: Any) -> str:
     if notes.exists():
         out += ["", notes.read_text(encoding="utf-8").strip()]
     return "\n".join(out)
+
+
+def render_simcurves(r: dict[str, Any], figs: Path, plt: Any) -> str:
+    points = r.get("points", [])
+    base = r.get("base", {})
+    out = [
+        f"`scripts/simulate.py`'s built-in scenario (a 7B-class model on consumer GPUs behind home links, `protolearn/sim/default.toml`), "
+        f"{num(r.get('hours'))} simulated hours a point, seed {r.get('seed')}. Each curve varies one thing from the base point "
+        f"({num(base.get('nodes'))} nodes, {base.get('stages')} stages, a {base.get('mean_lifetime')} mean lifetime). `goodput` is the share "
+        "of the swarm's work (compute, averaging, state downloads) that ended up in a committed step; `busy` the share of node-time "
+        "that is work at all (the rest is pipeline bubbles and waits on links). Each point's command is in the stored result.",
+        "",
+        table(["curve", "value", "goodput", "tokens/s", "step s", "busy", "lost: state downloads", "lost: redone compute", "wall s"],
+              [[pt["axis"], str(pt["value"]), "timed out" if pt.get("timed_out") else dec(pt.get("goodput"), 3),
+                num(pt.get("tokens_per_s")), num(pt.get("step_s")), dec(pt.get("busy_share"), 3),
+                dec(get(pt, "lost", "state_downloads"), 3), dec(get(pt, "lost", "redone_or_dropped_compute"), 3), num(pt.get("wall_s"))]
+               for pt in points]),
+    ]
+    axes = [a for a in ("nodes", "mean_lifetime", "stages") if any(pt["axis"] == a for pt in points)]
+    if plt is not None and axes:
+        fig, panels = plt.subplots(1, len(axes), figsize=(4 * len(axes), 3.4), squeeze=False)
+        for ax, axis in zip(panels[0], axes):
+            pts = [pt for pt in points if pt["axis"] == axis and not pt.get("timed_out")]
+            labels = [str(pt["value"]) for pt in pts]
+            ax.plot(labels, [pt["goodput"] for pt in pts], "o-", color="tab:blue", label="goodput")
+            ax.axhline(0.95, color="tab:blue", linestyle=":", linewidth=1)
+            ax.set_ylim(0, 1)
+            ax.set_xlabel(axis.replace("_", " "))
+            ax.set_ylabel("goodput", color="tab:blue")
+            ax2 = ax.twinx()
+            ax2.plot(labels, [pt["tokens_per_s"] for pt in pts], "s--", color="tab:orange", label="tokens/s")
+            ax2.set_ylabel("tokens/s", color="tab:orange")
+            ax2.set_ylim(bottom=0)
+        fig.suptitle("python scripts/bench.py simcurves --json", fontsize=9)
+        out += ["", fmt.save(fig, figs / "simcurves.png")]
+    notes = figs / "notes" / "simcurves.md"
+    if notes.exists():
+        out += ["", notes.read_text(encoding="utf-8").strip()]
+    return "\n".join(out)

@@ -77,3 +77,21 @@ def test_figures_are_drawn_next_to_their_tables(tmp_path: Path) -> None:
     for png in ("internet-p11.png", "internet-breakdown.png"):
         assert (tmp_path / "bench" / png).stat().st_size > 1000
         assert f"(bench/{png})" in doc
+
+
+def test_the_simulator_curves_run_each_point_once_and_plot_goodput(tmp_path: Path) -> None:
+    got = _report("--quick", "--only", "simcurves", "--docs", str(tmp_path))
+    assert got["sections"] == {"simcurves": "ran"}
+    result = json.loads((tmp_path / "bench" / "simcurves.json").read_text())["result"]
+    points = result["points"]
+    assert [(p["axis"], p["value"]) for p in points] == [("nodes", 64), ("nodes", 128), ("mean_lifetime", "15m"), ("mean_lifetime", "2h"),
+                                                        ("stages", 4), ("stages", 8)]
+    assert all(0 < p["goodput"] <= 1 and p["tokens_per_s"] > 0 for p in points)
+    # The base point (128 nodes, 8 stages, 2h) is on every curve and ran once: one result, one command.
+    base = [p for p in points if (p["nodes"], p["stages"], p["mean_lifetime"]) == (128, 8, "2h")]
+    assert len(base) == 3 and len({json.dumps({k: v for k, v in p.items() if k not in ("axis", "value")}, sort_keys=True) for p in base}) == 1
+    # Shorter lives lose more of the work to state downloads.
+    churn = {p["value"]: p for p in points if p["axis"] == "mean_lifetime"}
+    assert churn["15m"]["lost"]["state_downloads"] > churn["2h"]["lost"]["state_downloads"]
+    assert (tmp_path / "bench" / "simcurves.png").exists()
+    assert points[0]["command"] == "python scripts/simulate.py --nodes 64 --stages 8 --mean-lifetime 2h --hours 0.5 --seed 1 --json"
