@@ -94,32 +94,65 @@ async def fetch_state(
 async def fetch_state_split(
     host: Host, donors: list[str], worker: StageWorker, run_hash: str, *, timeout_s: float, self_tests: dict[str, bytes] | None = None,
 ) -> tuple[int, str, dict[str, torch.Tensor]]:
-    """Download the state from all ``donors`` at once, each sending an equal share of the tensors.
+    """Download the state from up to MAX_STATE_PARTS ``donors`` at once, each sending an equal share of the tensors.
 
-    Raises :class:`StateSyncError` unless every donor described the same state; the caller then
-    falls back to one donor at a time.
+    A share that fails (its donor left, refused or broke the stream) is asked of another donor, one that sent
+    no share first, then one whose own share arrived, so the shares already received are kept when one donor
+    leaves partway; a donor whose share failed is not asked again. Raises :class:`StateSyncError` when a share found no
+    donor, or unless every share described the same state; the caller then falls back to one donor at a time.
     """
     parts = min(len(donors), MAX_STATE_PARTS)
     got: list[tuple[int, str, int, dict[str, torch.Tensor]] | None] = [None] * parts
     errors: list[str] = []
+    unused = list(donors[parts:])  # those that sent no share, taken in order
+    finished: list[str] = []  # those whose share arrived, free to send a lost one
+    running = parts  # shares downloading now
+    changed = trio.Event()  # set when a share arrives or fails: a donor may be free, or none may come
+
+    def tell(delta: int) -> None:
+        nonlocal running, changed
+        running += delta
+        changed.set()
+        changed = trio.Event()
+
+    async def next_donor() -> str | None:
+        while True:
+            if unused:
+                return unused.pop(0)
+            if finished:
+                return finished.pop(0)
+            if running == 0:
+                return None
+            await changed.wait()
 
     async def one(k: int) -> None:
-        try:
-            got[k] = await _fetch(host, donors[k], worker, run_hash, timeout_s=timeout_s, part=k, parts=parts, self_tests=self_tests)
-        except (ProtocolError, StateSyncError) as err:
-            errors.append(f"{donors[k]}: {err}")
+        donor: str | None = donors[k]
+        while donor is not None:
+            try:
+                got[k] = await _fetch(host, donor, worker, run_hash, timeout_s=timeout_s, part=k, parts=parts, self_tests=self_tests)
+            except (ProtocolError, StateSyncError) as err:
+                errors.append(f"{donor}: {err}")
+                tell(-1)
+                donor = await next_donor()
+                if donor is not None:
+                    tell(+1)
+                    log.info("state share %d of %d failed (%s); asking %s for it", k, parts, errors[-1], donor)
+            else:
+                finished.append(donor)
+                tell(-1)
+                return
 
     async with trio.open_nursery() as nursery:
         for k in range(parts):
             nursery.start_soon(one, k)
-    if errors:
+    if any(r is None for r in got):
         raise StateSyncError(f"split download failed: {errors[0]}")
     described = {(r[0], r[1], r[2]) for r in got if r is not None}
     if len(described) != 1:
         raise StateSyncError(f"the {parts} donors hold different states {sorted((a, h[:12]) for a, h, _ in described)}")
     entries: dict[str, torch.Tensor] = {}
     for r in got:
-        assert r is not None  # every share arrived, or an error was recorded above
+        assert r is not None  # every share arrived, or this raised above
         entries.update(r[3])
     (applied, param_hash, _total), = described
     _check_complete(",".join(donors[:parts]), worker, entries)

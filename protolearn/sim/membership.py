@@ -145,11 +145,27 @@ class Membership:
         w.engine.after(secs, self._download_done, node, epoch, chosen)
 
     def _download_done(self, node: SimNode, epoch: int, donors: list[SimNode]) -> None:
+        w = self.w
         if not node.alive or node.silent or epoch != node.epoch:
             return
-        if any(not d.serving or d.stage != node.stage or d.core is None for d in donors):
-            self.w.metrics.events["sync_donor_lost"] += 1
-            self._sync(node, epoch)  # a donor left mid-download: the split fails, try again
+        kept = [d for d in donors if d.serving and d.stage == node.stage and d.core is not None]
+        lost = len(donors) - len(kept)
+        if lost:
+            w.metrics.events["sync_donor_lost"] += 1
+            # The shares already received are kept: each lost one is fetched again from a replica that sent none,
+            # at the step the kept shares are at (node/state_sync.py). With none such, the download starts over.
+            applied = {d.core.applied for d in kept if d.core is not None}
+            others = [w.nodes[p] for p in w.serving[node.stage] if p != node.peer]
+            others.sort(key=lambda d: d in kept)  # a replica that sent no share first, then the kept donors
+            spares = [d for d in others if d.core is not None and len(applied) == 1 and d.core.applied in applied][:lost]
+            if len(applied) != 1 or len(spares) < lost:
+                w.metrics.events["sync_restarted"] += 1
+                self._sync(node, epoch)
+                return
+            share = w.costs.stages[node.stage].state_bytes / len(donors)
+            secs = max(share * lost / node.wire.down_rate, max(share / d.wire.up_rate for d in spares))
+            secs += 2.0 * (max(d.wire.delay_s for d in spares) + node.wire.delay_s)
+            w.engine.after(secs, self._download_done, node, epoch, kept + spares)
             return
         self._synced(node, epoch, max(d.core.applied for d in donors if d.core is not None))
 

@@ -14,6 +14,7 @@ from protolearn.node.config import NodeConfig
 from protolearn.node.errors import SelfTestError, StateSyncError
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
+from protolearn.node import state_sync
 from protolearn.node.state_sync import StateServer, fetch_state, fetch_state_split
 from protolearn.node.syncing import StageSync
 from protolearn.node.worker import StageWorker
@@ -189,5 +190,72 @@ def test_with_no_hash_to_check_against_a_joiner_installs_nothing(open_hosts, run
                 await sync.sync(7)
             assert worker.param_hash() == init and not served  # nothing downloaded, nothing installed
             assert any("waiting for its replicas' parameter hashes" in w for w in waiting)
+
+    run_trio(main, timeout=60)
+
+
+def test_a_share_whose_donor_fails_is_taken_from_another_and_the_others_are_kept(open_hosts, run_trio) -> None:
+    """Three replicas split the state; one refuses partway (it left its stage). Its share comes from another
+    replica, and the two shares already received are not downloaded again."""
+
+    async def main() -> None:
+        async with open_hosts(4) as hosts:
+            donors = [_donor(7), _donor(7), _donor(7)]
+            for k, (host, (w, served)) in enumerate(zip(hosts[:3], donors, strict=True)):
+
+                async def snap(w=w, served=served, gone=(k == 1)):
+                    served.append(1)
+                    if gone:
+                        return None  # the server refuses: this replica no longer serves the stage
+                    return w.applied, w.param_hash(), w.snapshot(), b""
+
+                StateServer(host, 1, RUN.run_hash(), snap).register()
+            joiner = StageWorker(RUN, 1)
+            applied, claimed, entries = await fetch_state_split(
+                hosts[3], [h.peer_id for h in hosts[:3]], joiner, RUN.run_hash(), timeout_s=20.0
+            )
+            assert (applied, claimed) == (7, donors[0][0].param_hash())
+            # Each sent its own share once; the lost share came from one of the two that finished theirs.
+            assert sorted(len(s) for _, s in donors) == [1, 1, 2] and len(donors[1][1]) == 1
+            assert {n for n, _ in donors[0][0].snapshot()} == set(entries)
+            want = dict(donors[0][0].snapshot())
+            assert all(torch.equal(entries[n], t) for n, t in want.items())
+
+    run_trio(main, timeout=60)
+
+
+def test_a_lost_share_from_a_replica_at_another_step_is_not_mixed_in(open_hosts, run_trio, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(state_sync, "MAX_STATE_PARTS", 2)  # two shares; the third replica is the spare
+
+    async def main() -> None:
+        async with open_hosts(4) as hosts:
+            donors = [_donor(7), _donor(7), _donor(8)]  # the spare has applied one more step
+            for k, (host, (w, served)) in enumerate(zip(hosts[:3], donors, strict=True)):
+
+                async def snap(w=w, served=served, gone=(k == 1)):
+                    served.append(1)
+                    return None if gone else (w.applied, w.param_hash(), w.snapshot(), b"")
+
+                StateServer(host, 1, RUN.run_hash(), snap).register()
+            joiner = StageWorker(RUN, 1)
+            with pytest.raises(StateSyncError, match="different states"):
+                await fetch_state_split(hosts[3], [h.peer_id for h in hosts[:3]], joiner, RUN.run_hash(), timeout_s=20.0)
+            assert [len(s) for _, s in donors] == [1, 1, 1]  # the spare was asked for the refused share
+
+    run_trio(main, timeout=60)
+
+
+def test_when_every_donor_fails_the_split_download_fails_at_once(open_hosts, run_trio) -> None:
+    async def main() -> None:
+        async with open_hosts(3) as hosts:
+            for host in hosts[:2]:
+
+                async def snap():
+                    return None
+
+                StateServer(host, 1, RUN.run_hash(), snap).register()
+            with trio.fail_after(10):  # no share waits for a donor that can never come free
+                with pytest.raises(StateSyncError, match="split download failed"):
+                    await fetch_state_split(hosts[2], [h.peer_id for h in hosts[:2]], StageWorker(RUN, 1), RUN.run_hash(), timeout_s=20.0)
 
     run_trio(main, timeout=60)
