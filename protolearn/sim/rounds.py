@@ -157,7 +157,7 @@ class Rounds:
         assert out is not None
         if out.ok and (not out.excluded or self.drop):
             stage, step, revision = r.key
-            self.results[node] = result_hash(stage, step, revision, [])
+            self.results[node] = result_hash(stage, step, revision, out.excluded)  # the participants' very result
             delay = r.model.vector_bytes / node.wire.down_rate + 2.0 * node.wire.delay_s
             self.w.metrics.sync_bytes += r.model.vector_bytes
             self.w.engine.after(delay, self._fetched, node, ev.Fetched(a.step, a.revision, ok=True), epoch)
