@@ -77,6 +77,8 @@ class _Change:
     # The stage it was in before this change (-1: it was not live), and whether it stopped being live.
     was_stage: int
     departed: bool
+    # The stage it is in after this change (-1: it stopped being live).
+    stage: int = -1
 
 
 class SwarmView:
@@ -93,6 +95,11 @@ class SwarmView:
         self._where: dict[str, tuple[int, bool, int]] = {}
         self._stage_version = [version] * num_stages
         self._log: deque[_Change] = deque()
+        # The same changes by the stages each touches (was_stage and stage), and the departures: a delta reads
+        # those of its neighbourhood's stages and the departures, not every change since its version
+        # (every change of the swarm at every heartbeat made the heartbeats' cost grow with the square of its size).
+        self._stage_log: list[deque[_Change]] = [deque() for _ in range(num_stages)]
+        self._departures: deque[_Change] = deque()
         # A delta from a version at or after this one is complete (older changes left the log).
         self._log_floor = version
         # The neighbourhood each member's view was last built for: another one needs a snapshot.
@@ -120,7 +127,7 @@ class SwarmView:
         self._unlist(peer)
         self._list(entry)
         self._entries[peer] = entry
-        self._record(_Change(self.version, peer, was, False), was, entry.stage)
+        self._record(_Change(self.version, peer, was, False, entry.stage), was, entry.stage)
 
     def drop(self, peer_id: str) -> None:
         """``peer_id`` stopped being live (left, expired, banned)."""
@@ -156,8 +163,25 @@ class SwarmView:
             if 0 <= s < self.num_stages:
                 self._stage_version[s] = change.version
         self._log.append(change)
+        for s in self._touched(change):
+            self._stage_log[s].append(change)
+        if change.departed:
+            self._departures.append(change)
         if len(self._log) > LOG_LEN:
-            self._log_floor = self._log.popleft().version
+            old = self._log.popleft()
+            self._log_floor = old.version
+            for s in self._touched(old):  # the oldest change is the first of each index it is in
+                self._stage_log[s].popleft()
+            if old.departed:
+                self._departures.popleft()
+
+    def _touched(self, change: _Change) -> tuple[int, ...]:
+        """The stages ``change`` is indexed under: the one it left and the one it is in (once each)."""
+        n = self.num_stages
+        was, now = change.was_stage, change.stage
+        if 0 <= was < n:
+            return (was,) if was == now or not 0 <= now < n else (was, now)
+        return (now,) if 0 <= now < n else ()
 
     # -- what a node is told ----------------------------------------------------------------------
 
@@ -215,14 +239,17 @@ class SwarmView:
 
     def _delta(self, stages: tuple[int, ...], version: int) -> ViewUpdate:
         near = set(stages)
-        # peer → [it stopped being live since `version`, it was in `stages` before one of its changes]
+        # peer → [it stopped being live since `version`, it was in `stages` before one of its changes]. Only the
+        # changes that touch `stages` and the departures can make a peer upserted or removed: one that is inside
+        # now got there by a change into `stages` (or has not moved since one that touched them).
         flags: dict[str, list[bool]] = {}
-        for c in reversed(self._log):
-            if c.version <= version:
-                break
-            f = flags.setdefault(c.peer_id, [False, False])
-            f[0] = f[0] or c.departed
-            f[1] = f[1] or c.was_stage in near
+        for log in [self._departures, *(self._stage_log[s] for s in stages)]:
+            for c in reversed(log):
+                if c.version <= version:
+                    break
+                f = flags.setdefault(c.peer_id, [False, False])
+                f[0] = f[0] or c.departed
+                f[1] = f[1] or c.was_stage in near
         upserts, removed = [], []
         for peer, (departed, was_near) in flags.items():
             entry = self._entries.get(peer)

@@ -306,3 +306,48 @@ def test_join_heartbeat_and_lease_never_scan_the_members(stages: int) -> None:
     core.handle(stage0, cm.Release(step=lease.step, indices=lease.indices), 2.0)
     reply = core.handle("newcomer", cm.Join(addrs=["/ip4/10.0.0.8/tcp/1"]), 3.0)
     assert reply.members and core.handle("newcomer", cm.Leave(), 3.0).released == []
+
+
+def _delta_over_the_whole_log(view: SwarmView, stages: tuple[int, ...], version: int) -> tuple[list[cm.MemberView], list[str]]:
+    """A delta as the module docstring defines it, read from every change in the log since ``version``."""
+    near = set(stages)
+    flags: dict[str, list[bool]] = {}
+    for c in reversed(view._log):
+        if c.version <= version:
+            break
+        f = flags.setdefault(c.peer_id, [False, False])
+        f[0] = f[0] or c.departed
+        f[1] = f[1] or c.was_stage in near
+    upserts, removed = [], []
+    for peer, (departed, was_near) in flags.items():
+        entry = view.get(peer)
+        inside = entry is not None and entry.stage in near
+        if entry is None or departed or (was_near and not inside):
+            removed.append(peer)
+        if inside:
+            upserts.append(entry)
+    return sorted(upserts, key=lambda e: (e.stage, e.peer_id)), sorted(removed)
+
+
+def test_a_delta_read_from_its_stages_indexes_equals_one_read_from_the_whole_log() -> None:
+    """Deltas read only the changes that touch the node's stages and the departures; seeded joins, moves, state
+    changes and departures (past the log's length, so the indexes are trimmed too) give the same delta as a walk
+    over every change since the node's version."""
+    rng = random.Random(11)
+    stages = 8
+    view = SwarmView(stages, version=1000)
+    live: list[str] = []
+    for i in range(LOG_LEN + 3000):
+        if live and rng.random() < 0.3:
+            view.drop(live.pop(rng.randrange(len(live))))
+        else:
+            peer = rng.choice(live) if live and rng.random() < 0.5 else f"p{i}"
+            if peer not in live:
+                live.append(peer)
+            view.put(cm.MemberView(peer_id=peer, stage=rng.randrange(-1, stages), addrs=[], state=rng.choice(["training", "syncing"]),
+                                   throughput=1.0, queue_len=0))
+        if i % 37 == 0:
+            since = rng.randint(max(view._log_floor, view.version - 400), view.version)
+            hood = view.neighbourhood(rng.randrange(stages), rng.choice([-1, rng.randrange(stages)]))
+            got = view._delta(hood, since)
+            assert (got.members, got.removed) == _delta_over_the_whole_log(view, hood, since), i
