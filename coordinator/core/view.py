@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from protolearn.coordinator.core.members import SERVING_STATES
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.wire import record_size
 
 # Most members of one stage in a snapshot, and in all (at most MAX_STAGES stages get one each).
 VIEW_PER_STAGE = 256
@@ -106,6 +107,8 @@ class SwarmView:
         self._basis: dict[str, tuple[int, ...]] = {}
         # The version of the last departure anywhere (every delta reports those).
         self._departed = version
+        # Each live entry's encoded size, with the entry it is of (a join reply's size check adds them up).
+        self._sizes: dict[str, tuple[cm.MemberView, int]] = {}
         for e in entries:  # the live members after a restart: no change to tell anyone about
             self._entries[e.peer_id] = e
             self._list(e)
@@ -137,6 +140,7 @@ class SwarmView:
         self.version += 1
         self._unlist(peer_id)
         self._basis.pop(peer_id, None)
+        self._sizes.pop(peer_id, None)
         self._departed = self.version
         self._record(_Change(self.version, peer_id, old.stage, True), old.stage)
 
@@ -217,6 +221,17 @@ class SwarmView:
                 out.extend(self._entries[peers[(first + i) % n]] for i in range(take))
                 quota -= take
         return out
+
+    def encoded_bytes(self, members: list[cm.MemberView]) -> int:
+        """The bytes ``members`` (this view's entries) take in an encoded reply, each entry encoded once: a join
+        reply's size check encoded up to ``VIEW_MAX`` entries per join, most of the cost of a join at scale."""
+        sizes, total = self._sizes, 0
+        for e in members:
+            got = sizes.get(e.peer_id)
+            if got is None or got[0] is not e:
+                got = sizes[e.peer_id] = (e, record_size(e))
+            total += got[1]
+        return total
 
     def update_for(self, peer_id: str, stages: tuple[int, ...], version: int, *, delta: bool) -> ViewUpdate | None:
         """What ``peer_id``, holding ``version`` of a view of ``stages``, needs to be told (None: nothing)."""

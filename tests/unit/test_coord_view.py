@@ -351,3 +351,17 @@ def test_a_delta_read_from_its_stages_indexes_equals_one_read_from_the_whole_log
             hood = view.neighbourhood(rng.randrange(stages), rng.choice([-1, rng.randrange(stages)]))
             got = view._delta(hood, since)
             assert (got.members, got.removed) == _delta_over_the_whole_log(view, hood, since), i
+
+
+@pytest.mark.parametrize("live", [0, 1, 14, 15, 16, 17, 300])
+def test_a_join_replys_size_counted_from_cached_entry_sizes_is_its_encoded_length(live: int) -> None:
+    """The join's size check adds up each view entry's cached encoded size: it must be the reply's length exactly,
+    across msgpack's array headers (15/16 entries) and after members changed (a cached size of an old entry unused)."""
+    from protolearn.protocol.wire import encoded_size
+
+    core = populated(2, live // 2 + live % 2, long=True) if live else make_core(run_info(2), SETTINGS)
+    for k in range(3):
+        reply = core.handle(f"new{k}", cm.Join(addrs=["/ip4/10.0.0.5/tcp/1"]), 1.0 + k)
+        view = core.registry.view
+        assert encoded_size(reply, "members", view.encoded_bytes(reply.members), len(reply.members)) == len(encode(reply))
+        assert all(view._sizes[m.peer_id][0] is m for m in reply.members)  # the reply holds the view's own entries
