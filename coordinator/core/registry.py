@@ -424,10 +424,11 @@ class Registry:
             return None
         cooldown = self.settings.move_cooldown_s
         heard: dict[int, set[str]] = {}  # per stage, its working replicas heard from lately (once per rebalance)
+        fits: dict[float, bool] = {}  # per memory offered, whether it holds every stage (once per rebalance)
         move = propose_move(
             (
                 (m.peer_id, m.stage, m.throughput,
-                 m.state is NodeState.TRAINING and now - m.moved_at >= cooldown and self._fits_all(m) and self._leaves_a_holder(m, now, heard))
+                 m.state is NodeState.TRAINING and now - m.moved_at >= cooldown and self._fits_all(m, fits) and self._leaves_a_holder(m, now, heard))
                 for m in self.live()
             ),
             self.shares,
@@ -457,10 +458,16 @@ class Registry:
                 heard[m.stage] = got
         return m.peer_id in got and len(got) >= 2
 
-    def _fits_all(self, m: Member) -> bool:
+    def _fits_all(self, m: Member, known: dict[float, bool] | None = None) -> bool:
         """Whether ``m`` holds every stage with the whole step in flight: only such a member is moved (its
-        own ``max_in_flight`` is not kept), so no move hands a member a stage it cannot hold."""
-        return all(fitting(self.footprints, m.memory_gb, 0))
+        own ``max_in_flight`` is not kept), so no move hands a member a stage it cannot hold. ``known``: the answers
+        for the memory sizes already checked in this rebalance (each costs a look at every stage)."""
+        got = known.get(m.memory_gb) if known is not None else None
+        if got is None:
+            got = all(fitting(self.footprints, m.memory_gb, 0))
+            if known is not None:
+                known[m.memory_gb] = got
+        return got
 
     def restore(self, members: Iterable[Member], now: float) -> None:
         """Load the persisted members after a restart; live ones get a fresh term (:meth:`restore_grace`).
