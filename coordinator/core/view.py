@@ -212,13 +212,20 @@ class SwarmView:
         per = min(VIEW_PER_STAGE, max(1, VIEW_MAX // max(1, len(stages))))
         start = zlib.crc32(key.encode())
         out: list[cm.MemberView] = []
+        entries = self._entries
         for s in stages:
             quota = min(per, VIEW_MAX - len(out))
             for peers in reversed(self._lists[s]):  # serving ones first
                 n = len(peers)
                 take = min(n, quota)
-                first = start % n if take < n else 0
-                out.extend(self._entries[peers[(first + i) % n]] for i in range(take))
+                if take < n:  # the window of `take` peers from `first`, wrapping around the end
+                    first = start % n
+                    window = peers[first:first + take]
+                    if len(window) < take:
+                        window += peers[:take - len(window)]
+                else:
+                    window = peers
+                out.extend([entries[p] for p in window])
                 quota -= take
         return out
 

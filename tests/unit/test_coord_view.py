@@ -365,3 +365,29 @@ def test_a_join_replys_size_counted_from_cached_entry_sizes_is_its_encoded_lengt
         view = core.registry.view
         assert encoded_size(reply, "members", view.encoded_bytes(reply.members), len(reply.members)) == len(encode(reply))
         assert all(view._sizes[m.peer_id][0] is m for m in reply.members)  # the reply holds the view's own entries
+
+
+def test_a_snapshots_windows_are_each_stages_peers_from_the_keys_place_wrapping_around() -> None:
+    """Each stage's window in a snapshot is ``take`` consecutive peers from ``crc32(key) % n``, wrapping past the
+    end (the module docstring's rule, written out here with a modulo per peer as it first was)."""
+    import zlib
+
+    rng = random.Random(3)
+    for stages, per_stage in ((3, 500), (8, 140), (40, 30), (2, 7)):
+        view = SwarmView(stages)
+        for i in range(stages * per_stage):
+            view.put(cm.MemberView(peer_id=f"q{i}", stage=i % stages, addrs=[], state=rng.choice(["training", "syncing"]),
+                                   throughput=1.0, queue_len=0))
+        for key in ("a", "node-17", "zz"):
+            for hood in (tuple(range(stages)), view.neighbourhood(rng.randrange(stages))):
+                per = min(VIEW_PER_STAGE, max(1, VIEW_MAX // max(1, len(hood))))
+                start, want = zlib.crc32(key.encode()), []
+                for s in hood:
+                    quota = min(per, VIEW_MAX - len(want))
+                    for peers in reversed(view._lists[s]):
+                        n = len(peers)
+                        take = min(n, quota)
+                        first = start % n if take < n else 0
+                        want.extend(view.get(peers[(first + i) % n]) for i in range(take))
+                        quota -= take
+                assert view.snapshot(hood, key) == want
