@@ -166,19 +166,23 @@ class Balancer:
             why = "no peer serves the next stage" if not candidates else f"all {len(candidates)} candidates are banned"
             return Choice(None, why)
         stats = self._stats
+        ready: list[tuple[str, PeerStats]] = []
         for p in usable:  # every candidate gets its statistics, in this order (the prior sums them in it)
-            if p not in stats:
-                stats[p] = PeerStats()
-        ready = [p for p in usable if stats[p].not_ready_until <= now] or usable
+            st = stats.get(p)
+            if st is None:
+                st = stats[p] = PeerStats()
+            if st.not_ready_until <= now:
+                ready.append((p, st))
+        if not ready:
+            ready = [(p, stats[p]) for p in usable]
         load = awaited or {}
         prior = self._prior()
         # The least (expected finish, tie rank), the first in sorted order on a full tie: _finish and min() inlined,
         # the rank computed only on a tie of finish times (a choice scores every replica of the next stage).
-        suspects, half_life = self.suspects, self.penalty_half_life_s
+        suspects, half_life, ranks = self.suspects, self.penalty_half_life_s, self._ranks
         best: str | None = None
         best_eta, best_rank = 0.0, None
-        for p in ready:
-            st = stats[p]
+        for p, st in ready:
             service = st.service_s
             if service is None:
                 service = prior
@@ -198,7 +202,9 @@ class Balancer:
             elif eta == best_eta:
                 if best_rank is None:
                     best_rank = self._rank(best)
-                rank = self._rank(p)
+                rank = ranks.get(p)
+                if rank is None:
+                    rank = self._rank(p)
                 if rank < best_rank:
                     best, best_rank = p, rank
         assert best is not None  # ready is never empty
