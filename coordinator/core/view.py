@@ -261,23 +261,30 @@ class SwarmView:
 
     def _delta(self, stages: tuple[int, ...], version: int) -> ViewUpdate:
         near = set(stages)
-        # peer → [it stopped being live since `version`, it was in `stages` before one of its changes]. Only the
-        # changes that touch `stages` and the departures can make a peer upserted or removed: one that is inside
-        # now got there by a change into `stages` (or has not moved since one that touched them).
-        flags: dict[str, list[bool]] = {}
-        for log in [self._departures, *(self._stage_log[s] for s in stages)]:
-            for c in reversed(log):
+        # Only the changes that touch `stages` and the departures can make a peer upserted or removed: one that is
+        # inside now got there by a change into `stages` (or has not moved since one that touched them), and a
+        # departure is indexed under the stage it left too.
+        departed: set[str] = set()  # stopped being live since `version`
+        was_near: set[str] = set()  # was in `stages` before one of its changes since `version`
+        changed: set[str] = set()
+        for c in reversed(self._departures):
+            if c.version <= version:
+                break
+            departed.add(c.peer_id)
+        for s in stages:
+            for c in reversed(self._stage_log[s]):
                 if c.version <= version:
                     break
-                f = flags.setdefault(c.peer_id, [False, False])
-                f[0] = f[0] or c.departed
-                f[1] = f[1] or c.was_stage in near
+                changed.add(c.peer_id)
+                if c.was_stage in near:
+                    was_near.add(c.peer_id)
         upserts, removed = [], []
-        for peer, (departed, was_near) in flags.items():
-            entry = self._entries.get(peer)
+        entries = self._entries
+        for peer in changed | departed:
+            entry = entries.get(peer)
             inside = entry is not None and entry.stage in near
             # Gone, or gone and back (its old routes broke all the same), or moved out of the neighbourhood.
-            if entry is None or departed or (was_near and not inside):
+            if entry is None or peer in departed or (peer in was_near and not inside):
                 removed.append(peer)
             if inside:
                 upserts.append(entry)
