@@ -77,6 +77,23 @@ def encode(msg: Message) -> bytes:
     return msgpack.packb({"v": WIRE_VERSION, "k": msg.KIND, "b": msg.model_dump()}, use_bin_type=True)
 
 
+def record_size(rec: Record) -> int:
+    """How many bytes ``rec`` takes inside an encoded message (msgpack encodes a nested map as it would alone)."""
+    return len(msgpack.packb(rec.model_dump(), use_bin_type=True))
+
+
+def encoded_size(msg: Message, items: str, item_bytes: int, num_items: int) -> int:
+    """``len(encode(msg))``, with its list field ``items`` counted from its items' sizes (``num_items`` of them,
+    ``item_bytes`` in all, e.g. summed :func:`record_size`) instead of encoded again: msgpack writes a list as a
+    header and then its items one after another. For a caller that checks a reply's size against a cap and caches
+    the sizes of the items it sends over and over (a join reply's view: coordinator/core/view.py)."""
+    body = msg.model_dump(exclude={items})
+    body[items] = []  # as many keys as the whole message has: the map's header is the same
+    empty = len(msgpack.packb({"v": WIRE_VERSION, "k": msg.KIND, "b": body}, use_bin_type=True))
+    header = 1 if num_items < 16 else 3 if num_items < 1 << 16 else 5  # fixarray, array 16, array 32
+    return empty - 1 + header + item_bytes
+
+
 def frame(msg: Message, *, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
     """Return ``msg`` encoded with its length prefix, refusing to build one larger than ``max_bytes``."""
     body = encode(msg)

@@ -64,7 +64,7 @@ from protolearn.coordinator.errors import Refusal
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import SignatureError
 from protolearn.protocol.identity import verify_peer
-from protolearn.protocol.wire import Message, encode
+from protolearn.protocol.wire import Message, encoded_size
 
 log = logging.getLogger("protolearn.coordinator")
 
@@ -274,7 +274,7 @@ class CoordinatorCore:
             raise Refusal(d.code, d.reason)
         try:
             reply = self._join_reply(peer, d.stage, d.rejoined, d.reason)
-            size = len(encode(reply))
+            size = encoded_size(reply, "members", self.registry.view.encoded_bytes(reply.members), len(reply.members))
         except (ValueError, TypeError, OverflowError):  # a reply that does not validate or encode
             self.registry.unjoin(peer, old)
             log.exception("join reply failed peer=%s; the join was taken back", peer)

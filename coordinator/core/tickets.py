@@ -127,6 +127,15 @@ class TicketLedger:
         self.keep_closed = keep_closed
         self.step = step
         self.tickets = list(tickets) if tickets is not None else self._fresh()
+        # Indexes over the open step's tickets, rebuilt whenever ``self.tickets`` is another list
+        # (:meth:`_index`), so that a lease does not scan every ticket three times (three scans of ~5,000 tickets
+        # per lease made leasing most of a 10,000-node simulated swarm's coordinator time): the tickets below
+        # ``_free_from`` are none free; per holder, the indices it may hold (a superset, pruned as read); and a
+        # bound no running or expired lease ends before (no lease can have expired before it).
+        self._indexed: list[Ticket] | None = None
+        self._free_from = 0
+        self._held: dict[str, set[int]] = {}
+        self._expiry_floor = math.inf
         self.closed: dict[int, ClosedStep] = {c.step: c for c in closed}
         # Tickets whose persisted form changed since the last drain (indices of the open step).
         self.dirty: set[int] = set()
@@ -223,6 +232,23 @@ class TicketLedger:
     def remaining(self) -> int:
         return sum(1 for t in self.tickets if not t.done)
 
+    def _index(self) -> list[Ticket]:
+        """``self.tickets``, with the indexes rebuilt if it is another list than they were built for."""
+        tickets = self.tickets
+        if self._indexed is not tickets:
+            self._indexed, self._free_from, held, floor = tickets, 0, {}, math.inf
+            for t in tickets:
+                if t.holder is not None and not t.done:
+                    held.setdefault(t.holder, set()).add(t.index)
+                    floor = min(floor, t.expires_at)
+            self._held, self._expiry_floor = held, floor
+        return tickets
+
+    def _freed(self, index: int) -> None:
+        """Ticket ``index`` may be free now (released, or replaced by an unleased one)."""
+        if index < self._free_from:
+            self._free_from = index
+
     @property
     def frontier(self) -> int:
         """The first step not yet committed: the stages' state is after the step before it."""
@@ -241,8 +267,16 @@ class TicketLedger:
             n = min(n, share - held)
         if not self.committed(self.last_closed):
             return LeaseDecision(self.step, [], 0.0, [], f"step {self.last_closed} has not committed yet; wait for it")
-        free = [t for t in self.tickets if not t.done and t.holder is None]
-        picked = (self._expired(now) + free)[:n]
+        picked = self._expired(now)[:n]
+        if len(picked) < n:  # then the first free tickets, in index order
+            tickets, i, free = self._index(), self._free_from, []
+            while i < len(tickets) and len(free) < n - len(picked):
+                t = tickets[i]
+                if not t.done and t.holder is None:
+                    free.append(t)
+                i += 1
+            self._free_from = free[0].index if free else i
+            picked += free
         if not picked:
             return LeaseDecision(self.step, [], 0.0, [], f"every ticket of step {self.step} is leased or done; wait for it to close")
         expires_at = now + self.lease_s
@@ -252,6 +286,8 @@ class TicketLedger:
                 reissued.append(t.index)
             t.holder, t.expires_at = peer, expires_at
             t.issued += 1
+            self._held.setdefault(peer, set()).add(t.index)
+            self._expiry_floor = min(self._expiry_floor, expires_at)
             self.dirty.add(t.index)
         indices = sorted(t.index for t in picked)
         reason = f"leased {len(indices)} tickets of step {self.step}"
@@ -269,13 +305,20 @@ class TicketLedger:
                 t = self.tickets[i]
                 if t.holder == peer and not t.done:
                     t.holder, t.expires_at = None, 0.0
+                    self._freed(i)
                     self.dirty.add(i)
                     out.append(i)
         return out
 
     def holdings(self, peer: str, now: float | None = None) -> list[int]:
         """The unfinished tickets ``peer`` holds; with ``now``, only those whose lease still runs."""
-        return [t.index for t in self.tickets if t.holder == peer and not t.done and (now is None or t.expires_at > now)]
+        tickets = self._index()
+        held = self._held.get(peer)
+        if not held:
+            return []
+        gone = [i for i in held if tickets[i].holder != peer or tickets[i].done]
+        held.difference_update(gone)
+        return sorted(i for i in held if now is None or tickets[i].expires_at > now)
 
     def complete(self, peer: str, step: int, index: int, route: Sequence[str], loss: float, now: float) -> CompleteDecision:
         refused = self.check_complete(peer, step, index, route, loss)
@@ -374,6 +417,7 @@ class TicketLedger:
             d = redo_open(step, self.tickets, closed, wanted, by, by_stage, orphaned)
             for i in d.indices:
                 self.tickets[i] = Ticket(i, issued=self.tickets[i].issued + ACK_ATTEMPTS)  # no earlier lease's ack completes it
+                self._freed(i)
                 self.dirty.add(i)
             return d
         if closed is None or step != self.step - 1:
@@ -421,6 +465,7 @@ class TicketLedger:
                 self.dirty.add(i)
             elif (t.holder == peer and not t.done) or routed:
                 self.tickets[i] = Ticket(i, issued=t.issued + ACK_ATTEMPTS)
+                self._freed(i)
                 self.dirty.add(i)
                 out.append(i)
         return out
@@ -435,6 +480,7 @@ class TicketLedger:
         for t in self.tickets:
             if t.holder == peer and not t.done and t.expires_at > now:
                 t.expires_at = now
+                self._expiry_floor = min(self._expiry_floor, now)
                 self.dirty.add(t.index)
                 out.append(t.index)
         return out
@@ -444,7 +490,12 @@ class TicketLedger:
         return [t.index for t in self._expired(now)]
 
     def _expired(self, now: float) -> list[Ticket]:
-        return [t for t in self.tickets if not t.done and t.holder is not None and t.expires_at <= now]
+        tickets = self._index()
+        if now < self._expiry_floor:
+            return []
+        held = [t for t in tickets if not t.done and t.holder is not None]
+        self._expiry_floor = min((t.expires_at for t in held), default=math.inf)
+        return [t for t in held if t.expires_at <= now]
 
     def leased_at(self, t: Ticket) -> float:
         """When ``t``'s running lease term began: ``lease_s`` before it ends."""

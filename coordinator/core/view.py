@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from protolearn.coordinator.core.members import SERVING_STATES
 from protolearn.protocol import coordination as cm
+from protolearn.protocol.wire import record_size
 
 # Most members of one stage in a snapshot, and in all (at most MAX_STAGES stages get one each).
 VIEW_PER_STAGE = 256
@@ -77,6 +78,8 @@ class _Change:
     # The stage it was in before this change (-1: it was not live), and whether it stopped being live.
     was_stage: int
     departed: bool
+    # The stage it is in after this change (-1: it stopped being live).
+    stage: int = -1
 
 
 class SwarmView:
@@ -93,12 +96,19 @@ class SwarmView:
         self._where: dict[str, tuple[int, bool, int]] = {}
         self._stage_version = [version] * num_stages
         self._log: deque[_Change] = deque()
+        # The same changes by the stages each touches (was_stage and stage), and the departures: a delta reads
+        # those of its neighbourhood's stages and the departures, not every change since its version
+        # (every change of the swarm at every heartbeat made the heartbeats' cost grow with the square of its size).
+        self._stage_log: list[deque[_Change]] = [deque() for _ in range(num_stages)]
+        self._departures: deque[_Change] = deque()
         # A delta from a version at or after this one is complete (older changes left the log).
         self._log_floor = version
         # The neighbourhood each member's view was last built for: another one needs a snapshot.
         self._basis: dict[str, tuple[int, ...]] = {}
         # The version of the last departure anywhere (every delta reports those).
         self._departed = version
+        # Each live entry's encoded size, with the entry it is of (a join reply's size check adds them up).
+        self._sizes: dict[str, tuple[cm.MemberView, int]] = {}
         for e in entries:  # the live members after a restart: no change to tell anyone about
             self._entries[e.peer_id] = e
             self._list(e)
@@ -120,7 +130,7 @@ class SwarmView:
         self._unlist(peer)
         self._list(entry)
         self._entries[peer] = entry
-        self._record(_Change(self.version, peer, was, False), was, entry.stage)
+        self._record(_Change(self.version, peer, was, False, entry.stage), was, entry.stage)
 
     def drop(self, peer_id: str) -> None:
         """``peer_id`` stopped being live (left, expired, banned)."""
@@ -130,6 +140,7 @@ class SwarmView:
         self.version += 1
         self._unlist(peer_id)
         self._basis.pop(peer_id, None)
+        self._sizes.pop(peer_id, None)
         self._departed = self.version
         self._record(_Change(self.version, peer_id, old.stage, True), old.stage)
 
@@ -156,8 +167,25 @@ class SwarmView:
             if 0 <= s < self.num_stages:
                 self._stage_version[s] = change.version
         self._log.append(change)
+        for s in self._touched(change):
+            self._stage_log[s].append(change)
+        if change.departed:
+            self._departures.append(change)
         if len(self._log) > LOG_LEN:
-            self._log_floor = self._log.popleft().version
+            old = self._log.popleft()
+            self._log_floor = old.version
+            for s in self._touched(old):  # the oldest change is the first of each index it is in
+                self._stage_log[s].popleft()
+            if old.departed:
+                self._departures.popleft()
+
+    def _touched(self, change: _Change) -> tuple[int, ...]:
+        """The stages ``change`` is indexed under: the one it left and the one it is in (once each)."""
+        n = self.num_stages
+        was, now = change.was_stage, change.stage
+        if 0 <= was < n:
+            return (was,) if was == now or not 0 <= now < n else (was, now)
+        return (now,) if 0 <= now < n else ()
 
     # -- what a node is told ----------------------------------------------------------------------
 
@@ -184,15 +212,33 @@ class SwarmView:
         per = min(VIEW_PER_STAGE, max(1, VIEW_MAX // max(1, len(stages))))
         start = zlib.crc32(key.encode())
         out: list[cm.MemberView] = []
+        entries = self._entries
         for s in stages:
             quota = min(per, VIEW_MAX - len(out))
             for peers in reversed(self._lists[s]):  # serving ones first
                 n = len(peers)
                 take = min(n, quota)
-                first = start % n if take < n else 0
-                out.extend(self._entries[peers[(first + i) % n]] for i in range(take))
+                if take < n:  # the window of `take` peers from `first`, wrapping around the end
+                    first = start % n
+                    window = peers[first:first + take]
+                    if len(window) < take:
+                        window += peers[:take - len(window)]
+                else:
+                    window = peers
+                out.extend([entries[p] for p in window])
                 quota -= take
         return out
+
+    def encoded_bytes(self, members: list[cm.MemberView]) -> int:
+        """The bytes ``members`` (this view's entries) take in an encoded reply, each entry encoded once: a join
+        reply's size check encoded up to ``VIEW_MAX`` entries per join, most of the cost of a join at scale."""
+        sizes, total = self._sizes, 0
+        for e in members:
+            got = sizes.get(e.peer_id)
+            if got is None or got[0] is not e:
+                got = sizes[e.peer_id] = (e, record_size(e))
+            total += got[1]
+        return total
 
     def update_for(self, peer_id: str, stages: tuple[int, ...], version: int, *, delta: bool) -> ViewUpdate | None:
         """What ``peer_id``, holding ``version`` of a view of ``stages``, needs to be told (None: nothing)."""
@@ -215,20 +261,30 @@ class SwarmView:
 
     def _delta(self, stages: tuple[int, ...], version: int) -> ViewUpdate:
         near = set(stages)
-        # peer → [it stopped being live since `version`, it was in `stages` before one of its changes]
-        flags: dict[str, list[bool]] = {}
-        for c in reversed(self._log):
+        # Only the changes that touch `stages` and the departures can make a peer upserted or removed: one that is
+        # inside now got there by a change into `stages` (or has not moved since one that touched them), and a
+        # departure is indexed under the stage it left too.
+        departed: set[str] = set()  # stopped being live since `version`
+        was_near: set[str] = set()  # was in `stages` before one of its changes since `version`
+        changed: set[str] = set()
+        for c in reversed(self._departures):
             if c.version <= version:
                 break
-            f = flags.setdefault(c.peer_id, [False, False])
-            f[0] = f[0] or c.departed
-            f[1] = f[1] or c.was_stage in near
+            departed.add(c.peer_id)
+        for s in stages:
+            for c in reversed(self._stage_log[s]):
+                if c.version <= version:
+                    break
+                changed.add(c.peer_id)
+                if c.was_stage in near:
+                    was_near.add(c.peer_id)
         upserts, removed = [], []
-        for peer, (departed, was_near) in flags.items():
-            entry = self._entries.get(peer)
+        entries = self._entries
+        for peer in changed | departed:
+            entry = entries.get(peer)
             inside = entry is not None and entry.stage in near
             # Gone, or gone and back (its old routes broke all the same), or moved out of the neighbourhood.
-            if entry is None or departed or (was_near and not inside):
+            if entry is None or peer in departed or (peer in was_near and not inside):
                 removed.append(peer)
             if inside:
                 upserts.append(entry)

@@ -106,6 +106,8 @@ class Balancer:
     _ranks: dict[str, bytes] = field(default_factory=dict)
     # Slowest round trip (hand-over to gradient back) seen lately: an EMA that jumps up at once.
     _round_trip_s: float | None = None
+    # _prior()'s value while no measurement changed (None: to compute).
+    _prior_s: float | None = None
 
     def _get(self, peer: str) -> PeerStats:
         st = self._stats.get(peer)
@@ -119,8 +121,14 @@ class Balancer:
         return st.penalty_s * 0.5 ** (max(0.0, now - st.penalty_at) / self.penalty_half_life_s)
 
     def _prior(self) -> float:
-        known = [s.service_s for s in self._stats.values() if s.service_s is not None]
-        return sum(known) / len(known) if known else self.default_service_s
+        """The service time assumed for an unmeasured peer: the average of the measured ones. Cached until a
+        measurement changes (:meth:`on_done`, :meth:`forget`): recomputing it for every choice made a choice
+        O(peers known) however few candidates it scored."""
+        got = self._prior_s
+        if got is None:
+            known = [s.service_s for s in self._stats.values() if s.service_s is not None]
+            got = self._prior_s = sum(known) / len(known) if known else self.default_service_s
+        return got
 
     def expected_finish_s(self, peer: str, now: float, awaited: int = 0) -> float:
         return self._finish(peer, now, awaited, None)
@@ -157,13 +165,51 @@ class Balancer:
         if not usable:
             why = "no peer serves the next stage" if not candidates else f"all {len(candidates)} candidates are banned"
             return Choice(None, why)
-        ready = [p for p in usable if self._get(p).not_ready_until <= now] or usable
+        stats = self._stats
+        ready: list[tuple[str, PeerStats]] = []
+        for p in usable:  # every candidate gets its statistics, in this order (the prior sums them in it)
+            st = stats.get(p)
+            if st is None:
+                st = stats[p] = PeerStats()
+            if st.not_ready_until <= now:
+                ready.append((p, st))
+        if not ready:
+            ready = [(p, stats[p]) for p in usable]
         load = awaited or {}
         prior = self._prior()
-        best = min(ready, key=lambda p: (self._finish(p, now, load.get(p, 0), prior), self._rank(p)))
-        eta = self._finish(best, now, load.get(best, 0), prior)
-        queue = self._queue(self._get(best), load.get(best, 0))
-        return Choice(best, f"least expected finish {eta:.3f} s (queue {queue:.0f}, of {len(usable)} peers)", eta)
+        # The least (expected finish, tie rank), the first in sorted order on a full tie: _finish and min() inlined,
+        # the rank computed only on a tie of finish times (a choice scores every replica of the next stage).
+        suspects, half_life, ranks = self.suspects, self.penalty_half_life_s, self._ranks
+        best: str | None = None
+        best_eta, best_rank = 0.0, None
+        for p, st in ready:
+            service = st.service_s
+            if service is None:
+                service = prior
+            q = st.reported_queue
+            if st.outstanding > q:
+                q = float(st.outstanding)
+            a = load.get(p, 0)
+            if a > q:
+                q = float(a)
+            eta = (q + 1.0) * service
+            if st.penalty_s > 0:
+                eta += st.penalty_s * 0.5 ** (max(0.0, now - st.penalty_at) / half_life)
+            if p in suspects:
+                eta *= SUSPECT_FACTOR
+            if best is None or eta < best_eta:
+                best, best_eta, best_rank = p, eta, None
+            elif eta == best_eta:
+                if best_rank is None:
+                    best_rank = self._rank(best)
+                rank = ranks.get(p)
+                if rank is None:
+                    rank = self._rank(p)
+                if rank < best_rank:
+                    best, best_rank = p, rank
+        assert best is not None  # ready is never empty
+        queue = self._queue(stats[best], load.get(best, 0))
+        return Choice(best, f"least expected finish {best_eta:.3f} s (queue {queue:.0f}, of {len(usable)} peers)", best_eta)
 
     # -- observations ----------------------------------------------------------------------------
     def on_sent(self, peer: str) -> None:
@@ -176,6 +222,7 @@ class Balancer:
         st.not_ready = 0
         service_s = max(0.0, service_s)
         st.service_s = service_s if st.service_s is None else (1 - self.alpha) * st.service_s + self.alpha * service_s
+        self._prior_s = None
 
     def on_failure(self, peer: str, now: float) -> None:
         """The peer refused, timed out or broke the stream: penalise it for a while."""
@@ -231,5 +278,6 @@ class Balancer:
 
     def forget(self, peer: str) -> None:
         """The peer left the swarm; drop its history (it may rejoin as a new node)."""
-        self._stats.pop(peer, None)
+        if self._stats.pop(peer, None) is not None:
+            self._prior_s = None
         self._ranks.pop(peer, None)

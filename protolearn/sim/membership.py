@@ -294,7 +294,8 @@ class Membership:
         members = self.w.host.core.registry.members
         if not self.w.host.up:
             return
-        for peer in [p for p in self._pending_drop if (m := members.get(p)) is None or m.status != LIVE]:
+        # In peer order, not the set's (a string set's order follows PYTHONHASHSEED, and each drop draws from the rng).
+        for peer in sorted(p for p in self._pending_drop if (m := members.get(p)) is None or m.status != LIVE):
             self._pending_drop.discard(peer)
             self._view_dropped(self.w.nodes[peer])
 

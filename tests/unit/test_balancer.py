@@ -234,3 +234,52 @@ def test_senders_with_their_own_tie_order_spread_a_step_over_every_replica() -> 
 
     assert idle(lambda s: "") == 27  # one order: every sender used r00..r03
     assert idle(lambda s: f"s{s:02d}") <= 3  # balls into bins: e^-4 of 31 expected idle
+
+
+def _reference_choice(b: Balancer, candidates: list[str], now: float, awaited: dict[str, int]) -> tuple[str | None, float]:
+    """The choice as the module docstring states it, computed the plain way (min over the sorted candidates of
+    (expected finish, tie rank)), to hold the inlined :meth:`Balancer.choose` to."""
+    usable = sorted(set(candidates) - b._banned)
+    if not usable:
+        return None, float("inf")
+    ready = [p for p in usable if b._get(p).not_ready_until <= now] or usable
+    known = [s.service_s for s in b._stats.values() if s.service_s is not None]
+    prior = sum(known) / len(known) if known else b.default_service_s
+    best = min(ready, key=lambda p: (b._finish(p, now, awaited.get(p, 0), prior), b._rank(p)))
+    return best, b._finish(best, now, awaited.get(best, 0), prior)
+
+
+def test_the_inlined_choice_is_the_least_expected_finish_with_its_tie_order() -> None:
+    """A seeded history of sends, answers, failures, refusals and departures over 40 peers: every choice (whole
+    stage, random subsets, with loads) equals the plain min over (expected finish, rank), ties included."""
+    import random
+
+    rng = random.Random(7)
+    peers = [f"p{i:02d}" for i in range(40)]
+    for order in ("", "me"):
+        b = Balancer(order=order)
+        for i in range(3000):
+            now = i * 0.05
+            p = rng.choice(peers)
+            op = rng.random()
+            if op < 0.3:
+                b.on_sent(p)
+            elif op < 0.5:
+                b.on_done(p, rng.choice([0.1, 0.2, rng.random()]))
+            elif op < 0.55:
+                b.on_failure(p, now)
+            elif op < 0.6:
+                b.on_not_ready(p, now)
+            elif op < 0.63:
+                b.on_queue_report(p, rng.choice([0, 1, 3]))
+            elif op < 0.64:
+                b.forget(p)
+            elif op < 0.645:
+                b.ban(p)
+            elif op < 0.65:
+                b.suspects = frozenset(rng.sample(peers, 3))
+            cands = peers if rng.random() < 0.5 else rng.sample(peers, rng.randint(1, 12))
+            awaited = {q: rng.randint(0, 2) for q in rng.sample(peers, 5)}
+            want = _reference_choice(b, cands, now, awaited)
+            got = b.choose(cands, now, awaited)
+            assert (got.peer, got.expected_s if got.peer else float("inf")) == want, (i, order)

@@ -323,3 +323,48 @@ def test_by_default_a_departure_frees_every_ticket_routed_through_it() -> None:
     for i in d.indices:
         assert led.complete("a", step, i, ["a", "gone"], 1.0, 0.0).accepted
     assert led.revoke_peer("gone") == sorted(d.indices)
+
+
+def test_indexed_leases_pick_what_a_scan_of_every_ticket_picks() -> None:
+    """The ledger indexes free tickets, each holder's tickets and the earliest lease end; a seeded run of leases,
+    completions, releases, ended leases, departures and redo over several steps must lease exactly the tickets a
+    scan of every ticket gives (expired ones first, then free ones, in index order), and report the same holdings
+    and expired leases."""
+    rng = random.Random(5)
+    led = TicketLedger(40, 2, lease_s=10.0, block=3, drop_departed=False)
+    peers = ["a", "b", "c", "d"]
+    now = 0.0
+    for _ in range(4000):
+        now += rng.choice([0.0, 0.5, 3.0])
+        peer, op = rng.choice(peers), rng.random()
+        tickets = led.tickets
+        assert led.expired(now) == [t.index for t in tickets if not t.done and t.holder is not None and t.expires_at <= now]
+        for p in peers:
+            assert led.holdings(p, now) == [t.index for t in tickets if t.holder == p and not t.done and t.expires_at > now]
+            assert led.holdings(p) == [t.index for t in tickets if t.holder == p and not t.done]
+        if op < 0.45:
+            expired = [t.index for t in tickets if not t.done and t.holder is not None and t.expires_at <= now]
+            free = [t.index for t in tickets if not t.done and t.holder is None]
+            held = len([t for t in tickets if t.holder == peer and not t.done and t.expires_at > now])
+            n = min(3, 6 - held)
+            d = led.lease(peer, now, 3, share=6)
+            if d.indices:
+                assert d.indices == sorted((expired + free)[:n])
+        elif op < 0.8:
+            mine = led.holdings(peer)
+            if mine:
+                i = rng.choice(mine)
+                led.complete(peer, led.step, i, [peer, "s1"], 1.0, now)
+        elif op < 0.85:
+            led.release(peer, led.step, rng.sample(range(40), 5))
+        elif op < 0.9:
+            led.expire_leases(peer, now)
+        elif op < 0.93:
+            led.revoke_peer(peer)
+        elif op < 0.96 and led.step > 0 and led.last_closed == led.step - 1 and not led.committed(led.last_closed):
+            led.redo(led.step - 1, [rng.randrange(40)], by=peer)
+        if led.step > 0 and not led.committed(led.last_closed) and rng.random() < 0.3:
+            step, revision = led.last_closed, led.closed[led.last_closed].revision
+            led.averaged("a", 0, step, revision)
+            led.averaged("s1", 1, step, revision)
+    assert led.step >= 3, "the run went through several steps"

@@ -306,3 +306,88 @@ def test_join_heartbeat_and_lease_never_scan_the_members(stages: int) -> None:
     core.handle(stage0, cm.Release(step=lease.step, indices=lease.indices), 2.0)
     reply = core.handle("newcomer", cm.Join(addrs=["/ip4/10.0.0.8/tcp/1"]), 3.0)
     assert reply.members and core.handle("newcomer", cm.Leave(), 3.0).released == []
+
+
+def _delta_over_the_whole_log(view: SwarmView, stages: tuple[int, ...], version: int) -> tuple[list[cm.MemberView], list[str]]:
+    """A delta as the module docstring defines it, read from every change in the log since ``version``."""
+    near = set(stages)
+    flags: dict[str, list[bool]] = {}
+    for c in reversed(view._log):
+        if c.version <= version:
+            break
+        f = flags.setdefault(c.peer_id, [False, False])
+        f[0] = f[0] or c.departed
+        f[1] = f[1] or c.was_stage in near
+    upserts, removed = [], []
+    for peer, (departed, was_near) in flags.items():
+        entry = view.get(peer)
+        inside = entry is not None and entry.stage in near
+        if entry is None or departed or (was_near and not inside):
+            removed.append(peer)
+        if inside:
+            upserts.append(entry)
+    return sorted(upserts, key=lambda e: (e.stage, e.peer_id)), sorted(removed)
+
+
+def test_a_delta_read_from_its_stages_indexes_equals_one_read_from_the_whole_log() -> None:
+    """Deltas read only the changes that touch the node's stages and the departures; seeded joins, moves, state
+    changes and departures (past the log's length, so the indexes are trimmed too) give the same delta as a walk
+    over every change since the node's version."""
+    rng = random.Random(11)
+    stages = 8
+    view = SwarmView(stages, version=1000)
+    live: list[str] = []
+    for i in range(LOG_LEN + 3000):
+        if live and rng.random() < 0.3:
+            view.drop(live.pop(rng.randrange(len(live))))
+        else:
+            peer = rng.choice(live) if live and rng.random() < 0.5 else f"p{i}"
+            if peer not in live:
+                live.append(peer)
+            view.put(cm.MemberView(peer_id=peer, stage=rng.randrange(-1, stages), addrs=[], state=rng.choice(["training", "syncing"]),
+                                   throughput=1.0, queue_len=0))
+        if i % 37 == 0:
+            since = rng.randint(max(view._log_floor, view.version - 400), view.version)
+            hood = view.neighbourhood(rng.randrange(stages), rng.choice([-1, rng.randrange(stages)]))
+            got = view._delta(hood, since)
+            assert (got.members, got.removed) == _delta_over_the_whole_log(view, hood, since), i
+
+
+@pytest.mark.parametrize("live", [0, 1, 14, 15, 16, 17, 300])
+def test_a_join_replys_size_counted_from_cached_entry_sizes_is_its_encoded_length(live: int) -> None:
+    """The join's size check adds up each view entry's cached encoded size: it must be the reply's length exactly,
+    across msgpack's array headers (15/16 entries) and after members changed (a cached size of an old entry unused)."""
+    from protolearn.protocol.wire import encoded_size
+
+    core = populated(2, live // 2 + live % 2, long=True) if live else make_core(run_info(2), SETTINGS)
+    for k in range(3):
+        reply = core.handle(f"new{k}", cm.Join(addrs=["/ip4/10.0.0.5/tcp/1"]), 1.0 + k)
+        view = core.registry.view
+        assert encoded_size(reply, "members", view.encoded_bytes(reply.members), len(reply.members)) == len(encode(reply))
+        assert all(view._sizes[m.peer_id][0] is m for m in reply.members)  # the reply holds the view's own entries
+
+
+def test_a_snapshots_windows_are_each_stages_peers_from_the_keys_place_wrapping_around() -> None:
+    """Each stage's window in a snapshot is ``take`` consecutive peers from ``crc32(key) % n``, wrapping past the
+    end (the module docstring's rule, written out here with a modulo per peer as it first was)."""
+    import zlib
+
+    rng = random.Random(3)
+    for stages, per_stage in ((3, 500), (8, 140), (40, 30), (2, 7)):
+        view = SwarmView(stages)
+        for i in range(stages * per_stage):
+            view.put(cm.MemberView(peer_id=f"q{i}", stage=i % stages, addrs=[], state=rng.choice(["training", "syncing"]),
+                                   throughput=1.0, queue_len=0))
+        for key in ("a", "node-17", "zz"):
+            for hood in (tuple(range(stages)), view.neighbourhood(rng.randrange(stages))):
+                per = min(VIEW_PER_STAGE, max(1, VIEW_MAX // max(1, len(hood))))
+                start, want = zlib.crc32(key.encode()), []
+                for s in hood:
+                    quota = min(per, VIEW_MAX - len(want))
+                    for peers in reversed(view._lists[s]):
+                        n = len(peers)
+                        take = min(n, quota)
+                        first = start % n if take < n else 0
+                        want.extend(view.get(peers[(first + i) % n]) for i in range(take))
+                        quota -= take
+                assert view.snapshot(hood, key) == want
