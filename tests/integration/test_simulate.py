@@ -74,7 +74,8 @@ def test_a_scenario_that_cannot_run_is_one_line_naming_the_field(tmp_path) -> No
 def test_a_left_out_replica_fetches_the_very_result_the_participants_hold_in_a_run_that_drops_departures() -> None:
     """With ``departures = "drop"``, a round that left replicas out is the step's result, and a replica the
     accounting left out fetches it. It used to be told a result without the exclusions, so the commit found it
-    off its stage's majority and resynced it (a whole state download each): seeds 2 and 5 resynced 4 and 8."""
+    off its stage's majority and resynced it (a whole state download each; seeds 2 and 5 resynced 4 and 8 when
+    this test was written)."""
     for seed in (2, 5):
         scenario = load_scenario(DEMO).with_overrides(**{**SMALL, "swarm.nodes": 24, "swarm.hours": 0.2, "swarm.seed": seed,
                                                          "churn.mean_lifetime_s": 300.0, "run.batch.departures": "drop"})
