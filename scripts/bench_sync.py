@@ -1,13 +1,14 @@
 """Bench suite ``sync``: replica sync modes on home links, at equal tokens (issue 24).
 
-``python scripts/bench.py sync --json [--modes none,int8,topk,powersgd,diloco8,diloco32-int8,...] [--seeds 0,1] [--steps 300] [--warmup 5] [--quick]``
+``python scripts/bench.py sync --json [--modes none,int8,topk,powersgd,diloco8,diloco32-int8,...] [--seeds 0,1] [--steps 300] [--warmup 5] [--workdir DIR] [--quick]``
 
 For each sync mode (:data:`MODES`: run-config overrides, so a mode is one entry) and seed, the same local
 swarm (4 nodes over 2 stages, so both stages have two replicas that average; one torch thread each; the
 demo run at ``--steps`` steps, its learning-rate schedule fitted to them) trains with every node on
-``50mbit,40ms`` links (the coordinator unshaped); per-step ``none`` also runs on loopback. Runs go one
-after another, seed by seed, so a drift in the machine's load spreads over the modes. Per mode (means
-over the seeds):
+``50mbit,40ms`` links (the coordinator unshaped). The baseline, per-step ``none``, runs on loopback for
+every seed; ``none`` on the link runs only when ``--modes`` names it. Runs go one after another, seed by
+seed, loopback first in even seeds and last in odd ones, so a drift in the machine's load spreads over
+the modes. Per mode (means over the seeds):
 
 * ``replica_bytes_per_token``: the bytes a replica wrote on its collective streams (parts, fins,
   probes and their headers, counted by the averaging adapter and logged per step as ``sync_bytes``),
@@ -17,11 +18,19 @@ over the seeds):
   the run's fixed validation batches, as ``protolearn export`` and ``protolearn evaluate`` do).
 
 Then ``best``: the mode with the fewest bytes per token whose final validation loss is within
-:data:`MAX_LOSS_REL_DIFF` of per-step ``none``'s (if none is, the one with the smallest loss gap);
-``bytes_reduction`` = ``none``'s bytes per token / the best mode's; that mode's ``loss_rel_diff`` =
-(its loss - ``none``'s) / ``none``'s; and ``internet_efficiency`` = its tokens/s on the links / per-step
-``none``'s tokens/s on loopback. ``curves`` keeps each mode's loss against the bytes a replica had sent,
-which the report plots (``python scripts/bench.py report --only sync``, :mod:`report_links`).
+:data:`MAX_LOSS_REL_DIFF` of the baseline's (if none is, the one with the smallest loss gap);
+``bytes_reduction`` = the baseline's bytes per token / the best mode's (the bytes of a run do not depend on
+its link); that mode's ``loss_rel_diff`` = (its loss - the baseline's) / the baseline's; and
+``internet_efficiency`` = its tokens/s on the links / the baseline's on loopback, taken per seed (two runs
+made next to each other) and then averaged. ``curves`` keeps each mode's loss against the bytes a replica
+had sent, which the report plots (``python scripts/bench.py report --only sync``, :mod:`report_links`).
+
+**Resuming.** With ``--workdir``, each finished run leaves ``result.json`` in its folder, and a later call
+with the same workdir reuses it instead of training again, if it was made with the same settings (mode,
+seed, link, steps, warmup, nodes) by the same ``protolearn`` package (the git tree hash of
+``protolearn/``, with no uncommitted change to it). The whole bench takes hours on a 2-core machine, so it
+can be run in parts. Each run records when it ran and the load average around it, and the output lists
+which runs were reused.
 """
 
 from __future__ import annotations
@@ -29,11 +38,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -108,19 +120,51 @@ def final_val_loss(workdir: Path) -> tuple[int, float]:
     return int(out["step"]), float(out["val_loss"])
 
 
-def one_run(workdir: Path, mode: str, seed: int, *, link: str | None, steps: int, warmup: int, nodes: int) -> dict[str, Any]:
+def package_tree() -> str | None:
+    """The git tree hash of ``protolearn/`` if it has no uncommitted change, else None (then no run is reused)."""
+    root = Path(__file__).resolve().parent.parent
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60, check=False)
+    tree, dirty = git("rev-parse", "HEAD:protolearn"), git("status", "--porcelain", "--", "protolearn")
+    if tree.returncode != 0 or dirty.returncode != 0 or dirty.stdout.strip():
+        return None
+    return tree.stdout.strip()
+
+
+def run_key(mode: str, seed: int, *, link: str | None, steps: int, warmup: int, nodes: int, tree: str | None) -> dict[str, Any]:
+    return {"mode": mode, "overrides": MODES[mode], "seed": seed, "link": link, "steps": steps, "warmup": warmup, "nodes": nodes, "package_tree": tree}
+
+
+def one_run(workdir: Path, mode: str, seed: int, *, link: str | None, steps: int, warmup: int, nodes: int, tree: str | None = None) -> dict[str, Any]:
+    """One swarm run of ``mode``; reused from ``workdir/result.json`` if that run had the same key (see the module's Resuming)."""
     from protolearn.stages.config import default_run
 
-    workdir.mkdir(parents=True, exist_ok=True)
+    key = run_key(mode, seed, link=link, steps=steps, warmup=warmup, nodes=nodes, tree=tree)
+    done = workdir / "result.json"
+    if tree is not None and done.is_file():
+        try:
+            kept = json.loads(done.read_text())
+        except (OSError, ValueError):
+            kept = {}
+        if kept.get("key") == key:
+            return {**kept["result"], "reused": True}
+    if workdir.exists():
+        shutil.rmtree(workdir)  # a run that did not finish, or one made with other settings or code
+    workdir.mkdir(parents=True)
     config = workdir / "base.toml"
     config.write_text(default_run().replace(seed=seed, **MODES[mode]).to_toml())
+    started, load0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), os.getloadavg()[0]
     r = _internet().swarm_run(workdir, nodes=nodes, stages=2, steps=steps, warmup=warmup, link=link, config=config)
     bpt, cumulative = sync_bytes(workdir, r["tokens_per_step"])
     step, val = final_val_loss(workdir)
-    return {"mode": mode, "seed": seed, "link": link, "tokens_per_s": r["tokens_per_s"], "s_per_step": r["s_per_step"],
-            "replica_bytes_per_token": bpt, "final_val_loss": val, "final_step": step, "final_loss": r["final_loss"],
-            "losses": r["losses"], "cumulative_bytes": cumulative, "nodes_failed": r["nodes_failed"], "wall_s": r["wall_s"],
-            "breakdown": r["breakdown"].get("seconds", {}), "workdir": str(workdir)}
+    out = {"mode": mode, "seed": seed, "link": link, "tokens_per_s": r["tokens_per_s"], "s_per_step": r["s_per_step"],
+           "replica_bytes_per_token": bpt, "final_val_loss": val, "final_step": step, "final_loss": r["final_loss"],
+           "losses": r["losses"], "cumulative_bytes": cumulative, "nodes_failed": r["nodes_failed"], "wall_s": r["wall_s"],
+           "breakdown": r["breakdown"].get("seconds", {}), "workdir": str(workdir),
+           "started": started, "load_avg": [round(load0, 2), round(os.getloadavg()[0], 2)]}
+    if tree is not None:
+        done.write_text(json.dumps({"key": key, "result": out}))
+    return {**out, "reused": False}
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -130,19 +174,25 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "final_val_loss": round(statistics.mean(r["final_val_loss"] for r in runs), 4),
         "per_seed": {str(r["seed"]): {"replica_bytes_per_token": round(r["replica_bytes_per_token"], 2), "tokens_per_s": round(r["tokens_per_s"], 1),
                                       "final_val_loss": round(r["final_val_loss"], 4), "s_per_step": round(r["s_per_step"], 3),
-                                      "averaging_s": r["breakdown"].get("averaging_s"), "nodes_failed": r["nodes_failed"]} for r in runs},
+                                      "averaging_s": r["breakdown"].get("averaging_s"), "nodes_failed": r["nodes_failed"],
+                                      "started": r.get("started"), "load_avg": r.get("load_avg")} for r in runs},
     }
 
 
-def pick_best(modes: dict[str, dict[str, Any]]) -> tuple[str, str]:
+def pick_best(modes: dict[str, dict[str, Any]], base_loss: float) -> tuple[str, str]:
     """The mode with the fewest bytes per token within the loss tolerance of the baseline, and the rule that picked it."""
-    base = modes[BASELINE]["final_val_loss"]
     others = {m: v for m, v in modes.items() if m != BASELINE} or modes
-    gap = {m: (v["final_val_loss"] - base) / base for m, v in others.items()}
+    gap = {m: (v["final_val_loss"] - base_loss) / base_loss for m, v in others.items()}
     within = [m for m in others if gap[m] <= MAX_LOSS_REL_DIFF]
     if within:
         return min(within, key=lambda m: others[m]["replica_bytes_per_token"]), f"fewest bytes per token with loss_rel_diff <= {MAX_LOSS_REL_DIFF}"
     return min(others, key=lambda m: gap[m]), f"no mode within loss_rel_diff {MAX_LOSS_REL_DIFF}: the smallest loss gap"
+
+
+def efficiency(link_runs: list[dict[str, Any]], loop_runs: list[dict[str, Any]]) -> float:
+    """Mean over the seeds of a mode's tokens/s on the links ÷ the baseline's on loopback in the same seed."""
+    loop = {r["seed"]: r["tokens_per_s"] for r in loop_runs}
+    return statistics.mean(r["tokens_per_s"] / loop[r["seed"]] for r in link_runs)
 
 
 def curves(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, list[float]]]:
@@ -168,37 +218,47 @@ def run(argv: list[str]) -> dict[str, Any]:
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
-    if unknown or BASELINE not in modes:
-        raise SystemExit(f"error: --modes must include {BASELINE} and name only {', '.join(MODES)}; got {args.modes!r}")
+    if unknown or not modes:
+        raise SystemExit(f"error: --modes must name at least one of {', '.join(MODES)}; got {args.modes!r}")
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",") if s]
     steps, warmup = (8, 2) if args.quick else (args.steps, args.warmup)
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="protolearn-bench-sync-"))
+    tree = package_tree() if args.workdir else None
     t0 = time.monotonic()
-    common = {"steps": steps - warmup, "warmup": warmup, "nodes": args.nodes}
+    common = {"steps": steps - warmup, "warmup": warmup, "nodes": args.nodes, "tree": tree}
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     loop_runs: list[dict[str, Any]] = []
+    reused: list[str] = []
     for seed in seeds:
         # Loopback first in one seed and last in the other, so a drift of the machine's load biases neither.
         order = [None, *modes] if seed % 2 == 0 else [*modes, None]
         for mode in order:
             if mode is None:
-                loop_runs.append(one_run(root / f"none-loopback-{seed}", BASELINE, seed, link=None, **common))
+                name, r = f"none-loopback-{seed}", one_run(root / f"none-loopback-{seed}", BASELINE, seed, link=None, **common)
+                loop_runs.append(r)
             else:
-                runs[mode].append(one_run(root / f"{mode}-link-{seed}", mode, seed, link=LINK, **common))
-            print(f"sync bench: {mode or 'none (loopback)'} seed {seed} done after {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+                name, r = f"{mode}-link-{seed}", one_run(root / f"{mode}-link-{seed}", mode, seed, link=LINK, **common)
+                runs[mode].append(r)
+            if r["reused"]:
+                reused.append(name)
+            print(f"sync bench: {mode or 'none (loopback)'} seed {seed} {'reused' if r['reused'] else 'done'} after "
+                  f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     summary = {m: summarise(rs) for m, rs in runs.items()}
     loopback = summarise(loop_runs)
-    best, rule = pick_best(summary)
-    base = summary[BASELINE]
+    best, rule = pick_best(summary, loopback["final_val_loss"])
     out: dict[str, Any] = {
         "link": LINK, "seeds": seeds, "steps": steps, "warmup": warmup, "nodes": args.nodes, "stages": 2,
         "tokens": steps * _tokens_per_step(),
         "modes": {m: {**v, "overrides": MODES[m]} for m, v in summary.items()}, "none_loopback": loopback,
+        "baseline": "none on loopback",
         "best": best, "best_rule": rule,
-        "bytes_reduction": round(base["replica_bytes_per_token"] / summary[best]["replica_bytes_per_token"], 2),
-        "loss_rel_diff": round((summary[best]["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"], 4),
-        "internet_efficiency": round(summary[best]["tokens_per_s"] / loopback["tokens_per_s"], 4),
-        "none_internet_efficiency": round(base["tokens_per_s"] / loopback["tokens_per_s"], 4),
+        # None when the best mode sent nothing: a run too short for one outer sync (--quick with a DiLoCo mode).
+        "bytes_reduction": round(loopback["replica_bytes_per_token"] / summary[best]["replica_bytes_per_token"], 2)
+        if summary[best]["replica_bytes_per_token"] > 0 else None,
+        "loss_rel_diff": round((summary[best]["final_val_loss"] - loopback["final_val_loss"]) / loopback["final_val_loss"], 4),
+        "internet_efficiency": round(efficiency(runs[best], loop_runs), 4),
+        "none_internet_efficiency": round(efficiency(runs[BASELINE], loop_runs), 4) if BASELINE in runs else None,
+        "reused_runs": reused, "package_tree": tree,
         "seconds": round(time.monotonic() - t0, 1), "workdir": str(root),
     }
     out["curves"] = curves(runs)

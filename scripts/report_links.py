@@ -218,7 +218,7 @@ def render_linkrecovery(r: dict[str, Any], figs: Path, plt: Any) -> str:
 def render_sync(r: dict[str, Any], figs: Path, plt: Any) -> str:
     modes = r.get("modes", {})
     loop = r.get("none_loopback", {})
-    base = get(r, "modes", "none", "replica_bytes_per_token")
+    base = loop.get("replica_bytes_per_token")
     per_step = (r.get("tokens") or 0) / (r.get("steps") or 1)  # tokens per step
     rows = []
     for m, v in modes.items():
@@ -230,13 +230,15 @@ def render_sync(r: dict[str, Any], figs: Path, plt: Any) -> str:
                      num(v.get("tokens_per_s")), dec(v.get("final_val_loss"), 4),
                      ", ".join(dec(p.get("final_val_loss"), 4) for p in per.values()),
                      ", ".join(num(p.get("averaging_s")) for p in per.values())])
-    rows.append(["none, loopback", "`none`", "–", "–", "–", num(loop.get("tokens_per_s")), dec(loop.get("final_val_loss"), 4),
+    lbpt = loop.get("replica_bytes_per_token")
+    rows.append(["none, loopback (baseline)", "`none`", num(lbpt), dec(lbpt * per_step / 1e6, 3) if lbpt is not None else "–", "1.0",
+                 num(loop.get("tokens_per_s")), dec(loop.get("final_val_loss"), 4),
                  ", ".join(dec(p.get("final_val_loss"), 4) for p in loop.get("per_seed", {}).values()),
                  ", ".join(num(p.get("averaging_s")) for p in loop.get("per_seed", {}).values())])
     out = [
         f"{r.get('nodes')} nodes over {r.get('stages')} stages (two replicas per stage), one torch thread each, the demo run at "
         f"{r.get('steps')} steps ({num(r.get('tokens'))} tokens, the same for every mode), seeds {r.get('seeds')}, every node on "
-        f"`{r.get('link')}` (the coordinator unshaped); per-step `none` also on loopback. `replica_bytes_per_token`: what a replica "
+        f"`{r.get('link')}` (the coordinator unshaped); the baseline, per-step `none`, on loopback. `replica_bytes_per_token`: what a replica "
         "wrote on its collective streams (parts, fins, probes, headers; counted by the averaging adapter) over the run ÷ the tokens "
         "the swarm trained (the reducer cross-check, on in the demo run, sends every slice to two replicas: 1.5× the bytes of a plain "
         f"reduce-scatter and all-gather). tokens/s from the coordinator's step closes after {r.get('warmup')} steps; the final validation loss is "
@@ -247,9 +249,14 @@ def render_sync(r: dict[str, Any], figs: Path, plt: Any) -> str:
         "",
         f"Best ({r.get('best_rule')}): `{r.get('best')}`: `bytes_reduction` **{dec(r.get('bytes_reduction'), 1)}**, `loss_rel_diff` "
         f"**{pct(r.get('loss_rel_diff'))}**, `internet_efficiency` **{dec(r.get('internet_efficiency'), 3)}** (its tokens/s on the "
-        f"links ÷ per-step `none` on loopback; `none` itself: {dec(r.get('none_internet_efficiency'), 3)}). The runs went one after "
+        f"links ÷ per-step `none` on loopback in the same seed, then averaged; `none` itself: {dec(r.get('none_internet_efficiency'), 3)}). The runs went one after "
         "another on a shared machine, so tokens/s carry the load's drift between them; bytes per token and losses do not.",
     ]
+    if r.get("reused_runs"):
+        starts = [p.get("started") for v in [*modes.values(), loop] for p in v.get("per_seed", {}).values() if p.get("started")]
+        out += ["", f"Made in parts (`--workdir` resumes): {len(r['reused_runs'])} runs were kept from earlier calls on the same "
+                f"`protolearn/` tree ({', '.join(r['reused_runs'])}); the runs started between {min(starts, default='?')} and "
+                f"{max(starts, default='?')}."]
     curves = r.get("curves", {})
     if plt is not None and curves:
         fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))

@@ -1,0 +1,78 @@
+"""The sync bench resumes: a run finished by an earlier call with the same settings and package is kept, any other is made again.
+
+The bench's runs are real local swarms of about half an hour each; here the swarm itself is replaced by a
+function that records that it was asked to train (a fake: the point is which runs the bench trains again,
+not the training, which ``tests/e2e/test_diloco.py`` and the CI's swarm tests cover).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
+    spec = importlib.util.spec_from_file_location("protolearn_bench_sync_test", ROOT / "scripts" / "bench_sync.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    trained: list[Path] = []
+
+    class Internet:
+        @staticmethod
+        def swarm_run(workdir: Path, **_: Any) -> dict[str, Any]:
+            trained.append(workdir)
+            return {"tokens_per_s": 100.0, "s_per_step": 1.0, "tokens_per_step": 10, "final_loss": 3.0, "losses": [3.0],
+                    "nodes_failed": {}, "wall_s": 1.0, "breakdown": {}}
+
+    monkeypatch.setattr(module, "_internet", lambda: Internet)
+    monkeypatch.setattr(module, "sync_bytes", lambda workdir, tokens_per_step: (2.0, [20.0]))
+    monkeypatch.setattr(module, "final_val_loss", lambda workdir: (8, 2.5))
+    module.trained = trained
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_a_finished_run_is_kept_only_for_the_same_settings_and_package(bench: Any, tmp_path: Path) -> None:
+    common = {"link": "50mbit,40ms", "steps": 6, "warmup": 2, "nodes": 4}
+    first = bench.one_run(tmp_path / "r", "diloco32-int8", 0, tree="abc", **common)
+    assert first["reused"] is False and len(bench.trained) == 1
+    assert json.loads((tmp_path / "r" / "result.json").read_text())["key"]["package_tree"] == "abc"
+
+    again = bench.one_run(tmp_path / "r", "diloco32-int8", 0, tree="abc", **common)
+    assert again["reused"] is True and len(bench.trained) == 1
+    assert again["final_val_loss"] == first["final_val_loss"] and again["started"] == first["started"]
+
+    # Another package, another seed, other steps, or no package hash at all (uncommitted changes): trained again.
+    for change in ({"tree": "abd"}, {"tree": "abc", "seed": 1}, {"tree": "abc", "steps": 7}, {"tree": None}):
+        kwargs = {**common, "tree": "abc", "seed": 0, **change}
+        seed = kwargs.pop("seed")
+        before = len(bench.trained)
+        r = bench.one_run(tmp_path / "r", "diloco32-int8", seed, **kwargs)
+        assert r["reused"] is False and len(bench.trained) == before + 1, change
+
+
+def test_a_run_left_unfinished_is_cleared_and_made_again(bench: Any, tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    (run / "node0").mkdir(parents=True)
+    (run / "node0" / "node.jsonl").write_text("{}\n")
+    (run / "result.json").write_text("{not json")
+    r = bench.one_run(run, "none", 0, link=None, steps=6, warmup=2, nodes=4, tree="abc")
+    assert r["reused"] is False and bench.trained == [run]
+    assert not (run / "node0").exists()
+
+
+def test_internet_efficiency_pairs_each_seed_with_its_own_loopback_run(bench: Any) -> None:
+    loop = [{"seed": 0, "tokens_per_s": 100.0}, {"seed": 1, "tokens_per_s": 50.0}]
+    link = [{"seed": 0, "tokens_per_s": 80.0}, {"seed": 1, "tokens_per_s": 30.0}]
+    # (0.8 + 0.6) / 2, not the ratio of the means (55 / 75).
+    assert bench.efficiency(link, loop) == pytest.approx(0.7)
