@@ -27,8 +27,8 @@ had sent, which the report plots (``python scripts/bench.py report --only sync``
 
 **Resuming.** With ``--workdir``, each finished run leaves ``result.json`` in its folder, and a later call
 with the same workdir reuses it instead of training again, if it was made with the same settings (mode,
-seed, link, steps, warmup, nodes) by the same ``protolearn`` package (the git tree hash of
-``protolearn/``, with no uncommitted change to it). The whole bench takes hours on a 2-core machine, so it
+seed, link, steps, warmup, nodes) by the same package code (the git trees of the package's folders,
+``protolearn/``, ``node/``, ``coordinator/``, ``protocol/`` and ``stages/``, with no uncommitted change to them). The whole bench takes hours on a 2-core machine, so it
 can be run in parts. Each run records when it ran and the load average around it, and the output lists
 which runs were reused.
 """
@@ -121,14 +121,19 @@ def final_val_loss(workdir: Path) -> tuple[int, float]:
 
 
 def package_tree() -> str | None:
-    """The git tree hash of ``protolearn/`` if it has no uncommitted change, else None (then no run is reused)."""
+    """One hash of the git trees of the package's folders (pyproject's package-dir), or None if any has an uncommitted change."""
+    import hashlib
+    import tomllib
+
     root = Path(__file__).resolve().parent.parent
+    dirs = sorted(set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()))
     def git(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60, check=False)
-    tree, dirty = git("rev-parse", "HEAD:protolearn"), git("status", "--porcelain", "--", "protolearn")
-    if tree.returncode != 0 or dirty.returncode != 0 or dirty.stdout.strip():
+    dirty = git("status", "--porcelain", "--", *dirs)
+    trees = [git("rev-parse", f"HEAD:{d}") for d in dirs]
+    if dirty.returncode != 0 or dirty.stdout.strip() or any(t.returncode != 0 for t in trees):
         return None
-    return tree.stdout.strip()
+    return hashlib.sha1(" ".join(f"{d}:{t.stdout.strip()}" for d, t in zip(dirs, trees)).encode()).hexdigest()
 
 
 def run_key(mode: str, seed: int, *, link: str | None, steps: int, warmup: int, nodes: int, tree: str | None) -> dict[str, Any]:
