@@ -157,7 +157,8 @@ class Store:
             ClosedStep(s, r, loss, at, tuple(tuple(x) for x in json.loads(routes)), tuple(json.loads(losses)))
             for s, r, loss, at, routes, losses in rows[-KEEP_CLOSED:]
         ]
-        history = [LossRecord(s, loss, len(json.loads(losses)), at) for s, _r, loss, at, _routes, losses in rows]
+        # (A dropped ticket's loss is NaN: close_rule.py. NaN != NaN.)
+        history = [LossRecord(s, loss, sum(1 for x in json.loads(losses) if x == x), at) for s, _r, loss, at, _routes, losses in rows]
         bans = [Ban(p, r, at) for p, r, at in db.execute("SELECT peer_id, reason, at FROM bans ORDER BY at")]
         evidence = [
             EvidenceRecord(at, rep, acc, step, verdict, reason, digest)

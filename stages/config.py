@@ -90,6 +90,16 @@ class BatchConfig(_Frozen):
     # or "drop" them from that stage's sum only, the other stages keeping them (a large swarm with churn: redoing
     # them made a step of a 32-stage swarm never close; the coordinator's tickets.py and docs/BENCHMARKS.md).
     departures: Literal["redo", "drop"] = "redo"
+    # A "drop" run may close a step once this share of its tickets is done and a grace window of close_grace x the
+    # time that took has passed, without the rest (coordinator/core/close_rule.py); 1.0: only with every ticket done.
+    close_quorum: float = Field(1.0, gt=0.5, le=1.0)
+    close_grace: float = Field(0.25, ge=0.0, le=100.0)
+
+    @model_validator(mode="after")
+    def _quorum_drops(self) -> BatchConfig:
+        if self.close_quorum < 1.0 and self.departures != "drop":
+            raise ValueError(f"close_quorum={self.close_quorum} drops tickets, so it needs departures = \"drop\" (got {self.departures!r})")
+        return self
 
     @property
     def tokens_per_step(self) -> int:

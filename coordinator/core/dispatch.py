@@ -56,6 +56,7 @@ from protolearn.coordinator.core.round_faults import RoundFaults
 from protolearn.coordinator.core.reports import Reports
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.status import build_status
+from protolearn.coordinator.core.close_rule import CloseRule
 from protolearn.coordinator.core.steps import DROPPED, ClosedStep, Ticket
 from protolearn.coordinator.core.tickets import TicketLedger
 from protolearn.coordinator.core.verdicts import Ban, VerdictPolicy
@@ -106,6 +107,7 @@ class CoordinatorCore:
         self.ledger = TicketLedger(
             run.microbatches_per_step, run.num_stages, lease_s=settings.lease_s, block=settings.lease_block,
             max_revisions=settings.max_revisions, max_loss=max_loss, drop_departed=run.departures == "drop",
+            close_rule=CloseRule(run.close_quorum, run.close_grace),
         )
         self.acks = AckDesk(run.run_hash, self.ledger, secret, verify)
         self.verdicts = VerdictPolicy(settings, pacing=self.pacing)
@@ -523,6 +525,11 @@ class CoordinatorCore:
             events.append(f"leases expired step={self.ledger.step} tickets={fresh} (re-issued on the next lease)")
         events += self.leases.strike(now)
         events += self.holdups.watch(self.registry.serving, now, self.leases.sat_out(self.ledger.last_closed))
+        closed = self.ledger.close_due(now)
+        if closed is not None:
+            self.step_history.closed(closed)
+            events.append(f"step closed step={closed.step} loss={closed.loss:.4f} revision={closed.revision} at its quorum: "
+                          f"{closed.dropped} of {closed.num_tickets} tickets dropped (batch.close_quorum)")
         if self.outer is not None:
             events += self.outer.tick(now)
         self.verdicts.prune(now)

@@ -54,7 +54,8 @@ class StepHistory:
         self._unsaved.append(closed)
         while self.records and self.records[-1].step >= closed.step:
             self.records.pop()  # a reopened step closes again: replace its point
-        self.records.append(LossRecord(closed.step, closed.loss, closed.num_tickets, closed.closed_at))
+        # The tickets it trained: a step closed at its quorum dropped some (close_rule.py).
+        self.records.append(LossRecord(closed.step, closed.loss, closed.num_tickets - closed.dropped, closed.closed_at))
 
     def drain(self) -> list[ClosedStep]:
         """Take the closings made since the last drain, to persist."""

@@ -51,6 +51,9 @@ class RunInfo:
     outer: OuterSpec | None = None
     # What a departed replica's tickets become (the run's batch.departures): "redo" or "drop" (tickets.py).
     departures: str = "redo"
+    # When a step closes (batch.close_quorum, batch.close_grace; coordinator/core/close_rule.py): 1.0 = every ticket done.
+    close_quorum: float = 1.0
+    close_grace: float = 0.25
 
     @property
     def num_stages(self) -> int:
@@ -83,6 +86,8 @@ class RunInfo:
             footprints=stage_footprints(run),
             outer=_outer_spec(run),
             departures=run.batch.departures,
+            close_quorum=run.batch.close_quorum,
+            close_grace=run.batch.close_grace,
         )
 
 

@@ -46,6 +46,11 @@ class ClosedStep:
     def num_tickets(self) -> int:
         return len(self.routes)
 
+    @property
+    def dropped(self) -> int:
+        """Tickets the step closed without (close_rule.py): no stage accounts for them."""
+        return sum(1 for route in self.routes if all(peer == DROPPED for peer in route))
+
     def accounting(self) -> dict[int, dict[str, list[int]]]:
         """stage → peer → the tickets that peer accounts for in this step.
 

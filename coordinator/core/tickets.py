@@ -8,7 +8,8 @@ and the microbatch loss. Only the current leaseholder may complete it, and a tic
 once: a late duplicate after a re-issue is refused and never counted twice (I1).
 
 When all B tickets are done the step closes, and its accounting is frozen in a
-:class:`~.steps.ClosedStep`.
+:class:`~.steps.ClosedStep`. A run that drops departures may also close it at a quorum of done tickets
+after a grace window, dropping the rest (``close_rule.py``; :meth:`TicketLedger.close_due`).
 
 :meth:`TicketLedger.redo` un-completes tickets. On the open step it frees them (their route broke).
 On the step that just closed it *reopens* that step, provided it has not committed (a replica's
@@ -52,6 +53,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from protolearn.coordinator.core.close_rule import CloseRule
 from protolearn.coordinator.core.commit import AveragedDecision, CommitBarrier, waited_for
 from protolearn.coordinator.core.redo import RedoDecision, may_reopen, redo_open
 from protolearn.coordinator.core.steps import DROPPED, KEEP_CLOSED, ClosedStep, Ticket
@@ -110,6 +112,7 @@ class TicketLedger:
         max_revisions: int = REVISIONS_PER_STEP,
         max_loss: float = math.inf,
         drop_departed: bool = False,
+        close_rule: CloseRule | None = None,
     ) -> None:
         if num_tickets < 1 or num_stages < 1 or keep_closed < 1:
             raise ValueError(
@@ -123,6 +126,10 @@ class TicketLedger:
         self.max_loss = max_loss
         # The run's batch.departures = "drop": a departed peer's done tickets stay done without it (revoke_peer).
         self.drop_departed = drop_departed
+        # When the open step closes: every ticket done, or (drop runs) a quorum and a grace window (close_rule.py).
+        self.close_rule = close_rule or CloseRule()
+        if self.close_rule.quorum < 1.0 and not drop_departed:
+            raise ValueError("a step may close at a quorum only in a run that drops departures (batch.departures = \"drop\")")
         # Closed steps kept with their full routes; older ones are dropped as new ones close.
         self.keep_closed = keep_closed
         self.step = step
@@ -171,6 +178,7 @@ class TicketLedger:
         )
         self.dirty.clear()
         self.reset = False
+        self.close_rule.reset(now)  # the time to the quorum counts from the restart
         self.refresh_leases(now)
 
     def drain(self) -> TicketChanges:
@@ -280,6 +288,7 @@ class TicketLedger:
         if not picked:
             return LeaseDecision(self.step, [], 0.0, [], f"every ticket of step {self.step} is leased or done; wait for it to close")
         expires_at = now + self.lease_s
+        self.close_rule.leased(now)
         reissued = []
         for t in picked:
             if t.holder is not None:
@@ -330,6 +339,7 @@ class TicketLedger:
         self.dirty.add(index)
         remaining = self.remaining()
         if remaining:
+            self.close_rule.completed(self.num_tickets - remaining, self.num_tickets, now)
             return CompleteDecision(True, "ok", f"ticket ({step},{index}) done, {remaining} left", remaining=remaining, held_s=held_s)
         closed = self._close(now)
         return CompleteDecision(
@@ -365,16 +375,28 @@ class TicketLedger:
         prev = self.closed.get(step)
         return prev.revision + 1 if prev is not None else 1
 
+    def close_due(self, now: float) -> ClosedStep | None:
+        """Close the open step without its remaining tickets if its quorum's grace window has ended
+        (``close_rule.py``; the coordinator's housekeeping asks). Returns the closed step, or None."""
+        remaining = self.remaining()
+        if not remaining or not self.close_rule.due(self.num_tickets - remaining, self.num_tickets, now):
+            return None
+        return self._close(now)
+
     def _close(self, now: float) -> ClosedStep:
         prev = self.closed.get(self.step)
         revision = prev.revision + 1 if prev is not None else 1
-        losses = tuple(float(t.loss) for t in self.tickets)  # type: ignore[arg-type]
+        gone = (DROPPED,) * self.num_stages
+        # A ticket not done is dropped (close_rule.py): no hop accounts for it, and its loss is NaN, out of the mean.
+        routes = tuple(tuple(t.route or ()) if t.done else gone for t in self.tickets)
+        losses = tuple(float(t.loss) if t.done and t.loss is not None else math.nan for t in self.tickets)
+        kept = [x for x in losses if not math.isnan(x)]
         closed = ClosedStep(
             step=self.step,
             revision=revision,
-            loss=sum(losses) / len(losses),
+            loss=sum(kept) / len(kept),
             closed_at=now,
-            routes=tuple(tuple(t.route or ()) for t in self.tickets),
+            routes=routes,
             losses=losses,
         )
         self.closed[self.step] = closed
@@ -384,6 +406,7 @@ class TicketLedger:
         self.tickets = self._fresh()
         self.reset = True
         self.barrier.clear()
+        self.close_rule.reset()
         return closed
 
     def redo(
@@ -439,6 +462,8 @@ class TicketLedger:
             )
         self.step = step
         self.barrier.clear()
+        self.close_rule.reset()
+        # (A ticket the closing dropped stays done and dropped: its route has no hop, its loss is NaN.)
         self.tickets = [
             Ticket(i, holder=route[0], done=True, route=list(route), loss=loss)
             if i not in wanted

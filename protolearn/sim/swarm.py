@@ -117,7 +117,9 @@ class Swarm:
             return
         rec.committed_at = w.now
         rec.revision = closed.revision if closed is not None else 0
-        m.committed_tokens += w.scenario.run.batch.microbatches_per_step * w.costs.tokens_per_microbatch
+        # A step closed at its quorum (batch.close_quorum) trained only the tickets it did not drop.
+        tickets = w.scenario.run.batch.microbatches_per_step - (closed.dropped if closed is not None else 0)
+        m.committed_tokens += tickets * w.costs.tokens_per_microbatch
         routes = closed.routes if closed is not None else ()
         for node in w.nodes.values():
             if not node.work:

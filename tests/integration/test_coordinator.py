@@ -485,3 +485,69 @@ def test_a_host_with_the_coordinators_identity_or_a_members_second_process_is_re
             nursery.cancel_scope.cancel()
 
     run_trio(main, timeout=60)
+
+
+def test_a_step_closes_at_its_quorum_over_the_wire_and_the_parked_long_poll_hears_it(open_hosts, run_trio, tmp_path):
+    """A run with ``batch.close_quorum`` (coordinator/core/close_rule.py) on the real service: a stage-0 member
+    that leased a ticket and sits on it, alive and heartbeating, does not hold the step. The coordinator's
+    housekeeping closes it a grace after the quorum, the parked long poll is answered with accounting that
+    leaves the ticket out, the step commits, and the quiet member's late completion is refused."""
+    run = default_run().replace(**{"batch.departures": "drop", "batch.close_quorum": 0.75, "batch.close_grace": 0.5})
+    B = run.batch.microbatches_per_step
+    settings = FAST.model_copy(update={"lease_s": 60.0, "expiry_s": 30.0})
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            coord = await nursery.start(lambda task_status: serve(run, tmp_path, settings=settings, task_status=task_status))
+            polls = LongPolls(coord.core)
+            async with open_hosts(3, introduce=False) as hosts:
+                links = [CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in hosts]
+                replies = [await lk.join(join_msg(lk.host)) for lk in links]
+                s0 = [lk for lk, r in zip(links, replies, strict=True) if r.stage == 0]
+                s1 = [lk for lk, r in zip(links, replies, strict=True) if r.stage == 1][0]
+                quiet, worker = s0
+                async with trio.open_nursery() as beats:
+                    for lk in links:
+                        await beats.start(lk.heartbeat_loop, lambda: cm.Heartbeat(state="training", throughput=100.0))
+                    sat_on = (await quiet.lease(1)).indices
+                    assert len(sat_on) == 1
+                    waited: list[cm.StepInfo] = []
+
+                    async def waiter() -> None:
+                        waited.append(await s1.wait_step(0, timeout_s=20.0))
+
+                    async with trio.open_nursery() as work:
+                        parked = polls.count + 1
+                        work.start_soon(waiter)
+                        await polls.wait_for(parked)
+                        done = 0
+                        while done < B - 1:
+                            lease = await worker.lease(B)
+                            for idx, nonce in zip(lease.indices, lease.nonces):
+                                route = [worker.host.peer_id, s1.host.peer_id]
+                                ack = s1.host.sign(ack_statement(run.run_hash(), lease.step, idx, route, 2.0, nonce))
+                                assert not (await worker.complete(lease.step, idx, route, 2.0, ack, nonce)).step_closed
+                                done += 1
+                        quorum_at = trio.current_time()
+                    took = trio.current_time() - quorum_at
+                    info = waited[0]
+                    acc = {a.stage: {p.peer_id: p.tickets for p in a.peers} for a in info.accounting}
+                    assert info.closed and info.revision == 1 and info.num_tickets == B
+                    for stage in (0, 1):
+                        assert sorted(t for ts in acc[stage].values() for t in ts) == sorted(set(range(B)) - set(sat_on))
+                    assert coord.core.ledger.closed[0].dropped == 1
+                    print(f"closed {took:.2f} s after the quorum (grace 0.5 x the time to it)")
+                    assert (await worker.averaged(0, 1)).committed is False
+                    assert (await quiet.averaged(0, 1)).committed is False
+                    assert (await s1.averaged(0, 1)).committed
+                    idx = sat_on[0]
+                    route = [quiet.host.peer_id, s1.host.peer_id]
+                    nonce = coord.core.nonce(0, idx)
+                    ack = s1.host.sign(ack_statement(run.run_hash(), 0, idx, route, 2.0, nonce))
+                    with pytest.raises(CoordinatorRefused, match="closed"):
+                        await quiet.complete(0, idx, route, 2.0, ack, nonce)
+                    assert (await worker.lease(B)).step == 1  # the swarm goes on
+                    beats.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+
+    run_trio(main, timeout=60)
