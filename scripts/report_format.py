@@ -95,3 +95,9 @@ def bars(plt: Any, path: Path, labels: Sequence[str], series: dict[str, Sequence
     if len(series) > 1:
         ax.legend(fontsize=8)
     return save(fig, path)
+
+
+def notes(figs: Path, name: str) -> list[str]:
+    """The hand-written notes kept under a section's table (``docs/bench/notes/NAME.md``), as report lines; none if absent."""
+    path = figs / "notes" / f"{name}.md"
+    return ["", path.read_text(encoding="utf-8").strip()] if path.exists() else []

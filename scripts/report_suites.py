@@ -287,9 +287,7 @@ def render_coordinator_net(r: dict[str, Any], figs: Path, plt: Any) -> str:
         ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize=8)
         ax.set_title("coordinator over the network: python scripts/bench.py coordinator-net --json", fontsize=9)
         out += ["", fmt.save(fig, figs / "coordinator-net.png")]
-    notes = figs / "notes" / "coordinator-net.md"
-    if notes.exists():
-        out += ["", notes.read_text(encoding="utf-8").strip()]
+    out += fmt.notes(figs, "coordinator-net")
     return "\n".join(out)
 
 
@@ -326,7 +324,5 @@ def render_simcurves(r: dict[str, Any], figs: Path, plt: Any) -> str:
             ax2.set_ylim(bottom=0)
         fig.suptitle("python scripts/bench.py simcurves --json", fontsize=9)
         out += ["", fmt.save(fig, figs / "simcurves.png")]
-    notes = figs / "notes" / "simcurves.md"
-    if notes.exists():
-        out += ["", notes.read_text(encoding="utf-8").strip()]
+    out += fmt.notes(figs, "simcurves")
     return "\n".join(out)
