@@ -76,18 +76,24 @@ def _internet() -> Any:
 
 
 def sync_bytes(workdir: Path, tokens_per_step: int) -> tuple[float, list[float]]:
-    """Replica sync bytes per token (mean over the replicas), and the mean bytes per replica after each step."""
+    """Replica sync bytes per token (mean over the replicas), and the mean bytes per replica after each step.
+
+    A replica's sync bytes are those its ``step`` events log (per-step averaging) plus those its ``outer_sync``
+    events log (DiLoCo's outer rounds, counted at the step the round followed)."""
     per_node: list[float] = []
     per_step: dict[int, list[int]] = {}
     for log in sorted(workdir.glob("node*/node.jsonl")):
-        steps = [e for e in map(json.loads, (ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("{")))
-                 if e.get("event") == "step"]
+        events = [e for e in map(json.loads, (ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("{")))
+                  if e.get("event") in ("step", "outer_sync")]
+        steps = [e for e in events if e["event"] == "step"]
         if not steps:
             continue
-        sent = [int(e.get("sync_bytes") or 0) for e in steps]
-        per_node.append(sum(sent) / (len(steps) * tokens_per_step))
-        for e, b in zip(steps, sent):
-            per_step.setdefault(int(e["step"]), []).append(b)
+        sent: dict[int, int] = {int(e["step"]): 0 for e in steps}
+        for e in events:
+            sent[int(e["step"])] = sent.get(int(e["step"]), 0) + int(e.get("sync_bytes") or 0)
+        per_node.append(sum(sent.values()) / (len(steps) * tokens_per_step))
+        for t, b in sent.items():
+            per_step.setdefault(t, []).append(b)
     if not per_node:
         raise SystemExit(f"error: no node of {workdir} logged a step")
     cumulative, total = [], 0.0

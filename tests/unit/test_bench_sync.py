@@ -76,3 +76,21 @@ def test_internet_efficiency_pairs_each_seed_with_its_own_loopback_run(bench: An
     link = [{"seed": 0, "tokens_per_s": 80.0}, {"seed": 1, "tokens_per_s": 30.0}]
     # (0.8 + 0.6) / 2, not the ratio of the means (55 / 75).
     assert bench.efficiency(link, loop) == pytest.approx(0.7)
+
+
+def test_a_replicas_sync_bytes_count_its_outer_rounds_as_well_as_its_steps(tmp_path: Path) -> None:
+    """DiLoCo replicas send nothing per step; their outer rounds' bytes are in ``outer_sync`` events. Counting only
+    ``step`` events gave a DiLoCo run 0 bytes per token (the first full run of the bench, 2026-12-06)."""
+    spec = importlib.util.spec_from_file_location("protolearn_bench_sync_bytes", ROOT / "scripts" / "bench_sync.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for node, extra in (("node0", 0), ("node1", 100)):
+        (tmp_path / node).mkdir()
+        lines = [{"event": "step", "step": t, "sync_bytes": 0} for t in range(4)]
+        lines.insert(2, {"event": "outer_sync", "step": 1, "round": 1, "sync_bytes": 1000 + extra})
+        lines.append({"event": "outer_sync", "step": 3, "round": 2, "sync_bytes": 3000 + extra})
+        (tmp_path / node / "node.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines) + "not json\n")
+    per_token, cumulative = module.sync_bytes(tmp_path, tokens_per_step=10)
+    assert per_token == pytest.approx(((4000 + 4200) / 2) / 40)
+    assert cumulative == pytest.approx([0.0, 1050.0, 1050.0, 4100.0])
