@@ -269,8 +269,8 @@ def _summary(stored: dict[str, Any]) -> list[str]:
     sync = (stored.get("sync") or {}).get("result") or {}
     if sync.get("best"):
         best = f"`{sync['best']}`"
-        rows.append([f"replica sync `bytes_reduction`, {best} vs per-step `none`", fmt.dec(sync.get("bytes_reduction"), 1), "–"])
-        rows.append([f"replica sync `loss_rel_diff`, {best}", fmt.pct(sync.get("loss_rel_diff")), "–"])
+        rows.append([f"replica sync `bytes_reduction`, {best} vs per-step `none`", fmt.dec(sync.get("bytes_reduction"), 1), "≥ 100 (issue 24)"])
+        rows.append([f"replica sync `loss_rel_diff`, {best}", fmt.pct(sync.get("loss_rel_diff")), "≤ 3% (issue 24)"])
         rows.append([f"replica sync `internet_efficiency`, {best}", fmt.dec(sync.get("internet_efficiency"), 3), "≥ 0.7 (issue 24)"])
     for rate, v in (links.get("rate_ratio") or {}).items():
         rows.append([f"link `rate_ratio`, {rate}", fmt.dec(v, 3), "0.9–1.05"])

@@ -158,7 +158,9 @@ def one_run(workdir: Path, mode: str, seed: int, *, link: str | None, steps: int
         except (OSError, ValueError):
             kept = {}
         if kept.get("key") == key:
-            return {**kept["result"], "reused": True}
+            # The bytes are counted again from the run's logs, so a kept run follows this script's counting.
+            bpt, cumulative = sync_bytes(workdir, _tokens_per_step())
+            return {**kept["result"], "replica_bytes_per_token": bpt, "cumulative_bytes": cumulative, "reused": True}
     if workdir.exists():
         shutil.rmtree(workdir)  # a run that did not finish, or one made with other settings or code
     workdir.mkdir(parents=True)

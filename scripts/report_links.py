@@ -255,7 +255,7 @@ def render_sync(r: dict[str, Any], figs: Path, plt: Any) -> str:
     if r.get("reused_runs"):
         starts = [p.get("started") for v in [*modes.values(), loop] for p in v.get("per_seed", {}).values() if p.get("started")]
         out += ["", f"Made in parts (`--workdir` resumes): {len(r['reused_runs'])} runs were kept from earlier calls on the same "
-                f"`protolearn/` tree ({', '.join(r['reused_runs'])}); the runs started between {min(starts, default='?')} and "
+                f"package code ({', '.join(r['reused_runs'])}); the runs started between {min(starts, default='?')} and "
                 f"{max(starts, default='?')}."]
     curves = r.get("curves", {})
     if plt is not None and curves:
@@ -274,4 +274,5 @@ def render_sync(r: dict[str, Any], figs: Path, plt: Any) -> str:
         bx.set_title(f"tokens/s per mode on {r.get('link')} (grey: none on loopback)", fontsize=10)
         bx.tick_params(axis="x", rotation=20)
         out += ["", fmt.save(fig, figs / "sync.png")]
+    out += fmt.notes(figs, "sync")
     return "\n".join(out)
