@@ -38,6 +38,7 @@ from protolearn.coordinator.core.acks import AckDesk, default_nonce_key
 from protolearn.coordinator.core.admission import Admission, counted
 from protolearn.coordinator.core.assignment import placement_key, shares_from_layers
 from protolearn.coordinator.core.changes import Changes
+from protolearn.coordinator.core.close_rule import CloseRule
 from protolearn.coordinator.core.cooldown import BanCooldown
 from protolearn.coordinator.core.corpus import CorpusDesk
 from protolearn.coordinator.core.final_model import FinalModelDesk
@@ -56,7 +57,6 @@ from protolearn.coordinator.core.round_faults import RoundFaults
 from protolearn.coordinator.core.reports import Reports
 from protolearn.coordinator.core.run import RunInfo
 from protolearn.coordinator.core.status import build_status
-from protolearn.coordinator.core.close_rule import CloseRule
 from protolearn.coordinator.core.steps import DROPPED, ClosedStep, Ticket
 from protolearn.coordinator.core.tickets import TicketLedger
 from protolearn.coordinator.core.verdicts import Ban, VerdictPolicy
