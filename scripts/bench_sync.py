@@ -27,10 +27,10 @@ had sent, which the report plots (``python scripts/bench.py report --only sync``
 
 **Resuming.** With ``--workdir``, each finished run leaves ``result.json`` in its folder, and a later call
 with the same workdir reuses it instead of training again, if it was made with the same settings (mode,
-seed, link, steps, warmup, nodes) by the same package code (the git trees of the package's folders,
-``protolearn/``, ``node/``, ``coordinator/``, ``protocol/`` and ``stages/``, with no uncommitted change to them). The whole bench takes hours on a 2-core machine, so it
-can be run in parts. Each run records when it ran and the load average around it, and the output lists
-which runs were reused.
+seed, link, steps, warmup, nodes) by the same package code: the git trees of the package's folders
+(``protolearn/``, ``node/``, ``coordinator/``, ``protocol/``, ``stages/``), with no uncommitted change to
+them. The whole bench takes hours on a 2-core machine, so it can be run in parts. Each run records when it
+ran and the load average around it, and the output lists which runs were reused.
 """
 
 from __future__ import annotations
