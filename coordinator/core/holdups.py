@@ -122,9 +122,10 @@ class Holdups:
         ledger = self.ledger
         step = ledger.last_closed
         closed = ledger.closed.get(step)
-        live = {p for s in range(ledger.num_stages) for p in needed(s)}
-        for peer in [p for p in self._since if p not in live]:  # it left, expired or was banned
-            self.reported(peer)
+        if self._since:  # (the live set is every member: built only when someone is being timed, once a second)
+            live = {p for s in range(ledger.num_stages) for p in needed(s)}
+            for peer in [p for p in self._since if p not in live]:  # it left, expired or was banned
+                self.reported(peer)
         if step < 0 or closed is None or ledger.committed(step):
             if self._closed_at is not None and ledger.committed(self._step):
                 self._latency.append(now - self._closed_at)

@@ -52,7 +52,7 @@ def orphaned(closed: ClosedStep | None, stage: int, present: Callable[[str], boo
     expired, banned, or its connection closed and stayed closed past the grace)."""
     if closed is None:
         return False
-    peers = {route[stage] for route in closed.routes if len(route) > stage}
+    peers = closed.peers_at(stage) if stage >= 0 else {route[stage] for route in closed.routes if route}
     return bool(peers) and not any(present(p) for p in peers)
 
 

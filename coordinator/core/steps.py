@@ -48,8 +48,25 @@ class ClosedStep:
 
     @property
     def dropped(self) -> int:
-        """Tickets the step closed without (close_rule.py): no stage accounts for them."""
-        return sum(1 for route in self.routes if all(peer == DROPPED for peer in route))
+        """Tickets the step closed without (close_rule.py): no stage accounts for them. Counted once."""
+        got = self.__dict__.get("_dropped")
+        if got is None:
+            got = sum(1 for route in self.routes if all(peer == DROPPED for peer in route))
+            object.__setattr__(self, "_dropped", got)
+        return got
+
+    def peers_at(self, stage: int) -> frozenset[str]:
+        """Every hop at ``stage`` in the routes (:data:`DROPPED` too where a ticket has none there). Built once
+        for every stage: a redo asks it, and scanning the routes per redo was O(B) each at scale."""
+        got = self.__dict__.get("_peers_at")
+        if got is None:
+            sets: dict[int, set[str]] = {}
+            for route in self.routes:
+                for s, peer in enumerate(route):
+                    sets.setdefault(s, set()).add(peer)
+            got = {s: frozenset(v) for s, v in sets.items()}
+            object.__setattr__(self, "_peers_at", got)
+        return got.get(stage, frozenset())
 
     def accounting(self) -> dict[int, dict[str, list[int]]]:
         """stage → peer → the tickets that peer accounts for in this step.
@@ -71,5 +88,5 @@ class ClosedStep:
         """Whether ``peer`` processed a ticket of this step at ``stage`` (so it averaged that stage)."""
         if stage is None or stage < 0:
             return False
-        return any(len(route) > stage and route[stage] == peer for route in self.routes)
+        return peer in self.peers_at(stage)
 

@@ -176,7 +176,7 @@ class Balancer:
         if not ready:
             ready = [(p, stats[p]) for p in usable]
         load = awaited or {}
-        prior = self._prior()
+        prior: float | None = None  # the prior of unmeasured peers, computed only if a candidate is one (O(peers known))
         # The least (expected finish, tie rank), the first in sorted order on a full tie: _finish and min() inlined,
         # the rank computed only on a tie of finish times (a choice scores every replica of the next stage).
         suspects, half_life, ranks = self.suspects, self.penalty_half_life_s, self._ranks
@@ -185,6 +185,8 @@ class Balancer:
         for p, st in ready:
             service = st.service_s
             if service is None:
+                if prior is None:
+                    prior = self._prior()
                 service = prior
             q = st.reported_queue
             if st.outstanding > q:

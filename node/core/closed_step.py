@@ -287,7 +287,9 @@ class NodeCore:
     def _round_done(self, event: RoundDone) -> list[Action]:
         self._expect(Phase.AVERAGING, event)
         excluded = sorted(event.excluded)
-        self._counted = sorted(t for p, ts in self._account.items() if p not in excluded for t in ts)
+        counted = [t for p, ts in self._account.items() if p not in excluded for t in ts]
+        counted.sort()  # (a list built and sorted in place: this runs on every replica each step, over all B tickets)
+        self._counted = counted
         if excluded:
             lost = sorted({t for p in excluded for t in self._account.get(p, [])})
             out: list[Action] = [Emit("replica_out", {"step": self._step, "excluded": excluded, "tickets": lost})]

@@ -368,3 +368,62 @@ def test_indexed_leases_pick_what_a_scan_of_every_ticket_picks() -> None:
             led.averaged("a", 0, step, revision)
             led.averaged("s1", 1, step, revision)
     assert led.step >= 3, "the run went through several steps"
+
+
+def _scan_revoke(tickets: list, peer: str, drop: bool) -> tuple[list[int], list[tuple]]:
+    """revoke_peer as one scan of every ticket (what the ledger did before its route index): the oracle."""
+    out, after = [], []
+    for i, t in enumerate(tickets):
+        route = list(t.route or ())
+        routed = t.done and peer in route
+        if routed and drop:
+            after.append((True, tuple("" if p == peer else p for p in route)))
+        elif (t.holder == peer and not t.done) or routed:
+            out.append(i)
+            after.append((False, ()))
+        else:
+            after.append((t.done, tuple(route)))
+    return out, after
+
+
+def test_the_ledgers_indexes_answer_as_a_scan_of_every_ticket_over_random_histories(rng: random.Random) -> None:
+    """The done count and the per-peer route index (kept on every lease, completion, redo, departure, close and
+    reopen) against a scan of the tickets after each operation, in both departure modes."""
+    peers = ["a", "b", "c", "d", "e"]
+    for drop in (False, True):
+        led = TicketLedger(12, 3, lease_s=5.0, block=3, drop_departed=drop)
+        now = 0.0
+        for _ in range(1500):
+            now += rng.choice([0.0, 0.5, 2.0])
+            op = rng.random()
+            if op < 0.3:
+                led.lease(rng.choice(peers), now, 3)
+            elif op < 0.8:
+                held = [(t.holder, t.index) for t in led.tickets if t.holder is not None and not t.done]
+                if held:
+                    peer, i = rng.choice(held)
+                    led.complete(peer, led.step, i, [peer, rng.choice(peers), rng.choice(peers)], 1.0, now)
+            elif op < 0.85:
+                before = [(t.done, tuple(t.route or ()), t.holder) for t in led.tickets]
+                peer = rng.choice(peers)
+                want, after = _scan_revoke(led.tickets, peer, drop)
+                assert led.revoke_peer(peer) == want, before
+                assert [(t.done, tuple(t.route or ()) if t.done else ()) for t in led.tickets] == after
+            elif op < 0.9:
+                led.redo(led.step, rng.sample(range(12), 2), by=rng.choice(peers + [None]))
+            elif led.closed:
+                last = max(led.closed)
+                if led.committed(last):
+                    pass
+                elif rng.random() < 0.3:
+                    led.redo(last, [rng.randrange(12)], by=None)  # reopen it
+                else:  # every stage's replicas report the round: it commits
+                    for stage in range(3):
+                        for p in sorted(led.closed[last].accounting().get(stage, {})):
+                            led.averaged(p, stage, last, led.closed[last].revision)
+            assert led.remaining() == sum(1 for t in led.tickets if not t.done)
+            for closed in led.closed.values():
+                for stage in range(3):
+                    for p in peers + [""]:
+                        assert closed.processed_at(p, stage) == any(r[stage] == p for r in closed.routes)
+        assert led.step >= 3, led.step  # the history closed, reopened and committed steps
