@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from protolearn.coordinator.core.steps import DROPPED
 from protolearn.coordinator.core.tickets import TicketLedger
 
 B, S = 6, 2
@@ -377,7 +378,7 @@ def _scan_revoke(tickets: list, peer: str, drop: bool) -> tuple[list[int], list[
         route = list(t.route or ())
         routed = t.done and peer in route
         if routed and drop:
-            after.append((True, tuple("" if p == peer else p for p in route)))
+            after.append((True, tuple(DROPPED if p == peer else p for p in route)))
         elif (t.holder == peer and not t.done) or routed:
             out.append(i)
             after.append((False, ()))
@@ -424,6 +425,6 @@ def test_the_ledgers_indexes_answer_as_a_scan_of_every_ticket_over_random_histor
             assert led.remaining() == sum(1 for t in led.tickets if not t.done)
             for closed in led.closed.values():
                 for stage in range(3):
-                    for p in peers + [""]:
+                    for p in peers + [DROPPED]:
                         assert closed.processed_at(p, stage) == any(r[stage] == p for r in closed.routes)
         assert led.step >= 3, led.step  # the history closed, reopened and committed steps
