@@ -5,5 +5,6 @@
 # runs the same tests one after another (about four minutes longer on two cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/python -m pytest -n "${PROTOLEARN_TEST_WORKERS:-2}" tests/unit tests/integration
+# (integration first, as a plain run collects it: its test-only wire messages join test_wire's round trips)
+.venv/bin/python -m pytest -n "${PROTOLEARN_TEST_WORKERS:-2}" tests/integration tests/unit
 .venv/bin/python -m pytest tests/e2e
