@@ -1,4 +1,11 @@
-"""Fixtures of the end-to-end tests."""
+"""Fixtures of the end-to-end tests, and which of them need the machine to themselves.
+
+Most end-to-end tests start a swarm that uses both cores and time what it does (a ban within so many
+microbatches, a step time within 3 x an honest run's): ``scripts/test.sh`` runs those one at a time
+(marker ``solo``, added here to every test of this folder). The modules in :data:`SHARE_THE_MACHINE` assert
+nothing that depends on speed (CLI errors, exports, one node's join, benchmark reports, a single-process
+trainer), so ``scripts/test.sh`` runs them beside the unit and integration tests on two workers instead.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,19 @@ from pathlib import Path
 import pytest
 
 from tests.support.swarm import TINY, Swarm
+
+SHARE_THE_MACHINE = frozenset({
+    "test_addresses.py", "test_bench_report.py", "test_cli_errors.py", "test_coord_bench.py", "test_coordinator_wait.py",
+    "test_corpus_check.py", "test_export.py", "test_node_leave.py", "test_stages_bench.py", "test_train_local.py",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        path = Path(item.path)
+        if path.parent == here and path.name not in SHARE_THE_MACHINE:
+            item.add_marker(pytest.mark.solo)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from tests.support.cli import PROTOLEARN
 def test_train_local_demo_lowers_the_loss(tmp_path: Path) -> None:
     log = tmp_path / "log.jsonl"
     out = subprocess.run(
-        [str(PROTOLEARN), "train-local", "--steps", "20", "--json", "--log", str(log), "--eval-every", "100", "--threads", "1"],
+        [str(PROTOLEARN), "train-local", "--steps", "10", "--json", "--log", str(log), "--eval-every", "100", "--threads", "1"],
         capture_output=True,
         text=True,
         timeout=240,
@@ -27,14 +27,14 @@ def test_train_local_demo_lowers_the_loss(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["steps"] == 20
+    assert summary["steps"] == 10
     assert summary["final_val_loss"] < 0.7 * summary["initial_val_loss"]
     assert summary["final_loss"] < summary["first_loss"]
     assert summary["tokens_per_s"] > 0
 
     events = [json.loads(line) for line in log.read_text().splitlines()]
     steps = [e for e in events if e["event"] == "step"]
-    assert [e["step"] for e in steps] == list(range(20))
+    assert [e["step"] for e in steps] == list(range(10))
     assert events[0]["event"] == "start" and events[-1]["event"] == "end"
     assert events[0]["run_hash"] == summary["run_hash"]
 
