@@ -1,6 +1,6 @@
 """Bench suite ``recovery``: the fault-tolerant all-reduce of a 64 MB float32 vector over 4 processes.
 
-``python scripts/bench.py recovery --json [--mib 64] [--peers 4] [--no-bulk] [--no-hivemind] [--no-swarm]``
+``python scripts/bench.py recovery --json [--mib 64] [--peers 4] [--no-bulk] [--no-hivemind] [--no-swarm] [--kill-phase F]``
 
 Each peer is a separate Python process with its own libp2p host on 127.0.0.1, running the node's
 collective (:class:`protolearn.node.averaging.Averager`, op ``sum``). The parent drives them over
@@ -25,7 +25,8 @@ invocation; its keys are merged in, with ``ratio_vs_hivemind`` = allreduce_s / h
 Unless ``--no-swarm``, a local swarm on the default (demo) run then measures the node-level keys
 (:func:`bench_swarm.recovery_keys`): ``recover_s``, from SIGKILLing a replica until steps close at
 (n-1)/n of the earlier rate again (goal <= max(1 s, one step time), issue 28), and ``join_to_first_microbatch_s``,
-from the restarted replica's join until it processes its first microbatch (goal <= 3 s).
+from the restarted replica's join until it processes its first microbatch (goal <= 3 s). ``--kill-phase F``
+kills F of a step after the close that ends the warm-up instead of as soon as it is seen (``kill_phase``).
 """
 
 from __future__ import annotations
@@ -80,7 +81,11 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--no-hivemind", action="store_true", help="skip the hivemind baseline (scripts/bench_hivemind.py)")
     parser.add_argument("--no-bulk", action="store_true", help="bulk lane off: every part goes through yamux (the old path)")
     parser.add_argument("--no-swarm", action="store_true", help="skip recover_s and join_to_first_microbatch_s (a local swarm)")
+    parser.add_argument("--kill-phase", type=float, default=0.0, metavar="F",
+                        help="SIGKILL the replica F of a step after a close (0 <= F < 1; default 0: at once, while the step averages)")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.kill_phase < 1.0:
+        parser.error(f"--kill-phase={args.kill_phase} must be at least 0 and below 1 (a fraction of a step)")
     result = _ours(args)
     if not args.no_hivemind and HIVEMIND.exists():
         result.update(_hivemind(args, result["allreduce_s"]))
@@ -89,7 +94,7 @@ def run(argv: list[str]) -> dict:
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        result.update({k: round(v, 3) if isinstance(v, float) else v for k, v in module.recovery_keys().items()})
+        result.update({k: round(v, 3) if isinstance(v, float) else v for k, v in module.recovery_keys(kill_phase=args.kill_phase).items()})
     return result
 
 

@@ -93,6 +93,7 @@ def run(argv: list[str]) -> dict:
 
 def recovery_keys(
     config: str | None = None, *, steps: int = 24, warmup: int = 4, threads: int = 1, workdir: Path | None = None, node_args: list[str] | None = None,
+    kill_phase: float = 0.0,
 ) -> dict:
     """``recover_s`` and ``join_to_first_microbatch_s`` on a local swarm of 3 nodes over 2 stages.
 
@@ -103,7 +104,9 @@ def recovery_keys(
     ``joined`` event) to the first microbatch it processed, and ``start_to_first_microbatch_s`` from
     the process launch (Python and torch start-up included); ``kill_to_next_close_s`` from the kill to
     the next step that closed. ``node_args`` go to every node (``bench_linkrecovery.py`` gives them a
-    ``--link``). ``scripts/bench_recovery.py`` calls this.
+    ``--link``). ``kill_phase`` puts the kill that fraction of a step (the rate before) after the close that
+    ends the warm-up: 0 kills as soon as the close is seen, mostly while the replicas average that step.
+    ``scripts/bench_recovery.py`` calls this.
     """
     import trio
 
@@ -161,6 +164,10 @@ def recovery_keys(
                 stages = {k: swarm.stage_of(k) for k in range(n)}
                 victim = next(k for k in range(n) if sum(1 for v in stages.values() if v == stages[k]) >= 2)
                 out["recovery_victim_stage"] = stages[victim]
+                out["kill_phase"] = kill_phase
+                if kill_phase > 0:
+                    await trio.sleep(max(0.0, seen[-1] + kill_phase * before - time.monotonic()))
+                    await poll()
                 killed_at_step = len(seen)
                 t_kill = time.monotonic()
                 out["kill_at"] = time.time()  # wall clock, to line up with the nodes' event logs
