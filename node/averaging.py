@@ -44,6 +44,7 @@ from protolearn.node.finished_rounds import FinishedRounds
 from protolearn.node.result_fetch import fetch_proven
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.collective import (
+    DEFAULT_FACTOR,
     DEFAULT_FLOOR_S,
     Aggregation,
     Bandwidth,
@@ -244,13 +245,24 @@ class Averager:
         """Round ``round_id``'s full vector (``numel`` values, by default the stage's: a PowerSGD factor round's
         are fewer; ``codec``: the round's slice compression) from another of its participants (``weights``),
         proven by a strict majority of their signed fins (:func:`protolearn.node.result_fetch.fetch_proven`)."""
+        n = self.numel if numel is None else numel
+        started = self.clock()
         result = await fetch_proven(
-            self.host, self.stage, round_id, weights, numel=self.numel if numel is None else numel, rule_tag=self.aggregation.tag,
+            self.host, self.stage, round_id, weights, numel=n, rule_tag=self.aggregation.tag,
             cross_check=self.cross_check, compression="none" if codec is None else codec.tag, verify=self.verify,
             timeout_s=self.timeout_s, clock=self.clock,
         )
+        # A sample of the rate too (it counts any wait for the round to finish there, so it errs low): a replica
+        # that is always left out learns its link from its fetches.
+        self.bandwidth.observe(4 * n, self.clock() - started)
         self._own_next = max(self._own_next, round_id + 1)
         return result
+
+    def fetch_time_s(self, numel: int | None = None) -> float:
+        """How long a fetch of the full vector (``numel`` values, by default the stage's) may take before the
+        node core looks elsewhere: the collective's part deadline for that many bytes, at the measured rate."""
+        n = self.numel if numel is None else numel
+        return max(self.floor_s, DEFAULT_FACTOR * 4 * n / max(self.bandwidth.bytes_per_s, 1.0))
 
     def _dispatch(self, actions: list) -> None:
         for a in actions:

@@ -164,7 +164,9 @@ class Finisher:
             return RoundDone(a.step, a.revision, list(done.excluded))
         if isinstance(a, Fetch):
             self._result = None
-            with trio.move_on_after(a.try_s):
+            # The core's try time, or longer for a vector that the measured link cannot carry in it.
+            limit = max(a.try_s, self.sync.fetch_time_s())
+            with trio.move_on_after(limit):
                 try:
                     self._result = await self.sync.fetch(a.step, a.round, a.weights)
                 except ResultGone as err:
@@ -173,7 +175,7 @@ class Finisher:
                     log.warning("%s", err)
                     return Fetched(a.step, a.revision, ok=False, reason=str(err))
             if self._result is None:
-                return Fetched(a.step, a.revision, ok=False, reason=f"no result within {a.try_s:g} s")
+                return Fetched(a.step, a.revision, ok=False, reason=f"no result within {limit:.3g} s")
             # Hashed outside the fetch's time limit: a result in hand is not lost to a slow hash.
             digest = await trio.to_thread.run_sync(vector_digest, self._result, len(a.weights), limiter=self.compute)
             self._result_hash = digest.hex()

@@ -130,6 +130,10 @@ class ReplicaSync:
         q_sum = await self.averager.fetch_result(phase_round(round_id, 1), weights, lay.q_numel) if lay.q_numel else torch.zeros(0)
         return await self._run(self._power.finish, step, p_sum, q_sum)
 
+    def fetch_time_s(self) -> float:
+        """How long :meth:`fetch` of a step's update may take on this replica's link (:meth:`Averager.fetch_time_s`)."""
+        return self.averager.fetch_time_s()
+
     def commit(self, step: int) -> None:
         """``step`` was applied here: its residual (and warm start) become this replica's."""
         if self._slices is not None:

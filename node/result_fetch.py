@@ -15,6 +15,7 @@ that no longer keeps the round (``stale``) ends the fetch with :class:`ResultGon
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from functools import partial
 
@@ -27,6 +28,8 @@ from protolearn.protocol.pipeline import COLLECTIVE, Refuse, ResultRequest, Resu
 from protolearn.protocol.statements import Verify
 from protolearn.protocol.tensors import TensorLimits, from_frame
 from protolearn.protocol.transport import Host
+
+log = logging.getLogger("protolearn.node")
 
 RETRY_S = 0.2  # pause between passes over the participants
 
@@ -78,5 +81,6 @@ async def fetch_proven(
                 last = f"{peer}: {err.reason}"
             except trio.TooSlowError:
                 last = f"{peer}: no answer within {timeout_s + 5:g} s"
+            log.info("result fetch failed step=%d stage=%d peer=%s reason=%s", round_id, stage, peer, last)
         await trio.sleep(RETRY_S)
     raise AveragingError(f"stage {stage}: could not fetch the result of step {round_id}: {last}")

@@ -88,7 +88,8 @@ from protolearn.node.core.events import (
 from protolearn.protocol.rounds import REVISIONS_PER_STEP, round_id
 from protolearn.protocol.states import NodeState
 
-# A replica the accounting left out asks the participants for the step's result this long before it
+# A replica the accounting left out asks the participants for the step's result this long (at least: the
+# adapter gives a vector that its measured link needs longer for that long, node/finishing.py) before it
 # checks whether the step reopened, or whether every participant is gone and the step must be redone.
 FETCH_TRY_S = 3.0
 # A coordinator error while asking whether the step reopened: ask again after this long.

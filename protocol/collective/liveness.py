@@ -12,7 +12,9 @@ How it works
   those times while the round still waits on the same thing, so a deadline counts from the wait's start.
 * A wait's limit is the round's (the phase's expected bytes over :class:`Bandwidth`, an EMA of the
   receive rate of past rounds that the adapter carries across rounds, never below ``floor_s``; see
-  :meth:`FailureDetector.deadline_s`). A peer waited on is probed every ``floor_s / 2``.
+  :meth:`FailureDetector.deadline_s`). Every round this replica commits is a sample, also one that left
+  peers out: its rate then counts the wait for them, so the estimate errs low (longer deadlines) and
+  never stays above what the link carries. A peer waited on is probed every ``floor_s / 2``.
 * A peer is suspected once it shows no sign of life (a message, an acknowledged send, an answered probe)
   for a whole limit past the wait's start (it is **silent**: as good as dead), or, answering probes but
   delivering nothing, after ``STUCK_FACTOR`` limits (it is **stuck**: alive, but the round goes on
@@ -38,8 +40,10 @@ DEFAULT_FACTOR = 4.0
 # Past its limit a peer is suspected once it shows no sign of life for another limit; one that keeps
 # answering probes but delivers nothing is suspected after this many limits.
 STUCK_FACTOR = 3
-# Before the first measurement: a slow home uplink, so the first deadlines are generous.
-INITIAL_BYTES_PER_S = 20e6
+# Before the first measurement: a slow home uplink (20 Mbit/s), so the first deadlines are generous. (It was
+# 20e6, 160 Mbit/s: on a 20 Mbit/s link a 2 MB part then outlived its deadline in every round, and a round
+# that left out a peer never measured the rate, so the estimate never came down.)
+INITIAL_BYTES_PER_S = 2.5e6
 EMA_ALPHA = 0.3
 
 

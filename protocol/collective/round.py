@@ -437,8 +437,9 @@ class CollectiveRound:
             self._committed = Done(torch.cat([p.data for p in parts]), sorted(self._C), sorted(self._all - self._C),
                                    "all parts gathered" if self._C == self._all else "dead peers' contributions left out",
                                    fin.digest, fin.signature)
-            if not self.suspects:
-                self.bandwidth.observe(self._bytes_in, self._now - self._started_at)
+            # Also a round that left peers out: had only clean rounds been samples, a link slower than the
+            # estimate would outlive every deadline, no round would be clean, and the estimate would never fall.
+            self.bandwidth.observe(self._bytes_in, self._now - self._started_at)
             # Suspected peers get a fin too: one wrongly held out sees itself left out of our signed fin and
             # fails its round rather than committing a different set (a dead one just fails the send).
             tag = tuple(sorted(self._C))

@@ -245,3 +245,42 @@ def test_a_fetched_compressed_step_is_proven_and_a_forged_one_is_refused(open_ho
             assert staged is not None and staged[1] is not None and kept is not None and torch.equal(kept, staged[1])
 
     run_trio(main, timeout=120)
+
+
+def test_a_left_out_replica_on_a_slow_link_is_given_the_time_its_fetch_needs(open_hosts, run_trio) -> None:
+    """A replica the accounting left out fetches the step's full vector from a participant. The node once gave
+    every fetch a fixed 3 s (node/core/closed_step.py FETCH_TRY_S): on 20 Mbit/s links a 6.6 MB vector never
+    arrived in time, the fetch was cut off, retried and cut off again, and a 6-node swarm sat at step 0
+    (``scripts/bench.py simcheck``). The limit the node now uses (:meth:`Averager.fetch_time_s`, from the
+    vector's size and the measured rate) must cover what the fetch takes on such a link."""
+    from protolearn.protocol.link import parse_link
+    from protolearn.node.core.closed_step import FETCH_TRY_S
+
+    numel = 1_000_000  # 4 MB, about 4 s at 8 Mbit/s
+    config = TransportConfig(link=parse_link("8mbit,5ms"))
+
+    async def main() -> None:
+        async with open_hosts(3, config=config) as (a, b, c):
+            avgs = [Averager(h, 1, numel, timeout_s=60.0, first_round=round_id(0)) for h in (a, b, c)]
+            for x in avgs:
+                x.register()
+            weights = {a.peer_id: 1.0, b.peer_id: 1.0}
+            out: dict[int, torch.Tensor] = {}
+
+            async def one(k: int) -> None:
+                out[k] = (await avgs[k].run_round_detailed(round_id(0), weights, torch.full((numel,), float(k + 1)))).result
+
+            async with trio.open_nursery() as n:
+                n.start_soon(one, 0)
+                n.start_soon(one, 1)
+            limit = avgs[2].fetch_time_s()
+            t0 = trio.current_time()
+            got = await avgs[2].fetch_result(round_id(0), weights)
+            took = trio.current_time() - t0
+            print(f"fetch of {4 * numel} bytes took {took:.2f} s; the node's limit for it {limit:.2f} s")
+            assert torch.equal(got, out[0]) and torch.equal(out[0], torch.full((numel,), 3.0))
+            assert FETCH_TRY_S < took <= limit, (took, limit)
+            # The fetch taught the left-out replica its link: its next limit is no shorter than this fetch took.
+            assert avgs[2].fetch_time_s() >= took
+
+    run_trio(main, timeout=90)

@@ -717,3 +717,22 @@ def test_a_stuck_peer_is_left_out_but_its_fin_is_awaited_until_it_is_dead() -> N
     assert r.finished is None
     (done,) = [x for x in r.peer_failed("b", "probe refused", now) if isinstance(x, Done)]
     assert done.contributors == ["a"]
+
+
+def test_a_round_that_left_a_peer_out_is_a_bandwidth_sample_so_a_slow_link_lengthens_the_next_deadlines() -> None:
+    """Were only clean rounds samples, a link slower than the estimate would outlive every deadline, no round
+    would be clean and the estimate would never come down (a 6-node swarm on 20 Mbit/s links stalled so)."""
+    bw = Bandwidth(1e9)  # far above what the link below carries
+    weights = {"a": 1.0, "b": 1.0}
+    numel = 4_000_000
+    first = make_round(0, "a", weights, numel, floor_s=2.0, bandwidth=bw).wait_s()
+    for rid in range(3):
+        r = make_round(rid, "a", weights, numel, floor_s=2.0, bandwidth=bw)
+        sends = r.start(torch.ones(numel), now=0.0)
+        (mine,) = [s.part for s in sends if isinstance(s, Send) and s.phase == "scatter"]
+        # b's scatter part crawls in over a slow link, and then its stream breaks: a goes on without b.
+        r.receive("b", "scatter", 1 - mine, torch.ones(numel // 2), now=1.9)
+        done = [x for x in r.peer_failed("b", "stream reset", now=2.5) if isinstance(x, Done)]
+        assert done and done[0].excluded == ["b"], r.finished
+    assert bw.num_samples == 3, "a round that left a peer out taught the estimate nothing"
+    assert make_round(9, "a", weights, numel, floor_s=2.0, bandwidth=bw).wait_s() > first
