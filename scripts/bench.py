@@ -36,6 +36,7 @@ SUITES: dict[str, str] = {
     "framing": "scripts/bench_framing.py",
     "sync": "scripts/bench_sync.py",
     "simcurves": "scripts/bench_simcurves.py",
+    "simcheck": "scripts/bench_simcheck.py",
 }
 
 

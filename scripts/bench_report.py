@@ -105,6 +105,8 @@ SECTIONS: tuple[Section, ...] = (
             default=False, quick=("--levels", "40", "--workers", "2", "--window", "3")),
     Section("simcurves", "simcurves", (), "The simulated swarm at scale: goodput against size, lifetime and stages", "report_suites:render_simcurves",
             "suites", default=False, quick=("--quick",), timeout_s=3 * 3600),
+    Section("simcheck", "simcheck", (), "The simulator against a real swarm", "report_suites:render_simcheck", "suites", default=False,
+            quick=("--steps", "12", "--crash-after", "4", "--join-after", "8")),
     Section("abuse", "abuse", (), "Network attacks on a coordinator, a node and a swarm", "report_suites:render_abuse", "suites", quick=("--quick",), anchor="abuse-network-attacks-on-a-running-coordinator-and-node"),
     Section("framing", "framing", ("--tickets", "200000"), "Framing an honest replica: the coordinator's witness draw", "report_suites:render_framing", "suites",
             quick=("--tickets", "500"), anchor="framing-an-honest-replica-the-coordinators-witness-draw"),

@@ -326,3 +326,32 @@ def render_simcurves(r: dict[str, Any], figs: Path, plt: Any) -> str:
         out += ["", fmt.save(fig, figs / "simcurves.png")]
     out += fmt.notes(figs, "simcurves")
     return "\n".join(out)
+
+
+def render_simcheck(r: dict[str, Any], figs: Path, plt: Any) -> str:
+    real, sim, ratio = r.get("real", {}), r.get("sim", {}), r.get("sim_over_real", {})
+    within = r.get("within_20pct", {})
+    rows = [
+        ["step time (s, median between closes)", num(real.get("step_s")), num(sim.get("step_s")), dec(ratio.get("step_s"), 2), within.get("step_s")],
+        ["goodput", dec(real.get("goodput"), 3), dec(sim.get("goodput"), 3), dec(ratio.get("goodput"), 2), within.get("goodput")],
+        ["bytes sent per committed token", num(real.get("bytes_per_token")), num(sim.get("bytes_per_token")), dec(ratio.get("bytes_per_token"), 2),
+         within.get("bytes_per_token")],
+        ["tokens/s", num(real.get("tokens_per_s")), num(sim.get("tokens_per_s")), dec(ratio.get("tokens_per_s"), 2), "–"],
+    ]
+    out = [
+        f"The same small scenario in both: {r.get('nodes')} nodes, {r.get('stages')} stages of the demo run, every node on "
+        f"`{r.get('link')}`, {r.get('steps')} steps; a replica (stage {r.get('victim_stage')}) SIGKILLed after {r.get('crash_after')} steps and "
+        f"a fresh node joining after {r.get('join_after')}. The simulation replays the real run's joins and crash on their clock, at the "
+        f"compute speed the real nodes measured ({dec(real.get('calibrated_tflops'), 4)} TFLOPS each: six processes share two cores). "
+        "Its command is in the stored result.",
+        "",
+        table(["figure", "real swarm", "simulator", "sim ÷ real", "within 20%"], [[*row[:4], {True: "yes", False: "**no**"}.get(row[4], row[4])] for row in rows]),
+    ]
+    if plt is not None and real and sim:
+        labels = ["step s", "goodput × 10", "kB/token"]
+        out += ["", bars(plt, figs / "simcheck.png", labels, {
+            "real swarm": [real.get("step_s"), 10 * (real.get("goodput") or 0), (real.get("bytes_per_token") or 0) / 1000],
+            "simulator": [sim.get("step_s"), 10 * (sim.get("goodput") or 0), (sim.get("bytes_per_token") or 0) / 1000],
+        }, ylabel="value", title="python scripts/bench.py simcheck --json")]
+    out += fmt.notes(figs, "simcheck")
+    return "\n".join(out)
