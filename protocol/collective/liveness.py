@@ -41,8 +41,8 @@ DEFAULT_FACTOR = 4.0
 # answering probes but delivers nothing is suspected after this many limits.
 STUCK_FACTOR = 3
 # Before the first measurement: a slow home uplink (20 Mbit/s), so the first deadlines are generous. (It was
-# 20e6, 160 Mbit/s: on a 20 Mbit/s link a 2 MB part then outlived its deadline in every round, and a round
-# that left out a peer never measured the rate, so the estimate never came down.)
+# 20e6 B/s, 160 Mbit/s; and while only rounds that left no peer out were samples, an estimate above the
+# link's rate could not come down: every round outlived its deadlines and none was a sample.)
 INITIAL_BYTES_PER_S = 2.5e6
 EMA_ALPHA = 0.3
 
