@@ -44,7 +44,6 @@ from protolearn.node.finished_rounds import FinishedRounds
 from protolearn.node.result_fetch import fetch_proven
 from protolearn.protocol.reducer_check import ReducerFault
 from protolearn.protocol.collective import (
-    DEFAULT_FACTOR,
     DEFAULT_FLOOR_S,
     Aggregation,
     Bandwidth,
@@ -57,6 +56,7 @@ from protolearn.protocol.collective import (
     Send,
     PartFilter,
 )
+from protolearn.protocol.collective.liveness import FailureDetector
 from protolearn.protocol.errors import OverLimit, ProtocolError
 from protolearn.protocol.collective.result_proof import fins_of
 from protolearn.protocol.pipeline import COLLECTIVE, Ack, Refuse, ResultRequest
@@ -262,7 +262,7 @@ class Averager:
         """How long a fetch of the full vector (``numel`` values, by default the stage's) may take before the
         node core looks elsewhere: the collective's part deadline for that many bytes, at the measured rate."""
         n = self.numel if numel is None else numel
-        return max(self.floor_s, DEFAULT_FACTOR * 4 * n / max(self.bandwidth.bytes_per_s, 1.0))
+        return FailureDetector(floor_s=self.floor_s, bandwidth=self.bandwidth).deadline_s(4 * n)
 
     def _dispatch(self, actions: list) -> None:
         for a in actions:

@@ -152,8 +152,16 @@ class CollectiveRound:
         self._fins = FinBook(spec)
         self._waits = Waits(spec, self._detector, self._ledger, self._fins, self._slices, self.suspects, self._dead)
         self._committed: Done | None = None
+        # The rate sample of a committed round: bytes received after the start, over the time to the last of them (not
+        # to the commit, which may have waited on a silent peer's deadline; parts that came early took no round time).
         self._bytes_in = 0
+        self._last_in = 0.0
         self._finished: Done | Failed | None = None
+
+    def _received(self, data: torch.Tensor) -> None:
+        if self._started_at is not None:
+            self._bytes_in += 4 * data.numel()
+            self._last_in = self._now
 
     # -- views -----------------------------------------------------------------------------------
     @property
@@ -284,10 +292,10 @@ class CollectiveRound:
             self._slices.setdefault(part, {})[peer] = data
             if self.cross_check:
                 self._cross.keep(part, peer, digest, signature)
-            self._bytes_in += 4 * data.numel()
+            self._received(data)
         elif phase == "gather":
             assert data is not None
-            self._bytes_in += 4 * data.numel()
+            self._received(data)
             conflict = self._ledger.add(part, members, SignedPart(data, digest, signer, signature, inputs))
             if conflict is not None:
                 return actions + self._fail(*conflict)
@@ -439,7 +447,7 @@ class CollectiveRound:
                                    fin.digest, fin.signature)
             # Also a round that left peers out: had only clean rounds been samples, a link slower than the
             # estimate would outlive every deadline, no round would be clean, and the estimate would never fall.
-            self.bandwidth.observe(self._bytes_in, self._now - self._started_at)
+            self.bandwidth.observe(self._bytes_in, self._last_in - self._started_at)
             # Suspected peers get a fin too: one wrongly held out sees itself left out of our signed fin and
             # fails its round rather than committing a different set (a dead one just fails the send).
             tag = tuple(sorted(self._C))
