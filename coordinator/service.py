@@ -171,23 +171,29 @@ class _Service:
         # its connections after the reply, in :meth:`checker_cleanup`.
         self._hang_up, self._hang_ups = trio.open_memory_channel[tuple[str, float]](HANG_UP_QUEUE)
         self._changed = trio.Event()
+        self._closed = trio.Event()  # a member's connection closed (housekeeping)
         self._seen = self._progress()
         # The long polls' slots (coordinator/core/wait_slots.py), and each waiting poll's scope, to answer it early.
         self._slots = WaitSlots(core.settings.max_concurrent_waits)
         self._waits: dict[int, trio.CancelScope] = {}
+        # Leases and DiLoCo arrivals held for an answer (at most ``max_concurrent_waits``; past that they answer at once).
+        self._waiting = 0
+        # Per peer, the wake-up of its held lease: any progress (a ticket freed, the step closed or committed), or its
+        # own completion or release, which may bring it under its share (its own news wakes no one else's).
+        self._lease_waits: dict[str, trio.Event] = {}
         # (request kind, code, reason) of refusals, logged per peer and interval like the host's rejections.
         self._refusals: LogDigest[tuple[str, str, str]] = LogDigest(
             interval_s=host.config.rejection_log_interval_s, max_peers=host.config.rejection_log_max_peers,
         )
         self.sync_bans()
 
-    def _progress(self) -> tuple[int, int, int, int]:
-        """(open step, last closed step's revision, last committed step, outer decisions taken): long polls
-        wake when it changes."""
+    def _progress(self) -> tuple[int, int, int, int, int]:
+        """(open step, last closed step's revision, last committed step, outer decisions taken, tickets freed):
+        long polls wake when it changes."""
         led = self.core.ledger
         closed = led.closed.get(led.step - 1)
         outer = self.core.outer.version if self.core.outer is not None else 0
-        return led.step, closed.revision if closed is not None else 0, led.committed_through, outer
+        return led.step, closed.revision if closed is not None else 0, led.committed_through, outer, led.frees
 
     def sync_bans(self) -> None:
         """Refuse banned peers at connection time once their ban is ``ban_notice_s`` old. Until then each
@@ -206,12 +212,16 @@ class _Service:
             self._seen = seen
             self._changed.set()
             self._changed = trio.Event()
+            for wake in self._lease_waits.values():
+                wake.set()
 
     def connection_changed(self, peer: str, up: bool) -> None:
-        """The host's connection callback: a closed connection may commit the step (wake the long polls)."""
+        """The host's connection callback: a closed connection may commit the step (wake the long polls), and
+        housekeeping ends its leases when the grace is over (:meth:`housekeeping`)."""
         self.core.connection_changed(peer, up, self.clock())
         if not up:
             self.commit()
+            self._closed.set()
 
     async def on_request(self, peer: str, msg: Message) -> Message:
         try:
@@ -219,6 +229,8 @@ class _Service:
                 return await self._wait(peer, msg)
             if isinstance(msg, cm.OuterReady):
                 return await self._outer_wait(peer, msg)
+            if isinstance(msg, cm.Lease) and msg.wait_s > 0:
+                return await self._lease_wait(peer, msg)
             if isinstance(msg, cm.ReachabilityRequest):
                 reply: Message = await self._check_reachability(peer, msg)
             else:
@@ -228,6 +240,8 @@ class _Service:
                                              ip=None if seen is None else seen[0])
                 else:
                     reply = self.core.handle(peer, msg, self.clock())
+                    if isinstance(msg, (cm.Complete, cm.Release)) and peer in self._lease_waits:
+                        self._lease_waits[peer].set()
         except Refusal as r:
             write, due = self._refusals.note(peer, r.code, (msg.KIND, r.code, r.reason), self.host.clock())
             _log_refusal_summaries(due)
@@ -274,6 +288,42 @@ class _Service:
         finally:
             self._waits.pop(taken.token, None)
             self._slots.release(taken.token)
+
+    async def _lease_wait(self, peer: str, msg: cm.Lease) -> cm.LeaseReply:
+        """A lease that finds no ticket free waits (up to ``msg.wait_s``) for one to free: a lease that ends or runs
+        out, a departure, a redo (``TicketLedger.frees``). It answers empty as soon as the open step changes (it closed
+        or reopened: the node's next lease is about another step). Before, a stage-0 replica asked again after a
+        back-off of up to 2 s (node/core/leasing.py), and the tickets a dead replica held waited that long for it."""
+        reply = self._lease(peer, msg)
+        if reply.indices or reply.held or peer in self._lease_waits or self._waiting >= self.core.settings.max_concurrent_waits:
+            return reply  # (one held request per peer: more from one identity are answered at once)
+        step, t0 = reply.step, trio.current_time()
+        self._waiting += 1
+        wake = trio.Event()
+        try:
+            with trio.move_on_after(msg.wait_s):
+                while not (reply.indices or reply.held) and self.core.ledger.step == step:
+                    wake = self._lease_waits[peer] = trio.Event()  # (an earlier held request of its own waits out its time)
+                    await wake.wait()
+                    if not self._asking(peer):
+                        break  # it died while it waited: the tickets its death freed must not go back to it
+                    if self.core.ledger.step == step:
+                        reply = self._lease(peer, msg)
+        finally:
+            self._waiting -= 1
+            if self._lease_waits.get(peer) is wake:
+                del self._lease_waits[peer]
+        return reply.model_copy(update={"waited_s": min(trio.current_time() - t0, cm.MAX_WAIT_S)})
+
+    def _asking(self, peer: str) -> bool:
+        """Whether ``peer``, whose lease is held, can still take an answer: connected, and not presumed dead."""
+        return self.host.num_connections(peer) > 0 and self.core.registry.present(peer)
+
+    def _lease(self, peer: str, msg: cm.Lease) -> cm.LeaseReply:
+        reply = self.core.handle(peer, msg, self.clock())
+        assert isinstance(reply, cm.LeaseReply)  # the core answers a Lease with one
+        self.commit()
+        return reply
 
     async def _outer_wait(self, peer: str, msg: cm.OuterReady) -> cm.OuterDecision:
         """DiLoCo: record the arrival, then wait (up to ``msg.timeout_s``) for its outer round's decision. Each
@@ -383,10 +433,20 @@ class _Service:
         _log_refusal_summaries(self._refusals.flush(self.host.clock(), everything=everything))
 
     async def housekeeping(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Every ``housekeeping_interval_s``, and as soon as a closed connection's grace ends: a dead stage-0 replica's
+        leases end then, not up to an interval later (the held leases of the others take them at once)."""
         task_status.started()
-        last_soft = trio.current_time()
+        last_soft = last = trio.current_time()
+        interval = self.core.settings.housekeeping_interval_s
         while True:
-            await trio.sleep(self.core.settings.housekeeping_interval_s)
+            gone_at = self.core.registry.next_gone_at()
+            due = last + interval if gone_at is None else min(last + interval, trio.current_time() + gone_at - self.clock())
+            with trio.move_on_at(due):
+                await self._closed.wait()
+            if self._closed.is_set():  # a connection closed: its grace may end before the next interval
+                self._closed = trio.Event()
+                continue
+            last = trio.current_time()
             for event in self.core.housekeeping(self.clock()):
                 log.info("%s", event)
             self.flush_refusal_log()

@@ -298,8 +298,14 @@ class CoordinatorLink:
         """Send the next heartbeat at once (the node's state changed, e.g. it can take tickets now)."""
         self._beat_now.set()
 
-    async def lease(self, max_tickets: int) -> cm.LeaseReply:
-        reply, _ = await self._request(cm.Lease(max_tickets=max_tickets), cm.LeaseReply)
+    async def lease(self, max_tickets: int, *, wait_s: float = 0.0, holding: list[int] | None = None) -> cm.LeaseReply:
+        """Up to ``max_tickets`` of the open step's tickets; with none free, the coordinator may hold the request up
+        to ``wait_s`` for one to free (``cm.Lease.wait_s``). ``holding``: the tickets this node works on (the reply
+        names the others it holds, ``held``)."""
+        wait_s = min(wait_s, cm.MAX_WAIT_S)
+        msg = cm.Lease(max_tickets=max_tickets, wait_s=wait_s, holding=list(holding or []))
+        reply, _ = await self._request(msg, cm.LeaseReply,
+                                       timeout=wait_s + self.retry.request_timeout_s if wait_s else None)
         return reply
 
     async def release(self, step: int, indices: list[int]) -> list[int]:

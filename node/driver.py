@@ -185,7 +185,7 @@ class TicketDriver:
                 # Between steps nothing is leased or started: the next drive restarts what is still held.
                 log.warning("ticket action outside a driven step dropped: %s (step %d)", type(a).__name__, getattr(a, "step", -1))
             elif isinstance(a, RequestLease):
-                self._nursery.start_soon(self._lease, a.max_tickets)
+                self._nursery.start_soon(self._lease, a)
             elif isinstance(a, StartTicket):
                 self._nursery.start_soon(self._run_ticket, a.step, a.ticket)
             elif isinstance(a, Release):
@@ -193,18 +193,18 @@ class TicketDriver:
             elif isinstance(a, ReportComplete):
                 self._nursery.start_soon(self._report, a)
 
-    async def _lease(self, n: int) -> None:
+    async def _lease(self, a: RequestLease) -> None:
         try:
-            reply = await self.link.lease(n)
+            reply = await self.link.lease(a.max_tickets, wait_s=a.wait_s, holding=list(a.holding))
         except ProtocolError as err:
             self._feed(LeaseFailed(err.reason))
             return
         if any(s != reply.step for s, _ in self._nonces):
             self._nonces = {k: v for k, v in self._nonces.items() if k[0] == reply.step}
-        self._nonces.update(((reply.step, i), n) for i, n in zip(reply.indices, reply.nonces))
+        self._nonces.update(((reply.step, i), n) for i, n in zip([*reply.indices, *reply.held], [*reply.nonces, *reply.held_nonces]))
         self.routes.avoid(reply.step, list(reply.avoid))
         self.routes.suspect(list(reply.suspects))
-        self._feed(Leased(reply.step, list(reply.indices)))
+        self._feed(Leased(reply.step, list(reply.indices), waited=reply.waited_s > 0, held=tuple(reply.held)))
 
     async def _run_ticket(self, step: int, ticket: int) -> None:
         if self.outbound.withholds(step):

@@ -256,6 +256,11 @@ class HeartbeatReply(Message):
 class Lease(Message):
     KIND: ClassVar[str] = "coord.lease"
     max_tickets: Annotated[int, Field(ge=1, le=MAX_TICKETS_PER_REQUEST)] = 1
+    # With no ticket free, the coordinator may hold the request this long for one to free (a lease that ends or
+    # runs out, a departure, a redo) and answer then; it answers empty at once when the step closes. 0: answer now.
+    wait_s: Annotated[float, Field(ge=0.0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0
+    # The open step's tickets the node is working on: the reply names any others the coordinator has it holding.
+    holding: list[Ticket] = Field(default_factory=list, max_length=MAX_TICKETS_PER_STEP)
 
 
 class LeaseReply(Message):
@@ -274,6 +279,15 @@ class LeaseReply(Message):
     # completion since (coordinator/core/verdicts.py): route fewer tickets through them (a report lowers a
     # share, never bans alone).
     suspects: list[PeerId] = Field(default_factory=list, max_length=MAX_PARTICIPANTS)
+    # The open step's tickets the requester holds (their leases running) that it did not list in ``Lease.holding``,
+    # with their nonces: a node that never read the reply that leased them (it gave that request up as the step
+    # changed) starts them now. Before, it was told "already holds its share; finish those first" until the
+    # coordinator struck it for sitting on them, 10 s later.
+    held: list[Ticket] = Field(default_factory=list, max_length=MAX_TICKETS_PER_STEP)
+    held_nonces: list[Nonce] = Field(default_factory=list, max_length=MAX_TICKETS_PER_STEP)
+    # How long the coordinator held the request for a ticket to free (``Lease.wait_s``): an empty reply after a
+    # wait may be asked again at once; one without (no slot to wait in) is asked again after a back-off.
+    waited_s: Annotated[float, Field(ge=0.0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0
 
 
 class Release(Message):

@@ -355,8 +355,10 @@ class CoordinatorCore:
             self.reissued += len(d.reissued)
             log.info("re-issued expired leases step=%d tickets=%s to peer=%s", d.step, d.reissued, member.peer_id)
         nonces = [self.nonce(d.step, i) for i in d.indices]
+        listed = set(msg.holding)
+        unlisted = [i for i in d.held if i not in listed]
         return cm.LeaseReply(step=d.step, indices=d.indices, lease_s=self.settings.lease_s, reason=d.reason, nonces=nonces, avoid=avoid,
-                             suspects=suspects)
+                             suspects=suspects, held=unlisted, held_nonces=[self.nonce(d.step, i) for i in unlisted])
 
     def nonce(self, step: int, index: int, attempt: int | None = None) -> bytes:
         """The nonce of lease ``attempt`` (default: the latest) of ticket ``(step, index)``: :meth:`AckDesk.nonce`."""
@@ -522,6 +524,7 @@ class CoordinatorCore:
         fresh = sorted(i for _, i, _ in expired - self._reported_expired)
         self._reported_expired = expired
         if fresh:
+            self.ledger.noticed_expired()
             events.append(f"leases expired step={self.ledger.step} tickets={fresh} (re-issued on the next lease)")
         events += self.leases.strike(now)
         events += self.holdups.watch(self.registry.serving, now, self.leases.sat_out(self.ledger.last_closed))

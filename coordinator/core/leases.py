@@ -88,8 +88,9 @@ class LeaseDiscipline:
         self._late_in: dict[int, set[str]] = {}
 
     def share(self, peer: str) -> int:
-        """The most tickets ``peer`` may hold at once: its share of the step, halved per strike (down to one)."""
-        share = -(-self.ledger.num_tickets // max(1, self.registry.working(0)))
+        """The most tickets ``peer`` may hold at once: its share of the step, halved per strike (down to one). A replica
+        whose connection closed (it died) does not count: its share goes to the others at once, not at its expiry."""
+        share = -(-self.ledger.num_tickets // max(1, self.registry.working_present(0)))
         return max(1, share >> min(self._strikes.get(peer, 0), 62))
 
     def completed(self, peer: str, held_s: float, now: float) -> None:

@@ -136,6 +136,12 @@ class Registry:
         elif self.is_live(peer_id):
             self._disconnected.setdefault(peer_id, now)
 
+    def next_gone_at(self) -> float | None:
+        """When the first closed connection's grace ends (then :meth:`newly_gone` returns its peer); None: none is closed."""
+        if not self._disconnected:
+            return None
+        return min(self._disconnected.values()) + self.settings.disconnect_grace_s
+
     def newly_gone(self, now: float) -> list[str]:
         """Members whose connection has now stayed closed for ``disconnect_grace_s``: presumed dead
         (until they reconnect), so their leases can end early. Each is returned once."""
@@ -152,6 +158,11 @@ class Registry:
     def working(self, stage: int) -> int:
         """Members that serve ``stage`` now and train (a member still moving there does not count)."""
         return len(self.tallies.working_peers(stage))
+
+    def working_present(self, stage: int) -> int:
+        """:meth:`working`, less the members presumed dead by a closed connection (O(the smaller set))."""
+        working = self.tallies.working_peers(stage)
+        return len(working) - len(working.intersection(self._gone))
 
     def working_counts(self) -> list[int]:
         """:meth:`working` of every stage, in stage order."""
@@ -403,6 +414,8 @@ class Registry:
                 out.append(m)
             elif m.status in (LEFT, EXPIRED) and now - m.left_at > self.settings.departed_retention_s:
                 del self.members[m.peer_id]
+                self._gone.discard(m.peer_id)  # (a crashed member's entry stayed there for good)
+                self._disconnected.pop(m.peer_id, None)
                 self._recent.pop(m.peer_id, None)
                 self.dirty.discard(m.peer_id)
                 self.removed.add(m.peer_id)

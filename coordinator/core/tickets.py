@@ -81,6 +81,9 @@ class LeaseDecision:
     expires_at: float
     reissued: list[int]
     reason: str
+    # The open step's tickets the peer held before this lease, their leases running: said again in every answer, so
+    # a node that never read the answer that leased them (it gave the request up as the step changed) learns them.
+    held: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,9 @@ class TicketLedger:
         # Tickets whose persisted form changed since the last drain (indices of the open step).
         self.dirty: set[int] = set()
         self.reset = False
+        # Counts the times a ticket of the open step may have become free to lease (released, replaced, its lease
+        # ended or ran out): the service's waiting leases wake when it changes (coordinator/service.py).
+        self.frees = 0
         # The commit barrier: the one owner of the last committed step (see coordinator/core/commit.py). A
         # restored ledger without that field counts its closed steps as committed, which is what the old
         # rule-free swarm did. A fresh run persists "nothing committed" with its first drain: a store
@@ -275,6 +281,7 @@ class TicketLedger:
 
     def _freed(self, index: int) -> None:
         """Ticket ``index`` may be free now (released, or replaced by an unleased one)."""
+        self.frees += 1
         if index < self._free_from:
             self._free_from = index
 
@@ -289,13 +296,14 @@ class TicketLedger:
         # Only running leases count against the share: a lease that ran out is re-issued to whoever asks, its
         # holder too. Counting it left a holder that had lost track of its ticket (a coordinator restart
         # mid-step) refused "finish those first" for good, and the step never closed (node-core simulator).
-        held = len(self.holdings(peer, now))
+        running = tuple(self.holdings(peer, now))
+        held = len(running)
         if share is not None and held >= share:
-            return LeaseDecision(self.step, [], 0.0, [], f"already holds its share ({share}) of step {self.step}; finish those first")
+            return LeaseDecision(self.step, [], 0.0, [], f"already holds its share ({share}) of step {self.step}; finish those first", running)
         if share is not None:
             n = min(n, share - held)
         if not self.committed(self.last_closed):
-            return LeaseDecision(self.step, [], 0.0, [], f"step {self.last_closed} has not committed yet; wait for it")
+            return LeaseDecision(self.step, [], 0.0, [], f"step {self.last_closed} has not committed yet; wait for it", running)
         picked = self._expired(now)[:n]
         if len(picked) < n:  # then the first free tickets, in index order
             tickets, i, free = self._index(), self._free_from, []
@@ -307,7 +315,7 @@ class TicketLedger:
             self._free_from = free[0].index if free else i
             picked += free
         if not picked:
-            return LeaseDecision(self.step, [], 0.0, [], f"every ticket of step {self.step} is leased or done; wait for it to close")
+            return LeaseDecision(self.step, [], 0.0, [], f"every ticket of step {self.step} is leased or done; wait for it to close", running)
         expires_at = now + self.lease_s
         self.close_rule.leased(now)
         reissued = []
@@ -323,7 +331,7 @@ class TicketLedger:
         reason = f"leased {len(indices)} tickets of step {self.step}"
         if reissued:
             reason += f" (re-issued expired leases {sorted(reissued)})"
-        return LeaseDecision(self.step, indices, expires_at, sorted(reissued), reason)
+        return LeaseDecision(self.step, indices, expires_at, sorted(reissued), reason, running)
 
     def release(self, peer: str, step: int, indices: Sequence[int]) -> list[int]:
         """Hand back leased, unfinished tickets (e.g. on a graceful leave)."""
@@ -531,11 +539,16 @@ class TicketLedger:
                 self._expiry_floor = min(self._expiry_floor, now)
                 self.dirty.add(t.index)
                 out.append(t.index)
+        self.frees += bool(out)
         return out
 
     def expired(self, now: float) -> list[int]:
         """Leased tickets whose lease has run out (they go to the next lease request)."""
         return [t.index for t in self._expired(now)]
+
+    def noticed_expired(self) -> None:
+        """Housekeeping found leases that ran out since it last looked: they are free to lease."""
+        self.frees += 1
 
     def _expired(self, now: float) -> list[Ticket]:
         tickets = self._index()

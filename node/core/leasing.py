@@ -43,6 +43,10 @@ NOT_STARTED_MAX_S = 2.0
 # An empty lease answer (every ticket of the step is out) is asked again after LEASE_RETRY_S, doubling with each
 # empty answer in a row up to this: a ticket freed later (a redo, an expired lease) is picked up within it.
 EMPTY_LEASE_MAX_S = 2.0
+# A lease asks the coordinator to hold it this long for a ticket to free (``Lease.wait_s``), so a freed ticket (its
+# holder died, a redo) is taken as soon as it frees, not after the back-off above. An empty answer after such a
+# wait is asked again after LEASE_RETRY_S; one the coordinator did not hold (it had no slot) backs off as above.
+LEASE_WAIT_S = 2.0
 
 
 # -- events ----------------------------------------------------------------------------------------
@@ -50,6 +54,10 @@ EMPTY_LEASE_MAX_S = 2.0
 class Leased:
     step: int
     indices: list[int]
+    # The coordinator held the request for a ticket to free before it answered (``LeaseReply.waited_s`` > 0).
+    waited: bool = False
+    # Tickets the coordinator has this node holding that its request did not list (``LeaseReply.held``).
+    held: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,9 @@ LeaseEvent = Leased | LeaseFailed | Handed | NotStarted | Completed | CompleteRe
 @dataclass(frozen=True)
 class RequestLease:
     max_tickets: int
+    wait_s: float = LEASE_WAIT_S
+    # The tickets of the step this replica is working on (``Lease.holding``).
+    holding: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -159,6 +170,9 @@ class LeaseCore:
         self._leasing = False
         self._pause_until = 0.0
         self._restart: set[int] = set()
+        # Tickets of the step this replica completed or handed back: listed with the started ones in a lease request,
+        # so that an answer crossing the completion or release does not name them as lost (``Leased.held``).
+        self._settled: set[int] = set()
         self._departed = False
         self._not_started = 0  # tickets in a row that no next-stage peer took
         self._empty = 0  # lease answers in a row with no ticket
@@ -173,6 +187,7 @@ class LeaseCore:
         self.step, self._leasing, self._pause_until = step, False, now
         self._empty = 0  # a new step, or a reopened one whose redone tickets are to be had now: no back-off left
         self._restart.clear()
+        self._settled.clear()
 
     def poll(self, now: float, *, in_flight: int, has_next_stage: bool) -> list[LeaseAction]:
         """What to start, restart or lease now."""
@@ -197,7 +212,7 @@ class LeaseCore:
         room = self.max_in_flight - in_flight
         if room > 0:
             self._leasing = True
-            out.append(RequestLease(min(room, self.lease_block)))
+            out.append(RequestLease(min(room, self.lease_block), holding=tuple(sorted(self._settled.union(self.started)))))
         return out
 
     def _begin_attempt(self, ticket: int, now: float) -> None:
@@ -222,6 +237,23 @@ class LeaseCore:
                 # applied; and this one may reopen before the node sees it closed, so keep asking.
                 self._pause_until = now + CLOSED_RETRY_S
                 return [Release(event.step, list(event.indices))] if event.indices else []
+            out: list[LeaseAction] = []
+            lost = [t for t in event.held if t not in self.started and t not in self._settled and t not in event.indices]
+            if lost:
+                # Leased to this node in an answer it never read (it gave that request up as the step changed): the
+                # coordinator counts them as this node's, and nobody else gets them while their leases run.
+                out.append(Emit("lease_recovered", {"step": self.step, "tickets": lost}, logging.WARNING,
+                                f"tickets {lost} of step {self.step} were leased to this node in an answer it never read; starting them"))
+                for t in lost:
+                    self._begin_attempt(t, now)
+                out += [StartTicket(event.step, t) for t in lost]
+                self._empty = 0
+            if not event.indices and (event.waited or lost):
+                # The coordinator held the request and no ticket freed (it holds the next one too), or the answer gave
+                # back lost tickets: ask again soon.
+                self._pause_until = now + LEASE_RETRY_S
+                self._empty = 0
+                return out
             if not event.indices:
                 # Every ticket is leased or done: ask again later, backing off while the answer stays empty. At a
                 # fixed LEASE_RETRY_S each stage-0 replica sent the coordinator 20 requests a second for the whole
@@ -233,7 +265,7 @@ class LeaseCore:
             # A ticket we hold may come back: our lease ran out, or the step reopened to redo it.
             for t in event.indices:
                 self._begin_attempt(t, now)
-            return [StartTicket(event.step, t) for t in event.indices]
+            return out + [StartTicket(event.step, t) for t in event.indices]
         if isinstance(event, LeaseFailed):
             self._leasing = False
             self._pause_until = now + LEASE_FAILED_S
@@ -249,11 +281,13 @@ class LeaseCore:
             pause = min(NOT_STARTED_MAX_S, LEASE_RETRY_S * 2 ** min(self._not_started, 16))
             self._not_started += 1
             self._pause_until = max(self._pause_until, now + pause)
+            self._settled.add(event.ticket)
             return [Release(event.step, [event.ticket])]
         if isinstance(event, Completed):
             self._not_started = 0
             self.started.pop(event.ticket, None)
             self._starting.discard(event.ticket)
+            self._settled.add(event.ticket)
             return [ReportComplete(event.step, event.ticket, list(event.route), event.loss, event.ack, event.nonce)]
         if isinstance(event, CompleteRefused):
             out: list[LeaseAction] = [Emit("complete_refused", {"step": event.step, "ticket": event.ticket, "reason": event.reason},
@@ -262,6 +296,7 @@ class LeaseCore:
                 # A replica on its route left or moved, or the attempt's ack or loss does not check out:
                 # hand the ticket back so it is redone now.
                 out.append(Release(event.step, [event.ticket]))
+                self._settled.add(event.ticket)
             return out
         if isinstance(event, PeerDown):
             self._restart.update(event.tickets)

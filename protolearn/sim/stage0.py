@@ -126,7 +126,7 @@ class LeaseDriver:
             if isinstance(a, Emit):
                 self.w.metrics.events[a.event] += 1
             elif isinstance(a, lc.RequestLease):
-                self.w.engine.after(self._rtt(node), self._lease, node, a.max_tickets, node.epoch)
+                self.w.engine.after(self._rtt(node), self._lease, node, a, node.epoch)
             elif isinstance(a, lc.StartTicket):
                 if not self.start(node, a.step, a.ticket):
                     assert node.core is not None
@@ -137,19 +137,21 @@ class LeaseDriver:
             elif isinstance(a, lc.ReportComplete):
                 self.w.engine.after(self._rtt(node), self._complete, node, a, node.epoch)
 
-    def _lease(self, node: SimNode, max_tickets: int, epoch: int) -> None:
+    def _lease(self, node: SimNode, a: lc.RequestLease, epoch: int) -> None:
         if not node.alive or node.silent or node.lease is None or epoch != node.epoch:
             return
         try:
-            reply = self.w.host.request(node.peer, cm.Lease(max_tickets=max_tickets))
+            # The coordinator core answers at once here: the real service's held request (``Lease.wait_s``) is not
+            # modelled, so a freed ticket waits for the asker's back-off in the simulator.
+            reply = self.w.host.request(node.peer, cm.Lease(max_tickets=a.max_tickets, holding=list(a.holding)))
         except (Refusal, Unavailable) as err:
             self._carry(node, node.lease.handle(lc.LeaseFailed(str(err)), self.w.now))
             return
         assert isinstance(reply, cm.LeaseReply)
-        node.nonces.update(((reply.step, i), n) for i, n in zip(reply.indices, reply.nonces, strict=False))
+        node.nonces.update(((reply.step, i), n) for i, n in zip([*reply.indices, *reply.held], [*reply.nonces, *reply.held_nonces], strict=False))
         node.routes.avoid(reply.step, list(reply.avoid))
         node.routes.suspect(list(reply.suspects))
-        self._carry(node, node.lease.handle(lc.Leased(reply.step, list(reply.indices)), self.w.now))
+        self._carry(node, node.lease.handle(lc.Leased(reply.step, list(reply.indices), held=tuple(reply.held)), self.w.now))
         self.poke(node)
 
     def _release(self, node: SimNode, step: int, tickets: list[int]) -> None:

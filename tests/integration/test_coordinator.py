@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -18,7 +19,7 @@ from protolearn.coordinator.service import Running, serve
 from protolearn.node.coordinator_link import CoordinatorBusy, CoordinatorLink, CoordinatorRefused, RetryPolicy
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.acks import ack_statement
-from protolearn.protocol.errors import PeerTimeout, Refused
+from protolearn.protocol.errors import PeerTimeout, ProtocolError, Refused
 from protolearn.stages.config import default_run
 
 FAST = CoordinatorSettings(
@@ -50,6 +51,20 @@ async def wait_until(predicate: Callable[[], bool], *, timeout: float, what: str
             await trio.sleep(0.02)
         return
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+class LeaseCount:
+    """Counts the Lease requests the coordinator core answers (a held lease is answered again as tickets free)."""
+
+    def __init__(self, core: Any) -> None:
+        self.count = 0
+        inner = core.handle
+
+        def handle(peer: str, msg: Any, *args: Any, **kw: Any) -> Any:
+            self.count += isinstance(msg, cm.Lease)
+            return inner(peer, msg, *args, **kw)
+
+        core.handle = handle
 
 
 class LongPolls:
@@ -453,6 +468,136 @@ def test_a_dead_stage0_nodes_leases_go_to_another_replica_long_before_they_expir
             nursery.cancel_scope.cancel()
 
     run_trio(main, timeout=30)
+
+
+def test_a_waiting_lease_is_answered_as_soon_as_a_dead_replicas_tickets_free(open_hosts, run_trio, tmp_path):
+    """Issue 28: a stage-0 replica SIGKILLed mid-step held tickets. The coordinator ended its leases once its connection
+    had stayed closed for the grace, and the surviving replica, which had been asking for tickets with a growing
+    back-off, took them 0.49 s later still (bench.py recovery, kill phase 0.5). A lease may now ask the coordinator
+    to hold it until a ticket frees: the survivor's one request is answered with the dead replica's tickets, and a
+    wait in which nothing frees is answered empty when its time is up."""
+    settings = FAST.model_copy(update={"lease_s": 30.0, "expiry_s": 30.0, "disconnect_grace_s": 0.3})
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            coord = await start(nursery, tmp_path, settings)
+            async with open_hosts(2, introduce=False) as (b, c):
+                lb, lc = (CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in (b, c))
+                async with open_hosts(1, introduce=False) as (a,):
+                    la = CoordinatorLink(a, coord.addrs[0], retry=RETRY)
+                    assert (await la.join(join_msg(a))).stage == 0
+                    # Alone in stage 0, its share is the whole step: it holds every ticket.
+                    held = (await la.lease(4)).indices
+                    assert held == [0, 1, 2, 3]
+                    stages = {(await lk.join(join_msg(lk.host))).stage: lk for lk in (lb, lc)}
+                    other = stages[0]
+                    t0 = trio.current_time()
+                    idle = await other.lease(4, wait_s=0.5)
+                    assert idle.indices == [] and idle.step == 0 and 0.4 <= idle.waited_s <= trio.current_time() - t0
+                    answer: list[cm.LeaseReply] = []
+
+                    async def wait_for_tickets() -> None:
+                        answer.append(await other.lease(4, wait_s=20.0))
+
+                    async def ask_and_die() -> None:
+                        with contextlib.suppress(ProtocolError):
+                            await la.lease(4, wait_s=20.0)
+
+                    leases = LeaseCount(coord.core)
+                    async with trio.open_nursery() as dying:
+                        # The holder asks too (it is over its share now): its held request must not take back the
+                        # tickets its own death frees (it did: they went to the dead peer until its expiry).
+                        dying.start_soon(ask_and_die)
+                        await wait_until(lambda: leases.count == 1, timeout=10.0, what="the holder's lease to be held")
+                        nursery.start_soon(wait_for_tickets)
+                        # The service asks the core, finds nothing free and parks the request without yielding to trio.
+                        await wait_until(lambda: leases.count == 2, timeout=10.0, what="the other lease to be held")
+                        dying.cancel_scope.cancel()
+                # a's host is closed: like a SIGKILL, its connections drop without a Leave.
+                died = trio.current_time()
+                await wait_until(lambda: bool(answer), timeout=15.0, what="the held lease's answer")
+                took = trio.current_time() - died
+                print(f"the held lease was answered {took:.2f} s after the holder died (grace {settings.disconnect_grace_s} s)")
+                assert answer[0].indices == held and answer[0].waited_s > 0
+                assert took < 10.0  # the 30 s leases did not run out; the margin is for a loaded machine
+            nursery.cancel_scope.cancel()
+
+    run_trio(main, timeout=60)
+
+
+def test_a_lease_answer_names_the_tickets_the_node_holds_but_did_not_list(open_hosts, run_trio, tmp_path):
+    """A lease answer the node never read (it gave the request up as the step changed) left the coordinator counting
+    tickets as the node's that the node knew nothing of (bench.py recovery: a 10 s stall after a rejoin). Every
+    answer names the tickets the node holds that its request did not list, with their nonces, and a held request
+    is answered at once when there are any."""
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            coord = await start(nursery, tmp_path, FAST.model_copy(update={"lease_s": 30.0, "expiry_s": 30.0}))
+            async with open_hosts(1, introduce=False) as (a,):
+                la = CoordinatorLink(a, coord.addrs[0], retry=RETRY)
+                assert (await la.join(join_msg(a))).stage == 0
+                lost = await la.lease(2)  # the answer the node never read
+                assert len(lost.indices) == 2
+                t0 = trio.current_time()
+                again = await la.lease(2, wait_s=10.0)
+                assert again.held == lost.indices and again.held_nonces == lost.nonces
+                assert again.waited_s == 0.0 and trio.current_time() - t0 < 5.0
+                listed = await la.lease(2, holding=lost.indices + again.indices)
+                assert listed.held == []
+            nursery.cancel_scope.cancel()
+
+    run_trio(main, timeout=60)
+
+
+def test_a_lease_held_at_its_share_is_answered_when_the_replica_finishes_one_and_a_dead_replicas_share_is_freed(open_hosts, run_trio, tmp_path):
+    """A replica at its share asks for more (it has room): the coordinator holds the request until the replica's own
+    completion (or release) brings it under its share. Waiting only for tickets to free, it waited the whole 2 s,
+    once per share, for a step (bench.py recovery, after a kill). And a replica whose connection closed no longer
+    counts in the shares: the survivor's share is the whole step from then, not from the dead one's expiry."""
+    settings = FAST.model_copy(update={"lease_s": 30.0, "expiry_s": 30.0, "disconnect_grace_s": 0.3})
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            coord = await start(nursery, tmp_path, settings)
+            async with open_hosts(2, introduce=False) as (b, c):
+                lb, lc = (CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in (b, c))
+                async with open_hosts(1, introduce=False) as (a,):
+                    la = CoordinatorLink(a, coord.addrs[0], retry=RETRY)
+                    stages = {}
+                    for lk in (la, lb, lc):
+                        stages.setdefault((await lk.join(join_msg(lk.host))).stage, []).append(lk)
+                    first, second = stages[0]
+                    for lk in (first, second):
+                        await lk.heartbeat(cm.Heartbeat(state="training", throughput=100.0))
+                    lease = await first.lease(4)
+                    mine = lease.indices
+                    assert len(mine) == 2  # its share: half the step
+                    t0 = trio.current_time()
+                    async with trio.open_nursery() as asking:
+                        got: list[cm.LeaseReply] = []
+
+                        async def ask() -> None:
+                            got.append(await first.lease(4, wait_s=10.0, holding=mine))
+
+                        leases = LeaseCount(coord.core)
+                        asking.start_soon(ask)
+                        await wait_until(lambda: leases.count == 1, timeout=10.0, what="the lease to be held")
+                        # It completes one (through the stage-1 member, whose signed ack the completion carries).
+                        last = stages[1][0].host
+                        route = [first.host.peer_id, last.peer_id]
+                        ack = last.sign(ack_statement(default_run().run_hash(), 0, mine[0], route, 2.0, lease.nonces[0]))
+                        await first.complete(0, mine[0], route, 2.0, ack, lease.nonces[0])
+                    assert got[0].indices and got[0].waited_s < 5.0 and trio.current_time() - t0 < 8.0
+                    survivor, dead = (second, first) if first.host is a else (first, second)
+                # a's host is closed: like a SIGKILL. If a was the first, its tickets free; either way, once its
+                # connection has stayed closed for the grace, the survivor's share is every ticket of the step.
+                await wait_until(lambda: not coord.core.registry.present(a.peer_id), timeout=10.0, what="a to be presumed dead")
+                assert coord.core.registry.is_live(a.peer_id)  # not expired
+                assert coord.core.leases.share(survivor.host.peer_id) == 4
+            nursery.cancel_scope.cancel()
+
+    run_trio(main, timeout=60)
 
 
 def test_a_host_with_the_coordinators_identity_or_a_members_second_process_is_refused_and_the_member_stays(run_trio, tmp_path):

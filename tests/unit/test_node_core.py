@@ -220,7 +220,7 @@ def test_leases_start_tickets_up_to_the_room_one_request_at_a_time() -> None:
     assert core.poll(0.0, in_flight=0, has_next_stage=True) == []  # one request in flight
     assert core.handle(lc.Leased(0, [0, 1]), 0.1) == [lc.StartTicket(0, 0), lc.StartTicket(0, 1)]
     assert core.poll(0.1, in_flight=4, has_next_stage=True) == []  # no room
-    assert core.poll(0.2, in_flight=3, has_next_stage=True) == [lc.RequestLease(1)]
+    assert core.poll(0.2, in_flight=3, has_next_stage=True) == [lc.RequestLease(1, holding=(0, 1))]
 
 
 def test_no_leases_while_stage_one_has_no_replica() -> None:
@@ -317,6 +317,52 @@ def test_empty_lease_answers_back_off_until_a_ticket_comes() -> None:
     core.poll(now, in_flight=1, has_next_stage=True)
     core.handle(lc.Leased(0, []), now)
     assert core.next_wake(now) - now == pytest.approx(lc.LEASE_RETRY_S)
+
+
+def test_a_lease_asks_the_coordinator_to_wait_and_an_empty_answer_after_a_wait_is_asked_again_at_once() -> None:
+    """Issue 28: a stage-0 replica killed mid-step held tickets; the coordinator ended its leases 0.5 s after its
+    connection closed, and the surviving replica, deep in its back-off, took them 0.49 s later still. A lease now
+    asks the coordinator to hold it until a ticket frees, so the back-off applies only to answers it did not hold."""
+    core = lease_core()
+    now = 0.0
+    for _ in range(6):  # empty answers the coordinator held: no back-off builds up
+        (ask,) = only(core.poll(now, in_flight=0, has_next_stage=True), lc.RequestLease)
+        assert ask.wait_s == lc.LEASE_WAIT_S > 0
+        now += lc.LEASE_WAIT_S
+        core.handle(lc.Leased(0, [], waited=True), now)
+        assert core.next_wake(now) - now == pytest.approx(lc.LEASE_RETRY_S)
+        now = core.next_wake(now)
+    for k in range(3):  # answered at once (no slot to wait in): the back-off as before
+        while not only(core.poll(now, in_flight=0, has_next_stage=True), lc.RequestLease):
+            now = core.next_wake(now)
+        core.handle(lc.Leased(0, []), now)
+        assert core.next_wake(now) - now == pytest.approx(lc.LEASE_RETRY_S * 2**k)
+
+
+def test_tickets_leased_in_an_answer_the_node_never_read_are_started_when_the_next_answer_names_them() -> None:
+    """Issue 28 (bench.py recovery): a restarted replica's lease request, held by the coordinator, was answered with
+    two tickets just as the node gave the request up (the step it drove had committed). The coordinator counted them
+    as the node's; the node, holding nothing, was told "already holds its share; finish those first" for 10 s, until
+    the coordinator struck it, and the step waited. A lease now lists what the node works on, and the answer names
+    what else the coordinator has it holding."""
+    core = lease_core()
+    (ask,) = only(core.poll(0.0, in_flight=0, has_next_stage=True), lc.RequestLease)
+    assert ask.holding == ()
+    core.begin(0, [], 0.1)  # the answer to that request was never read
+    (ask,) = only(core.poll(0.1, in_flight=0, has_next_stage=True), lc.RequestLease)
+    assert ask.holding == ()
+    out = core.handle(lc.Leased(0, [], held=(0, 1)), 0.2)
+    assert emitted(out) == ["lease_recovered"]
+    assert only(out, lc.StartTicket) == [lc.StartTicket(0, 0), lc.StartTicket(0, 1)]
+    # It now lists them; one it works on that an answer names again (a crossing request) is not started twice.
+    (ask,) = only(core.poll(0.2 + lc.LEASE_RETRY_S, in_flight=2, has_next_stage=True), lc.RequestLease)
+    assert ask.holding == (0, 1)
+    assert core.handle(lc.Leased(0, [2], held=(1,)), 0.3) == [lc.StartTicket(0, 2)]
+    # A completion still on its way to the coordinator when an answer names the ticket held: not started again.
+    assert only(core.handle(lc.Completed(0, 0, ["a", "b"], 2.0), 0.4), lc.ReportComplete)
+    (ask,) = only(core.poll(0.4 + lc.LEASE_RETRY_S, in_flight=2, has_next_stage=True), lc.RequestLease)
+    assert ask.holding == (0, 1, 2)
+    assert core.handle(lc.Leased(0, [], held=(0,)), 0.5) == []
 
 
 def test_a_reopened_step_is_leased_at_once_whatever_back_off_its_empty_answers_built() -> None:
