@@ -16,8 +16,8 @@ dtype, shape, size) before reading a payload byte.
   A replica that the step's accounting leaves out (it processed no ticket), or a participant whose own round
   failed, sends :class:`ResultRequest` instead and gets :class:`ResultServed` (the participants' signed fins
   that prove it, :mod:`protolearn.protocol.collective.result_proof`) + the whole reduced vector.
-- ``state``: :class:`StateRequest` → :class:`StateInfo`, then per tensor a :class:`StateChunk` + tensor,
-  for syncing a stage's parameters and optimizer state from a live replica.
+- ``state``: :class:`StateRequest` → :class:`StateInfo`, then per run of tensors a :class:`StateBundle` + their
+  raw bytes as one uint8 tensor, for syncing a stage's parameters and optimizer state from a live replica.
 - ``show``: :class:`ShowRequest` → :class:`Ack` + the input frame a stage received for a microbatch
   (exactly as received), or :class:`Refuse`: what a spot check of that stage recomputes from.
 - ``check``: :class:`CheckRequest` + its input frames → :class:`CheckResult` + the recomputed output
@@ -52,6 +52,8 @@ MAX_STATE_TENSORS = 100_000
 # A joining replica downloads its stage's state from at most this many donors at once.
 MAX_STATE_PARTS = 16
 MAX_NAME = 256
+# The tensors one StateBundle names at most (their raw bytes follow as one frame).
+MAX_BUNDLE_TENSORS = 4096
 MAX_SELF_TEST_BYTES = 4 * 1024 * 1024
 
 Route = Annotated[list[PeerId], Field(min_length=1, max_length=MAX_STAGES)]
@@ -161,12 +163,14 @@ class StateInfo(Message):
     self_test: Annotated[bytes, Field(max_length=MAX_SELF_TEST_BYTES)] = b""
 
 
-class StateChunk(Message):
-    """Names the tensor that follows, e.g. ``param/blocks.0.attn.wq.weight`` or ``exp_avg/...``."""
+class StateBundle(Message):
+    """Names a run of the snapshot's tensors (``index`` ≡ part mod parts, in order), e.g.
+    ``param/blocks.0.attn.wq.weight`` or ``exp_avg/...``. Their raw bytes follow, one after the other, as a single
+    uint8 tensor: one frame of many small tensors goes over the bulk lane, where one frame each did not."""
 
-    KIND: ClassVar[str] = "pipe.state_chunk"
-    index: Annotated[int, Field(ge=0, lt=MAX_STATE_TENSORS)]
-    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+    KIND: ClassVar[str] = "pipe.state_bundle"
+    indices: Annotated[list[Annotated[int, Field(ge=0, lt=MAX_STATE_TENSORS)]], Field(min_length=1, max_length=MAX_BUNDLE_TENSORS)]
+    names: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_NAME)]], Field(min_length=1, max_length=MAX_BUNDLE_TENSORS)]
 
 
 class ShowRequest(Message):

@@ -3,6 +3,7 @@ and installs it only if it is what the stage's majority reported (issue 12, atta
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from protolearn.node.syncing import StageSync
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
+from protolearn.protocol.pipeline import STATE, StateBundle, StateInfo, StateRequest
+from protolearn.protocol.tensors import to_frame
 from protolearn.stages.config import RunConfig
 
 RUN = RunConfig.model_validate(
@@ -259,3 +262,60 @@ def test_when_every_donor_fails_the_split_download_fails_at_once(open_hosts, run
                     await fetch_state_split(hosts[2], [h.peer_id for h in hosts[:2]], StageWorker(RUN, 1), RUN.run_hash(), timeout_s=20.0)
 
     run_trio(main, timeout=60)
+
+
+@pytest.mark.parametrize("lie", ["out_of_order", "foreign_name", "wrong_size", "non_finite", "oversized"])
+def test_a_donor_whose_bundles_break_the_layout_is_refused_by_name_before_its_bytes_are_kept(
+    open_hosts, run_trio, monkeypatch: pytest.MonkeyPatch, lie: str,
+) -> None:
+    """A donor sends its state in bundles: one message naming a run of tensors, then their raw bytes as one frame.
+    Every way a bundle can break the stage's layout is a typed error naming the donor, and the joiner then serves on."""
+    donor, _ = _donor(7)
+    entries = donor.snapshot()
+    if lie == "oversized":
+        monkeypatch.setattr(state_sync, "BUNDLE_BYTES", 64)  # the joiner's bound; the liar bundles everything anyway
+
+    async def liar(peer: str, s) -> None:
+        await s.receive(StateRequest)
+        await s.send(StateInfo(stage=1, applied=7, run_hash=RUN.run_hash(), param_hash=donor.param_hash(), num_tensors=len(entries)))
+        first = [entries[0], entries[1]]
+        if lie == "out_of_order":
+            first = [entries[1]]
+        elif lie == "foreign_name":
+            first = [("param/not.a.weight", entries[0][1])]
+        elif lie == "non_finite":
+            bad = entries[1][1].clone()
+            bad.view(-1)[0] = float("nan")
+            first = [entries[0], (entries[1][0], bad)]
+        elif lie == "oversized":
+            first = entries
+        indices = [1] if lie == "out_of_order" else list(range(len(first)))
+        await s.send(StateBundle(indices=indices, names=[n for n, _ in first]))
+        raw = state_sync.packed([t for _, t in first])
+        if lie == "wrong_size":
+            raw = torch.cat([raw, torch.zeros(4, dtype=torch.uint8)])
+        await s.send_tensor(to_frame(raw))
+        with contextlib.suppress(ProtocolError):
+            await s.receive(StateRequest)  # until the joiner hangs up
+
+    async def main() -> None:
+        async with open_hosts(2) as (bad, joiner):
+            bad.serve_stream(STATE, liar)
+            with pytest.raises(ProtocolError) as err:
+                await fetch_state(joiner, bad.peer_id, StageWorker(RUN, 1), RUN.run_hash(), timeout_s=20.0)
+            assert err.value.peer == bad.peer_id
+            print(f"{lie}: {err.value.reason}")
+            expected = {"out_of_order": "expected the next of", "foreign_name": "unexpected state tensor", "wrong_size": "exceeds the limit",
+                        "non_finite": "non-finite", "oversized": "a donor bundles at most"}[lie]
+            assert expected in err.value.reason
+            # The joiner goes on: an honest donor's state arrives whole.
+            honest = StageWorker(RUN, 1)
+            StateServer(bad, 1, RUN.run_hash(), lambda: _snap(donor)).register()
+            _, claimed, got = await fetch_state(joiner, bad.peer_id, honest, RUN.run_hash(), timeout_s=20.0)
+            assert honest.load(got) == claimed == donor.param_hash()
+
+    run_trio(main, timeout=60)
+
+
+async def _snap(w: StageWorker):
+    return 7, w.param_hash(), w.snapshot(), b""
