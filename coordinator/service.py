@@ -305,8 +305,8 @@ class _Service:
                 while not (reply.indices or reply.held) and self.core.ledger.step == step:
                     wake = self._lease_waits[peer] = trio.Event()  # (an earlier held request of its own waits out its time)
                     await wake.wait()
-                    if not self._asking(peer):
-                        break  # it died while it waited: the tickets its death freed must not go back to it
+                    if self.host.num_connections(peer) == 0:
+                        break  # nobody to answer (the core leases nothing to a peer presumed dead)
                     if self.core.ledger.step == step:
                         reply = self._lease(peer, msg)
         finally:
@@ -314,10 +314,6 @@ class _Service:
             if self._lease_waits.get(peer) is wake:
                 del self._lease_waits[peer]
         return reply.model_copy(update={"waited_s": min(trio.current_time() - t0, cm.MAX_WAIT_S)})
-
-    def _asking(self, peer: str) -> bool:
-        """Whether ``peer``, whose lease is held, can still take an answer: connected, and not presumed dead."""
-        return self.host.num_connections(peer) > 0 and self.core.registry.present(peer)
 
     def _lease(self, peer: str, msg: cm.Lease) -> cm.LeaseReply:
         reply = self.core.handle(peer, msg, self.clock())

@@ -347,6 +347,11 @@ class CoordinatorCore:
         step = self.ledger.step
         avoid = sorted(self._barred(step, 1)) if self.ledger.num_stages > 1 else []
         suspects = self.verdicts.suspects(lambda p: self._stage_of(p) == 1, now) if self.ledger.num_stages > 1 else []
+        if not self.registry.present(member.peer_id):
+            # Presumed dead: its connection stayed closed past the grace. A request of its own still held (service.py)
+            # must not take back the tickets its death freed; once it reconnects it is present again.
+            why = f"{member.peer_id} has had no connection to the coordinator for {self.settings.disconnect_grace_s:g} s"
+            return cm.LeaseReply(step=step, indices=[], lease_s=self.settings.lease_s, reason=why, avoid=avoid, suspects=suspects)
         if member.peer_id in self._barred(step, 0):
             why = f"sits out the rest of step {step}: its stage named it the cause of a failed round of it (round_faults.py)"
             return cm.LeaseReply(step=step, indices=[], lease_s=self.settings.lease_s, reason=why, avoid=avoid, suspects=suspects)

@@ -300,9 +300,16 @@ def test_a_disconnected_members_leases_end_after_the_grace_unless_it_reconnects(
     assert not any("disconnected" in e for e in core.housekeeping(3.2))
     events = core.housekeeping(3.6)
     assert any(f"disconnected peer={s0a}" in e for e in events)
+    # Presumed dead, it is leased nothing, not even the tickets its own leases held (a request of its own that the
+    # service still held would take them back: they would sit with a dead peer until it expired).
+    dead = core.handle(s0a, cm.Lease(max_tickets=4), 3.65)
+    assert dead.indices == [] and dead.held == [] and "no connection" in dead.reason
     # Long before lease_s (10 s): the other stage-0 replica gets the dead one's tickets first.
     lease = core.handle(s0b, cm.Lease(max_tickets=4), 3.7)
     assert set(held) <= set(lease.indices) and core.reissued == len(held)
+    core.handle(s0b, cm.Release(step=0, indices=core.ledger.holdings(s0b)), 3.8)
+    core.connection_changed(s0a, True, 3.9)  # it was alive after all: back, it leases again
+    assert core.handle(s0a, cm.Lease(max_tickets=2), 3.9).indices
 
 
 def test_the_first_corpus_fingerprint_is_the_swarms_and_a_different_one_is_refused(tmp_path: Path) -> None:
