@@ -141,7 +141,7 @@ def real_figures(real: dict[str, Any]) -> dict[str, Any]:
     gaps = [b - a for a, b in zip(closes, closes[1:], strict=False)]
     flops = compute = 0.0
     per_mb: dict[int, list[float]] = {}
-    useful_compute = all_compute = averaging = download = 0.0
+    all_compute = averaging = download = 0.0
     up_bytes = 0
     credited: list[tuple[int, int]] = []  # (stage, tickets) per node-step
     for logs in real["logs"].values():

@@ -11,23 +11,19 @@ tests/integration/test_collective_faults.py, the ``blackhole`` in tests/e2e/test
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.scripts import load_script
+
 # The adversary starts once the four honest nodes built their stages and joins 5-6 s later, at step 17 to
 # 26 of a run of 0.3-0.4 s steps on this machine: 30 steps left it 4 to be caught in (it was not, twice).
 STEPS = 50
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("protolearn_bench_integrity", ROOT / "scripts" / "bench_integrity.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_integrity")
 
 
 @pytest.fixture(scope="module")

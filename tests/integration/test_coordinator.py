@@ -32,6 +32,13 @@ FAST = CoordinatorSettings(
     ban_notice_s=0.5,
 )
 RETRY = RetryPolicy(retry_for_s=5.0, request_timeout_s=5.0)
+# Leases and membership that outlast the test, and a short grace after a closed connection: what ends a lease
+# early is the dead member's closed connection, never its lease's or its membership's expiry.
+LONG_LEASES = FAST.model_copy(update={"lease_s": 30.0, "expiry_s": 30.0, "disconnect_grace_s": 0.3})
+
+
+def coord_links(coord: Running, *hosts) -> list[CoordinatorLink]:
+    return [CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in hosts]
 
 
 def join_msg(host, throughput: float = 100.0) -> cm.Join:
@@ -112,7 +119,7 @@ def test_nodes_join_heartbeat_train_steps_leave_and_expire(open_hosts, run_trio,
             coord = await start(nursery, tmp_path, metrics_port=0)
             polls = LongPolls(coord.core)
             async with open_hosts(4, introduce=False) as hosts:
-                links = [CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in hosts]
+                links = coord_links(coord, *hosts)
                 replies = [await link.join(join_msg(h)) for link, h in zip(links, hosts, strict=True)]
                 assert sorted(r.stage for r in replies) == [0, 0, 1, 1]
                 assert all(r.run_hash == default_run().run_hash() for r in replies)
@@ -231,7 +238,7 @@ def test_coordinator_refuses_abuse_and_keeps_serving(open_hosts, run_trio, tmp_p
             core = coord.core
             async with open_hosts(5, introduce=False) as hosts:
                 good, stage1, stranger, flooder, accused = hosts
-                links = [CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in hosts]
+                links = coord_links(coord, *hosts)
                 lg, l1, lstr, lflood, lacc = links
                 # A refusal over the rate decides nothing, so a link asks again for retry_for_s; this one does not.
                 lflood.retry = RetryPolicy(retry_for_s=0.0, request_timeout_s=5.0)
@@ -350,7 +357,7 @@ def test_busy_is_asked_again_and_never_read_as_no(open_hosts, run_trio, tmp_path
             coord = await start(nursery, tmp_path, settings)
             polls = LongPolls(coord.core)
             async with open_hosts(2, introduce=False) as (a, b):
-                la, lb = (CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in (a, b))
+                la, lb = coord_links(coord, a, b)
                 await la.join(join_msg(a))
                 await lb.join(join_msg(b))
                 # Answered: a's poll (10 s, on step 0, which stays open) gives its slot up once it is MIN_AGE_S old.
@@ -402,7 +409,7 @@ def test_sybil_members_holding_every_long_poll_slot_never_shut_a_node_out(open_h
             coord = await start(nursery, tmp_path, settings)
             polls = LongPolls(coord.core)
             async with open_hosts(3, introduce=False) as (s1, s2, node):
-                links = [CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in (s1, s2, node)]
+                links = coord_links(coord, s1, s2, node)
                 for link in links:
                     await link.join(join_msg(link.host))
                 sybil_answers: list[cm.StepInfo] = []
@@ -434,15 +441,15 @@ def test_sybil_members_holding_every_long_poll_slot_never_shut_a_node_out(open_h
 
 def test_a_dead_stage0_nodes_leases_go_to_another_replica_long_before_they_expire(open_hosts, run_trio, tmp_path):
     """The coordinator sees the dead node's connection close and ends its leases after a short grace."""
-    settings = FAST.model_copy(update={"lease_s": 30.0, "expiry_s": 30.0, "disconnect_grace_s": 0.3})
+    settings = LONG_LEASES
 
     async def main():
         async with trio.open_nursery() as nursery:
             coord = await start(nursery, tmp_path, settings)
             async with open_hosts(2, introduce=False) as (b, c):
-                lb, lc = (CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in (b, c))
+                lb, lc = coord_links(coord, b, c)
                 async with open_hosts(1, introduce=False) as (a,):
-                    la = CoordinatorLink(a, coord.addrs[0], retry=RETRY)
+                    (la,) = coord_links(coord, a)
                     assert (await la.join(join_msg(a))).stage == 0
                     stages = {(await lk.join(join_msg(lk.host))).stage: lk for lk in (lb, lc)}
                     other = stages[0]
@@ -476,15 +483,15 @@ def test_a_waiting_lease_is_answered_as_soon_as_a_dead_replicas_tickets_free(ope
     back-off, took them 0.49 s later still (bench.py recovery, kill phase 0.5). A lease may now ask the coordinator
     to hold it until a ticket frees: the survivor's one request is answered with the dead replica's tickets, and a
     wait in which nothing frees is answered empty when its time is up."""
-    settings = FAST.model_copy(update={"lease_s": 30.0, "expiry_s": 30.0, "disconnect_grace_s": 0.3})
+    settings = LONG_LEASES
 
     async def main():
         async with trio.open_nursery() as nursery:
             coord = await start(nursery, tmp_path, settings)
             async with open_hosts(2, introduce=False) as (b, c):
-                lb, lc = (CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in (b, c))
+                lb, lc = coord_links(coord, b, c)
                 async with open_hosts(1, introduce=False) as (a,):
-                    la = CoordinatorLink(a, coord.addrs[0], retry=RETRY)
+                    (la,) = coord_links(coord, a)
                     assert (await la.join(join_msg(a))).stage == 0
                     # Alone in stage 0, its share is the whole step: it holds every ticket.
                     held = (await la.lease(4)).indices
@@ -535,7 +542,7 @@ def test_a_lease_answer_names_the_tickets_the_node_holds_but_did_not_list(open_h
         async with trio.open_nursery() as nursery:
             coord = await start(nursery, tmp_path, FAST.model_copy(update={"lease_s": 30.0, "expiry_s": 30.0}))
             async with open_hosts(1, introduce=False) as (a,):
-                la = CoordinatorLink(a, coord.addrs[0], retry=RETRY)
+                (la,) = coord_links(coord, a)
                 assert (await la.join(join_msg(a))).stage == 0
                 lost = await la.lease(2)  # the answer the node never read
                 assert len(lost.indices) == 2
@@ -555,15 +562,15 @@ def test_a_lease_held_at_its_share_is_answered_when_the_replica_finishes_one_and
     completion (or release) brings it under its share. Waiting only for tickets to free, it waited the whole 2 s,
     once per share, for a step (bench.py recovery, after a kill). And a replica whose connection closed no longer
     counts in the shares: the survivor's share is the whole step from then, not from the dead one's expiry."""
-    settings = FAST.model_copy(update={"lease_s": 30.0, "expiry_s": 30.0, "disconnect_grace_s": 0.3})
+    settings = LONG_LEASES
 
     async def main():
         async with trio.open_nursery() as nursery:
             coord = await start(nursery, tmp_path, settings)
             async with open_hosts(2, introduce=False) as (b, c):
-                lb, lc = (CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in (b, c))
+                lb, lc = coord_links(coord, b, c)
                 async with open_hosts(1, introduce=False) as (a,):
-                    la = CoordinatorLink(a, coord.addrs[0], retry=RETRY)
+                    (la,) = coord_links(coord, a)
                     stages = {}
                     for lk in (la, lb, lc):
                         stages.setdefault((await lk.join(join_msg(lk.host))).stage, []).append(lk)
@@ -646,7 +653,7 @@ def test_a_step_closes_at_its_quorum_over_the_wire_and_the_parked_long_poll_hear
             coord = await nursery.start(lambda task_status: serve(run, tmp_path, settings=settings, task_status=task_status))
             polls = LongPolls(coord.core)
             async with open_hosts(3, introduce=False) as hosts:
-                links = [CoordinatorLink(h, coord.addrs[0], retry=RETRY) for h in hosts]
+                links = coord_links(coord, *hosts)
                 replies = [await lk.join(join_msg(lk.host)) for lk in links]
                 s0 = [lk for lk, r in zip(links, replies, strict=True) if r.stage == 0]
                 s1 = [lk for lk, r in zip(links, replies, strict=True) if r.stage == 1][0]

@@ -8,21 +8,18 @@ docs/BENCHMARKS.md), too long for the suite.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 LINK = "up=20mbit,down=100mbit,20ms"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("protolearn_bench_simcheck", ROOT / "scripts" / "bench_simcheck.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_simcheck")
 
 
 def _real_run(steps: int = 10) -> dict:

@@ -7,7 +7,6 @@ not the training, which ``tests/e2e/test_diloco.py`` and the CI's swarm tests co
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,16 +14,13 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.scripts import load_script
+
 
 
 @pytest.fixture
 def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
-    spec = importlib.util.spec_from_file_location("protolearn_bench_sync_test", ROOT / "scripts" / "bench_sync.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_script("bench_sync")
     trained: list[Path] = []
 
     class Internet:
@@ -39,7 +35,7 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(module, "final_val_loss", lambda workdir: (8, 2.5))
     module.trained = trained
     yield module
-    sys.modules.pop(spec.name, None)
+    sys.modules.pop(module.__name__, None)
 
 
 def test_a_finished_run_is_kept_only_for_the_same_settings_and_package(bench: Any, tmp_path: Path) -> None:
@@ -81,10 +77,7 @@ def test_internet_efficiency_pairs_each_seed_with_its_own_loopback_run(bench: An
 def test_a_replicas_sync_bytes_count_its_outer_rounds_as_well_as_its_steps(tmp_path: Path) -> None:
     """DiLoCo replicas send nothing per step; their outer rounds' bytes are in ``outer_sync`` events. Counting only
     ``step`` events gave a DiLoCo run 0 bytes per token (the first full run of the bench, 2026-12-06)."""
-    spec = importlib.util.spec_from_file_location("protolearn_bench_sync_bytes", ROOT / "scripts" / "bench_sync.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("bench_sync")
     for node, extra in (("node0", 0), ("node1", 100)):
         (tmp_path / node).mkdir()
         lines = [{"event": "step", "step": t, "sync_bytes": 0} for t in range(4)]
