@@ -24,7 +24,9 @@ invocation; its keys are merged in, with ``ratio_vs_hivemind`` = allreduce_s / h
 
 Unless ``--no-swarm``, a local swarm on the default (demo) run then measures the node-level keys
 (:func:`bench_swarm.recovery_keys`): ``recover_s``, from SIGKILLing a replica until steps close at
-(n-1)/n of the earlier rate again (goal <= max(1 s, one step time), issue 28), and ``join_to_first_microbatch_s``,
+(n-1)/n of the earlier rate again (goal <= max(1 s, one step time), issue 28), a step the kill reopened counting at
+its close after the redo (``recover_first_close_s``: the measure before, which never saw that close), and
+``join_to_first_microbatch_s``,
 from the restarted replica's join until it processes its first microbatch (goal <= 3 s). ``--kill-phase F``
 kills F of a step after the close that ends the warm-up instead of as soon as it is seen (``kill_phase``).
 """

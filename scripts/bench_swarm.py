@@ -98,8 +98,12 @@ def recovery_keys(
     """``recover_s`` and ``join_to_first_microbatch_s`` on a local swarm of 3 nodes over 2 stages.
 
     After ``warmup`` steps, one replica of a stage that has two is SIGKILLed. ``recover_s`` runs from the
-    kill until a step closes at a rate of at least (n-1)/n of the rate before the kill (n = 3 nodes),
-    rates taken from when this process saw consecutive steps close. The victim is then restarted on
+    kill until steps close at a rate of at least (n-1)/n of the rate before the kill (n = 3 nodes): to the
+    first close after the kill from which the next step takes at most n/(n-1) of a step before, times taken
+    from the coordinator's close times. A step that the kill reopened counts at its close after the kill (its
+    redo), and only committed steps count. ``recover_first_close_s`` is the measure this replaced: to the first
+    step closed after the kill that itself took at most n/(n-1) of a step, as this process first saw each
+    close (a reopened step's second close unseen). The victim is then restarted on
     its data dir; ``join_to_first_microbatch_s`` runs from the coordinator accepting its join (its
     ``joined`` event) to the first microbatch it processed, and ``start_to_first_microbatch_s`` from
     the process launch (Python and torch start-up included); ``kill_to_next_close_s`` from the kill to
@@ -142,7 +146,12 @@ def recovery_keys(
             while not swarm.poll_address():
                 await trio.sleep(0.1)
         swarm.start_nodes()
-        seen: list[float] = []  # monotonic time this process first saw step i closed
+        # step -> when the coordinator closed it (its wall clock, this machine's): a step that the kill reopened
+        # closes again, and its point in the history then carries the new time. Only committed steps are read, so
+        # a close that is later undone never counts.
+        closes: dict[int, float] = {}
+        committed = [-1]
+        seen: dict[int, float] = {}  # step -> when this process first saw it closed, for recover_first_close_s
         async with open_host(Identity.generate()) as host:
             link = CoordinatorLink(host, swarm.address, retry=RetryPolicy(retry_for_s=5.0, request_timeout_s=5.0))
 
@@ -151,36 +160,47 @@ def recovery_keys(
                     status = await link.status(loss_history=10_000)
                 except ProtocolError:
                     return
-                while len(seen) < len(status.loss_history):
-                    seen.append(time.monotonic())
+                closes.update({p.step: p.closed_at for p in status.loss_history})
+                for p in status.loss_history:
+                    seen.setdefault(p.step, time.time())
+                committed[0] = status.last_committed
                 if swarm.failed_node():
                     raise SystemExit(f"error: {swarm.failed_node()}")
 
+            def final() -> list[int]:
+                return sorted(i for i in closes if i <= committed[0])
+
             with trio.fail_after(600):
-                while len(seen) < warmup:
+                while len(closes) < warmup:
                     await poll()
                     await trio.sleep(0.05)
-                before = (seen[-1] - seen[1]) / (len(seen) - 2)  # s per step, the first (start-up) step left out
+                done = sorted(closes)
+                before = (closes[done[-1]] - closes[done[1]]) / (len(done) - 2)  # s per step, the first (start-up) step left out
                 stages = {k: swarm.stage_of(k) for k in range(n)}
                 victim = next(k for k in range(n) if sum(1 for v in stages.values() if v == stages[k]) >= 2)
                 out["recovery_victim_stage"] = stages[victim]
                 out["kill_phase"] = kill_phase
                 if kill_phase > 0:
-                    await trio.sleep(max(0.0, seen[-1] + kill_phase * before - time.monotonic()))
+                    await trio.sleep(max(0.0, closes[max(closes)] + kill_phase * before - time.time()))
                     await poll()
-                killed_at_step = len(seen)
-                t_kill = time.monotonic()
-                out["kill_at"] = time.time()  # wall clock, to line up with the nodes' event logs
+                t_kill = time.time()
+                out["kill_at"] = t_kill  # wall clock, to line up with the nodes' event logs
+                seen_at_kill = set(seen)
                 await trio.to_thread.run_sync(swarm.kill_node, victim)
-                while "recover_s" not in out:
+                while "recover_s" not in out or "recover_first_close_s" not in out:
                     await poll()
-                    if len(seen) > killed_at_step and "kill_to_next_close_s" not in out:
-                        out["kill_to_next_close_s"] = seen[killed_at_step] - t_kill
-                    for i in range(max(killed_at_step, 1), len(seen)):
-                        # The step's full interval: one that held the kill and still closed at speed lost nothing.
-                        if seen[i] - seen[i - 1] <= before * n / (n - 1):
-                            out["recover_s"] = seen[i] - t_kill
-                            break
+                    # The measure before reopened steps counted (issue 28's figures to 2026-12-06): a step's first
+                    # close as this process saw it, the steps seen closed before the kill left out.
+                    for i in sorted(set(seen) - seen_at_kill):
+                        if "recover_first_close_s" not in out and i - 1 in seen and seen[i] - seen[i - 1] <= before * n / (n - 1):
+                            out["recover_first_close_s"] = seen[i] - t_kill
+                    after = [i for i in final() if closes[i] > t_kill]
+                    if after and "kill_to_next_close_s" not in out:
+                        out["kill_to_next_close_s"] = closes[after[0]] - t_kill
+                    for i in after:
+                        # Back at speed: the step after this close took at most n/(n-1) of a step before the kill.
+                        if "recover_s" not in out and i + 1 in after and closes[i + 1] - closes[i] <= before * n / (n - 1):
+                            out["recover_s"] = closes[i] - t_kill
                     await trio.sleep(0.05)
                 out["s_per_step_before_kill"] = before
                 t_launch = time.time()

@@ -73,6 +73,8 @@ def render_recovery(r: dict[str, Any], figs: Path, plt: Any) -> str:
         ["hivemind `DecentralizedAverager`, same size", num(r.get("hivemind_allreduce_s")),
          f"`ratio_vs_hivemind` {dec(r.get('ratio_vs_hivemind'), 3)} (goal ≤ 0.5)" if r.get("ratio_vs_hivemind") else (r.get("hivemind_error") or "not run (`--no-hivemind`)")],
         ["swarm: a replica SIGKILLed → steps at speed (`recover_s`)", num(r.get("recover_s")), f"goal ≤ max(1 s, one step: {num(r.get('s_per_step_before_kill'))} s)"],
+        ["the same by the measure before 2026-12-06 (`recover_first_close_s`)", num(r.get("recover_first_close_s")),
+         "to the first step first seen closed after the kill that itself took ≤ 1.5 steps"],
         ["restarted replica: join → first microbatch", num(r.get("join_to_first_microbatch_s")), f"goal ≤ 3 s; {num(r.get('start_to_first_microbatch_s'))} s from process start"],
     ]
     out = [f"Our fault-tolerant all-reduce of {r.get('mib')} MiB over {r.get('peers')} processes, then a local swarm on the demo run.", "",
