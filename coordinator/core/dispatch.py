@@ -523,8 +523,11 @@ class CoordinatorCore:
             events.append(f"expired peer={m.peer_id} stage={m.stage} freed={freed}")
         for peer in self.registry.newly_gone(now):
             ended = self.ledger.expire_leases(peer, now)
-            if ended:
-                events.append(f"disconnected peer={peer} leases ended early step={self.ledger.step} tickets={ended}")
+            # Step mode: what it completed of the open step is redone now, not when its stage's round leaves it out
+            # after the step closed (0.5 s later in bench.py recovery). A DiLoCo replica's steps were its own.
+            lost = self.ledger.forget_routes(peer) if self.outer is None else []
+            if ended or lost:
+                events.append(f"disconnected peer={peer} leases ended early step={self.ledger.step} tickets={ended} redone={lost}")
         expired = {(self.ledger.step, i, self.ledger.tickets[i].expires_at) for i in self.ledger.expired(now)}
         fresh = sorted(i for _, i, _ in expired - self._reported_expired)
         self._reported_expired = expired

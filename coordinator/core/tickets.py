@@ -512,10 +512,18 @@ class TicketLedger:
         costs the whole pipeline again, and in a deep swarm with churn some peer on most routes departs before
         the step closes, so the step never did. Only its leased, unfinished tickets are freed then.
         """
+        return self._undo(peer, self._routed.pop(peer, set()).union(self.holdings(peer)))
+
+    def forget_routes(self, peer: str) -> list[int]:
+        """Undo the open step's done tickets routed through ``peer``, presumed dead (its connection closed and stayed
+        closed past the grace), as :meth:`revoke_peer` does: their gradients at its stage were in it alone. Its
+        leases are only ended (:meth:`expire_leases`), so a completion of its own still counts if it was alive."""
+        return self._undo(peer, self._routed.pop(peer, set()))
+
+    def _undo(self, peer: str, indices: set[int]) -> list[int]:
         tickets = self._index()
-        routed = self._routed.pop(peer, set())
         out = []
-        for i in sorted(routed.union(self.holdings(peer))):
+        for i in sorted(indices):
             t = tickets[i]
             if t.done and self.drop_departed:
                 t.route = [DROPPED if p == peer else p for p in t.route or ()]

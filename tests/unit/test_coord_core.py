@@ -312,6 +312,24 @@ def test_a_disconnected_members_leases_end_after_the_grace_unless_it_reconnects(
     assert core.handle(s0a, cm.Lease(max_tickets=2), 3.9).indices
 
 
+def test_a_replica_presumed_dead_has_its_done_tickets_of_the_open_step_redone_at_once() -> None:
+    """Its gradients for them were in it alone. They used to be redone only after the step closed and its stage's
+    round left it out (bench.py recovery, a kill late in a step: 0.5 s later); now when its grace ends, with its
+    leases. A completion that arrives from it after all still counts for a ticket it held."""
+    core = make_core(SETTINGS.model_copy(update={"disconnect_grace_s": 0.5, "expiry_s": 30.0}))
+    (s0a, s0b), (s1, _) = four_members(core).values()
+    held = core.handle(s0a, cm.Lease(max_tickets=2), 0.0).indices
+    done = held[0]
+    core.handle(s0a, cm.Complete(ack=TEST_ACK, nonce=core.nonce(0, done), step=0, index=done, route=[s0a, s1], loss=1.0), 0.1)
+    assert core.ledger.tickets[done].done
+    core.connection_changed(s0a, False, 1.0)
+    events = core.housekeeping(1.6)
+    assert any(f"disconnected peer={s0a}" in e and f"redone=[{done}]" in e for e in events)
+    assert not core.ledger.tickets[done].done
+    lease = core.handle(s0b, cm.Lease(max_tickets=4), 1.7)
+    assert set(held) <= set(lease.indices)  # the held one and the done one, to the survivor at once
+
+
 def test_the_first_corpus_fingerprint_is_the_swarms_and_a_different_one_is_refused(tmp_path: Path) -> None:
     core = make_core()
     join(core, "a"), join(core, "b")
