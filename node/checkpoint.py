@@ -337,6 +337,45 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     )
 
 
+@dataclass(frozen=True)
+class PreparedCheckpoint:
+    """A stage's state taken for a checkpoint (copies: the module may train on), not yet written."""
+
+    directory: Path
+    path: Path
+    stage: int
+    run_hash: str
+    state: dict[str, Tensor]
+    meta: dict[str, str]
+
+
+def prepare_checkpoint(
+    directory: str | Path, run: RunConfig, stage: int, step: int, module: StageModule, optimizer: torch.optim.Optimizer,
+    *, outer_momentum: Mapping[str, Tensor] | None = None,
+) -> PreparedCheckpoint:
+    """Take stage ``stage`` after ``step`` applied steps for :func:`write_checkpoint`: the part that reads the module."""
+    if module.stage != stage or module.run_config.run_hash() != run.run_hash():
+        raise ValueError(f"module is stage {module.stage} of run {module.run_config.run_hash()[:12]}, not stage {stage} of {run.run_hash()[:12]}")
+    meta = {
+        "format": STAGE_FORMAT, "run_hash": run.run_hash(), "run_toml": run.to_toml(), "stage": str(stage),
+        "step": str(step), "num_stages": str(module.plan.num_stages), "state_hash": module.state_hash(),
+    }
+    state = stage_state(module, optimizer, outer_momentum=outer_momentum)
+    return PreparedCheckpoint(Path(directory), Path(directory) / checkpoint_name(stage, step), stage, run.run_hash(), state, meta)
+
+
+def write_checkpoint(prepared: PreparedCheckpoint, *, keep: int = DEFAULT_KEEP) -> Path:
+    """Write ``prepared`` atomically; keep its run's newest ``keep`` checkpoints of the stage."""
+    if keep < 1:
+        raise ValueError(f"keep={keep} must be at least 1")
+    p = prepared
+    write_atomic(p.path, st_save(p.state, metadata={**p.meta, "state_digest": state_digest(p.state)}))
+    old = [i for i in list_checkpoints(p.directory) if i.stage == p.stage and i.run_hash == p.run_hash and i.path != p.path]
+    for info in sorted(old, key=lambda i: i.step)[: max(0, len(old) + 1 - keep)]:
+        info.path.unlink(missing_ok=True)
+    return p.path
+
+
 def save_checkpoint(
     directory: str | Path, run: RunConfig, stage: int, step: int, module: StageModule, optimizer: torch.optim.Optimizer,
     *, keep: int = DEFAULT_KEEP, outer_momentum: Mapping[str, Tensor] | None = None,
@@ -345,20 +384,7 @@ def save_checkpoint(
     ``outer_momentum``: DiLoCo's, by parameter name (the module then holds the state after the last outer sync)."""
     if keep < 1:
         raise ValueError(f"keep={keep} must be at least 1")
-    if module.stage != stage or module.run_config.run_hash() != run.run_hash():
-        raise ValueError(f"module is stage {module.stage} of run {module.run_config.run_hash()[:12]}, not stage {stage} of {run.run_hash()[:12]}")
-    state = stage_state(module, optimizer, outer_momentum=outer_momentum)
-    meta = {
-        "format": STAGE_FORMAT, "run_hash": run.run_hash(), "run_toml": run.to_toml(), "stage": str(stage),
-        "step": str(step), "num_stages": str(module.plan.num_stages), "state_hash": module.state_hash(),
-        "state_digest": state_digest(state),
-    }
-    path = Path(directory) / checkpoint_name(stage, step)
-    write_atomic(path, st_save(state, metadata=meta))
-    old = [i for i in list_checkpoints(directory) if i.stage == stage and i.run_hash == run.run_hash() and i.path != path]
-    for info in sorted(old, key=lambda i: i.step)[: max(0, len(old) + 1 - keep)]:
-        info.path.unlink(missing_ok=True)
-    return path
+    return write_checkpoint(prepare_checkpoint(directory, run, stage, step, module, optimizer, outer_momentum=outer_momentum), keep=keep)
 
 
 def run_folder(run: RunConfig) -> str:

@@ -93,6 +93,7 @@ async def run_node(config: NodeConfig, identity: Identity, progress: Progress) -
                     await nursery.start(serve_node_metrics, config, link, progress)
                 await nursery.start(node.hashes.check_loop, node.heartbeat_s, lambda: node.stage)
                 await nursery.start(node.relay_watch.watch)
+                await nursery.start(node.persistence.writer)
                 stage, open_step = joined.stage, joined.step
                 while True:
                     await node.build(stage)

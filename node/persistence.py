@@ -50,10 +50,12 @@ from protolearn.node.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     list_checkpoints,
+    PreparedCheckpoint,
     load_checkpoint,
+    prepare_checkpoint,
     read_checkpoint_info,
     run_folder,
-    save_checkpoint,
+    write_checkpoint,
 )
 from protolearn.node.config import NodeConfig
 from protolearn.node.errors import StateSyncError
@@ -150,6 +152,8 @@ class StagePersistence:
         self._saved: tuple[int, int] | None = None  # (stage, applied) of the last write
         self._failing = False  # the last write failed (a full disk): the next failure is not news
         self._warned_given = False
+        # The background writer's inbox while it runs (:meth:`writer`); without one, a step's write is awaited.
+        self._inbox: trio.MemorySendChannel[PreparedCheckpoint] | None = None
 
     # -- which checkpoint --------------------------------------------------------------------
     def candidate(self, stage: int) -> CheckpointInfo | None:
@@ -214,9 +218,31 @@ class StagePersistence:
         return plan.applied
 
     async def after_step(self, stage: int, worker: StageWorker, applied: Callable[[], int], target: int, *, span: int = 1) -> None:
-        """Write a checkpoint if one is due after the step just applied (``span``: see :func:`checkpoint_due`)."""
-        if checkpoint_due(applied(), self.every, target, span=span):
+        """Write a checkpoint if one is due after the step just applied (``span``: see :func:`checkpoint_due`).
+
+        Only the copy of the state holds the node's next step back: the background :meth:`writer` puts it on
+        disk (0.28 s of the demo stage's 20 MB in a running swarm on 2 cores, every node at the same step).
+        While it still writes the one before, this waits for it."""
+        if not checkpoint_due(applied(), self.every, target, span=span):
+            return
+        if self._inbox is None:
             await self.write(stage, worker, applied)
+            return
+        prepared = await self._prepare(stage, worker, applied)
+        if prepared is not None:
+            await self._inbox.send(prepared)
+
+    async def writer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Write the checkpoints :meth:`after_step` took, one at a time, until cancelled (a write under way ends
+        first: the thread is not abandoned). :meth:`at_leave` then writes the state the node leaves with."""
+        send, receive = trio.open_memory_channel[PreparedCheckpoint](0)
+        self._inbox = send
+        try:
+            task_status.started()
+            async for prepared in receive:
+                await self._write(prepared)
+        finally:
+            self._inbox = None
 
     async def at_leave(self, stage: int, worker: StageWorker, applied: Callable[[], int]) -> None:
         """Write the stage once more as the node leaves (unless nothing changed since the last write)."""
@@ -227,22 +253,30 @@ class StagePersistence:
 
     async def write(self, stage: int, worker: StageWorker, applied: Callable[[], int]) -> None:
         """Write the stage; ``applied`` is read under the compute lock, with the parameters it goes with."""
+        prepared = await self._prepare(stage, worker, applied)
+        if prepared is not None:
+            await self._write(prepared)
+
+    async def _prepare(self, stage: int, worker: StageWorker, applied: Callable[[], int]) -> PreparedCheckpoint | None:
+        """The stage's state to write (copies), or None if it is the one written last."""
         if self._saved == (stage, applied()):
-            return
+            return None
 
-        def save() -> tuple[int, Path]:
-            n = applied()  # read under the limiter: no optimizer step runs while this writes
+        def take() -> PreparedCheckpoint:
+            n = applied()  # read under the limiter: no optimizer step runs while this copies
 
-            def write_it() -> Path:
-                return save_checkpoint(
-                    self.dir, self.run, stage, n, worker.module, worker.optimizer, keep=self.keep, outer_momentum=worker.outer_momentum(),
-                )
+            def prepare() -> PreparedCheckpoint:
+                return prepare_checkpoint(self.dir, self.run, stage, n, worker.module, worker.optimizer, outer_momentum=worker.outer_momentum())
 
             # DiLoCo: the stage's state is the one after the last outer sync (its replicas differ between syncs).
-            return n, worker.with_anchor(write_it) if worker.outer is not None else write_it()
+            return worker.with_anchor(prepare) if worker.outer is not None else prepare()
 
+        return await trio.to_thread.run_sync(take, limiter=self.compute)
+
+    async def _write(self, prepared: PreparedCheckpoint) -> None:
+        stage, n = prepared.stage, int(prepared.meta["step"])
         try:
-            n, path = await trio.to_thread.run_sync(save, limiter=self.compute)
+            path = await trio.to_thread.run_sync(lambda: write_checkpoint(prepared, keep=self.keep))
         except CheckpointError as err:
             # A full disk must not stop training: the user is told once (and again after a write that
             # worked); every failure is in the event log.
