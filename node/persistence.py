@@ -49,8 +49,8 @@ import trio
 from protolearn.node.checkpoint import (
     CheckpointError,
     CheckpointInfo,
-    list_checkpoints,
     PreparedCheckpoint,
+    list_checkpoints,
     load_checkpoint,
     prepare_checkpoint,
     read_checkpoint_info,

@@ -1,9 +1,10 @@
 """Handing a stage's parameters and optimizer state to a replica that joins.
 
 The donor side answers a :class:`StateRequest` with :class:`StateInfo` (applied steps, run hash,
-parameter hash, tensor count) and then the tensors in bundles of up to BUNDLE_BYTES: a :class:`StateBundle` naming
-them, then their raw bytes as one frame. One frame per tensor went in-stream (under the bulk lane's 1 MiB
-threshold) through Noise and yamux: about 1 s for the demo stage's 20 MB on this 2-core machine. The snapshot is taken between optimizer steps (the node holds its step lock), so it is one
+parameter hash, tensor count) and then the tensors in bundles of up to BUNDLE_BYTES: a :class:`StateBundle`
+naming them, then their raw bytes as one frame, which the bulk lane carries. One frame per tensor went in-stream
+(under the lane's 1 MiB threshold) through Noise and yamux: about 1 s for the demo stage's 20 MB in a running
+swarm on 2 cores. The snapshot is taken between optimizer steps (the node holds its step lock), so it is one
 consistent state. A request may ask for one share of the tensors (index ≡ part mod parts): with
 :func:`fetch_state_split` a joiner downloads from several replicas at once, each sending its share,
 and takes the result only if every donor described the same state (applied steps and hash).
@@ -184,18 +185,20 @@ async def fetch_state_split(
 
 
 async def _receive_bundle(
-    s: FramedStream, donor: str, worker: StageWorker, bundle: StateBundle, due: list[int],
+    s: FramedStream, donor: str, worker: StageWorker, bundle: StateBundle, due: list[int], have: dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     """The tensors ``bundle`` names, read from the frame that follows it. They must be the next of ``due`` in order,
-    each one of the stage's own with its dtype and shape, and all together no more than a donor bundles (BUNDLE_BYTES,
+    each one of the stage's own with its dtype and shape and none of those in ``have`` already, and all together no more than a donor bundles (BUNDLE_BYTES,
     or one tensor alone): every check is made before a payload byte is read."""
     if len(bundle.names) != len(bundle.indices) or bundle.indices != due[: len(bundle.indices)]:
         raise ProtocolError(donor, f"state bundle of tensors {bundle.indices[:4]}..., expected the next of {due[:4]}...")
     layout: list[tuple[str, torch.dtype, list[int], int]] = []
+    named: set[str] = set()
     for name in bundle.names:
         expected = worker.expected(name)
-        if expected is None or any(name == n for n, _, _, _ in layout):
+        if expected is None or name in named or name in have:
             raise ProtocolError(donor, f"unexpected state tensor {name[:80]!r}")
+        named.add(name)
         dtype, shape = expected
         layout.append((name, dtype, list(shape), math.prod(shape) * dtype.itemsize))
     total = sum(n for _, _, _, n in layout)
@@ -244,7 +247,7 @@ async def _fetch(
                 want = list(range(part, info.num_tensors, parts))
                 while len(entries) < len(want):
                     bundle = await s.receive(StateBundle)
-                    entries.update(await _receive_bundle(s, donor, worker, bundle, want[len(entries):]))
+                    entries.update(await _receive_bundle(s, donor, worker, bundle, want[len(entries):], entries))
     except trio.TooSlowError:
         raise StateSyncError(f"state sync from replica {donor} did not finish within {timeout_s:g} s") from None
     return info.applied, info.param_hash, info.num_tensors, entries

@@ -264,7 +264,7 @@ def test_when_every_donor_fails_the_split_download_fails_at_once(open_hosts, run
     run_trio(main, timeout=60)
 
 
-@pytest.mark.parametrize("lie", ["out_of_order", "foreign_name", "wrong_size", "non_finite", "oversized"])
+@pytest.mark.parametrize("lie", ["out_of_order", "foreign_name", "repeated_name", "wrong_size", "non_finite", "oversized"])
 def test_a_donor_whose_bundles_break_the_layout_is_refused_by_name_before_its_bytes_are_kept(
     open_hosts, run_trio, monkeypatch: pytest.MonkeyPatch, lie: str,
 ) -> None:
@@ -289,7 +289,11 @@ def test_a_donor_whose_bundles_break_the_layout_is_refused_by_name_before_its_by
             first = [entries[0], (entries[1][0], bad)]
         elif lie == "oversized":
             first = entries
-        indices = [1] if lie == "out_of_order" else list(range(len(first)))
+        elif lie == "repeated_name":  # a whole first bundle, then one that names its tensor again
+            await s.send(StateBundle(indices=[0], names=[entries[0][0]]))
+            await s.send_tensor(to_frame(state_sync.packed([entries[0][1]])))
+            first = [(entries[0][0], entries[1][1])]
+        indices = [1] if lie in ("out_of_order", "repeated_name") else list(range(len(first)))
         await s.send(StateBundle(indices=indices, names=[n for n, _ in first]))
         raw = state_sync.packed([t for _, t in first])
         if lie == "wrong_size":
@@ -305,7 +309,7 @@ def test_a_donor_whose_bundles_break_the_layout_is_refused_by_name_before_its_by
                 await fetch_state(joiner, bad.peer_id, StageWorker(RUN, 1), RUN.run_hash(), timeout_s=20.0)
             assert err.value.peer == bad.peer_id
             print(f"{lie}: {err.value.reason}")
-            expected = {"out_of_order": "expected the next of", "foreign_name": "unexpected state tensor", "wrong_size": "exceeds the limit",
+            expected = {"out_of_order": "expected the next of", "foreign_name": "unexpected state tensor", "repeated_name": "unexpected state tensor", "wrong_size": "exceeds the limit",
                         "non_finite": "non-finite", "oversized": "a donor bundles at most"}[lie]
             assert expected in err.value.reason
             # The joiner goes on: an honest donor's state arrives whole.
