@@ -6,9 +6,12 @@ Real files and real threads; the disk is made slow by holding the write in a wra
 
 from __future__ import annotations
 
+import json
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 import trio
 from safetensors.torch import load_file
@@ -24,12 +27,13 @@ from tests.support.runs import tiny_run
 RUN = tiny_run()
 
 
-def _persistence(tmp_path: Path) -> tuple[StagePersistence, StageWorker, trio.CapacityLimiter]:
+@pytest.fixture
+def node_parts(tmp_path: Path) -> Iterator[tuple[StagePersistence, StageWorker]]:
+    """A node's checkpoint writer and stage worker, its event log open (the test reads its ``checkpoint`` events)."""
     coordinator = f"/ip4/127.0.0.1/tcp/1/p2p/{Identity.generate().peer_id}"
     config = NodeConfig(coordinator=coordinator, data_dir=tmp_path, checkpoint_every=1)
-    progress = Progress(tmp_path / "node.jsonl", name="n", live=False, plain_every_s=3600.0)
-    compute = trio.CapacityLimiter(1)
-    return StagePersistence(config, RUN, progress, compute), StageWorker(RUN, 0), compute
+    with Progress(tmp_path / "node.jsonl", name="n", live=False, plain_every_s=3600.0) as progress:
+        yield StagePersistence(config, RUN, progress, trio.CapacityLimiter(1)), StageWorker(RUN, 0)
 
 
 def _slow_disk(monkeypatch) -> tuple[threading.Event, threading.Event]:
@@ -46,14 +50,21 @@ def _slow_disk(monkeypatch) -> tuple[threading.Event, threading.Event]:
     return go, writing
 
 
+def _written(tmp_path: Path) -> list[int]:
+    """The steps of the checkpoints the node said it wrote (its ``checkpoint`` events)."""
+    path = tmp_path / "node.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [e["step"] for e in events if e["event"] == "checkpoint"]
+
+
 def _bump(worker: StageWorker) -> None:
     with torch.no_grad():
         for p in worker.params:
             p.add_(1.0)  # what the next step's optimizer would do to the live parameters
 
 
-def test_a_due_checkpoint_is_written_in_the_background_with_the_state_it_was_taken_at(tmp_path: Path, monkeypatch) -> None:
-    persistence, worker, _ = _persistence(tmp_path)
+def test_a_due_checkpoint_is_written_in_the_background_with_the_state_it_was_taken_at(node_parts, tmp_path: Path, monkeypatch) -> None:
+    persistence, worker = node_parts
     go, writing = _slow_disk(monkeypatch)
     before = {n: p.detach().clone() for n, p in zip(worker.names, worker.params, strict=True)}
 
@@ -67,7 +78,7 @@ def test_a_due_checkpoint_is_written_in_the_background_with_the_state_it_was_tak
             go.set()
             path = persistence.dir / "stage-0-step-1.safetensors"
             with trio.fail_after(10):
-                while persistence._saved != (0, 1):
+                while _written(tmp_path) != [1]:
                     await trio.sleep(0.01)
             saved = load_file(str(path))
             for n, t in before.items():
@@ -77,8 +88,8 @@ def test_a_due_checkpoint_is_written_in_the_background_with_the_state_it_was_tak
     trio.run(main)
 
 
-def test_a_state_the_writer_never_got_to_is_written_at_leave(tmp_path: Path, monkeypatch) -> None:
-    persistence, worker, _ = _persistence(tmp_path)
+def test_a_state_the_writer_never_got_to_is_written_at_leave(node_parts, tmp_path: Path, monkeypatch) -> None:
+    persistence, worker = node_parts
     go, writing = _slow_disk(monkeypatch)
 
     async def main() -> None:
@@ -92,9 +103,9 @@ def test_a_state_the_writer_never_got_to_is_written_at_leave(tmp_path: Path, mon
                 await persistence.after_step(0, worker, lambda: 2, target=100)
             go.set()
             nursery.cancel_scope.cancel()  # the write under way ends first (its thread is not abandoned)
-        assert persistence._saved == (0, 1)
+        assert _written(tmp_path) == [1]
         await persistence.at_leave(0, worker, lambda: 2)
-        assert persistence._saved == (0, 2)
+        assert _written(tmp_path) == [1, 2]
         saved = load_file(str(persistence.dir / "stage-0-step-2.safetensors"))
         name = worker.names[0]
         assert torch.equal(saved[f"param/{name}"], worker.params[0].detach())
