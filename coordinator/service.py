@@ -304,7 +304,10 @@ class _Service:
             with trio.move_on_after(msg.wait_s):
                 while not (reply.indices or reply.held) and self.core.ledger.step == step:
                     wake = self._lease_waits[peer] = trio.Event()  # (an earlier held request of its own waits out its time)
-                    await wake.wait()
+                    # Also asks again after relapse_wait_s: a lease that lapsed on this peer comes back to it only then,
+                    # if nobody else took it, and no change wakes it for that.
+                    with trio.move_on_after(self.core.ledger.relapse_wait_s):
+                        await wake.wait()
                     if self.host.num_connections(peer) == 0:
                         break  # nobody to answer (the core leases nothing to a peer presumed dead)
                     if self.core.ledger.step == step:

@@ -3,7 +3,10 @@
 Step ``t`` is the tickets ``(t, 0..B-1)`` (their records are in ``steps.py``). Only one step is open
 at a time; step ``t+1`` is leasable only once step ``t`` has closed. Stage-0 nodes lease tickets in small blocks; a lease expires after
 ``lease_s`` and an expired lease is re-issued to whoever asks next (expired ones first, so a stalled
-ticket never holds up the step). Completing ticket ``(t, i)`` carries the route (one peer per stage)
+ticket never holds up the step), except its own holder: a lease that ran out, or that a liveness strike
+ended, goes back to the peer that sat on it only if no other stage-0 replica could take it, or once it has
+waited ``lease_s / 2`` for one (a hung stage-0 node kept asking, was handed its ticket straight back, and
+the step waited on it twice more). Completing ticket ``(t, i)`` carries the route (one peer per stage)
 and the microbatch loss. Only the current leaseholder may complete it, and a ticket completes at most
 once: a late duplicate after a re-issue is refused and never counted twice (I1).
 
@@ -290,8 +293,10 @@ class TicketLedger:
         """The first step not yet committed: the stages' state is after the step before it."""
         return self.committed_through + 1
 
-    def lease(self, peer: str, now: float, max_n: int, *, share: int | None = None) -> LeaseDecision:
-        """Lease up to ``max_n`` tickets (at most a block); ``share``: the most ``peer`` may hold at once."""
+    def lease(self, peer: str, now: float, max_n: int, *, share: int | None = None, others: bool = False) -> LeaseDecision:
+        """Lease up to ``max_n`` tickets (at most a block); ``share``: the most ``peer`` may hold at once; ``others``:
+        whether another stage-0 replica could take a lease that lapsed on ``peer`` (then ``peer`` waits for it, see
+        :meth:`relapse_wait_s`)."""
         n = max(0, min(max_n, self.block))
         # Only running leases count against the share: a lease that ran out is re-issued to whoever asks, its
         # holder too. Counting it left a holder that had lost track of its ticket (a coordinator restart
@@ -304,7 +309,9 @@ class TicketLedger:
             n = min(n, share - held)
         if not self.committed(self.last_closed):
             return LeaseDecision(self.step, [], 0.0, [], f"step {self.last_closed} has not committed yet; wait for it", running)
-        picked = self._expired(now)[:n]
+        # Costs go to their cause: a lapsed lease goes to another replica first; its own holder takes it back at once
+        # only when no other could, and otherwise once it has waited relapse_wait_s for one (nobody else asked).
+        picked = [t for t in self._expired(now) if t.holder != peer or not others or now - t.expires_at >= self.relapse_wait_s][:n]
         if len(picked) < n:  # then the first free tickets, in index order
             tickets, i, free = self._index(), self._free_from, []
             while i < len(tickets) and len(free) < n - len(picked):
@@ -347,6 +354,11 @@ class TicketLedger:
                     self.dirty.add(i)
                     out.append(i)
         return out
+
+    @property
+    def relapse_wait_s(self) -> float:
+        """How long a lapsed lease waits for another replica before its own holder may take it back."""
+        return self.lease_s / 2
 
     def holdings(self, peer: str, now: float | None = None) -> list[int]:
         """The unfinished tickets ``peer`` holds; with ``now``, only those whose lease still runs."""

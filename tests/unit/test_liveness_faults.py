@@ -18,7 +18,7 @@ from protolearn.node.core.routing import RouteCore
 from protolearn.protocol import coordination as cm
 
 from tests.support.coordinator import make_core
-from tests.unit.test_attacks_ledger import RUN, SETTINGS, Swarm
+from tests.unit.test_attacks_ledger import B, RUN, SETTINGS, Swarm
 
 TICK = SETTINGS.housekeeping_interval_s
 LATE_S = SETTINGS.lease_late_fraction * SETTINGS.lease_s
@@ -494,3 +494,25 @@ def test_a_reported_peer_is_a_suspect_with_a_lower_share_until_it_carries_a_tick
     assert b.expected_finish_s("x", 0.0) == SUSPECT_FACTOR * b.expected_finish_s("z", 0.0)
     assert b.choose(["x", "z"], 0.0).peer == "z"
     assert b.choose(["x", "z"], 0.0, {"z": 3}).peer == "x", "a suspect still gets work when the others are busier"
+
+
+def test_a_hung_replica_that_keeps_asking_is_not_handed_back_the_tickets_its_strike_took() -> None:
+    """A hung stage-0 node's event loop still asks for leases (its compute thread is what hangs). It asks
+    first each tick here: a strike ends its leases, and they must go to the replica that works, not straight
+    back to it (it was, and the step waited on it until its ban). A lone replica takes its own back at once."""
+    core = make_core(RUN, SETTINGS)
+    swarm = Swarm(core, per_stage=2)
+    hole, honest = swarm.stages[0]
+    parts = {hole: Part(delay=None), honest: Part()}  # (the hole asks first)
+    closed = run(core, swarm, parts, until=3 * LATE_S)
+    # The first step waits for the hole's first strike (one late window), then the honest replica does its tickets.
+    assert closed and closed[0][1] <= LATE_S + 3 * TICK, (closed[:2], LATE_S)
+    assert not core.verdicts.is_banned(hole) or core.verdicts.bans[hole].at > closed[0][1]
+
+    lone = make_core(RUN, SETTINGS)
+    (only,) = Swarm(lone, per_stage=1).stages[0]
+    got = lone.handle(only, cm.Lease(max_tickets=B), 0.0).indices
+    assert got
+    t = SETTINGS.lease_s + TICK
+    lone.housekeeping(t)  # its leases ran out; nobody else could take them
+    assert lone.handle(only, cm.Lease(max_tickets=B), t).indices == got
