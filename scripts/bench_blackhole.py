@@ -19,7 +19,11 @@ start-up is excluded:
 - ``banned_reason``, ``honest_banned`` (must be empty), ``blackhole_wall_s`` / ``honest_wall_s``;
 - ``honest_step_s`` / ``adversary_step_s``: the median step time (between step closes) over each whole
   run from the last node's first step, their ``step_time_ratio``, ``slow_steps`` (the adversary run's
-  steps that took more than 3 x the honest median) and ``max_step_s``;
+  steps that waited on someone: longer than 3 x the honest median and than the honest median plus the
+  late-lease window, ``lease_late_fraction x lease_s``, the least a step that waits on a node that sits
+  on its leases is held up; a step slowed by the machine's load alone, or by the survivors taking over
+  the work of a node that left, is neither), ``slow_step_s`` (that bound), ``step_gaps_s`` (the
+  adversary run's step times, in step order) and ``max_step_s``;
 - with ``--kind hang`` (node 0 started as ``--adversary hang:FROM_STEP``): ``left_out_after_s``, how long
   its compute call ran when its watchdog gave up and it left the swarm, and ``hung_error``, the one
   line it exited with.
@@ -290,11 +294,15 @@ def _compare(honest: Outcome, hole: Outcome, *, kind: str, from_step: int, steps
     steps_until_ban = sum(1 for p in b_hist if p.step >= first_bad and p.closed_at <= ban.at) if ban is not None else None
     (honest_mean, honest_tps), (hole_mean, hole_tps) = honest_tps, hole_tps
     # Step times over the whole run from the last node's first step (a hung node stops training; its
-    # first step still bounds the window): the median, and the steps slower than 3 x the honest median.
+    # first step still bounds the window): the median, and the steps held up (module docstring: slow_steps).
     honest_gaps, hole_gaps = _gaps(h_hist, all_in), _gaps(b_hist, _all_in(hole))
     honest_step = statistics.median(honest_gaps) if honest_gaps else None
     hole_step = statistics.median(hole_gaps) if hole_gaps else None
     hung = _hung(where / "node0" / "node.jsonl")
+    from protolearn.coordinator.config import CoordinatorSettings
+
+    late_s = CoordinatorSettings().lease_late_fraction * lease_s  # as the coordinator runs (--lease-s only is set)
+    slow = max(3 * honest_step, honest_step + late_s) if honest_step else None
     return {
         "honest_tokens_per_s": honest_tps,
         "blackhole_tokens_per_s": hole_tps,
@@ -321,7 +329,9 @@ def _compare(honest: Outcome, hole: Outcome, *, kind: str, from_step: int, steps
         "honest_step_s": honest_step,
         "adversary_step_s": hole_step,
         "step_time_ratio": (hole_step / honest_step) if honest_step and hole_step else None,
-        "slow_steps": sum(1 for g in hole_gaps if honest_step and g > 3 * honest_step),
+        "slow_steps": sum(1 for g in hole_gaps if slow is not None and g > slow),
+        "slow_step_s": slow,
+        "step_gaps_s": [round(g, 3) for g in hole_gaps],
         "max_step_s": max(hole_gaps, default=None),
         # hang: the node's own watchdog (node/compute_watch.py) left the swarm: after how long, and the line.
         "left_out_after_s": hung.get("running_s"),

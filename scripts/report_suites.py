@@ -191,8 +191,10 @@ def render_integrity(r: dict[str, Any], figs: Path, plt: Any) -> str:
         if kind == "blackhole":
             effect = f"tokens/s after the ban: {dec(k.get('throughput_ratio_after_ban'), 3)} × honest"
         elif kind == "hang":  # its own watchdog leaves; the coordinator waits on it for no step
+            # (results before 2026-12-06 counted the steps over 3 x the honest median; later ones also over it plus the late window)
+            over = f"{dec(k.get('slow_step_s'), 2)} s" if k.get("slow_step_s") is not None else "3 ×"
             effect = (f"left out after {dec(k.get('left_out_after_s'), 1)} s; step time {dec(k.get('step_time_ratio'), 2)} × honest, "
-                      f"{num(k.get('slow_steps'))} step(s) over 3 × (longest {dec(k.get('max_step_s'), 2)} s)")
+                      f"{num(k.get('slow_steps'))} step(s) over {over} (longest {dec(k.get('max_step_s'), 2)} s)")
             reason = k.get("hung_error") or ""
         else:
             effect = dec(loss, 3) if loss is not None else "–"

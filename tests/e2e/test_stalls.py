@@ -13,8 +13,11 @@ swarm per adversary, through the CLI as subprocesses; both tests read that one r
   on a loaded machine, trains by then; otherwise the hung node would be the only one holding stage 0's
   state.) Its watchdog (node/compute_watch.py) gives up on its device, leaves the swarm and exits with one
   line; the other two finish all 40 steps. The coordinator saw it sit on its leases, so no commit waits
-  for it (coordinator/core/holdups.py): at most one step is slower than 3 x the honest run's median, and
-  the median step time stays within 3 x of it.
+  for it (coordinator/core/holdups.py), and its lapsed leases go to the others (coordinator/core/tickets.py):
+  at most one step is held up (``slow_steps``: slower than 3 x the honest run's median and than that median
+  plus the late-lease window, the least a wait on a node sitting on its leases takes; the steps right after
+  it, while the survivors take over its work and it exits, ran at up to 2.2 x the median on a quiet machine),
+  and the median step time stays within 3 x of it.
 - **a stage-1 replica hangs** (``--hole-stage 1 --stage1-replicas 2``: node 0 is one of stage 1's two replicas,
   node 2 the other; their ``--max-memory`` fits only stage 1): the same as the stage-0 hang, except that the
   step it hangs in shows as two slow gaps between closes (its close, then its commit's hold in the next close).
@@ -51,7 +54,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     for kind, v in r.items():
-        print(kind, {k: v[k] for k in ("honest_step_s", "adversary_step_s", "step_time_ratio", "slow_steps", "ratio", "left_out_after_s")})
+        print(kind, {k: v[k] for k in ("honest_step_s", "adversary_step_s", "step_time_ratio", "slow_steps", "slow_step_s", "ratio", "left_out_after_s")})
+        print(kind, "step times:", v["step_gaps_s"])
     return r
 
 
@@ -66,7 +70,7 @@ def _hung_node_left_and_the_rest_trained_on(r: dict, honest_nodes: int, slow_ste
     assert r["hung_error"] is not None and re.search(r"compute \((forward|backward)\) has not returned", r["hung_error"]), r["hung_error"]
     assert "the device may be hung; restart the node" in r["hung_error"]
     assert r["left_out_after_s"] is not None and r["left_out_after_s"] < 30, r
-    assert r["slow_steps"] <= slow_steps, r  # only the step it hung in waited for it
+    assert r["slow_steps"] <= slow_steps, (r["slow_step_s"], r["step_gaps_s"])  # only the step it hung in waited for it
     assert r["step_time_ratio"] is not None and r["step_time_ratio"] <= 3.0, r
 
 
@@ -99,7 +103,8 @@ def stage1_pair(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    print({k: r[k] for k in ("honest_step_s", "adversary_step_s", "step_time_ratio", "slow_steps", "left_out_after_s", "node_stages")})
+    print({k: r[k] for k in ("honest_step_s", "adversary_step_s", "step_time_ratio", "slow_steps", "slow_step_s", "left_out_after_s", "node_stages")})
+    print("step times:", r["step_gaps_s"])
     return r
 
 
