@@ -202,11 +202,11 @@ def recovery_keys(
                         if "recover_s" not in out and i + 1 in after and closes[i + 1] - closes[i] <= before * n / (n - 1):
                             out["recover_s"] = closes[i] - t_kill
                     if committed[0] >= steps - 1:
-                        # The run ended before a measure held (a loaded machine): say which, rather than wait out the deadline.
+                        # The run ended (a loaded machine) before a measure held, or with no step left for the restarted
+                        # victim to join: say so, rather than wait out the deadline.
                         missing = [k for k in ("recover_s", "recover_first_close_s") if k not in out]
-                        if missing:
-                            raise SystemExit(f"error: the run's {steps} steps closed before {', '.join(missing)} held; "
-                                             "rerun it on a quieter machine")
+                        what = f"{', '.join(missing)} held" if missing else "the victim could rejoin"
+                        raise SystemExit(f"error: the run's {steps} steps closed before {what}; rerun it on a quieter machine")
                     await trio.sleep(0.05)
                 out["s_per_step_before_kill"] = before
                 t_launch = time.time()
