@@ -355,8 +355,8 @@ class CoordinatorCore:
         if member.peer_id in self._barred(step, 0):
             why = f"sits out the rest of step {step}: its stage named it the cause of a failed round of it (round_faults.py)"
             return cm.LeaseReply(step=step, indices=[], lease_s=self.settings.lease_s, reason=why, avoid=avoid, suspects=suspects)
-        d = self.ledger.lease(member.peer_id, now, msg.max_tickets, share=self.leases.share(member.peer_id),
-                              others=self.registry.working_present(0) > 1)
+        replicas = self.registry.working_present(0)
+        d = self.ledger.lease(member.peer_id, now, msg.max_tickets, share=self.leases.share(member.peer_id, replicas), others=replicas > 1)
         if d.reissued:
             self.reissued += len(d.reissued)
             log.info("re-issued expired leases step=%d tickets=%s to peer=%s", d.step, d.reissued, member.peer_id)

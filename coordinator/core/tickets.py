@@ -299,8 +299,9 @@ class TicketLedger:
         :meth:`relapse_wait_s`)."""
         n = max(0, min(max_n, self.block))
         # Only running leases count against the share: a lease that ran out is re-issued to whoever asks, its
-        # holder too. Counting it left a holder that had lost track of its ticket (a coordinator restart
-        # mid-step) refused "finish those first" for good, and the step never closed (node-core simulator).
+        # holder too (at once if no other stage-0 replica is present, else after relapse_wait_s). Counting it left
+        # a holder that had lost track of its ticket (a coordinator restart mid-step) refused "finish those first"
+        # for good, and the step never closed (node-core simulator).
         running = tuple(self.holdings(peer, now))
         held = len(running)
         if share is not None and held >= share:
