@@ -2,8 +2,11 @@
 
 A replica that did not finish a round itself (the step's accounting left it out, or its own round failed
 while the others finished) asks the round's other participants, one after another until the deadline, for
-the round's full vector with :class:`ResultRequest`. It accepts a vector only when the fins served with it
-prove it (:func:`~protolearn.protocol.collective.result_proof.unproven`): a strict majority of the
+the round's full vector with :class:`ResultRequest`. Each taker asks them in an order of its own
+(:func:`ask_order`), so the takers of a round spread over the participants' uplinks (in peer-id order, every
+taker asked the same participant first, and its uplink carried every fetch of the step: the simulator check in
+docs/BENCHMARKS.md). It accepts a vector only when the fins served with it prove it
+(:func:`~protolearn.protocol.collective.result_proof.unproven`): a strict majority of the
 participants signed a fin for the full contributor set and for this vector's result hash, against the round
 digest the taker computes itself from the round's id, participants and weights, the vector's length, the
 stage's aggregation rule, the cross-check and the round's slice compression. So every round of a compressed
@@ -15,8 +18,9 @@ that no longer keeps the round (``stale``) ends the fetch with :class:`ResultGon
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 
 import torch
@@ -34,6 +38,16 @@ log = logging.getLogger("protolearn.node")
 RETRY_S = 0.2  # pause between passes over the participants
 
 
+def ask_order(me: str, round_id: int, participants: Iterable[str]) -> list[str]:
+    """The participants other than ``me``, in the order ``me`` asks them for round ``round_id``'s result: by a hash
+    of (taker, round, participant), so each taker has its own order and the first asks of a round's takers fall
+    evenly on its participants. Whom a taker asks first earns nothing: a served vector counts only with its proof."""
+    def rank(peer: str) -> bytes:
+        return hashlib.blake2b(f"{me}\x00{round_id}\x00{peer}".encode(), digest_size=8).digest()
+
+    return sorted((p for p in set(participants) if p != me), key=lambda p: (rank(p), p))
+
+
 async def fetch_proven(
     host: Host, stage: int, round_id: int, weights: Mapping[str, float], *, numel: int, rule_tag: str, cross_check: bool,
     compression: str, verify: Verify, timeout_s: float, clock: Callable[[], float],
@@ -45,7 +59,7 @@ async def fetch_proven(
     limits = TensorLimits(max_elements=max(1, numel), max_bytes=max(4, 4 * numel))
     deadline = clock() + 2 * timeout_s
     last = "no participant answered"
-    participants = [p for p in sorted(weights) if p != host.peer_id]
+    participants = ask_order(host.peer_id, round_id, weights)
     left: set[str] = set()  # participants whose round failed there: they will never have a result
     while clock() < deadline:
         if participants and left >= set(participants):

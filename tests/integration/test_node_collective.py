@@ -6,6 +6,7 @@ import torch
 import trio
 
 from protolearn.node.averaging import Averager
+from protolearn.node.result_fetch import ask_order
 from protolearn.protocol.collective.result_proof import vector_digest
 
 
@@ -64,9 +65,9 @@ def test_a_left_out_replica_refuses_a_participants_made_up_result_and_takes_the_
 
     async def main() -> None:
         async with open_hosts(4) as hosts:
-            participants = sorted(hosts[:3], key=lambda h: h.peer_id)
-            liar = participants[0]  # the first one a left-out replica asks
-            fetcher = hosts[3]
+            participants, fetcher = hosts[:3], hosts[3]
+            first = ask_order(fetcher.peer_id, 5, [h.peer_id for h in participants])[0]
+            [liar] = [h for h in participants if h.peer_id == first]  # the first one the left-out replica asks
             avgs = {h.peer_id: Averager(h, 1, numel, timeout_s=20.0, first_round=5) for h in hosts}
             for a in avgs.values():
                 a.register()
@@ -86,6 +87,7 @@ def test_a_left_out_replica_refuses_a_participants_made_up_result_and_takes_the_
             avgs[liar.peer_id].finished._results[5] = (forged, fins)
             with trio.fail_after(30):
                 got = await avgs[fetcher.peer_id].fetch_result(5, weights)
-            assert torch.equal(got, results[participants[1].peer_id]) and not torch.equal(got, forged)
+            honest = next(h for h in participants if h is not liar)
+            assert torch.equal(got, results[honest.peer_id]) and not torch.equal(got, forged)
 
     run_trio(main, timeout=60)

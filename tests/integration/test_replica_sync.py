@@ -20,6 +20,7 @@ import trio
 
 from protolearn.node.averaging import Averager, AveragingError
 from protolearn.node.replica_sync import ReplicaSync
+from protolearn.node.result_fetch import ask_order
 from protolearn.protocol.collective import PartHeader
 from protolearn.protocol.collective.result_proof import vector_digest as result_digest
 from protolearn.protocol.errors import ProtocolError
@@ -201,9 +202,11 @@ def test_a_fetched_compressed_step_is_proven_and_a_forged_one_is_refused(open_ho
 
     async def main() -> None:
         async with open_hosts(5) as hosts:
-            participants = sorted(hosts[:3], key=lambda h: h.peer_id)
-            liar, fetcher, wrong = participants[0], hosts[3], hosts[4]
+            participants, fetcher, wrong = hosts[:3], hosts[3], hosts[4]
             rid = round_id(5)
+            forged_round = rid if spec.name == "int8" else rid + 1  # PowerSGD: its round B, the Q factors
+            first = ask_order(fetcher.peer_id, forged_round, [h.peer_id for h in participants])[0]
+            [liar] = [h for h in participants if h.peer_id == first]  # the first one the fetcher asks
             avgs = {h.peer_id: Averager(h, 1, NUMEL, timeout_s=3.0 if h is wrong else 20.0, window=lambda: rid) for h in hosts}
             for a in avgs.values():
                 a.register()
@@ -218,8 +221,7 @@ def test_a_fetched_compressed_step_is_proven_and_a_forged_one_is_refused(open_ho
             async with trio.open_nursery() as n:
                 for h in participants:
                     n.start_soon(average, h.peer_id)
-            honest = done[participants[1].peer_id].result  # type: ignore[attr-defined]
-            forged_round = rid if spec.name == "int8" else rid + 1  # PowerSGD: its round B, the Q factors
+            honest = done[next(h.peer_id for h in participants if h is not liar)].result  # type: ignore[attr-defined]
             served, fins = avgs[liar.peer_id].finished._results[forged_round]
             forged = served.clone()
             forged[0] += 1.0
