@@ -60,6 +60,7 @@ from protolearn.coordinator.core.close_rule import CloseRule
 from protolearn.coordinator.core.commit import AveragedDecision, CommitBarrier, waited_for
 from protolearn.coordinator.core.redo import RedoDecision, may_reopen, redo_open
 from protolearn.coordinator.core.steps import DROPPED, KEEP_CLOSED, ClosedStep, Ticket
+from protolearn.coordinator.core.ticket_index import TicketIndex
 from protolearn.protocol.rounds import REVISIONS_PER_STEP
 
 # How many of a ticket's latest leases an ack may name (protocol/acks.py): a late completion of a lease re-issued
@@ -140,19 +141,9 @@ class TicketLedger:
         self.keep_closed = keep_closed
         self.step = step
         self.tickets = list(tickets) if tickets is not None else self._fresh()
-        # Indexes over the open step's tickets, rebuilt whenever ``self.tickets`` is another list
-        # (:meth:`_index`), so that a lease does not scan every ticket three times (three scans of ~5,000 tickets
-        # per lease made leasing most of a 10,000-node simulated swarm's coordinator time): the tickets below
-        # ``_free_from`` are none free; per holder, the indices it may hold (a superset, pruned as read); and a
-        # bound no running or expired lease ends before (no lease can have expired before it). And, kept exact on
-        # every change: how many tickets are done, and per peer the done tickets routed through it (a departure,
-        # a completion and a redo each scanned every ticket: 13% of that swarm's simulation time, profiled).
-        self._indexed: list[Ticket] | None = None
-        self._free_from = 0
-        self._held: dict[str, set[int]] = {}
-        self._expiry_floor = math.inf
-        self._done = 0
-        self._routed: dict[str, set[int]] = {}
+        # What a lease, a completion and a departure would scan the tickets for (ticket_index.py): every change to
+        # a ticket below is told to it, and it rebuilds itself when ``self.tickets`` is another list (:meth:`_index`).
+        self._ix = TicketIndex()
         self.closed: dict[int, ClosedStep] = {c.step: c for c in closed}
         # Tickets whose persisted form changed since the last drain (indices of the open step).
         self.dirty: set[int] = set()
@@ -251,42 +242,23 @@ class TicketLedger:
         return self.barrier.dirty
 
     def remaining(self) -> int:
-        self._index()
-        return self.num_tickets - self._done
+        return self.num_tickets - self._index().done
 
-    def _index(self) -> list[Ticket]:
-        """``self.tickets``, with the indexes rebuilt if it is another list than they were built for."""
-        tickets = self.tickets
-        if self._indexed is not tickets:
-            self._indexed, self._free_from, held, floor = tickets, 0, {}, math.inf
-            done, routed = 0, {}
-            for t in tickets:
-                if t.holder is not None and not t.done:
-                    held.setdefault(t.holder, set()).add(t.index)
-                    floor = min(floor, t.expires_at)
-                if t.done:
-                    done += 1
-                    for p in t.route or ():
-                        routed.setdefault(p, set()).add(t.index)
-            self._held, self._expiry_floor, self._done, self._routed = held, floor, done, routed
-        return tickets
+    def _index(self) -> TicketIndex:
+        """The index over ``self.tickets``, rebuilt if that is another list than it was built for."""
+        return self._ix.over(self.tickets)
 
     def _replace(self, index: int, ticket: Ticket) -> None:
-        """Put ``ticket`` (not done) in place of the open step's ticket ``index``, keeping the indexes exact."""
-        old = self._index()[index]
-        if old.done:
-            self._done -= 1
-            for p in old.route or ():
-                self._routed.get(p, set()).discard(index)  # (revoke_peer took the departed peer's set out first)
+        """Put ``ticket`` (not done) in place of the open step's ticket ``index``, keeping the index exact."""
+        self._index().replaced(index, self.tickets[index])
         self.tickets[index] = ticket
-        self._freed(index)
+        self.frees += 1
         self.dirty.add(index)
 
     def _freed(self, index: int) -> None:
         """Ticket ``index`` may be free now (released, or replaced by an unleased one)."""
         self.frees += 1
-        if index < self._free_from:
-            self._free_from = index
+        self._index().freed(index)
 
     @property
     def frontier(self) -> int:
@@ -314,14 +286,7 @@ class TicketLedger:
         # only when no other could, and otherwise once it has waited relapse_wait_s for one (nobody else asked).
         picked = [t for t in self._expired(now) if t.holder != peer or not others or now - t.expires_at >= self.relapse_wait_s][:n]
         if len(picked) < n:  # then the first free tickets, in index order
-            tickets, i, free = self._index(), self._free_from, []
-            while i < len(tickets) and len(free) < n - len(picked):
-                t = tickets[i]
-                if not t.done and t.holder is None:
-                    free.append(t)
-                i += 1
-            self._free_from = free[0].index if free else i
-            picked += free
+            picked += self._index().first_free(n - len(picked))
         if not picked:
             return LeaseDecision(self.step, [], 0.0, [], f"every ticket of step {self.step} is leased or done; wait for it to close", running)
         expires_at = now + self.lease_s
@@ -332,8 +297,7 @@ class TicketLedger:
                 reissued.append(t.index)
             t.holder, t.expires_at = peer, expires_at
             t.issued += 1
-            self._held.setdefault(peer, set()).add(t.index)
-            self._expiry_floor = min(self._expiry_floor, expires_at)
+            self._ix.leased(peer, t.index, expires_at)
             self.dirty.add(t.index)
         indices = sorted(t.index for t in picked)
         reason = f"leased {len(indices)} tickets of step {self.step}"
@@ -363,24 +327,16 @@ class TicketLedger:
 
     def holdings(self, peer: str, now: float | None = None) -> list[int]:
         """The unfinished tickets ``peer`` holds; with ``now``, only those whose lease still runs."""
-        tickets = self._index()
-        held = self._held.get(peer)
-        if not held:
-            return []
-        gone = [i for i in held if tickets[i].holder != peer or tickets[i].done]
-        held.difference_update(gone)
-        return sorted(i for i in held if now is None or tickets[i].expires_at > now)
+        return self._index().holdings(peer, now)
 
     def complete(self, peer: str, step: int, index: int, route: Sequence[str], loss: float, now: float) -> CompleteDecision:
         refused = self.check_complete(peer, step, index, route, loss)
         if refused is not None:
             return refused
-        t = self._index()[index]
+        ix, t = self._index(), self.tickets[index]
         held_s = now - self.leased_at(t)
         t.done, t.route, t.loss = True, list(route), float(loss)
-        self._done += 1
-        for p in t.route:
-            self._routed.setdefault(p, set()).add(index)
+        ix.completed(index, t.route)
         self.dirty.add(index)
         remaining = self.remaining()
         if remaining:
@@ -525,22 +481,21 @@ class TicketLedger:
         costs the whole pipeline again, and in a deep swarm with churn some peer on most routes departs before
         the step closes, so the step never did. Only its leased, unfinished tickets are freed then.
         """
-        return self._undo(peer, self._routed.pop(peer, set()).union(self.holdings(peer)))
+        return self._undo(peer, self._index().take_routed(peer).union(self.holdings(peer)))
 
     def forget_routes(self, peer: str) -> list[int]:
         """Undo the open step's done tickets routed through ``peer``, presumed dead (its connection closed and stayed
         closed past the grace), as :meth:`revoke_peer` does: their gradients at its stage were in it alone. Its
         leases are only ended (:meth:`expire_leases`), so a completion of its own still counts if it was alive."""
-        return self._undo(peer, self._routed.pop(peer, set()))
+        return self._undo(peer, self._index().take_routed(peer))
 
     def _undo(self, peer: str, indices: set[int]) -> list[int]:
-        tickets = self._index()
-        out = []
+        ix, out = self._index(), []
         for i in sorted(indices):
-            t = tickets[i]
+            t = self.tickets[i]
             if t.done and self.drop_departed:
                 t.route = [DROPPED if p == peer else p for p in t.route or ()]
-                self._routed.setdefault(DROPPED, set()).add(i)
+                ix.dropped(i)
                 self.dirty.add(i)
             else:
                 self._replace(i, Ticket(i, issued=t.issued + ACK_ATTEMPTS))
@@ -557,7 +512,7 @@ class TicketLedger:
         for t in self.tickets:
             if t.holder == peer and not t.done and t.expires_at > now:
                 t.expires_at = now
-                self._expiry_floor = min(self._expiry_floor, now)
+                self._ix.lease_ended(now)
                 self.dirty.add(t.index)
                 out.append(t.index)
         self.frees += bool(out)
@@ -572,12 +527,7 @@ class TicketLedger:
         self.frees += 1
 
     def _expired(self, now: float) -> list[Ticket]:
-        tickets = self._index()
-        if now < self._expiry_floor:
-            return []
-        held = [t for t in tickets if not t.done and t.holder is not None]
-        self._expiry_floor = min((t.expires_at for t in held), default=math.inf)
-        return [t for t in held if t.expires_at <= now]
+        return self._index().expired(now)
 
     def leased_at(self, t: Ticket) -> float:
         """When ``t``'s running lease term began: ``lease_s`` before it ends."""
