@@ -120,6 +120,12 @@ async def _watch(swarm, timeout_s: float, may_fail: set[int]):
                 await trio.sleep(0.5)
 
 
+def run_config(*, steps: int, seed: int = 0, codec: str = "none", rate: float = 0.25, monitors: bool = True, bf16: bool = False) -> str:
+    """The run config of a :func:`scenario` (its arguments of the same names)."""
+    precisions = '["fp32", "bf16"]' if bf16 else '["fp32"]'
+    return TINY.format(seed=seed, steps=steps, codec=codec, rate=rate, monitors=str(monitors).lower(), precisions=precisions)
+
+
 def scenario(
     workdir: Path, *, kind: str | None = None, from_step: int = 0, steps: int = 30, seed: int = 0, codec: str = "none",
     rate: float = 0.25, monitors: bool = True, timeout_s: float = 300.0, bf16: bool = False, extra_toml: str = "",
@@ -132,8 +138,7 @@ def scenario(
 
     from protolearn.cli.demo import LocalSwarm
 
-    precisions = '["fp32", "bf16"]' if bf16 else '["fp32"]'
-    run_toml = TINY.format(seed=seed, steps=steps, codec=codec, rate=rate, monitors=str(monitors).lower(), precisions=precisions) + extra_toml
+    run_toml = run_config(steps=steps, seed=seed, codec=codec, rate=rate, monitors=monitors, bf16=bf16) + extra_toml
     per_node = {ADVERSARY: ["--adversary", f"{kind}:{from_step}"]} if kind else {}
     if bf16:
         per_node[ADVERSARY + 1] = ["--bf16"]

@@ -1,5 +1,5 @@
 """Integrity end to end: a lying stage-0 replica in a real swarm is caught, banned with a reason, and training
-goes on to within 3% of the honest run's loss. The swarm is ``scripts/bench_integrity.py``'s scenario:
+goes on to within 3% of the honest loss. The swarm is ``scripts/bench_integrity.py``'s scenario:
 a coordinator and 5 nodes as CLI subprocesses on 127.0.0.1 (2 + 2, then the adversary joins mid-run as
 the third replica of a stage) as ``node join --adversary KIND`` (allowed by PROTOLEARN_ALLOW_ADVERSARY=1).
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.scripts import load_script
+from tests.support.swarm import reference_losses
 
 # The adversary starts once the four honest nodes built their stages and joins 5-6 s later, at step 17 to
 # 26 of a run of 0.3-0.4 s steps on this machine: 30 steps left it 4 to be caught in (it was not, twice).
@@ -28,9 +29,13 @@ def _bench():
 
 @pytest.fixture(scope="module")
 def honest(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    r = _bench().scenario(tmp_path_factory.mktemp("honest"), steps=STEPS, timeout_s=400)
-    assert r["steps_closed"] == STEPS and r["false_positives"] == 0, r
-    return r
+    """The honest loss: the reference trainer's (``train-local``) on the scenario's run config. An honest swarm of
+    this scenario equals it (I3): its last step's loss was 2.9149157 against train-local's 2.9149154, and the
+    reference takes 7 s where the swarm took 50."""
+    tmp = tmp_path_factory.mktemp("honest")
+    config = tmp / "run.toml"
+    config.write_text(_bench().run_config(steps=STEPS))
+    return {"final_loss": reference_losses(config, STEPS, tmp)[-1]}
 
 
 @pytest.mark.parametrize("kind", ["signflip"])
