@@ -28,6 +28,11 @@ start-up is excluded:
   its compute call ran when its watchdog gave up and it left the swarm, and ``hung_error``, the one
   line it exited with.
 
+``--baseline before`` runs no honest swarm: each adversary run is compared with its own steps before FROM_STEP
+(from the last node's first step), side by side in one run, so the machine's load between two runs does not
+enter the ratios (FROM_STEP must leave steps for that window: ``hang:20``, not ``blackhole:2``). Its
+``steps_closed[0]`` and ``honest_*`` keys are that window's, and ``exit_codes["honest"]`` is empty.
+
 ``python scripts/bench_blackhole.py [--quick] [--kind hang --stages 2 --from-step 5]`` prints the dict as JSON;
 ``--kind blackhole:2,hang:20`` runs the honest swarm once and each adversary after it, and prints
 ``{kind: dict}``. ``scripts/bench.py`` may call :func:`measure` or :func:`measure_kinds`.
@@ -36,6 +41,7 @@ start-up is excluded:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -239,9 +245,10 @@ def measure(*, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: 
 
 def measure_kinds(kinds: dict[str, int], *, quick: bool = False, stages: int = 1, num_nodes: int = 3, steps: int | None = None,
                   lease_s: float | None = None, warmup: int = 2, hole_stage: int = 0, workdir: Path | None = None,
-                  stage1_replicas: int = 1, extra_toml: str = "") -> dict[str, dict]:
+                  stage1_replicas: int = 1, extra_toml: str = "", baseline: str = "honest") -> dict[str, dict]:
     """One honest run, then one run per adversary ``kind`` (from its step ``kinds[kind]``), each compared with
-    the same honest run: ``{kind: measure()'s dict}``. Each adversary run is in ``workdir/blackhole`` for
+    the same honest run: ``{kind: measure()'s dict}``. ``baseline`` "before": no honest run; each adversary run
+    is compared with its own steps before the adversary's first (module docstring). Each adversary run is in ``workdir/blackhole`` for
     ``blackhole`` and ``workdir/KIND`` otherwise. ``stage1_replicas`` 2 (with ``hole_stage`` 1): node 0
     is one of stage 1's two replicas, node 2 the other (both offer too little memory for stage 0)."""
     steps = steps or (40 if quick else 80)
@@ -252,16 +259,20 @@ def measure_kinds(kinds: dict[str, int], *, quick: bool = False, stages: int = 1
         raise ValueError(f"hole_stage {hole_stage}: 0, or 1 with >= 2 stages and >= 4 nodes (so stage 1 keeps a replica after the ban)")
     if stage1_replicas not in (1, 2) or (stage1_replicas == 2 and hole_stage != 1):
         raise ValueError(f"stage1_replicas {stage1_replicas}: 1, or 2 with hole_stage 1")
-    honest = _swarm_run(workdir / "honest", stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s, hole=None, deadline_s=deadline,
-                        hole_stage=hole_stage, stage1_replicas=stage1_replicas, extra_toml=extra_toml)
+    if baseline not in ("honest", "before"):
+        raise ValueError(f"baseline {baseline!r}: honest or before")
+    honest = None if baseline == "before" else _swarm_run(
+        workdir / "honest", stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s, hole=None, deadline_s=deadline,
+        hole_stage=hole_stage, stage1_replicas=stage1_replicas, extra_toml=extra_toml)
     out = {}
     for kind, from_step in kinds.items():
         where = workdir / ("blackhole" if kind == "blackhole" else kind)
         hole = _swarm_run(where, stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s,
                           hole=f"{kind}:{from_step}", deadline_s=deadline, hole_stage=hole_stage, stage1_replicas=stage1_replicas,
                           extra_toml=extra_toml)
-        out[kind] = _compare(honest, hole, kind=kind, from_step=from_step, steps=steps, lease_s=lease_s, stages=stages,
-                             num_nodes=num_nodes, warmup=warmup, hole_stage=hole_stage, where=where, workdir=workdir)
+        before = dataclasses.replace(hole, history=[p for p in hole.history if p.step < from_step], bans=[], exit_codes={})
+        out[kind] = _compare(honest or before, hole, kind=kind, from_step=from_step, steps=steps, lease_s=lease_s, stages=stages,
+                             num_nodes=num_nodes, warmup=warmup, hole_stage=hole_stage, where=where, workdir=workdir, baseline=baseline)
     return out
 
 
@@ -271,7 +282,7 @@ def _all_in(run: Outcome) -> float:
 
 
 def _compare(honest: Outcome, hole: Outcome, *, kind: str, from_step: int, steps: int, lease_s: float, stages: int, num_nodes: int,
-             warmup: int, hole_stage: int, where: Path, workdir: Path) -> dict:
+             warmup: int, hole_stage: int, where: Path, workdir: Path, baseline: str = "honest") -> dict:
     h_hist = sorted(honest.history, key=lambda p: p.step)
     # The honest window: from the warmup-th step closed after the last node started training. A node that
     # joined too late to train any step (the run ended first) bounds nothing.
@@ -337,6 +348,7 @@ def _compare(honest: Outcome, hole: Outcome, *, kind: str, from_step: int, steps
         "left_out_after_s": hung.get("running_s"),
         "hung_error": _last_error(where / "node0.err") if kind == "hang" else None,
         "kind": kind,
+        "baseline": baseline,
         "node_stages": {str(k): v for k, v in sorted(hole.node_stages.items())},
         "workdir": str(workdir),
     }
@@ -354,6 +366,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stage1-replicas", type=int, default=1, help="2 (with --hole-stage 1): node 0 is one of stage 1's two replicas")
     parser.add_argument("--kind", default="blackhole", help="how node 0 misbehaves: blackhole or hang, or several as "
                         "KIND[:FROM_STEP],... (one honest run for all; prints {kind: result})")
+    parser.add_argument("--baseline", choices=("honest", "before"), default="honest",
+                        help="before: no honest run; compare each adversary run with its own steps before FROM_STEP")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
     kinds: dict[str, int] = {}
@@ -363,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--kind {item!r}: expected blackhole or hang, optionally with :FROM_STEP")
         kinds[name] = int(start) if start else args.from_step
     out = measure_kinds(kinds, quick=args.quick, stages=args.stages, num_nodes=args.nodes, steps=args.steps, lease_s=args.lease_s,
-                        hole_stage=args.hole_stage, workdir=Path(args.workdir) if args.workdir else None, stage1_replicas=args.stage1_replicas)
+                        hole_stage=args.hole_stage, workdir=Path(args.workdir) if args.workdir else None, stage1_replicas=args.stage1_replicas, baseline=args.baseline)
     print(json.dumps(out if "," in args.kind else out[next(iter(kinds))]))
 
 
