@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from protolearn.protocol.identity import Identity
 
-from tests.support.cli import PROTOLEARN, cli, one_error_line
+from tests.support.cli import CLI, PROTOLEARN, cli, one_error_line
 
 COORD = f"/ip4/127.0.0.1/tcp/7700/p2p/{Identity.generate().peer_id}"
 
@@ -38,3 +38,14 @@ def test_cli_rejects_a_bad_relay_via_in_one_line(tmp_path: Path) -> None:
     line = one_error_line(cli("node", "join", "--coordinator", COORD, "--relay-via", "/ip4/1.2.3.4/tcp/4001", "--data-dir", str(tmp_path),
                               cwd=tmp_path))
     assert line.startswith("error: --relay-via: ") and "/p2p/<peer id>" in line, line
+
+
+def test_unreachable_coordinator_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    addr = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWLtmWBffp4nFR617coSMPgcuXAjkp2AZYcRQ6ESJFKjAd"
+    r = subprocess.run([*CLI, "node", "join", "--coordinator", addr, "--data-dir", str(tmp_path / "n"), "--coordinator-wait", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: cannot reach the coordinator")
+    bad = subprocess.run([*CLI, "node", "join", "--coordinator", "localhost:7700"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "must be a full multiaddr" in bad.stderr and "Traceback" not in bad.stderr
