@@ -87,12 +87,11 @@ class LeaseDiscipline:
         # The peers struck for late leases in each of the last two steps (sat_out).
         self._late_in: dict[int, set[str]] = {}
 
-    def share(self, peer: str, replicas: int | None = None) -> int:
-        """The most tickets ``peer`` may hold at once: its share of the step, halved per strike (down to one). A replica
-        whose connection closed (it died) does not count: its share goes to the others at once, not at its expiry.
-        ``replicas``: the stage-0 replicas present, where the caller has counted them already."""
-        present = self.registry.working_present(0) if replicas is None else replicas
-        share = -(-self.ledger.num_tickets // max(1, present))
+    def share(self, peer: str, replicas: int) -> int:
+        """The most tickets ``peer`` may hold at once: its share of the step, halved per strike (down to one), among
+        ``replicas``, the stage-0 replicas present (``registry.working_present(0)``: a replica whose connection closed,
+        because it died, does not count, so its share goes to the others at once, not at its expiry)."""
+        share = -(-self.ledger.num_tickets // max(1, replicas))
         return max(1, share >> min(self._strikes.get(peer, 0), 62))
 
     def completed(self, peer: str, held_s: float, now: float) -> None:

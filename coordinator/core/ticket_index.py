@@ -27,8 +27,7 @@ class TicketIndex:
     """What :class:`~.tickets.TicketLedger` would otherwise scan its open step's tickets for (module docstring)."""
 
     def __init__(self) -> None:
-        self._of: list[Ticket] | None = None
-        self._tickets: list[Ticket] = []
+        self._tickets: list[Ticket] = []  # the list built for (by identity: the ledger's open step)
         self.free_from = 0
         self.held: dict[str, set[int]] = {}
         self.expiry_floor = math.inf
@@ -37,7 +36,7 @@ class TicketIndex:
 
     def over(self, tickets: list[Ticket]) -> TicketIndex:
         """This index, rebuilt first if ``tickets`` is another list than it was built for."""
-        if self._of is tickets:
+        if self._tickets is tickets:
             return self
         held: dict[str, set[int]] = {}
         routed: dict[str, set[int]] = {}
@@ -50,7 +49,7 @@ class TicketIndex:
                 done += 1
                 for p in t.route or ():
                     routed.setdefault(p, set()).add(t.index)
-        self._of = self._tickets = tickets
+        self._tickets = tickets
         self.free_from, self.held, self.expiry_floor, self.done, self.routed = 0, held, floor, done, routed
         return self
 

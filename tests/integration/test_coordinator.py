@@ -601,7 +601,7 @@ def test_a_lease_held_at_its_share_is_answered_when_the_replica_finishes_one_and
                 # connection has stayed closed for the grace, the survivor's share is every ticket of the step.
                 await wait_until(lambda: not coord.core.registry.present(a.peer_id), timeout=10.0, what="a to be presumed dead")
                 assert coord.core.registry.is_live(a.peer_id)  # not expired
-                assert coord.core.leases.share(survivor.host.peer_id) == 4
+                assert coord.core.leases.share(survivor.host.peer_id, coord.core.registry.working_present(0)) == 4
             nursery.cancel_scope.cancel()
 
     run_trio(main, timeout=60)
