@@ -2,7 +2,8 @@
 
 The coordinator is the one component every node talks to, so its per-request work must be O(1) in the
 number of members. :class:`StageTallies` keeps what requests ask about the swarm as a whole up to date as
-members change: the live count, per stage the replicas, the summed throughput and the working replicas
+members change: the live count, per stage the replicas, the summed throughput (a member that has not measured
+its throughput yet counts as the swarm's median claim, see :meth:`StageTallies.loads`) and the working replicas
 (those serving the stage now, see ``members.py``), the swarm's throughput claims (for their median, see
 ``assignment.py``), stage 0's corpus votes (``corpus.py``) and the live public members that offered to
 relay (``reachability.py``). The registry calls :meth:`StageTallies.count` with -1 before it changes a
@@ -35,6 +36,7 @@ class StageTallies:
         self._replicas = [0] * num_stages
         self._working: list[set[str]] = [set() for _ in range(num_stages)]
         self._throughput = [0] * num_stages
+        self._unmeasured = [0] * num_stages  # members that have claimed no throughput yet (0: not measured)
         self.claims = ThroughputClaims()
         self._corpus_votes: Counter[str] = Counter()
         # Live members that offered to relay and that the coordinator found public, in join order (a dict as
@@ -63,7 +65,10 @@ class StageTallies:
         if not 0 <= s < self.num_stages:
             return
         self._replicas[s] += sign
-        self._throughput[s] += sign * _units(m.throughput)
+        if m.throughput > 0:
+            self._throughput[s] += sign * _units(m.throughput)
+        else:
+            self._unmeasured[s] += sign
         if m.serving in (-1, s) and m.state in SERVING_STATES:
             if sign > 0:
                 self._working[s].add(m.peer_id)
@@ -79,8 +84,15 @@ class StageTallies:
         return [len(w) for w in self._working]
 
     def loads(self) -> list[StageLoad]:
-        """Each stage's summed throughput and replica count, as :func:`~.assignment.stage_loads` would give."""
-        return [StageLoad(t / _UNITS_PER_THROUGHPUT, n) for t, n in zip(self._throughput, self._replicas, strict=True)]
+        """Each stage's summed throughput and replica count, as :func:`~.assignment.stage_loads` would give, except that
+        a member that has not measured its throughput yet (a joiner until its first heartbeat that says) counts as the
+        swarm's lower median claim: counted as nothing, it left its stage the least loaded, so joiners that came
+        within one heartbeat of each other all went there (4 equal nodes joining a 2-stage run as two trained split
+        3 to 1). A claim of 0 gains nothing over claiming the median (claims count up to ``throughput_claim_factor``
+        times it, assignment.py)."""
+        typical = max(self.claims.lower_median() or 0.0, MIN_THROUGHPUT)
+        return [StageLoad(t / _UNITS_PER_THROUGHPUT + u * typical, n)
+                for t, u, n in zip(self._throughput, self._unmeasured, self._replicas, strict=True)]
 
     def corpus_votes(self, fingerprint: str) -> int:
         """How many live stage-0 members reported ``fingerprint``."""

@@ -460,3 +460,22 @@ def test_a_run_that_drops_departures_refuses_the_redo_of_a_round_that_left_a_rep
     with pytest.raises(Refusal) as err:
         core.handle("a", cm.Redo(step=0, indices=[0], reason="replica out", revision=1, kind="replica_out"), 2.0)
     assert err.value.code == "dropped"
+
+
+def test_joiners_that_have_not_measured_yet_count_as_a_typical_member_and_split_over_the_stages() -> None:
+    """Four equal nodes join a 2-stage run, the last two while the first two train: the first two have reported their
+    throughput, the third has not yet when the fourth joins. Counted as nothing, the third left its stage the least
+    loaded and the fourth joined it too (a 3 to 1 split, seen in CI); counted as the median claim, the fourth takes
+    the other stage."""
+    core = make_core()
+    first = {join(core, p, throughput=0.0).stage: p for p in ("a", "b")}
+    assert sorted(first) == [0, 1]
+    # Stage 0's replica reports a little less than stage 1's, as a node that waited longer for the pipeline does.
+    for stage, rate in ((0, 90.0), (1, 110.0)):
+        hb = core.handle(first[stage], cm.Heartbeat(state="training", throughput=rate), 1.0)
+        assert isinstance(hb, cm.HeartbeatReply), hb
+    third = join(core, "c", 2.0, throughput=0.0)
+    assert third.stage == 0  # the stage with less throughput
+    fourth = join(core, "d", 2.1, throughput=0.0)
+    assert fourth.stage == 1, fourth.reason
+    assert [load.replicas for load in core.registry.loads()] == [2, 2]
