@@ -29,9 +29,10 @@ start-up is excluded:
   line it exited with.
 
 ``--baseline before`` runs no honest swarm: each adversary run is compared with its own steps before FROM_STEP
-(from the last node's first step), side by side in one run, so the machine's load between two runs does not
-enter the ratios (FROM_STEP must leave steps for that window: ``hang:20``, not ``blackhole:2``). Its
-``steps_closed[0]`` and ``honest_*`` keys are that window's, and ``exit_codes["honest"]`` is empty.
+(after the first ``warmup``, whoever had joined by then: a node that a loaded machine starts late may join
+after FROM_STEP), side by side in one run, so the machine's load between two runs does not enter the ratios
+(FROM_STEP must leave steps for that window: ``hang:20``, not ``blackhole:2``). Its ``steps_closed[0]`` and
+``honest_*`` keys are that window's, ``exit_codes["honest"]`` is empty and ``nodes_joined[0]`` is 0.
 
 ``python scripts/bench_blackhole.py [--quick] [--kind hang --stages 2 --from-step 5]`` prints the dict as JSON;
 ``--kind blackhole:2,hang:20`` runs the honest swarm once and each adversary after it, and prints
@@ -270,7 +271,8 @@ def measure_kinds(kinds: dict[str, int], *, quick: bool = False, stages: int = 1
         hole = _swarm_run(where, stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s,
                           hole=f"{kind}:{from_step}", deadline_s=deadline, hole_stage=hole_stage, stage1_replicas=stage1_replicas,
                           extra_toml=extra_toml)
-        before = dataclasses.replace(hole, history=[p for p in hole.history if p.step < from_step], bans=[], exit_codes={})
+        pre = sorted((p for p in hole.history if p.step < from_step), key=lambda p: p.step)[warmup:]
+        before = dataclasses.replace(hole, history=pre, bans=[], exit_codes={}, joined={})
         out[kind] = _compare(honest or before, hole, kind=kind, from_step=from_step, steps=steps, lease_s=lease_s, stages=stages,
                              num_nodes=num_nodes, warmup=warmup, hole_stage=hole_stage, where=where, workdir=workdir, baseline=baseline)
     return out

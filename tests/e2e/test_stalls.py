@@ -19,7 +19,7 @@ starts (no separate honest swarm: the two halves of one run share the machine's 
   it, while the survivors take over its work and it exits, ran at up to 2.2 x the median on a quiet machine),
   and the median step time stays within 3 x of it.
 - In each, "honest" is the same run before the adversary's first step (``--baseline before``): its steps
-  from the last node's first step to step 25 (30 for the stage-1 hang).
+  from step 2 to step 25 (30 for the stage-1 hang).
 - **a stage-1 replica hangs** (``--hole-stage 1 --stage1-replicas 2``: node 0 is one of stage 1's two replicas,
   node 2 the other; their ``--max-memory`` fits only stage 1): the same as the stage-0 hang, except that the
   step it hangs in shows as two slow gaps between closes (its close, then its commit's hold in the next close).
@@ -82,7 +82,7 @@ def test_a_stage0_blackhole_is_expelled_and_throughput_recovers(runs: dict) -> N
     assert r["banned"], r
     assert r["banned_reason"].startswith("liveness: held ") and "without completing any" in r["banned_reason"], r
     assert r["leases_until_ban"] is not None and r["leases_until_ban"] <= 20, r
-    assert r["honest_banned"] == [] and r["nodes_joined"] == [3, 3], r
+    assert r["honest_banned"] == [] and r["nodes_joined"][1] == 3, r
     assert r["baseline"] == "before" and r["steps_closed"][1] == r["steps"] == STEPS, r  # the run finished every step
     assert r["honest_tokens_per_s"] is not None, r  # steps to compare with closed before the blackhole
     honest_codes = [c for k, c in r["exit_codes"]["blackhole"].items() if k != "0"]
