@@ -16,6 +16,8 @@ from tests.support.swarm import DEADLINE_S
 # Raw float32 sync of 2 replicas: each sends half its vector (scatter) and its reduced half (gather).
 # What a compression may cost at most, as a fraction of that (headers, fins and probes included).
 AT_MOST = {"int8": 0.4, "topk:0.02": 0.15, "powersgd:2": 0.2}
+# Steps that both replicas of a stage must have applied (and so synced together, compressed).
+MIN_PAIRED_STEPS = 4
 
 
 def two_by_two(s, sync_toml: str) -> dict[int, list[str]]:
@@ -36,7 +38,7 @@ def two_by_two(s, sync_toml: str) -> dict[int, list[str]]:
 
 @pytest.mark.parametrize("compression", sorted(AT_MOST))
 def test_two_stages_two_replicas_stay_identical_under_compressed_sync(swarm, compression: str) -> None:
-    steps, B = 6, 4
+    steps, B = 10, 4
     s = swarm(steps=steps, codec="none", layers=2, stages=2)
     by_stage = two_by_two(s, f'compression = "{compression}"\n')
     for stage, members in by_stage.items():
@@ -54,7 +56,9 @@ def test_two_stages_two_replicas_stay_identical_under_compressed_sync(swarm, com
             for d in logged:
                 if d["sync_bytes"] is not None and len(d["replicas"]) == 2:
                     assert 0 < d["sync_bytes"] < AT_MOST[compression] * 4 * numel, (stage, t, d["sync_bytes"], numel)
-        assert compared >= steps - 2, f"stage {stage}: both replicas applied only {compared} steps"
+        # A replica that a loaded machine builds and syncs slowly misses the first steps (4 of 6 once, in a CI run with
+        # the cores kept busy: 2.5 s from its join to its state); the steps both applied must still be several.
+        assert compared >= MIN_PAIRED_STEPS, f"stage {stage}: both replicas applied only {compared} of {steps} steps"
     losses = [d["loss"] for d in s.events(by_stage[0][0], "step")]
     assert losses[-1] < losses[0], losses
 
