@@ -110,6 +110,8 @@ class CoordinatorSettings(BaseModel):
     throughput_claim_factor: float = Field(4.0, ge=1)
     # A member's state change shows in the view (and bumps its version) at most once per this interval.
     view_state_interval_s: float = Field(1.0, ge=0)
+    # No ticket of the first step is leased until this many nodes have joined (core/gathering.py); 1 starts at once.
+    start_members: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> CoordinatorSettings:

@@ -187,13 +187,13 @@ class _Service:
         )
         self.sync_bans()
 
-    def _progress(self) -> tuple[int, int, int, int, int]:
-        """(open step, last closed step's revision, last committed step, outer decisions taken, tickets freed):
-        long polls wake when it changes."""
+    def _progress(self) -> tuple[int, int, int, int, int, bool]:
+        """(open step, last closed step's revision, last committed step, outer decisions taken, tickets freed, whether
+        the run started: core/gathering.py): long polls wake when it changes."""
         led = self.core.ledger
         closed = led.closed.get(led.step - 1)
         outer = self.core.outer.version if self.core.outer is not None else 0
-        return led.step, closed.revision if closed is not None else 0, led.committed_through, outer, led.frees
+        return led.step, closed.revision if closed is not None else 0, led.committed_through, outer, led.frees, self.core.gathering.started
 
     def sync_bans(self) -> None:
         """Refuse banned peers at connection time once their ban is ``ban_notice_s`` old. Until then each

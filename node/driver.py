@@ -204,7 +204,7 @@ class TicketDriver:
         self._nonces.update(((reply.step, i), n) for i, n in zip([*reply.indices, *reply.held], [*reply.nonces, *reply.held_nonces]))
         self.routes.avoid(reply.step, list(reply.avoid))
         self.routes.suspect(list(reply.suspects))
-        self._feed(Leased(reply.step, list(reply.indices), waited=reply.waited_s > 0, held=tuple(reply.held)))
+        self._feed(Leased(reply.step, list(reply.indices), waited=reply.waited_s > 0, held=tuple(reply.held), reason=reply.reason))
 
     async def _run_ticket(self, step: int, ticket: int) -> None:
         if self.outbound.withholds(step):

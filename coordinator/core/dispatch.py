@@ -42,6 +42,7 @@ from protolearn.coordinator.core.close_rule import CloseRule
 from protolearn.coordinator.core.cooldown import BanCooldown
 from protolearn.coordinator.core.corpus import CorpusDesk
 from protolearn.coordinator.core.final_model import FinalModelDesk
+from protolearn.coordinator.core.gathering import Gathering
 from protolearn.coordinator.core.history import LossRecord, StepHistory
 from protolearn.coordinator.core.holdups import Holdups
 from protolearn.coordinator.core.integrity import EvidenceRecord, IntegrityDesk
@@ -122,6 +123,7 @@ class CoordinatorCore:
         self.admission = Admission(settings, self.registry, self.verdicts)
         self.cooldown = BanCooldown(settings.ban_cooldown_s)
         self.step_history = StepHistory(self.ledger)
+        self.gathering = Gathering(settings.start_members)
         self._last_rebalance = started_at
         # Expired leases re-issued, for the metrics.
         self.reissued = 0
@@ -157,6 +159,7 @@ class CoordinatorCore:
         """Load persisted state after a restart, giving live members and leases a fresh term."""
         self.registry.restore(members, now)
         self.ledger.restore(step=step, tickets=tickets, closed=closed, committed_through=committed, now=now)
+        self.gathering.restore(step=step, tickets=len(tickets))
         self.verdicts.restore(bans)
         self.integrity.restore(evidence or [])
         self.corpus_desk.restore(corpus)
@@ -288,6 +291,8 @@ class CoordinatorCore:
                 "the join was not registered, retry later",
             )
         self.cooldown.joined(peer, ip, self.registry.members)
+        if not self.gathering.started and self.gathering.waiting(self.registry.num_live) is None:
+            log.info("the run starts: %d nodes have joined (--wait-for %d)", self.registry.num_live, self.settings.start_members)
         log.info("join peer=%s stage=%d rejoined=%s reason=%s", peer, d.stage, d.rejoined, d.reason)
         return reply
 
@@ -352,6 +357,9 @@ class CoordinatorCore:
             # must not take back the tickets its death freed; once it reconnects it is present again.
             why = f"{member.peer_id} has had no connection to the coordinator for {self.settings.disconnect_grace_s:g} s"
             return cm.LeaseReply(step=step, indices=[], lease_s=self.settings.lease_s, reason=why, avoid=avoid, suspects=suspects)
+        gathering = self.gathering.waiting(self.registry.num_live)
+        if gathering is not None:
+            return cm.LeaseReply(step=step, indices=[], lease_s=self.settings.lease_s, reason=gathering, avoid=avoid, suspects=suspects)
         if member.peer_id in self._barred(step, 0):
             why = f"sits out the rest of step {step}: its stage named it the cause of a failed round of it (round_faults.py)"
             return cm.LeaseReply(step=step, indices=[], lease_s=self.settings.lease_s, reason=why, avoid=avoid, suspects=suspects)

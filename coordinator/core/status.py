@@ -56,6 +56,7 @@ from typing import Any, Protocol, get_args
 
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.final_model import FinalModelDesk
+from protolearn.coordinator.core.gathering import Gathering
 from protolearn.coordinator.core.history import LossRecord
 from protolearn.coordinator.core.holdups import Holdups, Waiting
 from protolearn.coordinator.core.integrity import IntegrityDesk
@@ -254,6 +255,8 @@ class StatusSource(Protocol):
     def holdups(self) -> Holdups: ...
     @property
     def outer(self) -> OuterDesk | None: ...
+    @property
+    def gathering(self) -> Gathering: ...
 
 
 def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.Status:
@@ -331,7 +334,7 @@ def build_status(core: StatusSource, now: float, history_len: int = 200) -> ss.S
     if finished:
         verdict, why = "finished", _finished_reason(run.steps, history, final.state if settings.keep_final else "off", final_step)
     else:
-        verdict, why = _verdict(stages, nodes, history, now, core.holdups.waiting)
+        verdict, why = _verdict(stages, nodes, history, now, core.holdups.waiting, core.gathering.waiting(len(live)))
     rate = tokens_per_s(history, run.tokens_per_step, now)
     if len(nodes) > MAX_STATUS_NODES:  # flagged nodes first, then by stage and peer ID
         nodes = sorted(sorted(nodes, key=lambda n: not n.flags)[:MAX_STATUS_NODES], key=lambda n: (n.stage, n.peer_id))
@@ -395,9 +398,12 @@ def _finished_reason(steps: int, history: list[ss.LossPoint], final_state: str, 
 
 def _verdict(
     stages: list[ss.StageView], nodes: list[ss.NodeView], history: list[ss.LossPoint], now: float, waiting: Waiting | None = None,
+    gathering: str | None = None,
 ) -> tuple[str, str]:
     if not nodes:
         return "halted", "no nodes have joined; start one with `protolearn node join`"
+    if gathering is not None:
+        return "halted", gathering
     empty = [s.index for s in stages if s.replicas == 0]
     if empty:
         names = ", ".join(str(i) for i in empty)

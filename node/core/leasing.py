@@ -43,6 +43,8 @@ NOT_STARTED_MAX_S = 2.0
 # An empty lease answer (every ticket of the step is out) is asked again after LEASE_RETRY_S, doubling with each
 # empty answer in a row up to this: a ticket freed later (a redo, an expired lease) is picked up within it.
 EMPTY_LEASE_MAX_S = 2.0
+# Empty answers for this long in a row are logged once, with the coordinator's reason.
+IDLE_TOLD_S = 10.0
 # A lease asks the coordinator to hold it this long for a ticket to free (``Lease.wait_s``), so a freed ticket (its
 # holder died, a redo) is taken as soon as it frees, not after the back-off above. An empty answer after such a
 # wait is asked again after LEASE_RETRY_S; one the coordinator did not hold (it had no slot) backs off as above.
@@ -58,6 +60,8 @@ class Leased:
     waited: bool = False
     # Tickets the coordinator has this node holding that its request did not list (``LeaseReply.held``).
     held: tuple[int, ...] = ()
+    # Why the answer holds no ticket, when the coordinator says (``LeaseReply.reason``).
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,8 @@ class LeaseCore:
         self._departed = False
         self._not_started = 0  # tickets in a row that no next-stage peer took
         self._empty = 0  # lease answers in a row with no ticket
+        self._empty_since: float | None = None  # when the answers began to hold no ticket; None once one did
+        self._told = False  # whether this run of empty answers was logged (once it lasted IDLE_TOLD_S)
 
     def begin(self, step: int, still_held: list[int], now: float) -> None:
         """Drive ``step``: keep the start times of tickets still held (a reopened step's earlier tickets)."""
@@ -255,13 +261,22 @@ class LeaseCore:
                 self._empty = 0
                 return out
             if not event.indices:
+                if self._empty_since is None:
+                    self._empty_since, self._told = now, False
+                elif not self._told and now - self._empty_since >= IDLE_TOLD_S:
+                    # A stage-0 replica that gets no ticket for a while says why once (the run waits for more nodes,
+                    # a step waits to commit): otherwise its log shows nothing while it idles.
+                    self._told = True
+                    out.append(Emit("lease_idle", {"step": self.step, "for_s": round(now - self._empty_since, 1), "reason": event.reason},
+                                    logging.INFO, f"no ticket for {now - self._empty_since:.0f} s: {event.reason or 'every ticket is out'}"))
                 # Every ticket is leased or done: ask again later, backing off while the answer stays empty. At a
                 # fixed LEASE_RETRY_S each stage-0 replica sent the coordinator 20 requests a second for the whole
                 # of a step whose tickets were all out (312 replicas of a 10,000-node swarm: 6,000 a second).
                 self._pause_until = now + min(EMPTY_LEASE_MAX_S, LEASE_RETRY_S * 2 ** min(self._empty, 16))
                 self._empty += 1
-                return []
+                return out
             self._empty = 0
+            self._empty_since = None
             # A ticket we hold may come back: our lease ran out, or the step reopened to redo it.
             for t in event.indices:
                 self._begin_attempt(t, now)

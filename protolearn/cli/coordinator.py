@@ -98,6 +98,9 @@ def _start(
     link: Annotated[str | None, typer.Option(
         "--link", metavar="SPEC", help="Emulate a home link for the coordinator's traffic too (RATE,DELAY[,JITTER]); off by default: it carries no tensors.",
     )] = None,
+    wait_for: Annotated[int, typer.Option(
+        "--wait-for", metavar="N", help="Lease no ticket of the first step until N nodes have joined (default 1: start at once).",
+    )] = 1,
     lease_s: Annotated[float | None, typer.Option(
         "--lease-s", help="Ticket lease term in seconds (tests and benchmarks shrink it; default 20).", hidden=True,
     )] = None,
@@ -112,17 +115,19 @@ def _start(
         raise ConfigError(f"--log-level={log_level!r} is not one of debug, info, warning, error")
     if lease_s is not None and not lease_s > 0:
         raise ConfigError(f"--lease-s={lease_s} must be a positive number of seconds")
+    if wait_for < 1:
+        raise ConfigError(f"--wait-for={wait_for} must be at least 1 node")
     if metrics_port is not None and not 0 <= metrics_port < 65536:
         raise ConfigError(f"--metrics-port={metrics_port} is not a TCP port (0-65535)")
     spec = usable_link(parse_link(link)) if link is not None else None
     data_dir = data_dir or default_data_dir("coordinator")
     with DataDirLock(data_dir, what="--data-dir"):
-        _serve(config, listen, announce or [], data_dir, metrics_port, log_level, ban_on_evidence, relay, lease_s, spec)
+        _serve(config, listen, announce or [], data_dir, metrics_port, log_level, ban_on_evidence, relay, lease_s, spec, wait_for)
 
 
 def _serve(
     config: Path | None, listen: str, announce: list[str], data_dir: Path, metrics_port: int | None, log_level: str,
-    ban_on_evidence: bool, relay: bool, lease_s: float | None, link: LinkSpec | None,
+    ban_on_evidence: bool, relay: bool, lease_s: float | None, link: LinkSpec | None, wait_for: int,
 ) -> None:
     import trio
 
@@ -137,7 +142,9 @@ def _serve(
     from protolearn.stages.config import RunConfig, load_run_config
 
     configure_stderr_logging(log_level)
-    settings = CoordinatorSettings(ban_on_evidence=ban_on_evidence, keep_final=True, **({} if lease_s is None else {"lease_s": lease_s}))
+    settings = CoordinatorSettings(
+        ban_on_evidence=ban_on_evidence, keep_final=True, start_members=wait_for, **({} if lease_s is None else {"lease_s": lease_s}),
+    )
     _raise_open_files(settings.max_connections + OTHER_FILES)
     saved = persisted_run_toml(data_dir)
     if config is None:

@@ -49,3 +49,9 @@ def test_unreachable_coordinator_is_one_line_and_exit_1(tmp_path: Path) -> None:
     assert r.stderr.strip().splitlines()[-1].startswith("error: cannot reach the coordinator")
     bad = subprocess.run([*CLI, "node", "join", "--coordinator", "localhost:7700"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "must be a full multiaddr" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_coordinator_wait_for_zero_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    argv = [str(PROTOLEARN), "coordinator", "start", "--wait-for", "0", "--data-dir", str(tmp_path / "coord")]
+    line = one_error_line(subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path))
+    assert "--wait-for=0 must be at least 1 node" in line, line

@@ -74,8 +74,9 @@ class Swarm(Supervisor):
         self.tmp = tmp
         self.config = config
 
-    def start_coordinator(self) -> str:
-        self.spawn("coord", *self.coordinator_args(self.config, self.tmp / "coord"))
+    def start_coordinator(self, *extra: str) -> str:
+        """Start ``coordinator start`` (``extra``: more of its options) and return the address it prints."""
+        self.spawn("coord", *self.coordinator_args(self.config, self.tmp / "coord", "/ip4/127.0.0.1/tcp/0", *extra))
         return self.wait_address("coord")
 
     def wait_address(self, name: str) -> str:

@@ -167,6 +167,34 @@ def test_state_survives_a_store_round_trip(tmp_path: Path) -> None:
     jsonschema.validate(status.model_dump(mode="json"), STATUS_JSON_SCHEMA)
 
 
+def test_wait_for_leases_nothing_until_that_many_nodes_joined_then_never_waits_again(tmp_path: Path) -> None:
+    """``coordinator start --wait-for 3``: the first step's tickets wait for the third node, status says why; a member
+    leaving later does not stop the run, and a restarted coordinator whose store holds a leased ticket has started."""
+    settings = SETTINGS.model_copy(update={"start_members": 3})
+    core = make_core(settings)
+    join(core, "a"), join(core, "b")
+    lease = core.handle("a", cm.Lease(max_tickets=4), 0.1)
+    assert lease.indices == [] and "starts when 3 nodes have joined (2 so far" in lease.reason
+    st = core.handle("x", cm.StatusRequest(), 0.1)
+    assert st.verdict == "halted" and "starts when 3 nodes have joined" in st.verdict_reason
+    join(core, "c")
+    assert core.handle("a", cm.Lease(max_tickets=1), 0.2).indices, "the third node starts the run"
+    core.handle("c", cm.Leave(), 0.3)
+    assert core.handle("a", cm.Lease(max_tickets=1), 0.3).indices, "a departure after the start is churn, not a wait"
+    assert "starts when" not in core.handle("x", cm.StatusRequest(), 0.3).verdict_reason
+
+    store = Store(tmp_path)
+    store.apply(core.drain())
+    store.close()
+    again = make_core(settings)
+    again.restore(**Store(tmp_path).load(), now=10.0)
+    assert again.handle("a", cm.Lease(max_tickets=4), 10.0).indices, "a store with leased tickets is a run that started"
+    fresh = make_core(settings)
+    fresh.restore(**Store(tmp_path / "empty").load(), now=10.0)
+    join(fresh, "a"), join(fresh, "b")
+    assert fresh.handle("a", cm.Lease(max_tickets=4), 10.0).indices == []
+
+
 def test_status_verdicts() -> None:
     core = make_core()
     st = core.handle("x", cm.StatusRequest(), 0.0)

@@ -223,6 +223,24 @@ def test_leases_start_tickets_up_to_the_room_one_request_at_a_time() -> None:
     assert core.poll(0.2, in_flight=3, has_next_stage=True) == [lc.RequestLease(1, holding=(0, 1))]
 
 
+def test_a_replica_that_gets_no_ticket_for_a_while_logs_the_coordinators_reason_once() -> None:
+    core = lease_core()
+    why = "the run starts when 4 nodes have joined (2 so far)"
+    told = []
+    for k in range(30):  # empty answers a second apart, for 30 s; then a ticket, then empty answers again
+        now = float(k)
+        core.poll(now, in_flight=0, has_next_stage=True)
+        told += [a for a in core.handle(lc.Leased(0, [], reason=why), now) if isinstance(a, lc.Emit)]
+    assert [(e.event, e.fields["reason"], e.fields["for_s"]) for e in told] == [("lease_idle", why, lc.IDLE_TOLD_S)]
+    core.poll(31.0, in_flight=0, has_next_stage=True)
+    assert core.handle(lc.Leased(0, [0]), 31.0) == [lc.StartTicket(0, 0)]
+    again = []
+    for k in range(32, 32 + int(lc.IDLE_TOLD_S) + 1):
+        core.poll(float(k), in_flight=0, has_next_stage=True)
+        again += [a for a in core.handle(lc.Leased(0, [], reason="x"), float(k)) if isinstance(a, lc.Emit)]
+    assert [e.fields["reason"] for e in again] == ["x"], "a new run of empty answers is told again"
+
+
 def test_no_leases_while_stage_one_has_no_replica() -> None:
     core = lease_core()
     assert core.poll(0.0, in_flight=0, has_next_stage=False) == []
