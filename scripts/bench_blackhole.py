@@ -271,9 +271,12 @@ def measure_kinds(kinds: dict[str, int], *, quick: bool = False, stages: int = 1
         hole = _swarm_run(where, stages=stages, steps=steps, num_nodes=num_nodes, lease_s=lease_s,
                           hole=f"{kind}:{from_step}", deadline_s=deadline, hole_stage=hole_stage, stage1_replicas=stage1_replicas,
                           extra_toml=extra_toml)
-        pre = sorted((p for p in hole.history if p.step < from_step), key=lambda p: p.step)[warmup:]
-        before = dataclasses.replace(hole, history=pre, bans=[], exit_codes={}, joined={})
-        out[kind] = _compare(honest or before, hole, kind=kind, from_step=from_step, steps=steps, lease_s=lease_s, stages=stages,
+        if honest is None:  # its own steps before the adversary's first, past the warmup
+            pre = sorted((p for p in hole.history if p.step < from_step), key=lambda p: p.step)[warmup:]
+            base = dataclasses.replace(hole, history=pre, bans=[], exit_codes={}, joined={})
+        else:
+            base = honest
+        out[kind] = _compare(base, hole, kind=kind, from_step=from_step, steps=steps, lease_s=lease_s, stages=stages,
                              num_nodes=num_nodes, warmup=warmup, hole_stage=hole_stage, where=where, workdir=workdir, baseline=baseline)
     return out
 
