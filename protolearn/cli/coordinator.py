@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -182,6 +183,18 @@ def _serve(
                     warned = True
                 await trio.sleep(PORT_RETRY_S)
 
+    async def keep_heap() -> None:
+        from protolearn.coordinator.heap import HeapKeeper
+
+        keeper = HeapKeeper(time.monotonic())
+        keeper.install()
+        try:
+            while True:
+                await trio.sleep(keeper.due_s(time.monotonic()))
+                keeper.tick(time.monotonic())
+        finally:
+            keeper.uninstall()
+
     async def main() -> None:
         nonlocal printed
         async with trio.open_nursery() as nursery:
@@ -194,6 +207,7 @@ def _serve(
             printed = True
             _say_addresses(addrs, wildcard)
             await nursery.start(keep_final_model, running, addrs[-1].addr, addrs[0].addr)
+            nursery.start_soon(keep_heap)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
                     log.info("received %s; shutting down", signal.Signals(signum).name)
