@@ -235,6 +235,18 @@ class LeaseCore:
             wake = min(wake, self._pause_until)
         return max(now, wake)
 
+    def _idle(self, reason: str, now: float) -> list[LeaseAction]:
+        """An answer with no ticket: a stage-0 replica that gets none for IDLE_TOLD_S says why, once (the run waits
+        for more nodes, a step waits to commit); otherwise its log shows nothing while it idles."""
+        if self._empty_since is None:
+            self._empty_since, self._told = now, False
+        if self._told or now - self._empty_since < IDLE_TOLD_S:
+            return []
+        self._told = True
+        idle_s = now - self._empty_since
+        return [Emit("lease_idle", {"step": self.step, "for_s": round(idle_s, 1), "reason": reason}, logging.INFO,
+                     f"no ticket for {idle_s:.0f} s: {reason or 'every ticket is out'}")]
+
     def handle(self, event: LeaseEvent, now: float) -> list[LeaseAction]:
         if isinstance(event, Leased):
             self._leasing = False
@@ -254,6 +266,9 @@ class LeaseCore:
                     self._begin_attempt(t, now)
                 out += [StartTicket(event.step, t) for t in lost]
                 self._empty = 0
+                self._empty_since = None
+            if not event.indices and not lost:
+                out += self._idle(event.reason, now)
             if not event.indices and (event.waited or lost):
                 # The coordinator held the request and no ticket freed (it holds the next one too), or the answer gave
                 # back lost tickets: ask again soon.
@@ -261,14 +276,6 @@ class LeaseCore:
                 self._empty = 0
                 return out
             if not event.indices:
-                if self._empty_since is None:
-                    self._empty_since, self._told = now, False
-                elif not self._told and now - self._empty_since >= IDLE_TOLD_S:
-                    # A stage-0 replica that gets no ticket for a while says why once (the run waits for more nodes,
-                    # a step waits to commit): otherwise its log shows nothing while it idles.
-                    self._told = True
-                    out.append(Emit("lease_idle", {"step": self.step, "for_s": round(now - self._empty_since, 1), "reason": event.reason},
-                                    logging.INFO, f"no ticket for {now - self._empty_since:.0f} s: {event.reason or 'every ticket is out'}"))
                 # Every ticket is leased or done: ask again later, backing off while the answer stays empty. At a
                 # fixed LEASE_RETRY_S each stage-0 replica sent the coordinator 20 requests a second for the whole
                 # of a step whose tickets were all out (312 replicas of a 10,000-node swarm: 6,000 a second).

@@ -227,10 +227,10 @@ def test_a_replica_that_gets_no_ticket_for_a_while_logs_the_coordinators_reason_
     core = lease_core()
     why = "the run starts when 4 nodes have joined (2 so far)"
     told = []
-    for k in range(30):  # empty answers a second apart, for 30 s; then a ticket, then empty answers again
+    for k in range(30):  # empty answers a second apart for 30 s, some held by the coordinator; a ticket; empty again
         now = float(k)
         core.poll(now, in_flight=0, has_next_stage=True)
-        told += [a for a in core.handle(lc.Leased(0, [], reason=why), now) if isinstance(a, lc.Emit)]
+        told += [a for a in core.handle(lc.Leased(0, [], waited=k % 2 == 1, reason=why), now) if isinstance(a, lc.Emit)]
     assert [(e.event, e.fields["reason"], e.fields["for_s"]) for e in told] == [("lease_idle", why, lc.IDLE_TOLD_S)]
     core.poll(31.0, in_flight=0, has_next_stage=True)
     assert core.handle(lc.Leased(0, [0]), 31.0) == [lc.StartTicket(0, 0)]
