@@ -49,10 +49,14 @@ from protolearn.protocol.transport.link import LinkShaper, pumps
 from protolearn.protocol.transport.names import parse_peer_id, protocol_id
 from protolearn.protocol.transport.relay import Relay
 from protolearn.protocol.transport.serving import RawHandler, RequestHandler, Server, StreamHandler
+from protolearn.protocol.transport import task_tree
 from protolearn.protocol.transport.streams import FramedStream
 from protolearn.protocol.wire import Message
 
 log = logging.getLogger("protolearn.protocol")
+
+# Every host's services find a new task's parent by a lookup (task_tree.py: the walk grew with the connections).
+task_tree.install()
 
 R = TypeVar("R", bound=Message)
 
