@@ -162,6 +162,7 @@ class Join(Message):
 
 class JoinReply(Message):
     KIND: ClassVar[str] = "coord.join_reply"
+    REPEATED_RECORDS: ClassVar[tuple[str, ...]] = ("members",)
     stage: int
     run_toml: RunToml
     run_hash: str
@@ -229,6 +230,7 @@ class Heartbeat(Message):
 
 class HeartbeatReply(Message):
     KIND: ClassVar[str] = "coord.heartbeat_reply"
+    REPEATED_RECORDS: ClassVar[tuple[str, ...]] = ("members",)
     stage: int
     # The step the stages are at: the first one not yet committed (a joining node's state is after the one before).
     step: int

@@ -361,3 +361,26 @@ def test_a_redo_of_a_whole_step_at_the_largest_step_the_run_config_allows_goes_o
     assert wire.decode(data, peer="p", expect=cm.Redo) == redo
     with pytest.raises(ValidationError, match="microbatches_per_step"):
         RunConfig.model_validate({"batch": {"microbatches_per_step": MAX_TICKETS_PER_STEP + 1}})
+
+
+def test_repeated_records_encode_as_a_plain_dump_and_each_records_dump_lives_as_long_as_it() -> None:
+    """A reply's view entries are dumped once per entry object (wire.dumped); the bytes decode to the same reply."""
+    import gc
+
+    from protolearn.protocol import coordination as cm
+
+    members = [cm.MemberView(peer_id=f"12D3KooW{i:040d}", stage=i % 3, addrs=[f"/ip4/10.0.0.{i}/tcp/4001"],
+                             state="training", throughput=float(i), queue_len=i) for i in range(5)]
+    reply = cm.HeartbeatReply(stage=0, step=3, last_closed=2, bans=[], view_version=7, view_changed=True, members=members,
+                              reason="", view_delta=True, removed=["12D3KooWgone"])
+    plain = msgpack.packb({"v": wire.WIRE_VERSION, "k": reply.KIND, "b": reply.model_dump()}, use_bin_type=True)
+    for _ in range(2):  # the second time from the cached dumps
+        data = wire.encode(reply)
+        assert msgpack.unpackb(data) == msgpack.unpackb(plain)
+        assert wire.decode(data, peer="p", expect=cm.HeartbeatReply) == reply
+    assert all(id(m) in wire._DUMPS for m in members)
+    assert sum(wire.record_size(m) for m in members) == sum(len(msgpack.packb(m.model_dump())) for m in members)
+    keys = [id(m) for m in members]
+    del reply, members
+    gc.collect()
+    assert not any(k in wire._DUMPS for k in keys)
