@@ -291,7 +291,7 @@ class CoordinatorCore:
                 "the join was not registered, retry later",
             )
         self.cooldown.joined(peer, ip, self.registry.members)
-        if not self.gathering.started and self.gathering.waiting(self.registry.num_live) is None:
+        if self.gathering.count(self.registry.num_live):
             log.info("the run starts: %d nodes have joined (--wait-for %d)", self.registry.num_live, self.settings.start_members)
         log.info("join peer=%s stage=%d rejoined=%s reason=%s", peer, d.stage, d.rejoined, d.reason)
         return reply
@@ -357,6 +357,7 @@ class CoordinatorCore:
             # must not take back the tickets its death freed; once it reconnects it is present again.
             why = f"{member.peer_id} has had no connection to the coordinator for {self.settings.disconnect_grace_s:g} s"
             return cm.LeaseReply(step=step, indices=[], lease_s=self.settings.lease_s, reason=why, avoid=avoid, suspects=suspects)
+        self.gathering.count(self.registry.num_live)
         gathering = self.gathering.waiting(self.registry.num_live)
         if gathering is not None:
             return cm.LeaseReply(step=step, indices=[], lease_s=self.settings.lease_s, reason=gathering, avoid=avoid, suspects=suspects)

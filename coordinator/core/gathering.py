@@ -24,11 +24,17 @@ class Gathering:
         """A store past the first step, or with a ticket of it leased, is a run that started."""
         self.started = self.started or step > 0 or tickets > 0
 
-    def waiting(self, joined: int) -> str | None:
-        """Why no ticket may be leased with ``joined`` live members, or None once the run has started (then for good)."""
-        if not self.started and joined >= self.start_members:
-            self.started = True
+    def count(self, live: int) -> bool:
+        """``live`` members are present now (after a join, or when a lease is asked for): start the run once there are
+        enough. True when this call started it."""
+        if self.started or live < self.start_members:
+            return False
+        self.started = True
+        return True
+
+    def waiting(self, live: int) -> str | None:
+        """Why no ticket may be leased yet (with ``live`` members counted), or None once the run has started."""
         if self.started:
             return None
-        return (f"the run starts when {self.start_members} nodes have joined ({joined} so far; "
+        return (f"the run starts when {self.start_members} nodes have joined ({live} so far; "
                 "coordinator start --wait-for): start more with `protolearn node join`")
