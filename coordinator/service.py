@@ -499,6 +499,7 @@ async def serve(
     transport = transport or TransportConfig(
         request_timeout_s=cm.MAX_WAIT_S + 5.0, link=link, max_connections=settings.max_connections,
         max_connections_per_ip=settings.max_connections_per_ip, max_pending_connections=PENDING_CONNECTIONS,
+        identify_peers=False,
     )
     svc: _Service | None = None
     try:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import zlib
 from collections import deque
+from operator import attrgetter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -50,6 +51,8 @@ from protolearn.protocol.wire import record_size
 # Most members of one stage in a snapshot, and in all (at most MAX_STAGES stages get one each).
 VIEW_PER_STAGE = 256
 VIEW_MAX = 1024
+# The order of a delta's upserts (by peer ID alone: a key of (stage, peer ID) took half of a delta's time).
+_BY_PEER = attrgetter("peer_id")
 # Changes remembered for deltas; a node further behind gets a snapshot.
 LOG_LEN = 4096
 # Versions of one coordinator run start at (start time in ms) << this: no run makes 2**20 view
@@ -288,5 +291,6 @@ class SwarmView:
                 removed.append(peer)
             if inside:
                 upserts.append(entry)
-        upserts.sort(key=lambda e: (e.stage, e.peer_id))
-        return ViewUpdate(self.version, upserts, sorted(removed), delta=True)
+        upserts.sort(key=_BY_PEER)
+        removed.sort()
+        return ViewUpdate(self.version, upserts, removed, delta=True)

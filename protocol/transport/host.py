@@ -28,6 +28,7 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.config import RetryConfig
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux import yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from protolearn.errors import ConfigError
@@ -57,6 +58,14 @@ log = logging.getLogger("protolearn.protocol")
 
 # Every host's services find a new task's parent by a lookup (task_tree.py: the walk grew with the connections).
 task_tree.install()
+# Yamux measures each connection's round trip 0.5 s after it opens, and then every 30 s: a ping each way on every
+# connection, 330 frames a second at a coordinator of 5,000 members. Every 5 minutes is enough for what the
+# measure is for (sizing a stream's receive window), and a link's round trip does not change faster than that.
+yamux.RTT_MEASURE_INTERVAL = 300
+
+
+def _no_identify(peer_id: Any, *, reason: str) -> None:
+    """In place of py-libp2p's identify of a peer that connected (TransportConfig.identify_peers off)."""
 
 R = TypeVar("R", bound=Message)
 
@@ -374,6 +383,8 @@ async def open_host(
     # so one quick retry is kept for a fluke and the rest is left to them. (new_host() takes no retry_config.)
     lp.get_network().retry_config = RetryConfig(max_retries=DIAL_RETRIES)
     peers.own = lp.get_id()
+    if not cfg.identify_peers:
+        lp._schedule_identify = _no_identify  # type: ignore[attr-defined]
     host = Host(lp, cfg, clock=clock, relay=relay, puncher=HolePuncher(lp))
     install(lp, host.inbound)
     if host.link is not None:

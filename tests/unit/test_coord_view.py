@@ -326,7 +326,7 @@ def _delta_over_the_whole_log(view: SwarmView, stages: tuple[int, ...], version:
             removed.append(peer)
         if inside:
             upserts.append(entry)
-    return sorted(upserts, key=lambda e: (e.stage, e.peer_id)), sorted(removed)
+    return sorted(upserts, key=lambda e: e.peer_id), sorted(removed)
 
 
 def test_a_delta_read_from_its_stages_indexes_equals_one_read_from_the_whole_log() -> None:
