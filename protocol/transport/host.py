@@ -36,6 +36,7 @@ from protolearn.protocol.addresses import DEFAULT_LISTEN, advertised, check_port
 from protolearn.protocol.dial_book import DialBook
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable
 from protolearn.protocol.relay_book import RelayLimits
+from protolearn.protocol.transport import task_tree
 from protolearn.protocol.transport.bulk import BulkLane, lane_ip
 from protolearn.protocol.transport.clock import MONOTONIC, Clock
 from protolearn.protocol.transport.config import TransportConfig
@@ -50,7 +51,6 @@ from protolearn.protocol.transport.link import LinkShaper, pumps
 from protolearn.protocol.transport.names import parse_peer_id, protocol_id
 from protolearn.protocol.transport.relay import Relay
 from protolearn.protocol.transport.serving import RawHandler, RequestHandler, Server, StreamHandler
-from protolearn.protocol.transport import task_tree
 from protolearn.protocol.transport.streams import FramedStream
 from protolearn.protocol.wire import Message
 
