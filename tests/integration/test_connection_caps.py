@@ -12,10 +12,11 @@ from contextlib import AsyncExitStack
 
 import pytest
 import trio
+from libp2p.peer.id import ID
 
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.identity import Identity
-from protolearn.protocol.transport import TransportConfig, open_host
+from protolearn.protocol.transport import Host, TransportConfig, open_host
 from tests.support.waiting import wait_until
 
 CLIENT = TransportConfig(request_timeout_s=5.0, connect_timeout_s=5.0, bulk=False)
@@ -57,3 +58,30 @@ def test_one_address_holds_at_most_its_share_of_connections_and_gets_a_slot_back
             assert await third.connect(addr) == server.peer_id
 
     run_trio(main, timeout=90)
+
+
+def _protocols_known(host: Host, peer: str) -> list[str]:
+    """The protocols ``host``'s peer store holds for ``peer`` (identify puts them there)."""
+    try:
+        return list(host._lp.get_peerstore().get_protocols(ID.from_base58(peer)))
+    except Exception:  # not in the peer store at all
+        return []
+
+
+def test_a_host_with_identify_off_does_not_identify_the_peers_that_connect_and_still_serves_them(run_trio) -> None:
+    """The coordinator's host (identify_peers off) reads members' addresses from their Join; the member side still
+    identifies it. A host with the default identifies the same client, which shows the observation works."""
+    quiet_cfg = TransportConfig(request_timeout_s=5.0, connect_timeout_s=5.0, bulk=False, identify_peers=False)
+    default_cfg = TransportConfig(request_timeout_s=5.0, connect_timeout_s=5.0, bulk=False)
+
+    async def main() -> None:
+        async with (open_host(Identity.generate(), config=quiet_cfg) as quiet, open_host(Identity.generate(), config=default_cfg) as loud,
+                    open_host(Identity.generate(), config=CLIENT) as client):
+            await client.connect(quiet.addrs()[0])
+            await client.connect(loud.addrs()[0])
+            await wait_until(lambda: bool(_protocols_known(loud, client.peer_id)), "the default host to identify the client")
+            await wait_until(lambda: bool(_protocols_known(client, quiet.peer_id)), "the client to identify the quiet host")
+            assert _protocols_known(quiet, client.peer_id) == []
+            assert quiet.num_connections(client.peer_id) == 1
+
+    run_trio(main, timeout=60)
