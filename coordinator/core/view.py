@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import zlib
 from collections import deque
-from operator import attrgetter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from protolearn.coordinator.core.members import SERVING_STATES
 from protolearn.protocol import coordination as cm
