@@ -7,7 +7,8 @@ computed from, and replicas of s that recompute A's output from them. :class:`Ch
   it backpropagated), only to the peer it sent its output of that microbatch to (the ticket record,
   :mod:`protolearn.node.core.tickets`, says who that was);
 - ``check``: its own output for the inputs sent with the request, computed with its weights for the
-  checked step and signed, only for a member of the stage before or after (the checked output's
+  checked step in float32 and signed (in a run admitting a lower precision, computed again in that one
+  and signed over the low statement too: ``protolearn/precision.py``), only for a member of the stage before or after (the checked output's
   receiver), at most MAX_SERVED_PER_PEER_STEP per peer and step, and only at its weights for that step
   (else it refuses rather than recompute with the wrong ones). The result passes through the node's
   outbound filter (:mod:`protolearn.node.outbound`) like everything it sends.
@@ -23,7 +24,8 @@ import torch
 import trio
 from protolearn.node.core.tickets import Tickets
 from protolearn.node.outbound import PASS_THROUGH, Outbound
-from protolearn.protocol.boundary import boundary_statement, frame_digest, inputs_digest
+from protolearn.precision import lower_precision
+from protolearn.protocol.boundary import boundary_statement, frame_digest, inputs_digest, low_statement
 from protolearn.protocol.codecs import CodecContext, decode, make_encoder
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.pipeline import CHECK, SHOW, Ack, CheckRequest, CheckResult, Refuse, ShowRequest
@@ -54,6 +56,7 @@ class CheckServer:
         self.stage_of = stage_of
         self.outbound = outbound
         self.run_hash = run.run_hash()
+        self.low = lower_precision(tuple(run.integrity.precisions))
         b = run.batch
         self.shape = [b.microbatch_size, b.seq_len, run.model.d_model]  # (mb, T, D)
         n = b.microbatch_size * b.seq_len * run.model.d_model
@@ -101,16 +104,28 @@ class CheckServer:
             if req.direction == "bwd" and self.worker.last:
                 assert self.corpus is not None
                 targets = microbatch(self.run, self.corpus, req.step, req.ticket)[1]
-            out = await trio.to_thread.run_sync(self.worker.recompute, req.step, req.direction, tensors, targets, limiter=self.compute)
+            outs = await trio.to_thread.run_sync(self._recompute, req.step, req.direction, tensors, targets, limiter=self.compute)
         except (ValueError, ProtocolError) as err:
             await s.send(Refuse(code="stale", reason=str(err)[:400]))
             return
-        out = self.outbound.tensor(out, req.step, req.ticket, req.direction, check=True)
-        frame, _ = self._raw.encode(out)
+        frames_out = [self._raw.encode(self.outbound.tensor(out, req.step, req.ticket, req.direction, check=True))[0] for out in outs]
         self.num_served += 1
-        signature = self.host.sign(boundary_statement(self.run_hash, req.step, req.ticket, req.direction, self.stage, inputs_digest(frames), frame_digest(frame)))
-        await s.send(CheckResult(signature=signature))
-        await s.send_tensor(frame)
+        inputs = inputs_digest(frames)
+        signature = self.host.sign(boundary_statement(self.run_hash, req.step, req.ticket, req.direction, self.stage, inputs, frame_digest(frames_out[0])))
+        low_signature = b""
+        if self.low is not None:
+            low_signature = self.host.sign(
+                low_statement(self.run_hash, req.step, req.ticket, req.direction, self.stage, inputs, frame_digest(frames_out[1]), self.low))
+        await s.send(CheckResult(signature=signature, low_signature=low_signature))
+        for frame in frames_out:
+            await s.send_tensor(frame)
+
+    def _recompute(self, step: int, direction: str, tensors: list[torch.Tensor], targets: torch.Tensor | None) -> list[torch.Tensor]:
+        """The float32 recomputation, and the lower precision's when the run admits one (in a worker thread)."""
+        outs = [self.worker.recompute(step, direction, tensors, targets, bf16=False)]
+        if self.low is not None:
+            outs.append(self.worker.recompute(step, direction, tensors, targets, bf16=True))
+        return outs
 
     def _check_refusal(self, peer: str, req: CheckRequest) -> str:
         if req.stage != self.stage:

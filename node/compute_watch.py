@@ -47,11 +47,11 @@ class ComputeWatch:
         """``fn``, timed as a call of ``kind`` while it runs (in whatever thread calls it)."""
 
         @functools.wraps(fn)
-        def timed(*args: Any) -> T:
+        def timed(*args: Any, **kwargs: Any) -> T:
             with self._lock:
                 token = self.watchdog.started(kind, self.clock())
             try:
-                return fn(*args)
+                return fn(*args, **kwargs)
             finally:
                 with self._lock:
                     self.watchdog.finished(token, self.clock())

@@ -22,6 +22,9 @@ The :class:`~protolearn.node.router.Router` calls it for every tensor it sends a
   without evidence (only the checked replica can be convicted: the draw was for it). A mismatch that
   cannot be settled (one witness only, or a witness that does not answer) is reported without evidence
   (a flag).
+- **In a run admitting bf16**, each recomputation comes in float32 and in bf16, both signed; a check allows the
+  recomputations' spread (:func:`~protolearn.precision.spread_allowance`) on top of the run's tolerance, as
+  the coordinator does when it verifies the evidence, so an honest bf16 output of an ill-conditioned input passes.
 - **Serving** ``show`` and ``check`` to the neighbours that check this node: :mod:`protolearn.node.check_serving`.
 
 In DiLoCo mode the replicas of a stage hold the same weights only right after an outer sync, so spot checks
@@ -43,6 +46,7 @@ import trio
 from protolearn.node.check_serving import CheckServer
 from protolearn.node.core.tickets import Tickets
 from protolearn.node.outbound import PASS_THROUGH, Outbound
+from protolearn.precision import lower_precision, spread_allowance
 from protolearn.protocol.boundary import (
     OutputEvidence,
     SignedOutput,
@@ -50,6 +54,7 @@ from protolearn.protocol.boundary import (
     distance,
     frame_digest,
     inputs_digest,
+    low_statement,
     tolerance,
 )
 from protolearn.protocol.codecs import decode
@@ -86,6 +91,22 @@ class IntegrityStats:
     checks_inconclusive: int = 0
     evidence_sent: int = 0
     refused_unsigned: int = 0
+
+
+@dataclass
+class Recomputed:
+    """A replica's signed recomputation for a spot check: its float32 output, and in a run admitting a lower
+    precision its output in that one too, whose distance from the first is the ``spread``."""
+
+    signature: bytes
+    frame: TensorFrame
+    tensor: torch.Tensor
+    low_signature: bytes = b""
+    low_frame: TensorFrame | None = None
+    spread: float = 0.0
+
+    def signed(self, signer: str) -> SignedOutput:
+        return SignedOutput.of(signer, self.signature, self.frame, self.low_frame, self.low_signature)
 
 
 @dataclass
@@ -131,6 +152,7 @@ class Integrity:
         self.run_hash = run.run_hash()
         cfg = run.integrity
         self.tolerance = tolerance(run.codec, cfg.check_tolerance, tuple(cfg.precisions))
+        self.low = lower_precision(tuple(cfg.precisions))
         self.monitor = BoundaryMonitor(codec=run.codec) if cfg.monitors else None
         self.rng = random.Random(seed)
         self.checks = cfg.spot_check_rate > 0  # 0: no spot checks at all (probation included)
@@ -244,11 +266,11 @@ class Integrity:
         # A pass needs no witness draw: a check that agrees accuses nobody. Only a mismatch asks the coordinator.
         first_peer = self.rng.choice(sorted(others))
         first = await self._ask_check(first_peer, got, inputs)
-        if first is not None and distance(got.tensor, first[2]) <= self.tolerance:
+        if first is not None and distance(got.tensor, first.tensor) <= self._tolerance([first]):
             self._count(got.peer, passed=True)
             return
         drawn = [p for p in await self.witnesses(got.peer, got.step, got.ticket, got.direction) if p not in (got.peer, self.host.peer_id)]
-        results: dict[str, tuple[bytes, TensorFrame, torch.Tensor]] = {}
+        results: dict[str, Recomputed] = {}
         if first is not None and first_peer in drawn:
             results[first_peer] = first
 
@@ -263,19 +285,24 @@ class Integrity:
                     nursery.start_soon(ask, peer)
         await self._judge(got, drawn, results, first_peer, first)
 
+    def _tolerance(self, recomputed: list[Recomputed]) -> float:
+        """The tolerance of a check whose recomputations are ``recomputed``: the run's, widened by their spread
+        (protolearn/precision.py), as the coordinator widens it for the evidence."""
+        return self.tolerance + spread_allowance([r.spread for r in recomputed])
+
     async def _judge(
-        self, got: Received, drawn: list[str], results: dict[str, tuple[bytes, TensorFrame, torch.Tensor]], first_peer: str,
-        first: tuple[bytes, TensorFrame, torch.Tensor] | None,
+        self, got: Received, drawn: list[str], results: dict[str, Recomputed], first_peer: str, first: Recomputed | None,
     ) -> None:
         """Settle a spot check whose first recomputation (by ``first_peer``) disagreed with ``got.peer``'s output,
         or did not come, with the witnesses the coordinator ``drawn``, whose answers are ``results``."""
-        near = {w: distance(got.tensor, r[2]) <= self.tolerance for w, r in results.items()}
+        tol = self._tolerance(list(results.values()))
+        near = {w: distance(got.tensor, r.tensor) <= tol for w, r in results.items()}
         against = [w for w in drawn if w in results and not near[w]]
         if len(drawn) >= 2 and len(against) == len(drawn) and all(
-            distance(results[w][2], results[v][2]) <= self.tolerance for i, w in enumerate(against) for v in against[i + 1:]
+            distance(results[w].tensor, results[v].tensor) <= self.tolerance for i, w in enumerate(against) for v in against[i + 1:]
         ):
             self._count(got.peer, passed=False)
-            outputs = [SignedOutput.of(got.peer, got.signature, got.frame)] + [SignedOutput.of(w, results[w][0], results[w][1]) for w in drawn]
+            outputs = [SignedOutput.of(got.peer, got.signature, got.frame)] + [results[w].signed(w) for w in drawn]
             ev = OutputEvidence(
                 accused=got.peer, step=got.step, ticket=got.ticket, direction=got.direction, stage=got.stage, inputs=got.inputs, outputs=outputs,
             )
@@ -292,10 +319,11 @@ class Integrity:
         votes = dict(results)
         if first is not None:
             votes[first_peer] = first
-        far = [w for w, r in votes.items() if distance(got.tensor, r[2]) > self.tolerance]
+        tol = self._tolerance(list(votes.values()))
+        far = [w for w, r in votes.items() if distance(got.tensor, r.tensor) > tol]
         if far and 2 * len(far) > len(votes):
             self.policy.failed(got.peer)
-            nearest = min(distance(got.tensor, votes[w][2]) for w in far)
+            nearest = min(distance(got.tensor, votes[w].tensor) for w in far)
             missing = len([w for w in drawn if w not in results])
             why = f"{missing} of {len(drawn)} drawn witnesses did not answer" if missing else "too few replicas to convict"
             await self._send_evidence(got.peer, f"spot check: its {got.direction} output of step {got.step} is {nearest:.3g} away from "
@@ -356,7 +384,7 @@ class Integrity:
             log.info("show failed peer=%s reason=%s", peer, getattr(err, "reason", "timed out"))
             return None
 
-    async def _ask_check(self, peer: str, got: Received, inputs: list[TensorFrame]) -> tuple[bytes, TensorFrame, torch.Tensor] | None:
+    async def _ask_check(self, peer: str, got: Received, inputs: list[TensorFrame]) -> Recomputed | None:
         try:
             with trio.fail_after(self.timeout_s):
                 async with self.host.open_stream(peer, CHECK) as s:
@@ -368,10 +396,17 @@ class Integrity:
                         log.info("check refused peer=%s step=%d reason=%s", peer, got.step, reply.reason)
                         return None
                     frame = await s.receive_tensor(codec="none", limits=self.limits)
+                    low_frame = None if self.low is None else await s.receive_tensor(codec="none", limits=self.limits)
             out = decode(frame, peer=peer, shape=self.shape, dtype=torch.float32, limits=self.limits, require_finite=False)
             statement = boundary_statement(self.run_hash, got.step, got.ticket, got.direction, got.stage, got.inputs, frame_digest(frame))
             verify_peer(peer, statement, reply.signature)
-            return reply.signature, frame, out
+            got_back = Recomputed(reply.signature, frame, out)
+            if low_frame is not None and self.low is not None:
+                low = decode(low_frame, peer=peer, shape=self.shape, dtype=torch.float32, limits=self.limits, require_finite=False)
+                verify_peer(peer, low_statement(self.run_hash, got.step, got.ticket, got.direction, got.stage, got.inputs, frame_digest(low_frame), self.low),
+                            reply.low_signature)
+                got_back.low_signature, got_back.low_frame, got_back.spread = reply.low_signature, low_frame, distance(out, low)
+            return got_back
         except (ProtocolError, trio.TooSlowError) as err:
             log.info("check failed peer=%s reason=%s", peer, getattr(err, "reason", "timed out"))
             return None

@@ -96,8 +96,10 @@ class StageWorker:
         """What this worker computes in (protolearn/precision.py): what its node declares at join."""
         return "bf16" if self._autocast else "fp32"
 
-    def _ctx(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self._autocast else nullcontext()
+    def _ctx(self, bf16: bool | None = None):
+        """Autocast to bf16 when ``bf16`` (None: as this worker computes)."""
+        on = self._autocast if bf16 is None else bf16
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if on else nullcontext()
 
     # -- pipeline compute ------------------------------------------------------------------------
     def forward(self, key: Hashable, inputs: torch.Tensor) -> torch.Tensor:
@@ -156,12 +158,15 @@ class StageWorker:
             out = self.module.logits(x) if self.last else self.module.infer(x)
         return out.float().cpu()
 
-    def recompute(self, step: int, direction: str, inputs: list[torch.Tensor], targets: torch.Tensor | None) -> torch.Tensor:
+    def recompute(
+        self, step: int, direction: str, inputs: list[torch.Tensor], targets: torch.Tensor | None, *, bf16: bool | None = None,
+    ) -> torch.Tensor:
         """A spot check: this stage's output for microbatch inputs, without touching held graphs or
         parameter gradients, at the weights for ``step`` (raises ValueError when this replica's weights
         are not those). ``fwd``: the boundary hidden it sends on; ``bwd``: the gradient wrt its input
         hidden (``inputs`` = [hidden] on the last stage, with ``targets``; [hidden, grad_output] on a
-        middle stage). Float32 on the CPU."""
+        middle stage). Computed under bf16 autocast when ``bf16`` (None: as this worker computes); the
+        result is float32 on the CPU."""
         if self.applied != step:
             raise ValueError(f"this replica's weights are after {self.applied} steps, not the {step} the check needs")
         if self.outer is not None and self.outer.anchor_applied != step:
@@ -170,18 +175,21 @@ class StageWorker:
         if direction == "fwd":
             if self.last:
                 raise ValueError("the last stage sends no activations")
-            with self._ctx():
+            with self._ctx(bf16):
                 return self.module.infer(inputs[0]).float().cpu()
         if self.first:
             raise ValueError("stage 0 sends no gradients")
-        return self._input_grad(self.module, inputs[0], targets, None if self.last else inputs[1]).float().cpu()
+        return self._input_grad(self.module, inputs[0], targets, None if self.last else inputs[1], bf16=bf16).float().cpu()
 
-    def _input_grad(self, module: StageModule, hidden: torch.Tensor, targets: torch.Tensor | None, grad_output: torch.Tensor | None) -> torch.Tensor:
+    def _input_grad(
+        self, module: StageModule, hidden: torch.Tensor, targets: torch.Tensor | None, grad_output: torch.Tensor | None, *,
+        bf16: bool | None = None,
+    ) -> torch.Tensor:
         """``module``'s gradient wrt its input hidden: of the loss scaled by 1/B on the last stage, else the
         vector-Jacobian product with ``grad_output``. autograd.grad with an explicit input computes that
         gradient only: parameter .grad stays untouched."""
         leaf = hidden.detach().to(self.device).requires_grad_(True)
-        with torch.enable_grad(), self._ctx():
+        with torch.enable_grad(), self._ctx(bf16):
             out = module._compute(leaf, leaf, targets)
             if grad_output is None:
                 (grad,) = torch.autograd.grad(out * (1.0 / self.run.batch.microbatches_per_step), [leaf])

@@ -19,6 +19,12 @@ which covers nondeterministic kernels, plus the allowance for the precisions the
 the signatures, the common inputs, and the distances itself (:func:`verify_evidence`), so no peer's
 word is taken on its own. A signed frame that holds NaN or Inf convicts its signer alone.
 
+In a run that admits a precision below float32 (``protolearn/precision.py``), each recomputation is made in
+float32 and again in that precision, and the second is signed over a **low statement** (its own domain tag
+and the precision's name, so it passes for no output): the distance between the two, its *spread*, widens
+that check's tolerance by :func:`~protolearn.precision.spread_allowance`. Evidence in such a run must hold
+every witness's low output, so that an accuser cannot drop them to tighten the check.
+
 The statement is fixed, length-prefixed bytes with a domain tag (as in ``acks.py`` and
 ``statements.py``): a signature over it can pass for nothing else.
 """
@@ -34,7 +40,7 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 from pydantic import Field
 
 from protolearn.codec_spec import CodecSpecError, parse_codec_spec
-from protolearn.precision import allowance
+from protolearn.precision import allowance, lower_precision, spread_allowance
 from protolearn.protocol.bounds import PeerId, Signature, StageIndex, Step, Ticket
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.frames import TensorFrame, TensorLimits
@@ -46,6 +52,7 @@ if TYPE_CHECKING:  # torch loads only where tensors are compared: the coordinato
     from protolearn.subspace import Subspace
 
 _STATEMENT = b"protolearn/pipeline/boundary/1\x00"
+_LOW_STATEMENT = b"protolearn/pipeline/boundary-low/1\x00"
 DIGEST_BYTES = 32
 # At most two input frames (a middle stage's backward: its activation and the gradient it received).
 MAX_INPUTS = 2
@@ -92,6 +99,15 @@ def boundary_statement(run_hash: str, step: int, ticket: int, direction: str, st
     ])
 
 
+def low_statement(
+    run_hash: str, step: int, ticket: int, direction: str, stage: int, inputs: bytes, output: bytes, precision: str,
+) -> bytes:
+    """The bytes a recomputing replica signs for its ``output`` digest computed in the lower ``precision``."""
+    raw = precision.encode()
+    body = boundary_statement(run_hash, step, ticket, direction, stage, inputs, output)[len(_STATEMENT):]
+    return b"".join([_LOW_STATEMENT, struct.pack(">H", len(raw)), raw, body])
+
+
 def tolerance(codec: str, check_tolerance: float, precisions: tuple[str, ...] = ("fp32",)) -> float:
     """The relative L2 distance within which two outputs of the same inputs agree, in a run admitting
     ``precisions`` (protolearn/precision.py: one run-wide allowance for the loosest pair)."""
@@ -129,13 +145,25 @@ class SignedOutput(Message):
     shape: Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=8)]
     data: bytes
     aux: bytes = b""
+    # A recomputation's output in the run's lower precision (same codec, dtype and shape; none in a float32-only
+    # run, nor on the accused's own output), and its signature over the low statement.
+    low: bytes = b""
+    low_signature: Signature = b""
 
     @classmethod
-    def of(cls, signer: str, signature: bytes, frame: TensorFrame) -> SignedOutput:
-        return cls(signer=signer, signature=signature, codec=frame.codec, dtype=frame.dtype, shape=list(frame.shape), data=frame.data, aux=frame.aux)
+    def of(
+        cls, signer: str, signature: bytes, frame: TensorFrame, low: TensorFrame | None = None, low_signature: bytes = b"",
+    ) -> SignedOutput:
+        return cls(
+            signer=signer, signature=signature, codec=frame.codec, dtype=frame.dtype, shape=list(frame.shape), data=frame.data,
+            aux=frame.aux, low=b"" if low is None else low.data, low_signature=low_signature,
+        )
 
     def frame(self) -> TensorFrame:
         return TensorFrame(codec=self.codec, dtype=self.dtype, shape=list(self.shape), data=self.data, aux=self.aux)
+
+    def low_frame(self) -> TensorFrame:
+        return TensorFrame(codec=self.codec, dtype=self.dtype, shape=list(self.shape), data=self.low)
 
 
 class OutputEvidence(Message):
@@ -175,7 +203,9 @@ def verify_evidence(
         raise ProtocolError(ev.accused, "evidence holds no output of the accused")
     if len(ev.inputs) % DIGEST_BYTES:
         raise ProtocolError(ev.accused, "evidence inputs are not whole digests")
+    low = lower_precision(precisions)
     tensors: dict[str, torch.Tensor] = {}
+    spreads: list[float] = []
     for o in ev.outputs:
         frame = o.frame()
         statement = boundary_statement(run_hash, ev.step, ev.ticket, ev.direction, ev.stage, ev.inputs, frame_digest(frame))
@@ -186,6 +216,13 @@ def verify_evidence(
             tensors[o.signer] = decode(frame, peer=o.signer, shape=shape, dtype=torch.float32, limits=limits, context=context, require_finite=False)
         else:
             tensors[o.signer] = decode(frame, peer=o.signer, shape=shape, dtype=torch.float32, limits=limits, require_finite=True)
+            if low is not None:
+                if not o.low:
+                    raise ProtocolError(ev.accused, f"{o.signer}'s recomputation lacks its {low} output, which a run admitting {low} needs")
+                lf = o.low_frame()
+                verify(o.signer, low_statement(run_hash, ev.step, ev.ticket, ev.direction, ev.stage, ev.inputs, frame_digest(lf), low), o.low_signature)
+                lt = decode(lf, peer=o.signer, shape=shape, dtype=torch.float32, limits=limits, require_finite=True)
+                spreads.append(distance(tensors[o.signer], lt))
     accused = tensors[ev.accused]
     if not bool(torch.isfinite(accused).all()):
         bad = int((~torch.isfinite(accused)).sum())
@@ -193,11 +230,12 @@ def verify_evidence(
     others = [p for p in signers if p != ev.accused]
     if len(others) < 2:
         raise ProtocolError(ev.accused, "a mismatch needs two other replicas' outputs to convict")
-    tol = tolerance(codec, check_tolerance, precisions)
+    base = tolerance(codec, check_tolerance, precisions)
     for i, p in enumerate(others):
         for q in others[i + 1:]:
-            if distance(tensors[p], tensors[q]) > tol:
+            if distance(tensors[p], tensors[q]) > base:
                 raise ProtocolError(ev.accused, "the other replicas disagree with each other: no majority")
+    tol = base + spread_allowance(spreads)  # this input's own sensitivity to the lower precision
     far = [distance(accused, tensors[p]) for p in others]
     if min(far) <= tol:
         raise ProtocolError(ev.accused, f"the accused's output is within {tol:.3g} of another replica's: no fault")

@@ -200,3 +200,6 @@ class CheckResult(Message):
 
     KIND: ClassVar[str] = "pipe.check_result"
     signature: Signature
+    # In a run admitting a lower precision, a second frame follows: the output in that precision, signed over
+    # the low statement (protocol/boundary.py).
+    low_signature: Signature = b""

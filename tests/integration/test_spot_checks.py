@@ -34,6 +34,8 @@ RUN = RunConfig.model_validate({
 SHAPE = [2, 16, 32]
 # The same run with the subspace codec: frames carry 4 fp16 coefficients per token and the token ids.
 SUBSPACE_RUN = RUN.replace(**{"codec": "subspace", "subspace.rank": 4})
+# The same run admitting bf16: every recomputation comes in float32 and in bf16, both signed (protolearn/precision.py).
+BF16_RUN = RUN.replace(**{"integrity.precisions": ("fp32", "bf16")})
 
 
 class _LyingChecks(Outbound):
@@ -66,7 +68,7 @@ def _sent(a_host, tensor: torch.Tensor, step: int, ticket: int, run: RunConfig =
     return frame, signature
 
 
-@pytest.mark.parametrize("run", [RUN, SUBSPACE_RUN], ids=["none", "subspace"])
+@pytest.mark.parametrize("run", [RUN, SUBSPACE_RUN, BF16_RUN], ids=["none", "subspace", "bf16"])
 def test_a_lying_replica_is_caught_by_two_recomputations_and_an_honest_one_passes(open_hosts, run_trio, run: RunConfig) -> None:
     corpus = load_corpus(run.data)
 
@@ -103,9 +105,13 @@ def test_a_lying_replica_is_caught_by_two_recomputations_and_an_honest_one_passe
                 accused, _, ev = reports[0]
                 assert accused == a.peer_id and ev is not None and len(ev.outputs) == 3
                 sub = StageWorker(run, 0).module.subspace if run.subspace.rank else None
+                precisions = tuple(run.integrity.precisions)
                 why = verify_evidence(ev, run_hash=run.run_hash(), codec=run.codec, check_tolerance=1e-3, shape=SHAPE,
-                                      verify=verify_peer, limits=TensorLimits(max_elements=2048, max_bytes=65536), subspace=sub)
+                                      verify=verify_peer, limits=TensorLimits(max_elements=2048, max_bytes=65536), subspace=sub,
+                                      precisions=precisions)
                 assert "2 other replicas" in why and checker.per_peer[a.peer_id] == [1, 1]
+                # In a run admitting bf16 each witness's bf16 recomputation came too, signed; the coordinator needs it.
+                assert all(bool(o.low) == ("bf16" in precisions and o.signer != a.peer_id) for o in ev.outputs)
                 nursery.cancel_scope.cancel()
 
     run_trio(main, timeout=90)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
 import trio
 from protolearn.node.compute_watch import ComputeWatch
 from protolearn.node.core.watchdog import Overdue, Watchdog
@@ -73,3 +75,16 @@ def test_a_late_wake_up_moves_the_running_calls_on() -> None:
         assert fired == []
 
     trio.run(main)
+
+
+def test_attach_keeps_every_worker_method_callable_as_before() -> None:
+    # A spot check asks for its bf16 recomputation by keyword (node/check_serving.py): the timed method takes it.
+    from protolearn.node.worker import StageWorker
+    from protolearn.stages.config import RunConfig
+
+    run = RunConfig.model_validate({"name": "watch", "model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32, "max_seq_len": 8},
+                                    "batch": {"microbatches_per_step": 1, "microbatch_size": 1, "seq_len": 8}})
+    worker = StageWorker(run, 0)
+    ComputeWatch(Watchdog()).attach(worker)
+    tokens = [torch.zeros(1, 8, dtype=torch.long)]
+    assert torch.equal(worker.recompute(0, "fwd", tokens, None, bf16=False), worker.recompute(0, "fwd", tokens, None))
