@@ -5,7 +5,8 @@ facade the rest of protolearn codes against; each concept behind it has its modu
 IDs (:mod:`.names`), dialling (:mod:`.dialing`), serving inbound streams behind the gate
 (:mod:`.serving`), bans carried out and the gate's logs (:mod:`.gatekeeper`), what a connection says
 about a peer (:mod:`.connections`), py-libp2p's errors (:mod:`.libp2p_errors`), the relay
-(:mod:`.relay`), hole punching (:mod:`.holepunch`) and the bulk lane (:mod:`.bulk`). Here remain the
+(:mod:`.relay`), hole punching (:mod:`.holepunch`), the bulk lane (:mod:`.bulk`) and what protolearn changes
+in py-libp2p itself (:mod:`.adjustments`). Here remain the
 outbound streams and requests, and :func:`open_host`, which runs the swarm in a shielded task of its
 own, so that a cancelled ``async with open_host(...)`` block can still use the host in its cleanup (a
 node's leave on SIGTERM); "Lifetime" in the package docstring says why.
@@ -28,7 +29,6 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.config import RetryConfig
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
-from libp2p.stream_muxer.yamux import yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from protolearn.errors import ConfigError
@@ -36,7 +36,7 @@ from protolearn.protocol.addresses import DEFAULT_LISTEN, advertised, check_port
 from protolearn.protocol.dial_book import DialBook
 from protolearn.protocol.errors import PeerTimeout, PeerUnavailable
 from protolearn.protocol.relay_book import RelayLimits
-from protolearn.protocol.transport import task_tree
+from protolearn.protocol.transport import adjustments
 from protolearn.protocol.transport.bulk import BulkLane, lane_ip
 from protolearn.protocol.transport.clock import MONOTONIC, Clock
 from protolearn.protocol.transport.config import TransportConfig
@@ -56,17 +56,7 @@ from protolearn.protocol.wire import Message
 
 log = logging.getLogger("protolearn.protocol")
 
-# Every host's services find a new task's parent by a lookup (task_tree.py: the walk grew with the connections).
-task_tree.install()
-# Yamux measures each connection's round trip 0.5 s after it opens, and then every 30 s: a ping each way on every
-# connection, 330 frames a second at a coordinator of 5,000 members. Every 5 minutes is enough for what the
-# measure is for (sizing a stream's receive window), and a link's round trip does not change faster than that.
-yamux.RTT_MEASURE_INTERVAL = 300
-
-
-def _no_identify(peer_id: Any, *, reason: str) -> None:
-    """In place of py-libp2p's identify of a peer that connected (TransportConfig.identify_peers off)."""
-
+adjustments.install()  # what protolearn changes in py-libp2p's own behaviour (adjustments.py)
 R = TypeVar("R", bound=Message)
 
 # Retries py-libp2p makes inside one dial after its first attempt fails (see open_host).
@@ -384,7 +374,7 @@ async def open_host(
     lp.get_network().retry_config = RetryConfig(max_retries=DIAL_RETRIES)
     peers.own = lp.get_id()
     if not cfg.identify_peers:
-        lp._schedule_identify = _no_identify  # type: ignore[attr-defined]
+        adjustments.skip_identify(lp)
     host = Host(lp, cfg, clock=clock, relay=relay, puncher=HolePuncher(lp))
     install(lp, host.inbound)
     if host.link is not None:
