@@ -122,7 +122,7 @@ class Finisher:
         self.progress.update(state=cm.NodeState.AVERAGING.value)
         if self._bytes_mark[0] != step:  # a reopened step's later revisions count toward the same step
             self._bytes_mark = (step, self.sync.bytes_sent)
-        account = {pt.peer_id: list(pt.tickets) for sa in info.accounting if sa.stage == self.core.stage for pt in sa.peers}
+        account = {pt.peer_id: sorted(pt.tickets) for sa in info.accounting if sa.stage == self.core.stage for pt in sa.peers}
         held = await trio.to_thread.run_sync(self.worker.held_tickets, step, limiter=self.compute)
         self._result: torch.Tensor | None = None
         self._result_hash = INNER_RESULT if self.outer is not None else ""

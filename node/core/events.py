@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 # -- events ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Closed:
-    """The coordinator closed ``step`` at ``revision``; ``account`` is this stage's peer → tickets."""
+    """The coordinator closed ``step`` at ``revision``; ``account`` is this stage's peer → tickets, each list in
+    ascending order (its producer sorts them; the core keeps the lists and never changes them)."""
 
     step: int
     revision: int

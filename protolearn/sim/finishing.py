@@ -92,7 +92,8 @@ class Finisher:
         key = (info.step, info.revision)
         got = self._accounts.get(key)
         if got is None:
-            got = self._accounts[key] = {sa.stage: {pt.peer_id: list(pt.tickets) for pt in sa.peers} for sa in info.accounting}
+            # Sorted once here for every replica that closes this revision (events.Closed).
+            got = self._accounts[key] = {sa.stage: {pt.peer_id: sorted(pt.tickets) for pt in sa.peers} for sa in info.accounting}
             for old in [k for k in self._accounts if k[0] < info.step - 2]:
                 del self._accounts[old]
         return got
