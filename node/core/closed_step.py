@@ -144,6 +144,7 @@ class NodeCore:
         self._step = -1
         self._revision = 0
         self._account: dict[str, list[int]] = {}
+        self._all: list[int] | None = None  # the account's tickets, sorted (_tickets)
         self._loss: float | None = None
         self._summed: list[int] = []
         self._counted: list[int] | None = None
@@ -181,7 +182,14 @@ class NodeCore:
         return self.me in self._account
 
     def all_tickets(self) -> list[int]:
-        return sorted({t for ts in self._account.values() for t in ts})
+        """The tickets the stage's account holds, sorted (a new list)."""
+        return list(self._tickets())
+
+    def _tickets(self) -> list[int]:
+        # Worked out once per close (or given by the close): every replica of a stage needs the same B tickets.
+        if self._all is None:
+            self._all = sorted({t for ts in self._account.values() for t in ts})
+        return self._all
 
     # -- events ------------------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Action]:
@@ -241,6 +249,7 @@ class NodeCore:
         # The lists as given, sorted by their producer (events.Closed), and never changed here: a replica of a
         # stage with R replicas copying and sorting R lists at each close made a close O(R) list builds per replica.
         self._account = dict(event.account)
+        self._all = event.tickets
         self._counted, self._started_at, self._failed = None, now, None
         self._holder_checks = 0
         self.state = NodeState.AVERAGING
@@ -290,8 +299,11 @@ class NodeCore:
     def _round_done(self, event: RoundDone) -> list[Action]:
         self._expect(Phase.AVERAGING, event)
         excluded = sorted(event.excluded)
-        counted = [t for p, ts in self._account.items() if p not in excluded for t in ts]
-        counted.sort()  # (a list built and sorted in place: this runs on every replica each step, over all B tickets)
+        if excluded:
+            counted = [t for p, ts in self._account.items() if p not in excluded for t in ts]
+            counted.sort()
+        else:  # the usual case: every ticket, one list per close (sorting all B tickets on each replica was 5% of a
+            counted = self._tickets()  # 10,000-node simulation)
         self._counted = counted
         if excluded:
             lost = sorted({t for p in excluded for t in self._account.get(p, [])})

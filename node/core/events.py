@@ -25,6 +25,9 @@ class Closed:
     loss: float | None
     # Tickets of the step whose parameter gradients this replica holds.
     held: list[int]
+    # The tickets in ``account``, sorted and each once, when the producer has them at hand (one list for every
+    # replica of the stage); None: the core works them out.
+    tickets: list[int] | None = None
 
 
 @dataclass(frozen=True)

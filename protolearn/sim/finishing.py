@@ -53,7 +53,8 @@ class Finisher:
         self._close_waiters: dict[int, dict[SimNode, None]] = {}
         self._commit_waiters: dict[int, dict[SimNode, int]] = {}
         # Each stage's frozen accounting of (step, revision), built once and shared by its replicas.
-        self._accounts: dict[tuple[int, int], dict[int, dict[str, list[int]]]] = {}
+        # (step, revision) → stage → (its account, its tickets sorted): worked out once for all its replicas.
+        self._accounts: dict[tuple[int, int], dict[int, tuple[dict[str, list[int]], list[int]]]] = {}
         # The result hash each node's round gave it (a fetched result included), per (step, revision).
         self.results: dict[SimNode, str] = {}
 
@@ -85,15 +86,18 @@ class Finisher:
         assert node.core is not None
         self._close_waiters.get(step, {}).pop(node, None)
         node.waiting, node.finishing = None, True
-        account = self._account(info).get(node.stage, {})
-        self.feed(node, ev.Closed(step, info.revision, account, info.loss, node.core.accounting.accumulated(step)))
+        account, tickets = self._account(info).get(node.stage, ({}, []))
+        self.feed(node, ev.Closed(step, info.revision, account, info.loss, node.core.accounting.accumulated(step), tickets))
 
-    def _account(self, info: cm.StepInfo) -> dict[int, dict[str, list[int]]]:
+    def _account(self, info: cm.StepInfo) -> dict[int, tuple[dict[str, list[int]], list[int]]]:
         key = (info.step, info.revision)
         got = self._accounts.get(key)
         if got is None:
             # Sorted once here for every replica that closes this revision (events.Closed).
-            got = self._accounts[key] = {sa.stage: {pt.peer_id: sorted(pt.tickets) for pt in sa.peers} for sa in info.accounting}
+            got = self._accounts[key] = {}
+            for sa in info.accounting:
+                account = {pt.peer_id: sorted(pt.tickets) for pt in sa.peers}
+                got[sa.stage] = (account, sorted({t for ts in account.values() for t in ts}))
             for old in [k for k in self._accounts if k[0] < info.step - 2]:
                 del self._accounts[old]
         return got

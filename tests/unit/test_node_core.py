@@ -44,6 +44,17 @@ def test_a_participant_averages_its_accounted_tickets_waits_for_the_commit_and_a
     assert core.applied == 1 and core.state is NodeState.TRAINING and core.next_round == nc.round_id(1)
 
 
+def test_a_close_that_names_its_tickets_counts_those_and_one_that_does_not_works_them_out() -> None:
+    # The simulator hands every replica of a stage the one sorted list of its tickets (events.Closed.tickets).
+    for given in (None, [0, 1, 3, 5]):
+        core = make()
+        core.handle(ev.Closed(0, 1, {"mate": [3, 5], "me": [0, 1]}, None, held=[0, 1], tickets=given), 0.0)
+        core.handle(ev.RoundDone(0, 1, []), 1.0)
+        (apply,) = only(core.handle(ev.CommitAnswer(0, 1, True), 2.0), ev.Apply)
+        assert apply.counted == [0, 1, 3, 5] and core.all_tickets() == [0, 1, 3, 5]
+        assert core.all_tickets() is not core.all_tickets()  # a caller's list, never the core's own
+
+
 def test_gradients_held_but_not_accounted_are_left_out_and_said() -> None:
     core = make()
     actions = core.handle(ev.Closed(0, 1, ACCOUNT, None, held=[0, 1, 2]), 0.0)
