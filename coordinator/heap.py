@@ -19,6 +19,11 @@ the few cyclic garbage objects wait at most that long. A collection that pauses 
 
 This is a process-wide policy, so the ``coordinator start`` command runs it, not the library's ``serve``
 (tests run several coordinators in one process).
+
+:func:`young_collections_only` is the same policy for a batch run, without sweeps: ``scripts/simulate.py``
+holds millions of long-lived objects (5 GB at 10,000 simulated nodes) that every full collection walks. At
+3,000 nodes over 1 h, full collections took 14.2 s of a 143 s run; without them the run took 125 s with the
+same peak memory (839 MB) and the same report field for field.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -86,3 +93,17 @@ class HeapKeeper:
         self.longest_pause_s = max(self.longest_pause_s, paused)
         if paused > self.warn_s:
             log.warning("a garbage collection (generation %d) paused the coordinator for %.2f s", info.get("generation", -1), paused)
+
+
+@contextmanager
+def young_collections_only() -> Iterator[None]:
+    """While the block runs, no automatic full collection (the young generations run as usual), with the heap
+    held before it frozen; the thresholds are restored after it (module docstring)."""
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(thresholds[0], thresholds[1], NEVER)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()

@@ -40,3 +40,24 @@ def test_cyclic_garbage_waits_for_the_sweep_and_the_settings_come_back(caplog: p
         keeper.uninstall()
         gc.unfreeze()
     assert gc.get_threshold() == before and keeper._on_gc not in gc.callbacks
+
+
+def test_a_batch_run_has_no_automatic_full_collection_and_gets_the_settings_back() -> None:
+    from protolearn.coordinator.heap import young_collections_only
+
+    before = gc.get_threshold()
+    full: list[int] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    gc.callbacks.append(seen)
+    try:
+        with young_collections_only():
+            assert gc.get_threshold() == (before[0], before[1], NEVER) and gc.get_freeze_count() > 0
+            kept = [Node() for _ in range(500 * before[0])]  # allocations that trigger full collections otherwise
+            assert not full and kept
+    finally:
+        gc.callbacks.remove(seen)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
