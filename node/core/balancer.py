@@ -106,8 +106,9 @@ class Balancer:
     _ranks: dict[str, bytes] = field(default_factory=dict)
     # Slowest round trip (hand-over to gradient back) seen lately: an EMA that jumps up at once.
     _round_trip_s: float | None = None
-    # _prior()'s value while no measurement changed (None: to compute).
-    _prior_s: float | None = None
+    # The sum and count of the measured peers' service times, kept as they change: _prior() is their mean.
+    _known_sum: float = 0.0
+    _known_n: int = 0
 
     def _get(self, peer: str) -> PeerStats:
         st = self._stats.get(peer)
@@ -121,14 +122,11 @@ class Balancer:
         return st.penalty_s * 0.5 ** (max(0.0, now - st.penalty_at) / self.penalty_half_life_s)
 
     def _prior(self) -> float:
-        """The service time assumed for an unmeasured peer: the average of the measured ones. Cached until a
-        measurement changes (:meth:`on_done`, :meth:`forget`): recomputing it for every choice made a choice
-        O(peers known) however few candidates it scored."""
-        got = self._prior_s
-        if got is None:
-            known = [s.service_s for s in self._stats.values() if s.service_s is not None]
-            got = self._prior_s = sum(known) / len(known) if known else self.default_service_s
-        return got
+        """The service time assumed for an unmeasured peer: the average of the measured ones, from a sum kept
+        as measurements change (:meth:`on_done`, :meth:`forget`). Summing them per choice made a choice
+        O(peers known) however few candidates it scored: 3.5% of a 3,000-node simulation, where each
+        measurement came between two choices."""
+        return self._known_sum / self._known_n if self._known_n else self.default_service_s
 
     def expected_finish_s(self, peer: str, now: float, awaited: int = 0) -> float:
         return self._finish(peer, now, awaited, None)
@@ -167,7 +165,7 @@ class Balancer:
             return Choice(None, why)
         stats = self._stats
         ready: list[tuple[str, PeerStats]] = []
-        for p in usable:  # every candidate gets its statistics, in this order (the prior sums them in it)
+        for p in usable:  # every candidate gets its statistics
             st = stats.get(p)
             if st is None:
                 st = stats[p] = PeerStats()
@@ -223,8 +221,14 @@ class Balancer:
         st.outstanding = max(0, st.outstanding - 1)
         st.not_ready = 0
         service_s = max(0.0, service_s)
-        st.service_s = service_s if st.service_s is None else (1 - self.alpha) * st.service_s + self.alpha * service_s
-        self._prior_s = None
+        old = st.service_s
+        if old is None:
+            st.service_s = service_s
+            self._known_n += 1
+            self._known_sum += service_s
+        else:
+            st.service_s = (1 - self.alpha) * old + self.alpha * service_s
+            self._known_sum += st.service_s - old
 
     def on_failure(self, peer: str, now: float) -> None:
         """The peer refused, timed out or broke the stream: penalise it for a while."""
@@ -280,6 +284,9 @@ class Balancer:
 
     def forget(self, peer: str) -> None:
         """The peer left the swarm; drop its history (it may rejoin as a new node)."""
-        if self._stats.pop(peer, None) is not None:
-            self._prior_s = None
+        st = self._stats.pop(peer, None)
+        if st is not None and st.service_s is not None:
+            self._known_n -= 1
+            # The last one out leaves an exact zero, not the rounding the sum's updates left behind.
+            self._known_sum = self._known_sum - st.service_s if self._known_n else 0.0
         self._ranks.pop(peer, None)

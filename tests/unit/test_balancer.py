@@ -244,7 +244,10 @@ def _reference_choice(b: Balancer, candidates: list[str], now: float, awaited: d
         return None, float("inf")
     ready = [p for p in usable if b._get(p).not_ready_until <= now] or usable
     known = [s.service_s for s in b._stats.values() if s.service_s is not None]
-    prior = sum(known) / len(known) if known else b.default_service_s
+    mean = sum(known) / len(known) if known else b.default_service_s
+    # The balancer keeps the sum as measurements change, so its mean may differ from this one in the last bits.
+    prior = b._prior()
+    assert abs(prior - mean) <= 1e-12 * max(1.0, mean), (prior, mean)
     best = min(ready, key=lambda p: (b._finish(p, now, awaited.get(p, 0), prior), b._rank(p)))
     return best, b._finish(best, now, awaited.get(best, 0), prior)
 
