@@ -28,14 +28,18 @@ members' corpus fingerprints are tallied here as votes (see corpus.py).
 
 Every request path is O(1) in the number of members: the registry keeps :class:`~.tallies.StageTallies`
 (replicas, throughput, working replicas, the live count) up to date as members change, rather than
-scanning them. Only :meth:`Registry.expire`, :meth:`Registry.rebalance` and :meth:`Registry.restore`
-(timers and restarts) visit every member. The records themselves are in ``members.py``; where a
+scanning them. Only :meth:`Registry.rebalance` and :meth:`Registry.restore` (a timer and restarts) visit
+every member. :meth:`Registry.expire` visits only the members that may be due: each time a member's
+``last_seen`` or ``left_at`` is set, the registry notes it in a heap of deadlines (a note that a later
+heartbeat made stale is dropped when it comes up). At 10,000 simulated members a scan of every member each
+second was 12 ms a call, 8% of the simulation. The records themselves are in ``members.py``; where a
 joiner or a returning identity goes is decided by ``assignment.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -102,10 +106,22 @@ class Registry:
     # registry on its own, in unit tests; the coordinator core always passes its secret).
     placement_key: bytes | None = None
     _draws: int = 0
+    # (last_seen, peer) each time a live member's last_seen was set, and (left_at, peer) each time one left or
+    # expired: what :meth:`expire` looks at, oldest first. A note older than its member's value is stale.
+    _seen: list[tuple[float, str]] = field(default_factory=list)
+    _departed: list[tuple[float, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tallies = StageTallies(self.num_stages, self.members.values())
         self.view = SwarmView(self.num_stages, self.first_version, [view_entry(m) for m in self.live()])
+        self._note_all()
+
+    def _note_all(self) -> None:
+        """Note every member's deadline afresh (after the members were replaced wholesale)."""
+        self._seen = [(m.last_seen, m.peer_id) for m in self.members.values() if m.status == LIVE]
+        self._departed = [(m.left_at, m.peer_id) for m in self.members.values() if m.status in (LEFT, EXPIRED)]
+        heapq.heapify(self._seen)
+        heapq.heapify(self._departed)
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -280,6 +296,7 @@ class Registry:
         if old is not None:
             m.step, m.param_hash = old.step, old.param_hash
         self.members[peer_id] = m
+        heapq.heappush(self._seen, (now, peer_id))
         self.tallies.count(m, 1)
         self.removed.discard(peer_id)
         self._touch(m, True)
@@ -298,6 +315,7 @@ class Registry:
             self.soft.discard(peer_id)
         else:
             self.members[peer_id] = old
+            heapq.heappush(self._departed, (old.left_at, peer_id))  # a live member never has an old entry
             self.tallies.count(old, 1)
         self.view.drop(peer_id)
 
@@ -343,6 +361,7 @@ class Registry:
             m.addrs = list(hb.addrs)
         self.tallies.count(m, 1)
         m.last_seen = now
+        heapq.heappush(self._seen, (now, peer_id))
         shown = self.view.get(peer_id)
         # New addresses go into the view at once: its peers cannot reach it at the old ones.
         structural = moved or shown is not None and shows_change(shown.state, state) and (
@@ -397,22 +416,30 @@ class Registry:
             return MemberDecision(False, "not_member", f"{peer_id} is not a live member")
         self.tallies.count(m, -1)
         m.status, m.left_at = LEFT, now
+        heapq.heappush(self._departed, (now, peer_id))
         self._touch(m, True)
         return MemberDecision(True, "ok", f"{peer_id} left stage {m.stage}", m.stage)
 
     def expire(self, now: float) -> list[Member]:
-        """Expire silent members; forget departed ones past retention. Returns the newly expired."""
+        """Expire silent members; forget departed ones past retention. Returns the newly expired, oldest
+        silence first. Only the noted deadlines that passed are visited (see the module docstring)."""
         out = []
-        # Read once, not per member (each a property through the pacing): nothing below changes them, and this
-        # runs every second over every member (12 ms a call at 10,000 simulated members, profiled).
-        expiry_s, in_grace = self.expiry_s, now < self.grace_until
-        for m in list(self.members.values()):
-            if m.status == LIVE and now - m.last_seen > expiry_s and not in_grace:
-                self.tallies.count(m, -1)
-                m.status, m.left_at = EXPIRED, now
-                self._touch(m, True)
-                out.append(m)
-            elif m.status in (LEFT, EXPIRED) and now - m.left_at > self.settings.departed_retention_s:
+        expiry_s, retention_s = self.expiry_s, self.settings.departed_retention_s
+        seen, departed = self._seen, self._departed
+        while seen and now - seen[0][0] > expiry_s and now >= self.grace_until:
+            at, peer = heapq.heappop(seen)
+            m = self.members.get(peer)
+            if m is None or m.status != LIVE or m.last_seen > at:
+                continue  # gone, or heard from since (a later note stands for it)
+            self.tallies.count(m, -1)
+            m.status, m.left_at = EXPIRED, now
+            heapq.heappush(departed, (now, peer))
+            self._touch(m, True)
+            out.append(m)
+        while departed and now - departed[0][0] > retention_s:
+            at, peer = heapq.heappop(departed)
+            m = self.members.get(peer)
+            if m is not None and m.status in (LEFT, EXPIRED) and m.left_at <= at:
                 del self.members[m.peer_id]
                 self._gone.discard(m.peer_id)  # (a crashed member's entry stayed there for good)
                 self._disconnected.pop(m.peer_id, None)
@@ -523,4 +550,5 @@ class Registry:
         self.grace_until = now + self.settings.restart_grace_s
         for m in self.live():
             m.last_seen = max(m.last_seen, now)
+        self._note_all()
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.assignment import ThroughputClaims, shares_from_layers, stage_loads
-from protolearn.coordinator.core.members import EXPIRED, LEFT, HeartbeatInfo, JoinInfo
+from protolearn.coordinator.core.members import EXPIRED, LEFT, LIVE, HeartbeatInfo, JoinInfo
 from protolearn.coordinator.core.registry import Registry
 
 
@@ -55,6 +55,33 @@ def test_expiry_after_missed_heartbeats_and_rejoin_gets_the_old_stage() -> None:
     assert r.heartbeat("c", HeartbeatInfo("training"), 3.6).code == "not_member"
     d = r.join("c", info(), 4.0)
     assert d.accepted and d.rejoined and d.stage == 0
+
+
+def test_expiry_counts_from_each_members_last_heartbeat_through_rejoins_and_restarts() -> None:
+    """Expiry visits the deadlines it noted, not every member: each heartbeat's note replaces the older ones,
+    a rejoin's old notes count for nothing, and a restart notes every restored member afresh."""
+    r = registry()
+    r.join("a", info(), 0.0)
+    r.join("b", info(), 0.0)
+    r.heartbeat("a", HeartbeatInfo("training"), 2.0)
+    r.heartbeat("a", HeartbeatInfo("training"), 4.0)
+    assert [m.peer_id for m in r.expire(3.5)] == ["b"]
+    assert r.expire(6.9) == []  # a was heard from at 4.0
+    assert [m.peer_id for m in r.expire(7.5)] == ["a"]
+    r.join("b", info(), 8.0)  # back: its notes from before count for nothing
+    r.leave("b", 9.0)
+    r.join("b", info(), 10.0)
+    r.leave("b", 60.0)
+    r.expire(110.0)  # a, expired at 7.5, is forgotten; b's first leave (9.0) is no longer its departure
+    assert "a" not in r.members and r.members["b"].status == LEFT
+    r.expire(161.0)
+    assert "b" not in r.members
+    r.join("c", info(), 200.0)
+    members = list(r.members.values())
+    again = registry()
+    again.restore(members, 500.0)  # silent since 200.0, but the restart counts it as seen now
+    assert again.expire(502.0) == []
+    assert [m.peer_id for m in again.expire(again.grace_until + 3.5)] == ["c"]
 
 
 def test_rejoin_goes_to_a_halted_stage_instead_of_its_old_one() -> None:
@@ -194,7 +221,16 @@ def test_per_stage_tallies_always_equal_a_fresh_count_of_the_members(ops) -> Non
         elif op == "ban":
             r.ban(peer, now)
         elif op == "expire":
-            r.expire(now + 2.5)
+            # Expiry visits only the deadlines it noted: it must find what a scan of every member finds.
+            t = now + (2.5 if k % 2 else 150.0)  # past the expiry, or past the departed ones' retention too
+            silent = [] if t < r.grace_until else sorted(
+                p for p, m in r.members.items() if m.status == LIVE and t - m.last_seen > r.expiry_s
+            )
+            forgotten = sorted(
+                p for p, m in r.members.items() if m.status in (LEFT, EXPIRED) and t - m.left_at > r.settings.departed_retention_s
+            )
+            assert sorted(m.peer_id for m in r.expire(t)) == silent
+            assert not set(forgotten) & set(r.members) and set(forgotten) <= r.removed
         elif op == "rebalance":
             r.rebalance(now)
         else:
