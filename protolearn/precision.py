@@ -65,15 +65,14 @@ MAX_SPREAD = 0.25
 def lower_precision(precisions: tuple[str, ...]) -> str | None:
     """The precision below float32 that a run admitting ``precisions`` recomputes its checks in too (None:
     float32 only, and a check is recomputed once)."""
-    lower = [p for p in precisions if p != "fp32"]
-    return "bf16" if lower else None
+    return "bf16" if "bf16" in precisions else None  # the one lower precision there is (PRECISIONS)
 
 
 def spread_allowance(spreads: list[float]) -> float:
     """What a check allows on top of the run-wide tolerance for recomputations whose spreads (float32 against
     the lower precision, relative L2) are ``spreads``; a non-finite spread counts as ``MAX_SPREAD``."""
     widest = max((s if s == s and s != float("inf") else MAX_SPREAD for s in spreads), default=0.0)
-    return SPREAD_FACTOR * min(max(widest, 0.0), MAX_SPREAD)
+    return SPREAD_FACTOR * min(widest, MAX_SPREAD)  # a spread is a distance: never below 0
 
 
 def allowance(precisions: tuple[str, ...]) -> float:
