@@ -29,7 +29,8 @@ members' corpus fingerprints are tallied here as votes (see corpus.py).
 Every request path is O(1) in the number of members: the registry keeps :class:`~.tallies.StageTallies`
 (replicas, throughput, working replicas, the live count) up to date as members change, rather than
 scanning them. Only :meth:`Registry.rebalance` and :meth:`Registry.restore` (a timer and restarts) visit
-every member. :meth:`Registry.expire` visits only the members that may be due: each time a member's
+every member, and a rebalance only when the tallies say a move could pay
+(:meth:`~.tallies.StageTallies.could_rebalance`). :meth:`Registry.expire` visits only the members that may be due: each time a member's
 ``last_seen`` or ``left_at`` is set, the registry notes it in a heap of deadlines (a note that a later
 heartbeat made stale is dropped when it comes up). At 10,000 simulated members a scan of every member each
 second was 12 ms a call, 8% of the simulation. The records themselves are in ``members.py``; where a
@@ -463,7 +464,7 @@ class Registry:
         """Propose and apply at most one move (training members past their cooldown only, each heard from
         and leaving a replica behind that is too: :meth:`_leaves_a_holder`). None during a restart's grace, while
         the coordinator cannot yet tell the live members from the dead it restored."""
-        if now < self.grace_until:
+        if now < self.grace_until or not self.tallies.could_rebalance(self.shares, self.settings.rebalance_quality):
             return None
         cooldown = self.settings.move_cooldown_s
         heard: dict[int, set[str]] = {}  # per stage, its working replicas heard from lately (once per rebalance)

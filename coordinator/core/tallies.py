@@ -13,7 +13,7 @@ member in a way the tallies see, and with 1 after.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from protolearn.coordinator.core.assignment import MIN_THROUGHPUT, StageLoad, ThroughputClaims
 from protolearn.coordinator.core.members import LIVE, SERVING_STATES, Member
@@ -82,6 +82,22 @@ class StageTallies:
     def working_counts(self) -> list[int]:
         """How many members work in each stage, in stage order."""
         return [len(w) for w in self._working]
+
+    def could_rebalance(self, shares: Sequence[float], min_quality: float) -> bool:
+        """False only when :func:`~.assignment.propose_move` over the live members would propose no move: the
+        bottleneck stage's rate is already at least ``min_quality`` times the best any move could reach (the
+        share-weighted mean rate, which no stage's rate after a move can all exceed). The bounds are widened by
+        the integer units' rounding, so this never says False where the scan finds a move. It saves the
+        registry's once-a-second scan of every member while the stages stay balanced."""
+        if self.num_stages < 2:
+            return False
+        lowest, total = float("inf"), 0.0
+        for t, u, n, w in zip(self._throughput, self._unmeasured, self._replicas, shares, strict=True):
+            thr = t / _UNITS_PER_THROUGHPUT + u * MIN_THROUGHPUT  # as stage_loads counts an unmeasured member
+            slack = n / _UNITS_PER_THROUGHPUT + 1e-9 * thr
+            lowest = min(lowest, (thr - slack) / w)
+            total += thr + slack
+        return lowest < min_quality * total / sum(shares)
 
     def loads(self) -> list[StageLoad]:
         """Each stage's summed throughput and replica count, as :func:`~.assignment.stage_loads` would give, except that

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import time
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from protolearn.coordinator.core.assignment import (
     MAX_CLAIM,
@@ -194,3 +194,29 @@ def test_a_stage_least_in_throughput_but_crowded_in_replicas_takes_no_joiner() -
     assert choose_stage(within, shares).stage == 1
     small = [StageLoad(200.0, 2), StageLoad(100.0, 1 + 2)]  # below the draw's replicas: throughput decides
     assert choose_stage(small, shares).stage == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.sampled_from([0.0, 1e-9, 0.5, 1.0, 3.0, 100.0, 1234.5678, 1e6]), st.booleans()), max_size=40),
+    st.lists(st.sampled_from([1.0, 2.0, 3.0, 0.5]), min_size=4, max_size=4),
+    st.sampled_from([0.5, 0.75, 0.9, 0.99, 1.0]),
+)
+# Near the bar: the bottleneck stage 3 is at 0.95 of the mean rate, and moving the 5 from stage 0 evens every stage.
+@example([(s, 10.0, True) for s in range(4) for _ in range(10) if (s, _) != (3, 0)] + [(0, 5.0, True), (3, 5.0, True)], [1.0] * 4, 0.99)
+def test_the_tallies_skip_a_rebalance_scan_only_where_it_would_propose_no_move(nodes, weights, quality) -> None:
+    """Registry.rebalance skips its scan of every member when the tallies say no move can pass the quality bar
+    (StageTallies.could_rebalance): that must never skip a move the scan proposes."""
+    from protolearn.coordinator.core.members import Member
+    from protolearn.coordinator.core.tallies import StageTallies
+
+    shares = [w / sum(weights) for w in weights]
+    members = [
+        Member(peer_id=f"p{i}", addrs=[], device="cpu", memory_gb=1.0, throughput=t, stage=s, joined_at=0.0, last_seen=0.0)
+        for i, (s, t, _) in enumerate(nodes)
+    ]
+    tallies = StageTallies(4, members)
+    move = propose_move(((m.peer_id, m.stage, m.throughput, movable) for m, (_, _, movable) in zip(members, nodes)), shares,
+                        min_quality=quality)
+    if not tallies.could_rebalance(shares, quality):
+        assert move is None
