@@ -30,10 +30,12 @@ Every request path is O(1) in the number of members: the registry keeps :class:`
 (replicas, throughput, working replicas, the live count) up to date as members change, rather than
 scanning them. Only :meth:`Registry.rebalance` and :meth:`Registry.restore` (a timer and restarts) visit
 every member, and a rebalance only when the tallies say a move could pay
-(:meth:`~.tallies.StageTallies.could_rebalance`). :meth:`Registry.expire` visits only the members that may be due: each time a member's
-``last_seen`` or ``left_at`` is set, the registry notes it in a heap of deadlines (a note that a later
-heartbeat made stale is dropped when it comes up). At 10,000 simulated members a scan of every member each
-second was 12 ms a call, 8% of the simulation. The records themselves are in ``members.py``; where a
+(:meth:`~.tallies.StageTallies.could_rebalance`). :meth:`Registry.expire` visits only the members that
+may be due: each live member has one note in a heap of times (its join, or a heartbeat), and when a note
+comes up past the expiry the member expires unless it was heard from since, in which case its note moves
+to its last heartbeat; departed members have one note each for their retention the same way. One note per
+member, not one per heartbeat, bounds the heaps by the members however fast anyone heartbeats. At 10,000
+simulated members a scan of every member each second was 12 ms a call, 8% of the simulation. The records themselves are in ``members.py``; where a
 joiner or a returning identity goes is decided by ``assignment.py``.
 """
 
@@ -107,10 +109,12 @@ class Registry:
     # registry on its own, in unit tests; the coordinator core always passes its secret).
     placement_key: bytes | None = None
     _draws: int = 0
-    # (last_seen, peer) each time a live member's last_seen was set, and (left_at, peer) each time one left or
-    # expired: what :meth:`expire` looks at, oldest first. A note older than its member's value is stale.
+    # What :meth:`expire` looks at, oldest first: one (time, peer) note per live member (a time it was heard
+    # from) and one per departed member (a time it left), with each peer's note time (see the module docstring).
     _seen: list[tuple[float, str]] = field(default_factory=list)
+    _seen_at: dict[str, float] = field(default_factory=dict)
     _departed: list[tuple[float, str]] = field(default_factory=list)
+    _departed_at: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.tallies = StageTallies(self.num_stages, self.members.values())
@@ -118,11 +122,20 @@ class Registry:
         self._note_all()
 
     def _note_all(self) -> None:
-        """Note every member's deadline afresh (after the members were replaced wholesale)."""
-        self._seen = [(m.last_seen, m.peer_id) for m in self.members.values() if m.status == LIVE]
-        self._departed = [(m.left_at, m.peer_id) for m in self.members.values() if m.status in (LEFT, EXPIRED)]
+        """Note every member afresh (after the members were replaced wholesale, or their times moved)."""
+        self._seen_at = {m.peer_id: m.last_seen for m in self.members.values() if m.status == LIVE}
+        self._departed_at = {m.peer_id: m.left_at for m in self.members.values() if m.status in (LEFT, EXPIRED)}
+        self._seen = [(at, p) for p, at in self._seen_at.items()]
+        self._departed = [(at, p) for p, at in self._departed_at.items()]
         heapq.heapify(self._seen)
         heapq.heapify(self._departed)
+
+    @staticmethod
+    def _note(heap: list[tuple[float, str]], noted: dict[str, float], peer: str, at: float) -> None:
+        """Give ``peer`` a note at ``at`` unless it has one (an older one: it moves on when it comes up)."""
+        if peer not in noted:
+            noted[peer] = at
+            heapq.heappush(heap, (at, peer))
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -297,7 +310,7 @@ class Registry:
         if old is not None:
             m.step, m.param_hash = old.step, old.param_hash
         self.members[peer_id] = m
-        heapq.heappush(self._seen, (now, peer_id))
+        self._note(self._seen, self._seen_at, peer_id, now)
         self.tallies.count(m, 1)
         self.removed.discard(peer_id)
         self._touch(m, True)
@@ -316,7 +329,7 @@ class Registry:
             self.soft.discard(peer_id)
         else:
             self.members[peer_id] = old
-            heapq.heappush(self._departed, (old.left_at, peer_id))  # a live member never has an old entry
+            self._note(self._departed, self._departed_at, peer_id, old.left_at)
             self.tallies.count(old, 1)
         self.view.drop(peer_id)
 
@@ -361,8 +374,7 @@ class Registry:
         if moved:
             m.addrs = list(hb.addrs)
         self.tallies.count(m, 1)
-        m.last_seen = now
-        heapq.heappush(self._seen, (now, peer_id))
+        m.last_seen = now  # (its note stays where it is: expire moves it here when it comes up)
         shown = self.view.get(peer_id)
         # New addresses go into the view at once: its peers cannot reach it at the old ones.
         structural = moved or shown is not None and shows_change(shown.state, state) and (
@@ -417,7 +429,7 @@ class Registry:
             return MemberDecision(False, "not_member", f"{peer_id} is not a live member")
         self.tallies.count(m, -1)
         m.status, m.left_at = LEFT, now
-        heapq.heappush(self._departed, (now, peer_id))
+        self._note(self._departed, self._departed_at, peer_id, now)
         self._touch(m, True)
         return MemberDecision(True, "ok", f"{peer_id} left stage {m.stage}", m.stage)
 
@@ -426,27 +438,40 @@ class Registry:
         silence first. Only the noted deadlines that passed are visited (see the module docstring)."""
         out = []
         expiry_s, retention_s = self.expiry_s, self.settings.departed_retention_s
-        seen, departed = self._seen, self._departed
+        seen, seen_at, departed, departed_at = self._seen, self._seen_at, self._departed, self._departed_at
         while seen and now - seen[0][0] > expiry_s and now >= self.grace_until:
             at, peer = heapq.heappop(seen)
+            if seen_at.get(peer) != at:
+                continue
+            del seen_at[peer]
             m = self.members.get(peer)
-            if m is None or m.status != LIVE or m.last_seen > at:
-                continue  # gone, or heard from since (a later note stands for it)
+            if m is None or m.status != LIVE:
+                continue  # it left, was banned or forgotten since its note
+            if now - m.last_seen <= expiry_s:  # heard from since: the note moves to its last heartbeat
+                self._note(seen, seen_at, peer, m.last_seen)
+                continue
             self.tallies.count(m, -1)
             m.status, m.left_at = EXPIRED, now
-            heapq.heappush(departed, (now, peer))
+            self._note(departed, departed_at, peer, now)
             self._touch(m, True)
             out.append(m)
         while departed and now - departed[0][0] > retention_s:
             at, peer = heapq.heappop(departed)
+            if departed_at.get(peer) != at:
+                continue
+            del departed_at[peer]
             m = self.members.get(peer)
-            if m is not None and m.status in (LEFT, EXPIRED) and m.left_at <= at:
-                del self.members[m.peer_id]
-                self._gone.discard(m.peer_id)  # (a crashed member's entry stayed there for good)
-                self._disconnected.pop(m.peer_id, None)
-                self._recent.pop(m.peer_id, None)
-                self.dirty.discard(m.peer_id)
-                self.removed.add(m.peer_id)
+            if m is None or m.status not in (LEFT, EXPIRED):
+                continue  # it rejoined or was banned since its note
+            if now - m.left_at <= retention_s:  # it left again since: the note moves to that departure
+                self._note(departed, departed_at, peer, m.left_at)
+                continue
+            del self.members[peer]
+            self._gone.discard(peer)  # (a crashed member's entry stayed there for good)
+            self._disconnected.pop(peer, None)
+            self._recent.pop(peer, None)
+            self.dirty.discard(peer)
+            self.removed.add(peer)
         return out
 
     def ban(self, peer_id: str, now: float) -> bool:

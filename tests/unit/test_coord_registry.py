@@ -84,6 +84,20 @@ def test_expiry_counts_from_each_members_last_heartbeat_through_rejoins_and_rest
     assert [m.peer_id for m in again.expire(again.grace_until + 3.5)] == ["c"]
 
 
+def test_a_member_that_heartbeats_without_pause_keeps_one_note_in_the_expiry_heap() -> None:
+    """Hostile input is normal input: heartbeats as fast as admission lets them through must not grow the
+    registry's memory; each member has one note, moved along when it comes up."""
+    r = registry()
+    r.join("a", info(), 0.0)
+    r.join("b", info(), 0.0)
+    for i in range(1, 2001):
+        r.heartbeat("a", HeartbeatInfo("training"), i * 0.01)
+        if i % 100 == 0:
+            assert [m.peer_id for m in r.expire(i * 0.01)] == (["b"] if i == 400 else [])
+    assert len(r._seen) <= 2 and len(r._departed) <= 1
+    assert [m.peer_id for m in r.expire(20.0 + 3.1)] == ["a"]
+
+
 def test_rejoin_goes_to_a_halted_stage_instead_of_its_old_one() -> None:
     r = registry()
     r.join("a", info(), 0.0)
