@@ -31,10 +31,9 @@ Every request path is O(1) in the number of members: the registry keeps :class:`
 scanning them. Only :meth:`Registry.rebalance` and :meth:`Registry.restore` (a timer and restarts) visit
 every member, and a rebalance only when the tallies say a move could pay
 (:meth:`~.tallies.StageTallies.could_rebalance`). :meth:`Registry.expire` visits only the members that
-may be due: each live member has one note in a heap of times (its join, or a heartbeat), and when a note
-comes up past the expiry the member expires unless it was heard from since, in which case its note moves
-to its last heartbeat; departed members have one note each for their retention the same way. One note per
-member, not one per heartbeat, bounds the heaps by the members however fast anyone heartbeats. At 10,000
+may be due (:class:`~.deadlines.Notes`): each live member has one note of a time it was heard from, and when
+the note comes up past the expiry the member expires unless it was heard from since, in which case the note
+moves to its last heartbeat; departed members have one note each for their retention the same way. At 10,000
 simulated members a scan of every member each second was 12 ms a call, 8% of the simulation. The records themselves are in ``members.py``; where a
 joiner or a returning identity goes is decided by ``assignment.py``.
 """
@@ -42,7 +41,6 @@ joiner or a returning identity goes is decided by ``assignment.py``.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import hmac
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +49,7 @@ from functools import partial
 from protolearn.coordinator.config import CoordinatorSettings
 from protolearn.coordinator.core.address_cap import AddressCap, subnet_of
 from protolearn.coordinator.core.assignment import Move, StageLoad, place, propose_move
+from protolearn.coordinator.core.deadlines import Notes
 from protolearn.coordinator.core.fit import fitting, no_fit_reason
 from protolearn.coordinator.core.pacing import Pacing
 from protolearn.coordinator.core.members import (
@@ -109,12 +108,10 @@ class Registry:
     # registry on its own, in unit tests; the coordinator core always passes its secret).
     placement_key: bytes | None = None
     _draws: int = 0
-    # What :meth:`expire` looks at, oldest first: one (time, peer) note per live member (a time it was heard
-    # from) and one per departed member (a time it left), with each peer's note time (see the module docstring).
-    _seen: list[tuple[float, str]] = field(default_factory=list)
-    _seen_at: dict[str, float] = field(default_factory=dict)
-    _departed: list[tuple[float, str]] = field(default_factory=list)
-    _departed_at: dict[str, float] = field(default_factory=dict)
+    # What :meth:`expire` looks at: one note per live member (a time it was heard from) and one per departed
+    # member (a time it left); see the module docstring.
+    _seen: Notes = field(default_factory=Notes)
+    _departed: Notes = field(default_factory=Notes)
 
     def __post_init__(self) -> None:
         self.tallies = StageTallies(self.num_stages, self.members.values())
@@ -123,19 +120,8 @@ class Registry:
 
     def _note_all(self) -> None:
         """Note every member afresh (after the members were replaced wholesale, or their times moved)."""
-        self._seen_at = {m.peer_id: m.last_seen for m in self.members.values() if m.status == LIVE}
-        self._departed_at = {m.peer_id: m.left_at for m in self.members.values() if m.status in (LEFT, EXPIRED)}
-        self._seen = [(at, p) for p, at in self._seen_at.items()]
-        self._departed = [(at, p) for p, at in self._departed_at.items()]
-        heapq.heapify(self._seen)
-        heapq.heapify(self._departed)
-
-    @staticmethod
-    def _note(heap: list[tuple[float, str]], noted: dict[str, float], peer: str, at: float) -> None:
-        """Give ``peer`` a note at ``at`` unless it has one (an older one: it moves on when it comes up)."""
-        if peer not in noted:
-            noted[peer] = at
-            heapq.heappush(heap, (at, peer))
+        self._seen = Notes((m.peer_id, m.last_seen) for m in self.members.values() if m.status == LIVE)
+        self._departed = Notes((m.peer_id, m.left_at) for m in self.members.values() if m.status in (LEFT, EXPIRED))
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -310,7 +296,7 @@ class Registry:
         if old is not None:
             m.step, m.param_hash = old.step, old.param_hash
         self.members[peer_id] = m
-        self._note(self._seen, self._seen_at, peer_id, now)
+        self._seen.note(peer_id, now)
         self.tallies.count(m, 1)
         self.removed.discard(peer_id)
         self._touch(m, True)
@@ -329,7 +315,7 @@ class Registry:
             self.soft.discard(peer_id)
         else:
             self.members[peer_id] = old
-            self._note(self._departed, self._departed_at, peer_id, old.left_at)
+            self._departed.note(peer_id, old.left_at)
             self.tallies.count(old, 1)
         self.view.drop(peer_id)
 
@@ -429,7 +415,7 @@ class Registry:
             return MemberDecision(False, "not_member", f"{peer_id} is not a live member")
         self.tallies.count(m, -1)
         m.status, m.left_at = LEFT, now
-        self._note(self._departed, self._departed_at, peer_id, now)
+        self._departed.note(peer_id, now)
         self._touch(m, True)
         return MemberDecision(True, "ok", f"{peer_id} left stage {m.stage}", m.stage)
 
@@ -438,33 +424,24 @@ class Registry:
         silence first. Only the noted deadlines that passed are visited (see the module docstring)."""
         out = []
         expiry_s, retention_s = self.expiry_s, self.settings.departed_retention_s
-        seen, seen_at, departed, departed_at = self._seen, self._seen_at, self._departed, self._departed_at
-        while seen and now - seen[0][0] > expiry_s and now >= self.grace_until:
-            at, peer = heapq.heappop(seen)
-            if seen_at.get(peer) != at:
-                continue
-            del seen_at[peer]
+        for peer in self._seen.due(now, expiry_s) if now >= self.grace_until else ():
             m = self.members.get(peer)
             if m is None or m.status != LIVE:
                 continue  # it left, was banned or forgotten since its note
             if now - m.last_seen <= expiry_s:  # heard from since: the note moves to its last heartbeat
-                self._note(seen, seen_at, peer, m.last_seen)
+                self._seen.note(peer, m.last_seen)
                 continue
             self.tallies.count(m, -1)
             m.status, m.left_at = EXPIRED, now
-            self._note(departed, departed_at, peer, now)
+            self._departed.note(peer, now)
             self._touch(m, True)
             out.append(m)
-        while departed and now - departed[0][0] > retention_s:
-            at, peer = heapq.heappop(departed)
-            if departed_at.get(peer) != at:
-                continue
-            del departed_at[peer]
+        for peer in self._departed.due(now, retention_s):
             m = self.members.get(peer)
             if m is None or m.status not in (LEFT, EXPIRED):
                 continue  # it rejoined or was banned since its note
             if now - m.left_at <= retention_s:  # it left again since: the note moves to that departure
-                self._note(departed, departed_at, peer, m.left_at)
+                self._departed.note(peer, m.left_at)
                 continue
             del self.members[peer]
             self._gone.discard(peer)  # (a crashed member's entry stayed there for good)
