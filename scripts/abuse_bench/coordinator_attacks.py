@@ -37,7 +37,7 @@ from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.states import NodeState
 
 from abuse_bench.crew import Crew, Member, seen
-from abuse_bench.harness import Sizes, Target, measure, quiet
+from abuse_bench.harness import Sizes, Target, honest_step, measure, quiet
 from abuse_bench.swarm import LAST_STAGE, LEASE_POLL_S
 from abuse_bench.swarm_target import honest_charged
 
@@ -81,8 +81,7 @@ async def coordinator_rows(target: Target, ready: dict, sizes: Sizes, run: Any) 
     coord_id = ready["coord"].rsplit("/p2p/", 1)[1]
     errors = quiet()
 
-    async def step() -> bool:
-        return bool((await target.ask("step", timeout=150))["ok"])
+    step = honest_step(target)
 
     rows: dict[str, dict] = {}
 
@@ -161,15 +160,20 @@ async def coordinator_rows(target: Target, ready: dict, sizes: Sizes, run: Any) 
                 n.cancel_scope.cancel()
 
         async def grab(step: int, n: int, got: dict[int, bytes]) -> None:
-            """Lease the redone tickets of ``step`` as soon as they are free (for at most a second)."""
-            with trio.move_on_after(1.0):
-                while not got:
+            """Lease the redone tickets of ``step`` as soon as they are free (for at most a second).
+
+            A lease request is never cancelled midway: the coordinator may have granted it, and a grant whose answer
+            was dropped would sit unclaimed until the lease ran late (10 s), holding the honest swarm's next step
+            (a bench artefact, not the attack; it once failed CI's run by passing the step's 20 s deadline)."""
+            end = trio.current_time() + 1.0
+            while not got and trio.current_time() < end:
+                with trio.CancelScope(shield=True):  # (each request has its own deadline)
                     lease = await a.link.lease(n)
                     if lease.step == step:
                         got.update(zip(lease.indices, lease.nonces, strict=True))
                     elif lease.indices:  # the next step's: not this attack's, and not to be sat on
                         await a.link.release(lease.step, lease.indices)
-                    await trio.sleep(0.002)
+                await trio.sleep(0.002)
 
         async def redo_own(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
             """After each first closing in which it carried tickets, redo them; under attack, replay their old acks first."""

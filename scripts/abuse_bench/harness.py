@@ -146,6 +146,21 @@ async def start_target(module: str, args: list[str], log_path: Path) -> tuple[Ta
 Op = Callable[[], Awaitable[bool]]
 
 
+def honest_step(target: Target, log: list[dict] | None = None) -> Op:
+    """The op "the swarm target's honest swarm trains one step" (see swarm_target.py); a step that fails says what it
+    waited on, on stderr under ``honest step failed:`` (the test shows those lines). ``log`` keeps every answer."""
+
+    async def step() -> bool:
+        r = await target.ask("step", timeout=150)
+        if log is not None:
+            log.append(r)
+        if not r["ok"]:
+            print(f"honest step failed: {json.dumps(r)}", file=sys.stderr)
+        return bool(r["ok"])
+
+    return step
+
+
 # With ``until``, the honest ops go on at most this many times longer than they would without it.
 UNTIL_ROUNDS = 8
 

@@ -36,7 +36,7 @@ from protolearn.protocol.errors import ProtocolError, Refused
 from protolearn.protocol.tensors import to_frame
 
 from abuse_bench.crew import Crew, seen
-from abuse_bench.harness import Sizes, Target, measure
+from abuse_bench.harness import Sizes, Target, honest_step, measure
 from abuse_bench.stand_ins import boundary_frames
 from abuse_bench.swarm import LAST_STAGE, Lies, Replica
 from abuse_bench.swarm_target import honest_charged
@@ -96,8 +96,7 @@ async def report_rows(target: Target, ready: dict, sizes: Sizes, run: Any) -> di
     honest = [h["id"] for h in ready["honest"].values()]
     accused = ready["honest"]["h1a"]["id"]
 
-    async def step() -> bool:
-        return bool((await target.ask("step", timeout=150))["ok"])
+    step = honest_step(target)
 
     rows: dict[str, dict] = {}
 

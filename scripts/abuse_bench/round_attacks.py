@@ -32,7 +32,7 @@ from protolearn.protocol.statements import fin_statement, members_mask, op_tag, 
 from protolearn.protocol.wire import Message
 
 from abuse_bench.crew import Crew, seen
-from abuse_bench.harness import Sizes, Target, measure
+from abuse_bench.harness import Sizes, Target, honest_step, measure
 from abuse_bench.swarm import LAST_STAGE, Lies, Replica
 from abuse_bench.swarm_target import honest_charged
 
@@ -99,10 +99,7 @@ async def round_rows(target: Target, ready: dict, sizes: Sizes, run: Any) -> dic
     stage1 = [h["id"] for h in ready["honest"].values() if h["stage"] == LAST_STAGE]
     steps: list[dict] = []
 
-    async def step() -> bool:
-        r = await target.ask("step", timeout=150)
-        steps.append(r)
-        return bool(r["ok"])
+    step = honest_step(target, steps)
 
     rows: dict[str, dict] = {}
 

@@ -128,10 +128,16 @@ async def _commands(coord: object, replicas: list[Replica], say: object) -> None
             ok = ok and len({outcomes[r.name].param_hash for r in replicas if r.stage == stage and r.name in outcomes}) == 1
         if not ok:
             print(f"honest step {t} failed: {outcomes} (resyncs: {[r.resyncs for r in replicas]})", file=sys.stderr)
-        closed = coord.core.ledger.closed.get(t)
+        ledger = coord.core.ledger
+        closed = ledger.closed.get(t)
         account = {} if closed is None else {st: {p[-6:]: ts for p, ts in peers.items()} for st, peers in closed.accounting().items()}
-        return {"s": s, "ok": ok, "step": t, "account": account, "closings": max((o.closings for o in outcomes.values()), default=0),
-                "outcomes": {k: o.how for k, o in outcomes.items()}}
+        out = {"s": s, "ok": ok, "step": t, "account": account, "closings": max((o.closings for o in outcomes.values()), default=0),
+               "outcomes": {k: o.how for k, o in outcomes.items()}}
+        if not ok:  # what it waited on: the coordinator's open step and who holds its tickets, each replica's state
+            holders = {p[-6:]: held for p in coord.core.registry.members if (held := ledger.holdings(p))}
+            out["waited"] = {"ledger_step": ledger.step, "remaining": ledger.remaining(), "holders": holders,
+                             "replicas": {r.name: {"applied": r.core.applied, "state": r.core.state.value} for r in replicas}}
+        return out
 
     async def answer(cmd: dict) -> None:
         if cmd["cmd"] == "step":
