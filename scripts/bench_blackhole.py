@@ -69,13 +69,13 @@ codec = "none"
 [model]
 vocab_size = 259
 d_model = 64
-n_layers = 2
+n_layers = {layers}
 n_heads = 4
 d_ff = 128
 max_seq_len = 64
 [stages]
 num_stages = {stages}
-[batch]
+{split}[batch]
 microbatches_per_step = {microbatches}
 microbatch_size = 4
 seq_len = 32
@@ -87,9 +87,14 @@ max_bytes = 200000
 """
 
 
-def _run_toml(stages: int, steps: int, microbatches: int = 6, extra_toml: str = "") -> str:
-    """The run; ``extra_toml``: more sections (e.g. ``[sync]`` for DiLoCo mode, bench.py integrity --diloco)."""
-    return TINY.format(steps=steps, stages=stages, microbatches=microbatches) + extra_toml
+def _run_toml(stages: int, steps: int, microbatches: int = 6, extra_toml: str = "", *, last_stage_larger: bool = False) -> str:
+    """The run; ``extra_toml``: more sections (e.g. ``[sync]`` for DiLoCo mode, bench.py integrity --diloco).
+    ``last_stage_larger`` (two stages): one layer in stage 0 and three in stage 1, so that a node's memory can admit
+    stage 0 alone (stage 0 holds its microbatches' graphs: with one layer each it needs 6.8 MB against 4.0, with
+    two in stage 1 still more than its 6.4; with three, 6.8 against 8.9)."""
+    if last_stage_larger:
+        return TINY.format(steps=steps, stages=stages, microbatches=microbatches, layers=4, split="layers = [1, 3]\n") + extra_toml
+    return TINY.format(steps=steps, stages=stages, microbatches=microbatches, layers=2, split="") + extra_toml
 
 
 @dataclass
@@ -115,14 +120,21 @@ def _swarm_run(
 
     from protolearn.stages.footprint import stage_footprints
 
-    run_toml = _run_toml(stages, steps, extra_toml=extra_toml)
+    # Node 0 in stage 0 with a stage-mate (hole_stage 0, two stages, three nodes or more): the stage a third joiner
+    # gets is a keyed draw among stages of near-equal throughput (coordinator/core/assignment.py), and every stage of
+    # a pipeline measures the same rate, so only memory can decide it. Stage 1 is made the larger, and nodes 0 and 1
+    # offer memory for stage 0 alone. (Unpinned, a third node started 1.4 s late on a loaded machine went to
+    # stage 1, and the hang left stage 0 empty: CI, 2026-12-07.)
+    stage0_pair = hole_stage == 0 and stages == 2 and num_nodes >= 3
+    run_toml = _run_toml(stages, steps, extra_toml=extra_toml, last_stage_larger=stage0_pair)
     run = RunConfig.from_toml_text(run_toml)
     tokens_per_step = run.batch.tokens_per_step
     # With two stage-1 replicas, nodes 2 and 0 offer less memory than stage 0 needs, so placement can only
-    # give them stage 1 (a real user's --max-memory; by throughput the second would go to stage 0).
+    # give them stage 1 (a real user's --max-memory; by throughput the second would go to stage 0). With a stage-0
+    # pair (above), nodes 0 and 1 offer less than the larger stage 1 needs.
     first, last = [f.total(8) for f in stage_footprints(run)][:2] if stages > 1 else (0, 0)
     pin = ["--max-memory", f"{(first + last) / 2e6:.2f}MB"]
-    pinned = {2: pin, 0: pin} if stage1_replicas == 2 else {}
+    pinned = {2: pin, 0: pin} if stage1_replicas == 2 else {0: pin, 1: pin} if stage0_pair else {}
 
     class Swarm(LocalSwarm):
         def _node_args(self, k: int) -> list[str]:
@@ -149,7 +161,9 @@ def _swarm_run(
         # with hole_stage 0 in a multi-stage run, node 0 takes stage 0 (a loaded machine would otherwise
         # start them in any order). The rest start at once; the timed windows start once every node joined.
         procs: dict[int, Any] = {}
-        for group in ([[1], [2, 0]] if pinned else [[1], [0]] if hole_stage == 1 else [[0]] if stages > 1 else []):
+        # With a stage-0 pair, nodes 0 and 1 join before node 2, which then takes the empty stage 1.
+        groups = [[1], [2, 0]] if stage1_replicas == 2 else [[0], [1]] if stage0_pair else [[1], [0]] if hole_stage == 1 else [[0]] if stages > 1 else []
+        for group in groups:
             for k in group:
                 procs[k] = swarm._popen(swarm._node_args(k), f"node{k}")
             with trio.fail_after(STARTUP_S):
