@@ -110,6 +110,26 @@ class Outcome:
     node_stages: dict[int, int]  # the stage each node built first
 
 
+def _start_groups(stages: int, hole_stage: int, stage1_replicas: int, stage0_pair: bool) -> list[list[int]]:
+    """The nodes whose stage matters, in groups started one after another (each group joined before the next
+    starts; the rest start at once after them). The coordinator places a node by what it finds when it joins,
+    and a loaded machine starts processes in any order, so the order is what puts node 0 where it should be:
+
+    - two stage-1 replicas: node 1 takes stage 0, then nodes 2 and 0 (their memory admits only stage 1) together,
+      so both train from the first steps (node 0 started after node 2 joined once came in at step 36 of 40);
+    - a stage-0 pair: nodes 0 and 1 (pinned to stage 0 by memory) join before node 2, which takes stage 1;
+    - the hole in stage 1: an honest node 1 takes stage 0, then node 0 stage 1;
+    - the hole in stage 0 of a multi-stage run: node 0 first.
+    """
+    if stage1_replicas == 2:
+        return [[1], [2, 0]]
+    if stage0_pair:
+        return [[0], [1]]
+    if hole_stage == 1:
+        return [[1], [0]]
+    return [[0]] if stages > 1 else []
+
+
 def _swarm_run(
     workdir: Path, *, stages: int, steps: int, num_nodes: int, lease_s: float, hole: str | None, deadline_s: float, hole_stage: int = 0,
     stage1_replicas: int = 1, extra_toml: str = "",
@@ -154,15 +174,8 @@ def _swarm_run(
         with trio.fail_after(STARTUP_S):
             while not swarm.poll_address():
                 await trio.sleep(0.1)
-        # The node(s) whose stage matters join first, a group at a time: with hole_stage 1, an honest node
-        # takes stage 0 and node 0 then stage 1 (with two stage-1 replicas, the pinned nodes 2 and 0
-        # together: their memory admits only stage 1, and both then train from the first steps; node 0
-        # started after node 2 joined came in at step 36 of 40 on a loaded machine, too late to hang);
-        # with hole_stage 0 in a multi-stage run, node 0 takes stage 0 (a loaded machine would otherwise
-        # start them in any order). The rest start at once; the timed windows start once every node joined.
         procs: dict[int, Any] = {}
-        # With a stage-0 pair, nodes 0 and 1 join before node 2, which then takes the empty stage 1.
-        groups = [[1], [2, 0]] if stage1_replicas == 2 else [[0], [1]] if stage0_pair else [[1], [0]] if hole_stage == 1 else [[0]] if stages > 1 else []
+        groups = _start_groups(stages, hole_stage, stage1_replicas, stage0_pair)
         for group in groups:
             for k in group:
                 procs[k] = swarm._popen(swarm._node_args(k), f"node{k}")

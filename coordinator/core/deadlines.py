@@ -36,7 +36,6 @@ class Notes:
         its new note is due too."""
         heap, noted = self._heap, self._at
         while heap and now - heap[0][0] > after_s:
-            at, key = heapq.heappop(heap)
-            if noted.get(key) == at:
-                del noted[key]
-                yield key
+            _, key = heapq.heappop(heap)
+            del noted[key]  # a key has one note, so the one popped is the one noted
+            yield key
