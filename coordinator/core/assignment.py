@@ -67,28 +67,44 @@ def _bin(throughput: float) -> int:
 
 
 class ThroughputClaims:
-    """A multiset of positive throughput claims, binned on a log scale (see the module docstring)."""
+    """A multiset of positive throughput claims, binned on a log scale (see the module docstring).
+
+    The bin of the lower median is kept as claims come and go (every heartbeat bounds a claim by it, and a
+    scan of the bins each time was a visible share of a 10,000-node simulation): it moves by the bins a change
+    steps over, one for most."""
 
     def __init__(self) -> None:
         self._bins = [0] * _NUM_BINS
         self.count = 0
+        self._at = 0  # the bin that holds the lower median claim (while there are claims)
+        self._below = 0  # the claims in the bins before it
 
     def add(self, throughput: float, sign: int = 1) -> None:
         """Add (``sign`` 1) or take out (-1) one claim; zero claims (not measured yet) are not counted."""
-        if throughput > 0:
-            self._bins[_bin(throughput)] += sign
-            self.count += sign
+        if throughput <= 0:
+            return
+        b = _bin(throughput)
+        bins = self._bins
+        bins[b] += sign
+        self.count += sign
+        if self.count <= 0:
+            self._at = self._below = 0
+            return
+        if b < self._at:
+            self._below += sign
+        rank = (self.count - 1) // 2
+        while rank < self._below:  # the median claim is in an earlier bin
+            self._at -= 1
+            self._below -= bins[self._at]
+        while rank >= self._below + bins[self._at]:  # or in a later one
+            self._below += bins[self._at]
+            self._at += 1
 
     def lower_median(self) -> float | None:
         """The upper edge of the bin that holds the lower median claim (None: no claims)."""
         if self.count <= 0:
             return None
-        rank, seen = (self.count - 1) // 2, 0
-        for i, n in enumerate(self._bins):
-            seen += n
-            if seen > rank:
-                return MIN_THROUGHPUT * 2 ** ((i + 1) / _BINS_PER_DOUBLING)
-        return None  # unreachable while count matches the bins
+        return MIN_THROUGHPUT * 2 ** ((self._at + 1) / _BINS_PER_DOUBLING)
 
     def bound(self, claim: float, factor: float) -> float:
         """``claim`` as it counts: at most ``factor`` times the lower median of the claims held here."""

@@ -66,11 +66,20 @@ SUSPECT_FACTOR = 2.0
 
 @dataclass(frozen=True)
 class Choice:
-    """The chosen peer (``None`` when no candidate is usable) and why."""
+    """The chosen peer (``None`` when no candidate is usable) and why (written out only when read: a swarm
+    makes a choice per microbatch and stage, and seldom logs one)."""
 
     peer: str | None
-    reason: str
+    why: str = ""  # when no candidate is usable
     expected_s: float = float("inf")
+    queue: float = 0.0
+    of: int = 0  # usable candidates
+
+    @property
+    def reason(self) -> str:
+        if self.peer is None:
+            return self.why
+        return f"least expected finish {self.expected_s:.3f} s (queue {self.queue:.0f}, of {self.of} peers)"
 
 
 @dataclass
@@ -159,7 +168,9 @@ class Balancer:
     def choose(self, candidates: list[str], now: float, awaited: Mapping[str, int] | None = None) -> Choice:
         """The usable candidate with the least expected finish; ``awaited``: per peer, the microbatches
         handed to it whose gradient is still awaited."""
-        usable = sorted(set(candidates) - self._banned)
+        # The least (expected finish, tie rank) wins whatever the candidates' order, so they are not sorted.
+        banned = self._banned
+        usable = [p for p in dict.fromkeys(candidates) if p not in banned] if banned else list(dict.fromkeys(candidates))
         if not usable:
             why = "no peer serves the next stage" if not candidates else f"all {len(candidates)} candidates are banned"
             return Choice(None, why)
@@ -175,7 +186,7 @@ class Balancer:
             ready = [(p, stats[p]) for p in usable]
         load = awaited or {}
         prior: float | None = None  # the prior of unmeasured peers, computed only if a candidate is one (O(peers known))
-        # The least (expected finish, tie rank), the first in sorted order on a full tie: _finish and min() inlined,
+        # The least (expected finish, tie rank; peers rank apart), _finish and min() inlined,
         # the rank computed only on a tie of finish times (a choice scores every replica of the next stage).
         suspects, half_life, ranks = self.suspects, self.penalty_half_life_s, self._ranks
         best: str | None = None
@@ -209,7 +220,7 @@ class Balancer:
                     best, best_rank = p, rank
         assert best is not None  # ready is never empty
         queue = self._queue(stats[best], load.get(best, 0))
-        return Choice(best, f"least expected finish {best_eta:.3f} s (queue {queue:.0f}, of {len(usable)} peers)", best_eta)
+        return Choice(best, "", best_eta, queue, len(usable))
 
     # -- observations ----------------------------------------------------------------------------
     def on_sent(self, peer: str) -> None:

@@ -29,7 +29,9 @@ class Engine:
         heapq.heappush(self._queue, (when if when > self.now else self.now, next(self._seq), fn, args))
 
     def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
-        self.at(self.now + delay, fn, *args)
+        """Run ``fn(*args)`` ``delay`` seconds from now (:meth:`at`, inlined: most calls are scheduled here)."""
+        now = self.now
+        heapq.heappush(self._queue, (now + delay if delay > 0 else now, next(self._seq), fn, args))
 
     def run(self, until: float, stop: Callable[[], bool] | None = None) -> None:
         """Run the calls due up to ``until`` (or until ``stop()`` says so, checked every 4,096 calls)."""

@@ -111,6 +111,34 @@ def test_the_binned_median_claim_is_within_one_bin_of_the_true_lower_median(clai
     assert c.bound(1e15, 4.0) == min(1e15, 4.0 * median) and c.bound(true, 4.0) == true
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.floats(min_value=1e-3, max_value=MAX_CLAIM), st.integers(0, 10**6)), max_size=80))
+def test_the_median_kept_as_claims_come_and_go_is_the_one_a_scan_of_the_bins_finds(changes: list[tuple[bool, float, int]]) -> None:
+    """Members join, change their claims and leave in any order: after every change the median bin kept
+    incrementally is the one a scan of the bins finds, and it holds the true lower median."""
+    from protolearn.coordinator.core.assignment import MIN_THROUGHPUT, _BINS_PER_DOUBLING
+
+    c, held = ThroughputClaims(), []
+    for take_out, t, k in changes:
+        if take_out and held:
+            c.add(held.pop(k % len(held)), -1)
+        else:
+            c.add(t)
+            held.append(t)
+        assert c.count == len(held)
+        if not held:
+            assert c.lower_median() is None
+            continue
+        rank, seen = (len(held) - 1) // 2, 0
+        for i, n in enumerate(c._bins):
+            seen += n
+            if seen > rank:
+                break
+        assert c.lower_median() == MIN_THROUGHPUT * 2 ** ((i + 1) / _BINS_PER_DOUBLING)
+        true = sorted(held)[rank]
+        assert true <= c.lower_median() <= true * 2 ** 0.25 * (1 + 1e-9)
+
+
 def test_with_no_claims_there_is_no_reference_and_a_claim_counts_as_made() -> None:
     c = ThroughputClaims()
     c.add(0.0)  # not measured yet: not a claim
