@@ -263,6 +263,7 @@ class Membership:
                 pass
         else:
             w.metrics.crashes.append((w.now, node.peer))
+            w.metrics.last_crash[node.peer] = w.now
         self._die(node, closed=how != "silent", why=how)
 
     def _die(self, node: SimNode, *, closed: bool, why: str) -> None:
@@ -304,7 +305,7 @@ class Membership:
         node.member = False
         if node.peer in w.serving[node.stage]:
             w.serving[node.stage].remove(node.peer)
-        crashed_at = next((t for t, p in reversed(w.metrics.crashes) if p == node.peer), None)
+        crashed_at = w.metrics.last_crash.get(node.peer)
         if crashed_at is not None:
             w.metrics.detections.append(w.now - crashed_at)
         interval = w.host.heartbeat_interval_s

@@ -50,6 +50,7 @@ class Metrics:
     events: Counter[str] = field(default_factory=Counter)
     # Crashes: (when, peer), and when the coordinator stopped counting each one (left the view).
     crashes: list[tuple[float, str]] = field(default_factory=list)
+    last_crash: dict[str, float] = field(default_factory=dict)  # each peer's latest of them
     recoveries: list[float] = field(default_factory=list)
     detections: list[float] = field(default_factory=list)
     # Per stage: seconds with no serving replica.
