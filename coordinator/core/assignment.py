@@ -93,10 +93,11 @@ class ThroughputClaims:
         if b < self._at:
             self._below += sign
         rank = (self.count - 1) // 2
-        while rank < self._below:  # the median claim is in an earlier bin
+        # (the bounds hold only if a claim taken out was one added; they keep a miscount from running off the bins)
+        while rank < self._below and self._at > 0:  # the median claim is in an earlier bin
             self._at -= 1
             self._below -= bins[self._at]
-        while rank >= self._below + bins[self._at]:  # or in a later one
+        while rank >= self._below + bins[self._at] and self._at < _NUM_BINS - 1:  # or in a later one
             self._below += bins[self._at]
             self._at += 1
 
