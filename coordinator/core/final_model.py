@@ -33,6 +33,11 @@ class FinalModelDesk:
         return self.run.steps > 0 and self.ledger.committed_through >= self.run.steps - 1
 
     @property
+    def half_done(self) -> bool:
+        """At least half the run's steps have committed (the adapter loads what its fetch needs from then on)."""
+        return self.run.steps > 0 and 2 * (self.ledger.committed_through + 1) >= self.run.steps
+
+    @property
     def held_step(self) -> int:
         """The step of the final model the coordinator holds and serves, -1 if none."""
         return self.step if self.state == "saved" else -1
