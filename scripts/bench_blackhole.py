@@ -92,9 +92,8 @@ def _run_toml(stages: int, steps: int, microbatches: int = 6, extra_toml: str = 
     ``last_stage_larger`` (two stages): one layer in stage 0 and three in stage 1, so that a node's memory can admit
     stage 0 alone (stage 0 holds its microbatches' graphs: with one layer each it needs 6.8 MB against 4.0, with
     two in stage 1 still more than its 6.4; with three, 6.8 against 8.9)."""
-    if last_stage_larger:
-        return TINY.format(steps=steps, stages=stages, microbatches=microbatches, layers=4, split="layers = [1, 3]\n") + extra_toml
-    return TINY.format(steps=steps, stages=stages, microbatches=microbatches, layers=2, split="") + extra_toml
+    layers, split = (4, "layers = [1, 3]\n") if last_stage_larger else (2, "")
+    return TINY.format(steps=steps, stages=stages, microbatches=microbatches, layers=layers, split=split) + extra_toml
 
 
 @dataclass
