@@ -10,6 +10,11 @@ Hypothesis. No deadline per example and no "too slow" health check: a property t
 its code returns, and on a loaded 2-core machine the first examples (imports, allocator warm-up) or
 the data generation can take seconds, which is not a bug. The other health checks do not depend on
 timing and stay on.
+
+Torch threads. Under pytest-xdist (``scripts/test.sh``: two workers on two cores) each worker computes with
+one torch thread: at torch's default of one per core, the two workers' four threads spun against each other,
+and against the busy loop of a loaded CI run (tests/unit/test_precision.py's trainer: 7 s alone, 15 s beside
+the other worker, 150 s with the cores kept busy). Node processes the tests start keep torch's default.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # Before Hypothesis's own pytest_configure reads its seed option.
     if getattr(config.option, "hypothesis_seed", None) is None:
         config.option.hypothesis_seed = str(suite_seed())
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # (the module docstring)
+        import torch
+
+        torch.set_num_threads(1)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
