@@ -5,9 +5,7 @@ replica of each stage the model would leave too (``swarm export`` found nothing 
 that keeps the final model says ``final="collecting"`` in its heartbeat replies until it has fetched
 every stage; :func:`stay_for_final_model` keeps heartbeating (and the node's state server answering)
 until it says ``saved``, or says nothing (an older coordinator, or one that gave up), or
-:data:`FINAL_WAIT_S` passes, whichever comes first. It asks again soon at first (the coordinator fetches a
-small stage in well under a second), then less often, up to once a heartbeat interval: at the interval from
-the start, every finished node stayed about 2 s longer than the fetch took.
+:data:`FINAL_WAIT_S` passes, whichever comes first.
 """
 
 from __future__ import annotations
@@ -24,8 +22,6 @@ log = logging.getLogger("protolearn.node")
 
 # The longest a finished node stays for the coordinator to fetch its stage.
 FINAL_WAIT_S = 300.0
-# The first pause before asking again; each later one doubles, up to the heartbeat interval.
-FIRST_ASK_AGAIN_S = 0.2
 
 
 async def stay_for_final_model(
@@ -33,7 +29,6 @@ async def stay_for_final_model(
 ) -> bool:
     """Heartbeat until the coordinator holds the final model; True if it said so."""
     told = False
-    pause = min(FIRST_ASK_AGAIN_S, every_s)
     with trio.move_on_after(wait_s):
         while True:
             try:
@@ -46,7 +41,6 @@ async def stay_for_final_model(
             if not told:
                 told = True
                 say("run finished; staying until the coordinator has saved the final model")
-            await trio.sleep(pause)
-            pause = min(2 * pause, every_s)
+            await trio.sleep(every_s)
     say(f"the coordinator did not save the final model within {wait_s:g} s; leaving (this node's checkpoint holds its stage)")
     return False
