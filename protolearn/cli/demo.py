@@ -301,6 +301,8 @@ def _demo(
         with Live(console=console, refresh_per_second=4, transient=False) as live:
             plan = ChaosPlan(nodes, steps, random.Random(seed)) if chaos else None
             status = trio.run(_until_signalled, watch, swarm, live, 0.25 if chaos else 1.0, plan, live.console.print)
+        if not console.is_terminal:  # the last frame ends without a newline there: end it, or the next line joins it
+            console.line()
         if status is INTERRUPTED:
             raise KeyboardInterrupt
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM; one that lands before the watch starts is a plain KeyboardInterrupt

@@ -103,18 +103,22 @@ def _status(
                 show_json(st)
                 await trio.sleep(interval)
                 st = await link.status(history)
-        with Live(view(st), console=console, auto_refresh=False) as live:
-            while True:
-                await trio.sleep(interval)
-                try:
-                    st = await link.status(history)
-                    live.update(view(st), refresh=True)
-                except ProtolearnError as err:
-                    from rich.console import Group
-                    from rich.text import Text
+        try:
+            with Live(view(st), console=console, auto_refresh=False) as live:
+                while True:
+                    await trio.sleep(interval)
+                    try:
+                        st = await link.status(history)
+                        live.update(view(st), refresh=True)
+                    except ProtolearnError as err:
+                        from rich.console import Group
+                        from rich.text import Text
 
-                    # The last view stays, under one line that says what is wrong.
-                    live.update(Group(Text(f"coordinator unreachable: {err}; retrying", style="red"), view(st)), refresh=True)
+                        # The last view stays, under one line that says what is wrong.
+                        live.update(Group(Text(f"coordinator unreachable: {err}; retrying", style="red"), view(st)), refresh=True)
+        finally:
+            if not console.is_terminal:  # the last frame ends without a newline there (the shell's prompt would join it)
+                console.line()
 
     run_trio(main)
 

@@ -71,6 +71,9 @@ def test_demo_trains_and_prints_a_summary(tmp_path: Path) -> None:
     r = subprocess.run([*CLI, "demo", "--nodes", "3", "--stages", "2", "--steps", "6", "--config", str(config), "--workdir", str(work)],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
+    # The live view's last frame ends its line: with stdout and stderr on one terminal or log, the summary
+    # lines start lines of their own.
+    assert r.stderr.endswith("\n"), r.stderr[-300:]
     summary = r.stdout.strip().splitlines()[-1]
     assert summary.startswith("demo: loss ") and "over 6 steps" in summary and "tokens/s" in summary, summary
     first, last = (float(x) for x in summary.split("loss ")[1].split(" over")[0].split(" -> "))
