@@ -92,8 +92,11 @@ async def keep_final_model(running: Any, local_addr: str, shown_addr: str, *, ta
 
 
 def _import_fetch_modules() -> None:
-    for name in FETCH_MODULES:
-        importlib.import_module(name)
+    try:
+        for name in FETCH_MODULES:
+            importlib.import_module(name)
+    except Exception as err:  # noqa: BLE001 - only a head start: the fetch imports them again and reports what fails
+        log.info("could not load the final model's fetch ahead of the run's end: %s", err)
 
 
 async def _fetch(local_addr: str, path: Path) -> Any:
