@@ -82,7 +82,7 @@ class CheckpointInfo:
     step: int
     num_stages: int
     run_hash: str
-    state_hash: str  # StageModule.state_hash() of the saved parameters
+    state_hash: str  # shared_state_hash() of the saved state
     state_digest: str  # state_digest() of every saved tensor, checked on load
     run_toml: str
 
@@ -134,6 +134,29 @@ def stage_state(
             if key in st:
                 out[f"{key}/{name}"] = st[key].detach().to("cpu", copy=True).contiguous()
     return out
+
+
+def shared_state_hash(
+    module: StageModule, optimizer: torch.optim.Optimizer, *, outer_momentum: Mapping[str, Tensor] | None = None,
+) -> str:
+    """The hash of the state that every replica of a stage holds bit for bit (I2): what the replicas report after
+    each step, what a donor claims, what a joiner checks before it trains on a donor's state (a donor can lie
+    about any tensor it sends, its optimizer state too), and what a checkpoint is matched against.
+
+    The parameters (:meth:`StageModule.state_hash`), then per parameter in name order AdamW's step and moments;
+    in DiLoCo mode (``outer_momentum`` given, the parameters being the anchor) the outer momentum instead, each
+    replica's inner AdamW state being its own. State not there yet (a fresh optimizer, a momentum of zeros)
+    adds nothing, so the init and a final model's parameters hash as their parameters alone."""
+    extra: list[tuple[str, Tensor]] = []
+    if outer_momentum is not None:
+        if any(bool(m.any()) for m in outer_momentum.values()):
+            extra = [(f"{OUTER_KEY}/{n}", outer_momentum[n]) for n in sorted(outer_momentum)]
+    else:
+        params = _params(module, optimizer)
+        for name in sorted(params):
+            st = optimizer.state.get(params[name], {})
+            extra += [(f"{key}/{name}", st[key]) for key in OPTIM_KEYS if key in st]
+    return module.state_hash(extra)
 
 
 def state_digest(tensors: Mapping[str, Tensor]) -> str:
@@ -358,7 +381,8 @@ def prepare_checkpoint(
         raise ValueError(f"module is stage {module.stage} of run {module.run_config.run_hash()[:12]}, not stage {stage} of {run.run_hash()[:12]}")
     meta = {
         "format": STAGE_FORMAT, "run_hash": run.run_hash(), "run_toml": run.to_toml(), "stage": str(stage),
-        "step": str(step), "num_stages": str(module.plan.num_stages), "state_hash": module.state_hash(),
+        "step": str(step), "num_stages": str(module.plan.num_stages),
+        "state_hash": shared_state_hash(module, optimizer, outer_momentum=outer_momentum),
     }
     state = stage_state(module, optimizer, outer_momentum=outer_momentum)
     return PreparedCheckpoint(Path(directory), Path(directory) / checkpoint_name(stage, step), stage, run.run_hash(), state, meta)

@@ -227,7 +227,7 @@ class Finisher:
     async def _skip(self, a: Skip) -> str:
         """Count ``a.step`` applied with no update (its result is lost to this stage; see the node core)."""
         async with self.compute:
-            param_hash = await trio.to_thread.run_sync(self.worker.param_hash)
+            param_hash = await trio.to_thread.run_sync(self.worker.step_hash)
             self.worker.applied = a.step + 1
             follow = self.core.handle(Applied(a.step, param_hash), self.clock())
         await trio.to_thread.run_sync(self.worker.forget, a.step, limiter=self.compute)

@@ -50,6 +50,7 @@ class ModelServer(StateServer):
 
         def take() -> Snapshot:
             entries = [(f"param/{n}", p.detach().cpu().clone()) for n, p in module.named_parameters()]
+            # Parameters alone: what shared_state_hash gives a taker that installs them with no optimizer state.
             return self.step, module.state_hash(), entries, b""
 
         return await trio.to_thread.run_sync(take)

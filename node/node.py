@@ -265,7 +265,7 @@ class Node:
             # Report the installed state's hash at once, not only after the next applied step: a stage whose
             # replicas all just synced (and cannot apply yet) would otherwise report none, and every joiner
             # would wait for "its replicas' parameter hashes" forever.
-            self.hashes.record(applied - 1, await trio.to_thread.run_sync(self.worker.param_hash, limiter=self.compute))
+            self.hashes.record(applied - 1, await trio.to_thread.run_sync(self.worker.state_hash, limiter=self.compute))
         self.core.handle(Synced(applied), self.clock())
 
     async def _witnesses(self, target: str, step: int, ticket: int, direction: str) -> list[str]:

@@ -189,7 +189,7 @@ class StagePersistence:
         if plan.source == "lost":
             raise StateSyncError(plan.reason)
         if plan.source == "init":
-            got = await trio.to_thread.run_sync(worker.param_hash, limiter=self.compute)
+            got = await trio.to_thread.run_sync(worker.state_hash, limiter=self.compute)
             self.progress.event("init", stage=stage, hash=got, reason=plan.reason)
             self.progress.say(f"stage {stage}: the run's deterministic initial state (a fresh run)")
             return 0
@@ -203,7 +203,7 @@ class StagePersistence:
             load_checkpoint(info.path, self.run, stage, worker.module, worker.optimizer, outer=outer)
             if outer is not None:  # DiLoCo: the checkpoint holds the state after an outer sync, and its momentum
                 worker.take_anchor(outer or None)
-            return worker.param_hash()
+            return worker.state_hash()
 
         got = await trio.to_thread.run_sync(install, limiter=self.compute)
         self._saved = (stage, info.step)

@@ -11,7 +11,7 @@ and takes the result only if every donor described the same state (applied steps
 
 The joining side checks everything before installing it: the run hash, that every name is one of its
 own parameters or their AdamW moments with the exact dtype and shape (the header is checked before the
-payload is read), finiteness, and finally that the installed parameters hash to what the donor
+payload is read), finiteness, and finally that the installed state (parameters and moments) hashes to what the donor
 claimed and to what the stage's other replicas report to the coordinator, when they report that step.
 """
 

@@ -7,7 +7,8 @@ and installs a state only if it is the stage's, by this rule (a donor can lie ab
 
 - ``applied`` may not exceed the coordinator's frontier (``StageHashes.step``): no replica has
   applied an uncommitted step;
-- after ``applied`` ≥ 1 steps, the installed parameters must hash to what a strict majority of the
+- after ``applied`` ≥ 1 steps, the installed state (its parameters and the optimizer state the replicas
+  share: :func:`~protolearn.node.checkpoint.shared_state_hash`) must hash to what a strict majority of the
   replicas reported for step ``X = applied - 1``. Each replica reports its hashes after its last
   ``HASH_HISTORY`` applied steps (a donor trains on while the joiner downloads, so its snapshot is
   often a step or two behind its latest report). The majority is over all the reporting replicas
@@ -17,7 +18,7 @@ and installs a state only if it is the stage's, by this rule (a donor can lie ab
   reporter, is a minority. A stage with a single replica has that replica as its only reporter: a
   majority of one, which is all a joiner can know there;
 - after 0 steps the state is the deterministic init from the run seed, which this node built itself:
-  the installed parameters must hash to that (no reporter needed, and nobody has one yet);
+  the installed state must hash to that (no reporter needed, and nobody has one yet);
 - with nothing to compare with (the hashes request failed, nobody reported that step yet, or its
   reporters are split), nothing is installed: the check is asked again a few times (a donor's report
   can be a heartbeat behind its state), then the download is refused and retried, with a progress
@@ -147,7 +148,7 @@ class StageSync:
         deadline = self.clock() + self.config.sync_timeout_s
         tried, last, planned_for = 0, "", None
         if self._init_hash is None:  # the worker is as built: the run seed's init
-            self._init_hash = await trio.to_thread.run_sync(self.worker.param_hash, limiter=self.compute)
+            self._init_hash = await trio.to_thread.run_sync(self.worker.state_hash, limiter=self.compute)
         while True:
             donors = self.donors()
             # A local or given checkpoint, the init, or (None) a download: see node/persistence.py.

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-from protolearn.node.checkpoint import OPTIM_KEYS, OUTER_KEY
+from protolearn.node.checkpoint import OPTIM_KEYS, OUTER_KEY, shared_state_hash
 from protolearn.stages.config import RunConfig
 from protolearn.stages.optim import apply_step, make_optimizer
 from protolearn.stages.outer import flatten, nesterov_step, pseudo_gradient, unflatten_into
@@ -81,7 +81,8 @@ class StageWorker:
         self.outer: OuterState | None = None
         if run.sync.diloco:
             anchor = flatten(self.params)
-            self.outer = OuterState(anchor, torch.zeros_like(anchor), 0, self.module.state_hash(), 0)
+            self.outer = OuterState(anchor, torch.zeros_like(anchor), 0, "", 0)
+            self.outer.anchor_hash = self._anchor_hash()
 
     @property
     def first(self) -> bool:
@@ -229,7 +230,7 @@ class StageWorker:
 
     @torch.no_grad()
     def apply(self, step: int, flat: torch.Tensor) -> tuple[str, float]:
-        """Install the averaged gradients, take optimizer step ``step``; returns (param hash, grad norm).
+        """Install the averaged gradients, take optimizer step ``step``; returns (:meth:`step_hash`, grad norm).
 
         Which step comes next is the node core's to know (:attr:`NodeCore.applied`), not the worker's.
         """
@@ -240,7 +241,7 @@ class StageWorker:
             offset += n
         norm = apply_step(self.module, self.optimizer, step, self.run.optim)
         self.applied = step + 1
-        return self.module.state_hash(), norm
+        return self.step_hash(), norm
 
     # -- DiLoCo ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -250,7 +251,7 @@ class StageWorker:
         Returns (param hash, grad norm)."""
         if not tickets:
             self.applied = step + 1
-            return self.module.state_hash(), 0.0
+            return self.step_hash(), 0.0
         flat = self.flat_grads(step, tickets) * (self.run.batch.microbatches_per_step / len(tickets))
         return self.apply(step, flat)
 
@@ -266,7 +267,7 @@ class StageWorker:
         sync = self.run.sync
         o.anchor, o.momentum = nesterov_step(o.anchor, o.momentum, avg, lr=sync.outer_lr, mu=sync.outer_momentum)
         unflatten_into(o.anchor, self.params)
-        o.anchor_hash = self.module.state_hash()
+        o.anchor_hash = self._anchor_hash()
         o.anchor_applied = o.since_step = applied
         self.applied = applied
         return o.anchor_hash
@@ -296,7 +297,7 @@ class StageWorker:
         o = self._outer()
         o.anchor = flatten(self.params)
         o.momentum = flatten([momentum[n] for n in self.names]) if momentum else torch.zeros_like(o.anchor)
-        o.anchor_hash = self.module.state_hash()
+        o.anchor_hash = self._anchor_hash()
         o.anchor_applied = o.since_step = -1
 
     def anchored(self, applied: int, since_step: int) -> None:
@@ -318,8 +319,22 @@ class StageWorker:
             self.module.discard(key)
         self._keys.clear()
 
-    def param_hash(self) -> str:
-        return self.module.state_hash()
+    def state_hash(self) -> str:
+        """The hash of the state this replica shares with its stage's other replicas
+        (:func:`~protolearn.node.checkpoint.shared_state_hash`): the parameters and AdamW's state, or in DiLoCo
+        mode the anchor and the outer momentum."""
+        if self.outer is not None:
+            return self.outer.anchor_hash
+        return shared_state_hash(self.module, self.optimizer)
+
+    def step_hash(self) -> str:
+        """What this replica reports after a step: :meth:`state_hash`, or in DiLoCo mode the hash of its own
+        parameters (its inner steps are its own; the anchor's hash is reported after each outer sync)."""
+        return self.state_hash() if self.outer is None else self.module.state_hash()
+
+    def _anchor_hash(self) -> str:
+        """DiLoCo: the shared state's hash, with the anchor installed as the parameters (the caller's to ensure)."""
+        return shared_state_hash(self.module, self.optimizer, outer_momentum=self.outer_momentum())
 
     # -- state sync ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -345,7 +360,7 @@ class StageWorker:
         the state is the anchor instead, after its own steps."""
         if self.outer is None:
             test = self.self_test().numpy().tobytes() if self_test else b""
-            return applied(), self.param_hash(), self.snapshot(), test
+            return applied(), self.state_hash(), self.snapshot(), test
         test = self.with_anchor(self.self_test).numpy().tobytes() if self_test else b""
         return self.outer.anchor_applied, self.outer.anchor_hash, self.snapshot(), test
 
@@ -369,7 +384,7 @@ class StageWorker:
 
     @torch.no_grad()
     def load(self, entries: dict[str, torch.Tensor]) -> str:
-        """Install a donor's snapshot (already validated by name, dtype and shape); returns the new hash."""
+        """Install a donor's snapshot (already validated by name, dtype and shape); returns the new :meth:`state_hash`."""
         missing = [n for n in self.names if f"param/{n}" not in entries]
         if missing:
             raise ValueError(f"snapshot lacks parameters {missing[:3]}")
@@ -386,4 +401,4 @@ class StageWorker:
         if self.outer is not None:
             momentum = {n: entries[f"{OUTER_KEY}/{n}"] for n in self.names if f"{OUTER_KEY}/{n}" in entries}
             self.take_anchor(momentum if len(momentum) == len(self.names) else None)
-        return self.module.state_hash()
+        return self.state_hash()

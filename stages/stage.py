@@ -14,7 +14,7 @@ network, so they are checked (dtype, shape, token range) before any compute.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -247,12 +247,13 @@ class StageModule(nn.Module):
         return sorted(name for name, _ in self.named_parameters())
 
     @torch.no_grad()
-    def state_hash(self) -> str:
-        """sha256 over (name, dtype, shape, raw bytes) of every parameter in name order; bit-exact."""
+    def state_hash(self, extra: Iterable[tuple[str, torch.Tensor]] = ()) -> str:
+        """sha256 over (name, dtype, shape, raw bytes) of every parameter in name order, then of each
+        ``extra`` (name, tensor) in the order given (state beside the parameters); bit-exact."""
         h = hashlib.sha256()
         params = dict(self.named_parameters())
-        for name in sorted(params):
-            t = params[name].detach().to("cpu").contiguous()
+        for name, t in [(n, params[n]) for n in sorted(params)] + list(extra):
+            t = t.detach().to("cpu").contiguous()
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()

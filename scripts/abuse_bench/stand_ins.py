@@ -123,9 +123,9 @@ class VectorWorker:
         self.updates[step] = flat.clone()
         for old in [s for s in self.updates if s < step - 8]:
             del self.updates[old]
-        return self.param_hash(), float(flat.norm())
+        return self.step_hash(), float(flat.norm())
 
-    def param_hash(self) -> str:
+    def step_hash(self) -> str:
         return hashlib.sha256(self.params.numpy().tobytes()).hexdigest()
 
     def install(self, steps: int) -> None:

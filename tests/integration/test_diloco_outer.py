@@ -143,7 +143,7 @@ def test_replicas_average_pseudo_gradients_by_recorded_tokens_and_a_late_one_is_
                     for s in (0, 1):
                         a, b = reps[s]
                         assert not done[a.host.peer_id].resync and not done[b.host.peer_id].resync
-                        assert a.worker.param_hash() == b.worker.param_hash() == done[a.host.peer_id].param_hash
+                        assert a.worker.state_hash() == b.worker.state_hash() == done[a.host.peer_id].param_hash
                         weights = (3.0, 1.0) if s == 1 else (8.0, 0.0)  # stage 0: replica 0 leased every ticket
                         if weights[1]:
                             avg = (deltas[a.host.peer_id] * weights[0] + deltas[b.host.peer_id] * weights[1]) / sum(weights)

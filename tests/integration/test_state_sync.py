@@ -36,12 +36,16 @@ RUN = RunConfig.model_validate(
 )
 
 
-def _donor(applied: int, bump: float = 0.0) -> tuple[StageWorker, list[int]]:
-    """A stage-1 replica after ``applied`` steps; ``served`` counts the snapshots it handed out."""
+def _donor(applied: int, bump: float = 0.0, moments: float | None = None) -> tuple[StageWorker, list[int]]:
+    """A stage-1 replica after ``applied`` steps, with AdamW state of moment ``moments`` when given; ``served``
+    counts the snapshots it handed out."""
     w = StageWorker(RUN, 1)
     with torch.no_grad():
         for p in w.params:
             p.add_(0.01 * applied + bump)
+            if moments is not None:
+                w.optimizer.state[p] = {"step": torch.tensor(float(applied)), "exp_avg": torch.full_like(p, moments),
+                                        "exp_avg_sq": torch.full_like(p, moments * moments)}
     w.applied = applied  # type: ignore[attr-defined]  # the test's own record: a node keeps it in its core
     return w, []
 
@@ -54,7 +58,7 @@ def test_a_joiner_takes_one_share_from_each_replica_and_gets_the_whole_state(ope
 
                 async def snap(w=w, served=served):
                     served.append(1)
-                    return w.applied, w.param_hash(), w.snapshot(), w.self_test().numpy().tobytes()
+                    return w.applied, w.state_hash(), w.snapshot(), w.self_test().numpy().tobytes()
 
                 StateServer(host, 1, RUN.run_hash(), snap).register()
             joiner = StageWorker(RUN, 1)
@@ -62,7 +66,7 @@ def test_a_joiner_takes_one_share_from_each_replica_and_gets_the_whole_state(ope
                 hosts[2], [h.peer_id for h in hosts[:2]], joiner, RUN.run_hash(), timeout_s=20.0
             )
             assert [len(s) for _, s in donors] == [1, 1]  # both replicas served a share
-            assert applied == 7 and joiner.load(entries) == claimed == donors[0][0].param_hash()
+            assert applied == 7 and joiner.load(entries) == claimed == donors[0][0].state_hash()
             assert len(entries) == len(donors[0][0].snapshot())  # parameters and optimizer moments, all of them
             # A single donor still sends everything.
             _, alone, whole = await fetch_state(hosts[2], hosts[0].peer_id, joiner, RUN.run_hash(), timeout_s=20.0)
@@ -77,7 +81,7 @@ def test_replicas_that_hold_different_states_are_not_mixed(open_hosts, run_trio)
             for host, (w, _) in zip(hosts[:2], [_donor(7), _donor(7, bump=0.5)], strict=True):
 
                 async def snap(w=w):
-                    return w.applied, w.param_hash(), w.snapshot(), w.self_test().numpy().tobytes()
+                    return w.applied, w.state_hash(), w.snapshot(), w.self_test().numpy().tobytes()
 
                 StateServer(host, 1, RUN.run_hash(), snap).register()
             with pytest.raises(StateSyncError, match="different states"):
@@ -116,14 +120,14 @@ def _syncer(tmp_path: Path, host, link: _Coordinator, donors: list[str], waiting
 
 def test_a_joiner_refuses_a_lying_donor_and_takes_the_majoritys_state(open_hosts, run_trio, tmp_path: Path) -> None:
     honest, liar = _donor(7), _donor(7, bump=0.5)
-    good, bad = honest[0].param_hash(), liar[0].param_hash()
+    good, bad = honest[0].state_hash(), liar[0].state_hash()
 
     async def main() -> None:
         async with open_hosts(3) as hosts:
             for host, (w, _) in zip(hosts[:2], [liar, honest], strict=True):
 
                 async def snap(w=w):
-                    return w.applied, w.param_hash(), w.snapshot(), w.self_test().numpy().tobytes()
+                    return w.applied, w.state_hash(), w.snapshot(), w.self_test().numpy().tobytes()
 
                 StateServer(host, 1, RUN.run_hash(), snap).register()
             lying, true = hosts[0].peer_id, hosts[1].peer_id
@@ -133,7 +137,42 @@ def test_a_joiner_refuses_a_lying_donor_and_takes_the_majoritys_state(open_hosts
             sync, worker, progress = _syncer(tmp_path, hosts[2], link, [lying, true], waiting, 30.0)
             with progress:
                 assert await sync.sync(7) == 7
-            assert worker.param_hash() == good
+            assert worker.state_hash() == good
+            synced = [e for e in map(json.loads, (tmp_path / "node.jsonl").read_text().splitlines()) if e.get("event") == "synced"]
+            assert [e["donors"] for e in synced] == [[true]]  # the split download and the liar alone were refused
+
+    run_trio(main, timeout=90)
+
+
+@pytest.mark.parametrize("claims", ["the-stage-hash", "its-own-hash"])
+def test_a_donor_that_lies_about_the_optimizer_state_alone_is_refused_before_the_joiner_trains(
+    open_hosts, run_trio, tmp_path: Path, claims: str,
+) -> None:
+    """The replicas' hash covers AdamW's moments, not only the parameters: a donor that sends the stage's
+    parameters with other moments (which would make the joiner's next update differ from its stage's, and cost
+    it a resync that nobody could pin on the donor) is refused at install, whichever hash it claims."""
+    honest, liar = _donor(7, moments=0.1), _donor(7, moments=0.1)
+    with torch.no_grad():
+        liar[0].optimizer.state[liar[0].params[0]]["exp_avg"].mul_(-50.0)
+    good = honest[0].state_hash()
+    assert liar[0].module.state_hash() == honest[0].module.state_hash() and liar[0].state_hash() != good
+
+    async def main() -> None:
+        async with open_hosts(3) as hosts:
+            for host, (w, _) in zip(hosts[:2], [liar, honest], strict=True):
+
+                async def snap(w=w):
+                    claim = good if w is liar[0] and claims == "the-stage-hash" else w.state_hash()
+                    return w.applied, claim, w.snapshot(), w.self_test().numpy().tobytes()
+
+                StateServer(host, 1, RUN.run_hash(), snap).register()
+            lying, true = hosts[0].peer_id, hosts[1].peer_id
+            reported = [(true, 6, good), ("other", 6, good), (lying, 6, good if claims == "the-stage-hash" else liar[0].state_hash())]
+            sync, worker, progress = _syncer(tmp_path, hosts[2], _Coordinator(7, reported), [lying, true], [], 30.0)
+            with progress:
+                assert await sync.sync(7) == 7
+            assert worker.state_hash() == good
+            assert torch.equal(worker.optimizer.state[worker.params[0]]["exp_avg"], honest[0].optimizer.state[honest[0].params[0]]["exp_avg"])
             synced = [e for e in map(json.loads, (tmp_path / "node.jsonl").read_text().splitlines()) if e.get("event") == "synced"]
             assert [e["donors"] for e in synced] == [[true]]  # the split download and the liar alone were refused
 
@@ -146,14 +185,14 @@ def test_a_joiner_passes_the_self_test_or_stops_with_one_line(open_hosts, run_tr
     computed with the state it sent. A device that computes wrong (faked here by scaling the joiner's
     output: this machine has no broken GPU) stops before it trains, with one line saying what to do."""
     donor = _donor(7)
-    good = donor[0].param_hash()
+    good = donor[0].state_hash()
 
     async def main() -> None:
         async with open_hosts(2) as hosts:
             w = donor[0]
 
             async def snap():
-                return w.applied, w.param_hash(), w.snapshot(), w.self_test().numpy().tobytes()
+                return w.applied, w.state_hash(), w.snapshot(), w.self_test().numpy().tobytes()
 
             StateServer(hosts[0], 1, RUN.run_hash(), snap).register()
             link = _Coordinator(7, [(hosts[0].peer_id, 6, good)])
@@ -183,15 +222,15 @@ def test_with_no_hash_to_check_against_a_joiner_installs_nothing(open_hosts, run
 
             async def snap():
                 served.append(1)
-                return liar[0].applied, liar[0].param_hash(), liar[0].snapshot(), b""
+                return liar[0].applied, liar[0].state_hash(), liar[0].snapshot(), b""
 
             StateServer(hosts[0], 1, RUN.run_hash(), snap).register()
             waiting: list[str] = []
             sync, worker, progress = _syncer(tmp_path, hosts[1], _Coordinator(7, reported), [hosts[0].peer_id], waiting, 2.5)
-            init = worker.param_hash()
+            init = worker.state_hash()
             with progress, pytest.raises(StateSyncError, match="no replica reported one yet"):
                 await sync.sync(7)
-            assert worker.param_hash() == init and not served  # nothing downloaded, nothing installed
+            assert worker.state_hash() == init and not served  # nothing downloaded, nothing installed
             assert any("waiting for its replicas' parameter hashes" in w for w in waiting)
 
     run_trio(main, timeout=60)
@@ -210,14 +249,14 @@ def test_a_share_whose_donor_fails_is_taken_from_another_and_the_others_are_kept
                     served.append(1)
                     if gone:
                         return None  # the server refuses: this replica no longer serves the stage
-                    return w.applied, w.param_hash(), w.snapshot(), b""
+                    return w.applied, w.state_hash(), w.snapshot(), b""
 
                 StateServer(host, 1, RUN.run_hash(), snap).register()
             joiner = StageWorker(RUN, 1)
             applied, claimed, entries = await fetch_state_split(
                 hosts[3], [h.peer_id for h in hosts[:3]], joiner, RUN.run_hash(), timeout_s=20.0
             )
-            assert (applied, claimed) == (7, donors[0][0].param_hash())
+            assert (applied, claimed) == (7, donors[0][0].state_hash())
             # Each sent its own share once; the lost share came from one of the two that finished theirs.
             assert sorted(len(s) for _, s in donors) == [1, 1, 2] and len(donors[1][1]) == 1
             assert {n for n, _ in donors[0][0].snapshot()} == set(entries)
@@ -237,7 +276,7 @@ def test_a_lost_share_from_a_replica_at_another_step_is_not_mixed_in(open_hosts,
 
                 async def snap(w=w, served=served, gone=(k == 1)):
                     served.append(1)
-                    return None if gone else (w.applied, w.param_hash(), w.snapshot(), b"")
+                    return None if gone else (w.applied, w.state_hash(), w.snapshot(), b"")
 
                 StateServer(host, 1, RUN.run_hash(), snap).register()
             joiner = StageWorker(RUN, 1)
@@ -277,7 +316,7 @@ def test_a_donor_whose_bundles_break_the_layout_is_refused_by_name_before_its_by
 
     async def liar(peer: str, s) -> None:
         await s.receive(StateRequest)
-        await s.send(StateInfo(stage=1, applied=7, run_hash=RUN.run_hash(), param_hash=donor.param_hash(), num_tensors=len(entries)))
+        await s.send(StateInfo(stage=1, applied=7, run_hash=RUN.run_hash(), param_hash=donor.state_hash(), num_tensors=len(entries)))
         first = [entries[0], entries[1]]
         if lie == "out_of_order":
             first = [entries[1]]
@@ -316,10 +355,10 @@ def test_a_donor_whose_bundles_break_the_layout_is_refused_by_name_before_its_by
             honest = StageWorker(RUN, 1)
             StateServer(bad, 1, RUN.run_hash(), lambda: _snap(donor)).register()
             _, claimed, got = await fetch_state(joiner, bad.peer_id, honest, RUN.run_hash(), timeout_s=20.0)
-            assert honest.load(got) == claimed == donor.param_hash()
+            assert honest.load(got) == claimed == donor.state_hash()
 
     run_trio(main, timeout=60)
 
 
 async def _snap(w: StageWorker):
-    return 7, w.param_hash(), w.snapshot(), b""
+    return 7, w.state_hash(), w.snapshot(), b""

@@ -18,6 +18,7 @@ from protolearn.node.checkpoint import (
     load_stage_state,
     read_checkpoint_info,
     save_checkpoint,
+    shared_state_hash,
     stage_state,
 )
 from protolearn.node.export import export_model, load_model, read_model_info
@@ -147,11 +148,13 @@ def test_save_checkpoint_is_named_by_stage_and_step_and_keeps_the_newest_k(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"stage-1-step-{t}.safetensors" for t in (3, 4, 5)]
     info = read_checkpoint_info(path)
     assert (info.stage, info.step, info.num_stages, info.run_hash) == (1, 5, 2, run.run_hash())
-    assert info.state_hash == pipe.stages[1].state_hash()
+    # The checkpoint is named by the hash its replicas report: parameters and AdamW's state, not the parameters alone.
+    assert info.state_hash == shared_state_hash(pipe.stages[1], pipe.optims[1]) != pipe.stages[1].state_hash()
     assert RunConfig.from_toml_text(info.run_toml) == run
     m, o = fresh(run, 1)
     assert load_checkpoint(path, run, 1, m, o) == 5
     assert same_state(stage_state(m, o), stage_state(pipe.stages[1], pipe.optims[1]))
+    assert shared_state_hash(m, o) == info.state_hash
 
 
 def test_latest_checkpoint_ignores_leftover_temp_files_and_other_names(tmp_path: Path, trained: Pipe) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from protolearn.node.checkpoint import load_checkpoint, save_checkpoint
+from protolearn.node.checkpoint import OUTER_KEY, load_checkpoint, save_checkpoint
 from protolearn.node.worker import StageWorker
 from protolearn.stages.outer import flatten, nesterov_step, pseudo_gradient, unflatten_into
 from tests.support.runs import tiny_run
@@ -63,23 +63,24 @@ def _train_inner(w: StageWorker, step: int, tickets: list[int], seed: int) -> No
 def test_replicas_that_trained_apart_are_identical_after_the_outer_step() -> None:
     run = _diloco_run()
     a, b = StageWorker(run, 0), StageWorker(run, 0)
-    assert a.outer is not None and a.outer.anchor_hash == b.outer.anchor_hash == a.param_hash()
+    assert a.outer is not None and a.outer.anchor_hash == b.outer.anchor_hash == a.step_hash()  # no momentum yet: the parameters alone
     for step in range(H):
         _train_inner(a, step, [0], seed=1)
         _train_inner(b, step, [1], seed=2)
-    assert a.param_hash() != b.param_hash()  # between syncs replicas differ
+    assert a.step_hash() != b.step_hash()  # between syncs replicas differ
     # What the collective computes: the weighted sum of w * delta over the replicas, then / total weight.
     wa, wb = 3.0, 1.0
     avg = (a.pseudo_gradient() * wa + b.pseudo_gradient() * wb) / (wa + wb)
     ha, hb = a.apply_outer(avg, H), b.apply_outer(avg.clone(), H)
-    assert ha == hb == a.param_hash() == b.param_hash()
+    assert ha == hb == a.state_hash() == b.state_hash() and a.step_hash() == b.step_hash()
     assert a.outer.anchor_applied == H and torch.equal(a.outer.momentum, b.outer.momentum)
     assert a.outer.momentum.abs().sum() > 0
+    assert ha != a.step_hash()  # the shared state's hash covers the outer momentum, not only the parameters
 
 
 def test_an_inner_step_with_no_ticket_changes_nothing() -> None:
     w = StageWorker(_diloco_run(), 0)
-    before = w.param_hash()
+    before = w.step_hash()
     assert w.apply_inner(0, [])[0] == before and w.applied == 1
 
 
@@ -91,14 +92,18 @@ def test_a_joiner_takes_the_anchor_and_its_momentum_not_the_donors_inner_state()
     donor.apply_outer(donor.pseudo_gradient(), H)
     anchor_hash = donor.outer.anchor_hash
     _train_inner(donor, H, [0], seed=1)  # the donor trains on: its parameters move away from the anchor
-    assert donor.param_hash() != anchor_hash
+    assert donor.step_hash() != anchor_hash
     snapshot = dict(donor.snapshot())
-    assert donor.param_hash() != anchor_hash  # taking the snapshot put its own parameters back
+    assert donor.step_hash() != anchor_hash  # taking the snapshot put its own parameters back
     joiner = StageWorker(run, 0)
     assert all(joiner.expected(n) is not None for n in snapshot)
     assert joiner.load(snapshot) == anchor_hash
     joiner.anchored(H, since_step=H + 1)
     assert torch.equal(joiner.outer.momentum, donor.outer.momentum) and torch.equal(joiner.outer.anchor, donor.outer.anchor)
+    # The anchor's hash covers the outer momentum: a donor that sends another momentum with the stage's anchor
+    # hands over a state that does not hash to the stage's, and the joiner's check refuses it (node/syncing.py).
+    lied = {n: (t * 2 if n.startswith(f"{OUTER_KEY}/") else t) for n, t in snapshot.items()}
+    assert StageWorker(run, 0).load(lied) != anchor_hash
     # A spot check may recompute only at the weights after an outer sync, on the first step after it.
     joiner.applied = H + 1
     with pytest.raises(ValueError, match="first inner step"):
@@ -118,5 +123,5 @@ def test_a_checkpoint_holds_the_anchor_and_the_momentum(tmp_path: Path) -> None:
     outer: dict = {}
     assert load_checkpoint(path, run, 0, back.module, back.optimizer, outer=outer) == H
     back.take_anchor(outer)
-    assert back.param_hash() == anchor_hash == back.outer.anchor_hash
+    assert back.state_hash() == anchor_hash == back.outer.anchor_hash
     assert torch.equal(back.outer.momentum, w.outer.momentum)
