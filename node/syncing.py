@@ -27,8 +27,9 @@ and installs a state only if it is the stage's, by this rule (a donor can lie ab
 
 After a download, a **self-test** (``IntegrityConfig.self_test``): each donor sent its stage's output on
 a fixed input from the run seed, computed with the very state it sent; this node computes the same with
-the state it installed and must agree with the majority of its donors within 10 × ``check_tolerance``
-plus the allowance for the precisions the run admits (``protolearn/precision.py``).
+the state it installed and must agree with a strict majority of its donors within 10 × ``check_tolerance``
+plus the allowance for the precisions the run admits (``protolearn/precision.py``), or else with what its own
+CPU computes with that state in float32: donors alone never stop a node, since one may lie.
 A broken GPU or driver thus stops the node with one line (:class:`~protolearn.node.errors.SelfTestError`)
 before it touches training. A state from the init or a checkpoint skips the test and says so.
 
@@ -111,6 +112,14 @@ def judge_state(applied: int, got: str, reported: Sequence[tuple[str, int, str]]
     if best != got:
         return "refuse", f"it hashes to {got[:12]}, but the majority of replicas reported {best[:12]} for step {step}"
     return "ok", f"the majority of replicas reported {got[:12]} for step {step}"
+
+
+def _self_test_distance(mine: torch.Tensor, raw: bytes) -> float:
+    """Relative L2 distance of a donor's raw float32 self-test output from this node's (inf: malformed or not finite)."""
+    if len(raw) != 4 * mine.numel():
+        return math.inf
+    theirs = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(mine.shape)
+    return distance(mine, theirs) if bool(torch.isfinite(theirs).all()) else math.inf
 
 
 class StageSync:
@@ -251,7 +260,10 @@ class StageSync:
 
     async def _self_test(self, outputs: dict[str, bytes]) -> None:
         """Known-answer self-test: this device's output on the run's self-test input must match what the donors
-        computed with the state just installed. Raises :class:`SelfTestError` when it matches no donor's."""
+        computed with the state just installed, or, where most donors disagree with it, what this node's CPU
+        computes with that state in float32: the donors' word alone never stops a node (one lying donor could
+        otherwise send away every honest joiner it serves). Raises :class:`SelfTestError` when the device
+        disagrees with that reference."""
         if not self.worker.run.integrity.self_test:
             return
         if not outputs:
@@ -261,25 +273,25 @@ class StageSync:
         mine = await trio.to_thread.run_sync(self.worker.self_test, limiter=self.compute)
         cfg = self.worker.run.integrity
         tol = SELF_TEST_TOLERANCE_FACTOR * cfg.check_tolerance + allowance(tuple(cfg.precisions))
-        far: dict[str, float] = {}
-        for donor, raw in outputs.items():
-            if len(raw) != 4 * mine.numel():
-                far[donor] = math.inf
-                continue
-            theirs = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(mine.shape)
-            d = distance(mine, theirs) if bool(torch.isfinite(theirs).all()) else math.inf
-            if not d <= tol:  # NaN is far too
-                far[donor] = d
-        if 2 * len(far) <= len(outputs) and len(far) < len(outputs):
+        far = {donor: d for donor, raw in outputs.items() if not (d := _self_test_distance(mine, raw)) <= tol}  # NaN is far too
+        if 2 * len(far) < len(outputs):
             for donor, d in far.items():
                 log.warning("self-test: donor %s sent a result %.3g away from this node's and its other donors'", donor, d)
             self.progress.event("self_test", result="passed", donors=len(outputs))
             return
-        worst = max(far.values())
+        reference = await trio.to_thread.run_sync(self.worker.self_test_reference, limiter=self.compute)
+        worst = distance(mine, reference) if bool(torch.isfinite(mine).all()) else math.inf
+        if worst <= tol:
+            who = ", ".join(sorted(far))
+            log.warning("self-test: donors %s sent results away from this node's, which its CPU computes the same with the "
+                        "installed state (a faulty or lying donor)", who)
+            self.progress.event("self_test", result="passed", donors=len(outputs), refereed=True, far_donors=sorted(far))
+            return
         self.progress.event("self_test", result="failed", error=worst, donors=len(outputs))
         raise SelfTestError(
             f"self-test failed: this device computes stage {self.stage} {worst:.3g} (relative L2) away from its replicas "
-            f"(tolerance {tol:.3g}), so its GPU, driver or torch build is faulty; fix it, or join with --device cpu"
+            f"and from this machine's CPU (tolerance {tol:.3g}), so its GPU, driver or torch build is faulty; fix it, or "
+            f"join with --device cpu"
         )
 
     async def reported_hashes(self, step: int) -> dict[str, str]:

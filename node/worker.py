@@ -149,14 +149,28 @@ class StageWorker:
     def self_test(self) -> torch.Tensor:
         """This stage's output on a fixed input derived from the run seed (1 sequence of up to 16 tokens, or
         hidden states), float32 on the CPU: the next-stage hidden, or the logits on the last stage."""
+        with self._ctx():
+            return self._self_test_on(self.module)
+
+    @torch.no_grad()
+    def self_test_reference(self) -> torch.Tensor:
+        """:meth:`self_test` computed on the CPU in float32 with this replica's parameters (a copy when they
+        live on another device): what a sound device must agree with, whatever the donors said."""
+        module = self.module
+        if self.device.type != "cpu":
+            module = build_stage(self.run, self.stage, "cpu")
+            module.load_state_dict(self.module.state_dict())
+        return self._self_test_on(module)
+
+    @torch.no_grad()
+    def _self_test_on(self, module: StageModule) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.run.seed ^ 0x5E1F7E57)
         t = min(16, self.run.batch.seq_len)
         if self.first:
             x = torch.randint(0, self.run.model.vocab_size, (1, t), generator=g)
         else:
             x = torch.randn((1, t, self.run.model.d_model), generator=g)
-        with self._ctx():
-            out = self.module.logits(x) if self.last else self.module.infer(x)
+        out = module.logits(x) if self.last else module.infer(x)
         return out.float().cpu()
 
     def recompute(

@@ -179,11 +179,13 @@ def test_a_donor_that_lies_about_the_optimizer_state_alone_is_refused_before_the
     run_trio(main, timeout=90)
 
 
-@pytest.mark.parametrize("broken", [False, True], ids=["sound-device", "broken-device"])
-def test_a_joiner_passes_the_self_test_or_stops_with_one_line(open_hosts, run_trio, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, broken: bool) -> None:
+@pytest.mark.parametrize("case", ["sound-device", "broken-device", "lying-donor"])
+def test_a_joiner_passes_the_self_test_or_stops_with_one_line(open_hosts, run_trio, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Issue 11, probation: a joiner compares its output on the run's self-test input with its donor's,
     computed with the state it sent. A device that computes wrong (faked here by scaling the joiner's
-    output: this machine has no broken GPU) stops before it trains, with one line saying what to do."""
+    output: this machine has no broken GPU) stops before it trains, with one line saying what to do. A donor
+    that sends a wrong result (its state is the stage's: the hash check passes) does not stop an honest joiner:
+    where the donors disagree with the device, the joiner's CPU computes the reference with the installed state."""
     donor = _donor(7)
     good = donor[0].state_hash()
 
@@ -192,22 +194,25 @@ def test_a_joiner_passes_the_self_test_or_stops_with_one_line(open_hosts, run_tr
             w = donor[0]
 
             async def snap():
-                return w.applied, w.state_hash(), w.snapshot(), w.self_test().numpy().tobytes()
+                test = w.self_test() * (1.5 if case == "lying-donor" else 1.0)
+                return w.applied, w.state_hash(), w.snapshot(), test.numpy().tobytes()
 
             StateServer(hosts[0], 1, RUN.run_hash(), snap).register()
             link = _Coordinator(7, [(hosts[0].peer_id, 6, good)])
             sync, worker, progress = _syncer(tmp_path, hosts[1], link, [hosts[0].peer_id], [], 30.0)
-            if broken:
+            if case == "broken-device":
                 real = worker.self_test
                 monkeypatch.setattr(worker, "self_test", lambda: real() * 1.5)
             with progress:
-                if broken:
+                if case == "broken-device":
                     with pytest.raises(SelfTestError, match="self-test failed: this device computes stage 1 .* faulty; fix it, or join with --device cpu"):
                         await sync.sync(7)
                 else:
                     assert await sync.sync(7) == 7
             events = [e for e in map(json.loads, (tmp_path / "node.jsonl").read_text().splitlines()) if e.get("event") == "self_test"]
-            assert [e["result"] for e in events] == (["failed"] if broken else ["passed"])
+            assert [e["result"] for e in events] == (["failed"] if case == "broken-device" else ["passed"])
+            if case == "lying-donor":
+                assert events[0]["refereed"] and events[0]["far_donors"] == [hosts[0].peer_id]
 
     run_trio(main, timeout=90)
 
