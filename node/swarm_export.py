@@ -3,7 +3,10 @@
 :func:`export_swarm` asks the coordinator for its run and live membership (``coord.members``), then
 fetches each stage's state from one of its live replicas over the state-sync protocol
 (:func:`~protolearn.node.state_sync.fetch_state`: the same validation a joining replica applies, by
-name, dtype, shape and finiteness, and the donor's parameter hash is checked after installing). All
+name, dtype, shape and finiteness). A replica's word is not enough: the state it sent must hash to what
+it claimed and, by a joiner's rule (:func:`~protolearn.node.syncing.judge_state`), to what a strict
+majority of the stage's replicas reported to the coordinator, so one lying replica cannot hand over the
+exported model (nor the final model the coordinator keeps and serves, which it fetches this way). All
 stages are fetched concurrently; because the swarm keeps training, the stages can answer at different
 steps, so stages behind the newest are fetched again until every stage is at one step (or
 ``timeout_s`` passes). The parameters are then written with :func:`~protolearn.node.export.write_model`:
@@ -23,6 +26,7 @@ from protolearn.node.coordinator_link import coordinator_peer_id
 from protolearn.node.errors import NodeError, StateSyncError
 from protolearn.node.export import ExportResult, write_model
 from protolearn.node.state_sync import fetch_state
+from protolearn.node.syncing import judge_state
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
@@ -33,6 +37,9 @@ log = logging.getLogger("protolearn.node")
 
 # Rounds of re-fetching stages that answered at an older step than the others.
 MAX_ROUNDS = 20
+# A fetched stage's state waits for its replicas' reports of that step (up to the fetch's timeout: a report comes
+# with the heartbeat after a replica applied the step); asked again after JUDGE_POLL_S, then at twice the pause up to 1 s.
+JUDGE_POLL_S = 0.1
 
 
 class ExportError(NodeError):
@@ -53,8 +60,11 @@ async def fetch_members(host: Host, coordinator: str, *, timeout_s: float) -> cm
     return reply
 
 
-async def _fetch_stage(host: Host, worker: StageWorker, replicas: list[str], run_hash: str, timeout_s: float) -> tuple[int, dict[str, torch.Tensor]]:
-    """(applied, parameters) of one stage from the first replica that hands over a valid state."""
+async def _fetch_stage(
+    host: Host, coordinator: str | None, worker: StageWorker, init_hash: str, replicas: list[str], run_hash: str, timeout_s: float,
+) -> tuple[int, dict[str, torch.Tensor]]:
+    """(applied, parameters) of one stage from the first replica that hands over the stage's state (the module
+    docstring); ``coordinator`` None: the source is the coordinator's own kept model, which needs no majority."""
     last = "no replica tried"
     for peer in replicas:
         try:
@@ -67,8 +77,38 @@ async def _fetch_stage(host: Host, worker: StageWorker, replicas: list[str], run
         if got != claimed:
             last = f"{peer}: its state hashes to {got[:12]}, it claimed {claimed[:12]}"
             continue
+        if coordinator is not None:
+            verdict, why = await _judge(host, coordinator, worker.stage, applied, got, init_hash, timeout_s)
+            if verdict != "ok":
+                last = f"{peer}: {why}"
+                log.warning("export: refused stage %d from %s: %s", worker.stage, peer, why)
+                continue
         return applied, {n: entries[f"param/{n}"] for n in worker.names}
     raise ExportError(f"could not fetch stage {worker.stage} from any of its {len(replicas)} live replicas ({last})")
+
+
+async def _judge(host: Host, coordinator: str, stage: int, applied: int, got: str, init_hash: str, timeout_s: float) -> tuple[str, str]:
+    """:func:`judge_state` on the hashes ``stage``'s replicas reported, asked again while it cannot tell yet, for
+    up to ``timeout_s``: the replicas report a step's hash in the heartbeat after they applied it, and the final
+    model is fetched as soon as the last step commits."""
+    verdict, why = "wait", "no answer"
+    deadline, pause = trio.current_time() + timeout_s, JUDGE_POLL_S
+    while True:
+        try:
+            reply = await host.request(coordinator, cm.COORDINATOR, cm.StageHashesRequest(stage=stage), cm.StageHashes, timeout=timeout_s)
+        except ProtocolError as err:
+            verdict, why = "wait", f"the coordinator did not give the stage's hashes ({err.reason})"
+        else:
+            if not isinstance(reply, cm.StageHashes):
+                raise ExportError(f"the coordinator answered {type(reply).__name__} to a stage hashes request")
+            reported = [(ph.peer_id, ph.step, ph.hash) for ph in reply.param_hashes]
+            verdict, why = judge_state(applied, got, reported, frontier=reply.step, init_hash=init_hash)
+        if verdict != "wait":
+            return verdict, why
+        if trio.current_time() + pause > deadline:
+            return verdict, f"{why}; nothing to check its state against"
+        await trio.sleep(pause)
+        pause = min(2 * pause, 1.0)
 
 
 async def export_swarm(host: Host, coordinator: str, out: str | Path, *, timeout_s: float = 60.0) -> ExportResult:
@@ -90,7 +130,8 @@ async def _export(host: Host, coordinator: str, out: Path, timeout_s: float) -> 
         raise ExportError(f"the coordinator's run hash {members.run_hash[:12]} does not match its run config; it runs another protolearn version")
     num_stages = run.stages.num_stages
     by_stage = {s: sorted(m.peer_id for m in members.members if m.stage == s and m.state.live) for s in range(num_stages)}
-    if members.final_step >= 0 and not any(by_stage.values()):
+    kept_model = members.final_step >= 0 and not any(by_stage.values())
+    if kept_model:
         # The run finished and its nodes left: the coordinator serves the final model it kept.
         by_stage = {s: [coordinator_peer_id(coordinator)] for s in range(num_stages)}
     empty = [s for s, peers in by_stage.items() if not peers]
@@ -107,12 +148,14 @@ async def _export(host: Host, coordinator: str, out: Path, timeout_s: float) -> 
             except ProtocolError as err:
                 log.warning("export: ignored member address peer=%s reason=%s", m.peer_id, err.reason)
     workers = [await trio.to_thread.run_sync(StageWorker, run, s) for s in range(num_stages)]
+    inits = [await trio.to_thread.run_sync(w.state_hash) for w in workers]  # the run's init, a state after 0 steps
+    judge_with = None if kept_model else coordinator
     got: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
     todo = list(range(num_stages))
     for _ in range(MAX_ROUNDS):
 
         async def one(s: int) -> None:
-            got[s] = await _fetch_stage(host, workers[s], by_stage[s], members.run_hash, timeout_s)
+            got[s] = await _fetch_stage(host, judge_with, workers[s], inits[s], by_stage[s], members.run_hash, timeout_s)
 
         async with trio.open_nursery() as nursery:
             for s in todo:
