@@ -224,7 +224,7 @@ class Node:
             reported_hashes=self.syncer.reported_hashes, resync=self.resync, start_held=self.router.release, clock=self.clock,
             timing=self.timing, outer=outer,
         )
-        StateServer(self.host, stage, self.run_hash, self._snapshot).register()
+        StateServer(self.host, stage, self.run_hash, self._snapshot, members=lambda: set(self.view.stage_peers(stage, live=False))).register()
         self.core = core
         self._apply_view()
         self.progress.update(stage=stage, num_stages=self.worker.module.plan.num_stages, steps=self.target_steps)

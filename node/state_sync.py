@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 import torch
 import trio
@@ -39,6 +39,9 @@ Snapshot = tuple[int, str, list[tuple[str, torch.Tensor]], bytes]
 
 # A donor sends its tensors in runs of at most this many bytes (a larger tensor alone), each as one frame.
 BUNDLE_BYTES = 8 * 1024 * 1024
+# State streams a replica serves at once, and how many of them peers outside its stage (exporters, strangers) share.
+MAX_STREAMS = 4
+MAX_STRANGER_STREAMS = 2
 
 
 def bundles(entries: list[tuple[int, str, torch.Tensor]]) -> list[list[tuple[int, str, torch.Tensor]]]:
@@ -63,14 +66,26 @@ def packed(tensors: list[torch.Tensor]) -> torch.Tensor:
 class StateServer:
     """Serves this replica's state; ``take_snapshot`` returns it between steps (None while syncing)."""
 
-    def __init__(self, host: Host, stage: int, run_hash: str, take_snapshot: Callable[[], Awaitable[Snapshot | None]]) -> None:
+    def __init__(
+        self, host: Host, stage: int, run_hash: str, take_snapshot: Callable[[], Awaitable[Snapshot | None]],
+        *, members: Callable[[], Collection[str]] | None = None,
+    ) -> None:
+        """``members``: the peers of this stage in the swarm (its joiners among them), which keep MAX_STREAMS -
+        MAX_STRANGER_STREAMS streams to themselves; anyone else (an exporter, a stranger) shares the rest."""
         self.host = host
         self.stage = stage
         self.run_hash = run_hash
         self.take_snapshot = take_snapshot
+        self.members = members
 
     def register(self) -> None:
-        self.host.serve_stream(STATE, self._handle, max_inbound=4)
+        # A taker needs one stream at a time (a joiner takes one share from each donor, an exporter one stage
+        # from each source), and may open the next while this side still closes the last: two per peer, so that
+        # one peer cannot hold every stream.
+        members = self.members
+        known = None if members is None else (lambda peer: peer in members())
+        self.host.serve_stream(STATE, self._handle, max_inbound=MAX_STREAMS, max_inbound_per_peer=2,
+                               known=known, max_inbound_unknown=MAX_STRANGER_STREAMS if known else None)
 
     async def snapshot_of(self, stage: int) -> Snapshot | Refuse:
         """The state to serve for a request of ``stage``, or why not (a server of several stages overrides this)."""

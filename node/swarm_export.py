@@ -62,13 +62,17 @@ async def fetch_members(host: Host, coordinator: str, *, timeout_s: float) -> cm
 
 async def _fetch_stage(
     host: Host, coordinator: str | None, worker: StageWorker, init_hash: str, replicas: list[str], run_hash: str, timeout_s: float,
+    one_at_a_time: dict[str, trio.Lock],
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """(applied, parameters) of one stage from the first replica that hands over the stage's state (the module
-    docstring); ``coordinator`` None: the source is the coordinator's own kept model, which needs no majority."""
+    docstring); ``coordinator`` None: the source is the coordinator's own kept model, which needs no majority.
+    One fetch per peer at a time (``one_at_a_time``, a lock per peer): a state server takes one stream from a
+    peer, and the coordinator's kept model serves every stage."""
     last = "no replica tried"
     for peer in replicas:
         try:
-            applied, claimed, entries = await fetch_state(host, peer, worker, run_hash, timeout_s=timeout_s)
+            async with one_at_a_time.setdefault(peer, trio.Lock()):
+                applied, claimed, entries = await fetch_state(host, peer, worker, run_hash, timeout_s=timeout_s)
         except (ProtocolError, StateSyncError) as err:
             last = f"{peer}: {err}"
             log.warning("export: fetching stage %d from %s failed: %s", worker.stage, peer, err)
@@ -150,12 +154,13 @@ async def _export(host: Host, coordinator: str, out: Path, timeout_s: float) -> 
     workers = [await trio.to_thread.run_sync(StageWorker, run, s) for s in range(num_stages)]
     inits = [await trio.to_thread.run_sync(w.state_hash) for w in workers]  # the run's init, a state after 0 steps
     judge_with = None if kept_model else coordinator
+    locks: dict[str, trio.Lock] = {}
     got: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
     todo = list(range(num_stages))
     for _ in range(MAX_ROUNDS):
 
         async def one(s: int) -> None:
-            got[s] = await _fetch_stage(host, judge_with, workers[s], inits[s], by_stage[s], members.run_hash, timeout_s)
+            got[s] = await _fetch_stage(host, judge_with, workers[s], inits[s], by_stage[s], members.run_hash, timeout_s, locks)
 
         async with trio.open_nursery() as nursery:
             for s in todo:

@@ -367,3 +367,30 @@ def test_a_donor_whose_bundles_break_the_layout_is_refused_by_name_before_its_by
 
 async def _snap(w: StageWorker):
     return 7, w.state_hash(), w.snapshot(), b""
+
+
+def test_a_stranger_holding_state_streams_open_does_not_keep_a_joiner_out(open_hosts, run_trio) -> None:
+    """Anyone can open state streams to a replica and hold them (a download sent slowly, or a request never
+    sent). Peers outside the replica's stage share two of its four streams, at most two each, so the stage's
+    joiner still syncs. Before, one stranger's four open streams took every slot and the joiner was refused."""
+    donor = _donor(7)
+
+    async def main() -> None:
+        async with open_hosts(4) as (server, joiner, stranger, other):
+            w = donor[0]
+
+            async def snap():
+                return w.applied, w.state_hash(), w.snapshot(), b""
+
+            StateServer(server, 1, RUN.run_hash(), snap, members=lambda: {joiner.peer_id}).register()
+            async with contextlib.AsyncExitStack() as held:
+                for peer in (stranger, stranger, stranger, other, other):
+                    with contextlib.suppress(ProtocolError):
+                        await held.enter_async_context(peer.open_stream(server.peer_id, STATE))
+                with trio.fail_after(10):
+                    while server.active_streams(STATE) < 2:
+                        await trio.sleep(0.01)
+                applied, claimed, entries = await fetch_state(joiner, server.peer_id, StageWorker(RUN, 1), RUN.run_hash(), timeout_s=10.0)
+                assert (applied, claimed) == (7, w.state_hash()) and server.active_streams(STATE) >= 2
+
+    run_trio(main, timeout=60)

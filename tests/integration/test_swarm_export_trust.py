@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from protolearn.node.export import load_model
+from protolearn.node.export import load_model, write_model
+from protolearn.node.model_server import ModelServer
 from protolearn.node.state_sync import StateServer
 from protolearn.node.swarm_export import export_swarm
 from protolearn.node.worker import StageWorker
@@ -75,5 +76,37 @@ def test_an_export_refuses_a_lying_replica_and_takes_the_stages_majority(open_ho
             honest, liar = workers[stage1[-1].peer_id], workers[stage1[0].peer_id]
             assert stages[1].state_hash() == honest.module.state_hash() != liar.module.state_hash()
             assert stages[0].state_hash() == workers[donors[0].peer_id].module.state_hash()
+
+    run_trio(main, timeout=90)
+
+
+def test_an_export_of_the_kept_final_model_takes_every_stage_of_a_deep_model(open_hosts, run_trio, tmp_path: Path) -> None:
+    """After a run every node left, and the coordinator serves the final model it kept, every stage from one
+    peer: the export asks it for one stage at a time, within what one peer may open on its state streams."""
+    run = tiny_run((1,) * 6, name="kept-final")
+    stages = [build_stage(run, s) for s in range(6)]
+    with torch.no_grad():
+        for m in stages:
+            for p in m.parameters():
+                p.add_(0.25)
+    saved = tmp_path / "final" / "model.safetensors"
+    saved.parent.mkdir()
+    write_model({n: p for m in stages for n, p in m.named_parameters()}, run, 9, saved)
+
+    async def main() -> None:
+        async with open_hosts(2) as (coord, exporter):
+
+            async def answer(peer: str, msg: Message) -> Message:
+                assert isinstance(msg, cm.MembersRequest)
+                return cm.Members(run_toml=run.to_toml(), run_hash=run.run_hash(), step=9, members=[], final_step=9)
+
+            coord.serve(cm.COORDINATOR, answer, request_type=(cm.MembersRequest,))
+            ModelServer(coord, saved).register()
+            out = tmp_path / "model.safetensors"
+            result = await export_swarm(exporter, coord.addrs()[0], out, timeout_s=30.0)
+            assert result.step == 9
+            back = [build_stage(run, s) for s in range(6)]
+            load_model(out, back)
+            assert [m.state_hash() for m in back] == [m.state_hash() for m in stages]
 
     run_trio(main, timeout=90)
