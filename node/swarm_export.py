@@ -7,7 +7,7 @@ name, dtype, shape and finiteness). A replica's word is not enough: the state it
 it claimed and, by a joiner's rule (:func:`~protolearn.node.syncing.judge_state`), to what a strict
 majority of the stage's replicas reported to the coordinator, so one lying replica cannot hand over the
 exported model (nor the final model the coordinator keeps and serves, which it fetches this way). All
-stages are fetched concurrently; because the swarm keeps training, the stages can answer at different
+stages are fetched concurrently, one at a time from each peer; because the swarm keeps training, the stages can answer at different
 steps, so stages behind the newest are fetched again until every stage is at one step (or
 ``timeout_s`` passes). The parameters are then written with :func:`~protolearn.node.export.write_model`:
 one safetensors file plus ``<name>.toml``, the same format as ``protolearn export``.
@@ -66,8 +66,8 @@ async def _fetch_stage(
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """(applied, parameters) of one stage from the first replica that hands over the stage's state (the module
     docstring); ``coordinator`` None: the source is the coordinator's own kept model, which needs no majority.
-    One fetch per peer at a time (``one_at_a_time``, a lock per peer): a state server takes one stream from a
-    peer, and the coordinator's kept model serves every stage."""
+    One fetch per peer at a time (``one_at_a_time``, a lock per peer): a state server takes at most two streams
+    from one peer, and the coordinator's kept model serves every stage."""
     last = "no replica tried"
     for peer in replicas:
         try:
