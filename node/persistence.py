@@ -15,7 +15,9 @@ step and the stage's live replicas; it returns a :class:`RestorePlan` with a rea
 
 - ``local``: live replicas exist, and this node's own checkpoint (its data dir, or ``--checkpoint``)
   is exactly the state they report for the newest step: install it and download nothing. This is the
-  crashed-and-restarted node whose stage has not moved since its last checkpoint.
+  crashed-and-restarted node whose stage has not moved since its last checkpoint. No one replica's
+  report decides it: the newest step is the upper median of the replicas' latest reported steps, and
+  a strict majority of those that reported that step must report the checkpoint's hash for it.
 - ``donor``: live replicas exist and the stage moved on (or there is no checkpoint): sync from a
   replica (:func:`~protolearn.node.state_sync.fetch_state`).
 - ``checkpoint``: the stage has no live replica (training is halted, ``swarm status`` says which
@@ -89,20 +91,26 @@ def checkpoint_due(applied: int, every: int, target: int, *, span: int = 1) -> b
 
 
 def plan_restore(
-    stage: int, open_step: int, *, num_donors: int, candidate: CheckpointInfo | None, reported: Sequence[tuple[int, str]], donor_error: str = ""
+    stage: int, open_step: int, *, num_donors: int, candidate: CheckpointInfo | None, reported: Sequence[tuple[str, int, str]],
+    donor_error: str = "",
 ) -> RestorePlan:
     """Where stage ``stage`` takes its state from (see the module docstring).
 
-    ``reported`` is (step, parameter hash) as the stage's live replicas reported them to the
-    coordinator (step = the last step each applied); ``donor_error`` is set when syncing from every
-    live replica already failed, and the plan then ignores them.
+    ``reported`` is (replica, step, state hash) as the stage's live replicas reported them to the
+    coordinator, after each of their last few applied steps; ``donor_error`` is set when syncing from
+    every live replica already failed, and the plan then ignores them.
     """
     if num_donors and not donor_error:
         if candidate is None:
             return RestorePlan("donor", f"stage {stage} has {num_donors} live replicas and this node has no checkpoint of it")
-        newest = max((s for s, _ in reported), default=-1)
-        hashes = {h for s, h in reported if s == newest}
-        if newest >= 0 and candidate.step == newest + 1 and hashes == {candidate.state_hash}:
+        by_peer: dict[str, dict[int, str]] = {}
+        for peer, s, h in reported:
+            if h:
+                by_peer.setdefault(peer, {})[s] = h
+        latest = sorted(max(hs) for hs in by_peer.values())
+        newest = latest[len(latest) // 2] if latest else -1  # the upper median: one liar's claim of a later step is outvoted
+        said = [hs[newest] for hs in by_peer.values() if newest in hs]
+        if newest >= 0 and candidate.step == newest + 1 and 2 * said.count(candidate.state_hash) > len(said):
             return RestorePlan(
                 "local", f"the checkpoint of step {candidate.step} is what the stage's replicas hold; nothing to download",
                 candidate, candidate.step,
@@ -174,7 +182,7 @@ class StagePersistence:
     # -- hooks -------------------------------------------------------------------------------
     async def restore(
         self, stage: int, worker: StageWorker, open_step: int, donors: Sequence[str],
-        reported: Callable[[], Awaitable[list[tuple[int, str]]]], *, donor_error: str = "",
+        reported: Callable[[], Awaitable[list[tuple[str, int, str]]]], *, donor_error: str = "",
     ) -> int | None:
         """Install the stage's state from a checkpoint, or keep the init; returns the applied-step count
         installed, or None: sync from ``donors``. ``reported`` asks what the stage's replicas report."""

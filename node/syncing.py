@@ -164,7 +164,7 @@ class StageSync:
             if donors != planned_for:
                 planned_for = donors
                 restored = await self.persistence.restore(
-                    self.stage, self.worker, open_step if not tried else self.link.step, donors, self._reported_list,
+                    self.stage, self.worker, open_step if not tried else self.link.step, donors, self._reported,
                 )
                 if restored is not None:
                     if self.worker.run.integrity.self_test:

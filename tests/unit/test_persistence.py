@@ -15,14 +15,27 @@ def info(step: int, state_hash: str = "h5", stage: int = 1) -> CheckpointInfo:
 
 def test_a_restarted_replica_whose_stage_has_not_moved_downloads_nothing() -> None:
     # The replicas report step 4 applied (applied = 5) with the hash the node's own checkpoint of step 5 has.
-    plan = plan_restore(1, 5, num_donors=2, candidate=info(5, "h5"), reported=[(4, "h5"), (4, "h5")])
+    plan = plan_restore(1, 5, num_donors=2, candidate=info(5, "h5"), reported=[("a", 4, "h5"), ("b", 4, "h5")])
     assert (plan.source, plan.applied, plan.checkpoint) == ("local", 5, info(5, "h5"))
+    # A replica still applying step 4 (its reports end at step 3) does not make the node download.
+    lagging = plan_restore(1, 5, num_donors=2, candidate=info(5, "h5"), reported=[("a", 3, "h3"), ("a", 4, "h5"), ("b", 3, "h3")])
+    assert lagging.source == "local"
+
+
+def test_one_lying_replica_does_not_make_a_restarted_replica_download() -> None:
+    """Costs go to their cause: one replica's report, of another hash or of a later step, is outvoted."""
+    honest = [("a", 4, "h5"), ("b", 4, "h5")]
+    for liar in [("z", 4, "hX"), ("z", 5, "hY")]:
+        plan = plan_restore(1, 5, num_donors=3, candidate=info(5, "h5"), reported=honest + [liar])
+        assert plan.source == "local", (liar, plan.reason)
+    # Where the liars are the majority they decide, as everywhere a stage's majority does.
+    assert plan_restore(1, 5, num_donors=3, candidate=info(5, "h5"), reported=[("a", 4, "h5"), ("y", 4, "hX"), ("z", 4, "hX")]).source == "donor"
 
 
 def test_a_restarted_replica_whose_stage_moved_syncs_from_a_replica() -> None:
-    moved = plan_restore(1, 7, num_donors=1, candidate=info(5), reported=[(6, "h7")])
+    moved = plan_restore(1, 7, num_donors=1, candidate=info(5), reported=[("a", 6, "h7")])
     assert moved.source == "donor" and "moved from step 5 to 7" in moved.reason
-    other = plan_restore(1, 5, num_donors=1, candidate=info(5, "h5"), reported=[(4, "hX")])
+    other = plan_restore(1, 5, num_donors=1, candidate=info(5, "h5"), reported=[("a", 4, "hX")])
     assert other.source == "donor" and "other parameters" in other.reason
     assert plan_restore(1, 5, num_donors=1, candidate=None, reported=[]).source == "donor"
 
@@ -34,7 +47,7 @@ def test_an_emptied_stage_restores_its_checkpoint_at_the_coordinators_step() -> 
     assert (behind.source, behind.applied) == ("checkpoint", 9)
     assert "updates of steps 6..8 are lost" in behind.reason
     # Every live replica failed to hand over its state: the checkpoint is the fallback.
-    failed = plan_restore(1, 6, num_donors=2, candidate=info(6), reported=[(5, "h")], donor_error="2 replicas tried")
+    failed = plan_restore(1, 6, num_donors=2, candidate=info(6), reported=[("a", 5, "h")], donor_error="2 replicas tried")
     assert failed.source == "checkpoint" and "syncing from its replicas failed" in failed.reason
 
 
