@@ -32,6 +32,7 @@ from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
 from protolearn.protocol.transport import Host
 from protolearn.stages.config import RunConfig
+from protolearn.stages.stage import build_stage
 
 log = logging.getLogger("protolearn.node")
 
@@ -61,7 +62,7 @@ async def fetch_members(host: Host, coordinator: str, *, timeout_s: float) -> cm
 
 
 async def _fetch_stage(
-    host: Host, coordinator: str | None, worker: StageWorker, init_hash: str, replicas: list[str], run_hash: str, timeout_s: float,
+    host: Host, coordinator: str | None, worker: StageWorker, replicas: list[str], run_hash: str, timeout_s: float,
     one_at_a_time: dict[str, trio.Lock],
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """(applied, parameters) of one stage from the first replica that hands over the stage's state (the module
@@ -82,7 +83,9 @@ async def _fetch_stage(
             last = f"{peer}: its state hashes to {got[:12]}, it claimed {claimed[:12]}"
             continue
         if coordinator is not None:
-            verdict, why = await _judge(host, coordinator, worker.stage, applied, got, init_hash, timeout_s)
+            # A state after 0 steps must be the run's init: hashed only then (every stage's init would cost seconds at scale).
+            init = await trio.to_thread.run_sync(lambda: build_stage(worker.run, worker.stage).state_hash()) if applied == 0 else ""
+            verdict, why = await _judge(host, coordinator, worker.stage, applied, got, init, timeout_s)
             if verdict != "ok":
                 last = f"{peer}: {why}"
                 log.warning("export: refused stage %d from %s: %s", worker.stage, peer, why)
@@ -152,7 +155,6 @@ async def _export(host: Host, coordinator: str, out: Path, timeout_s: float) -> 
             except ProtocolError as err:
                 log.warning("export: ignored member address peer=%s reason=%s", m.peer_id, err.reason)
     workers = [await trio.to_thread.run_sync(StageWorker, run, s) for s in range(num_stages)]
-    inits = [await trio.to_thread.run_sync(w.state_hash) for w in workers]  # the run's init, a state after 0 steps
     judge_with = None if kept_model else coordinator
     locks: dict[str, trio.Lock] = {}
     got: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
@@ -160,7 +162,7 @@ async def _export(host: Host, coordinator: str, out: Path, timeout_s: float) -> 
     for _ in range(MAX_ROUNDS):
 
         async def one(s: int) -> None:
-            got[s] = await _fetch_stage(host, judge_with, workers[s], inits[s], by_stage[s], members.run_hash, timeout_s, locks)
+            got[s] = await _fetch_stage(host, judge_with, workers[s], by_stage[s], members.run_hash, timeout_s, locks)
 
         async with trio.open_nursery() as nursery:
             for s in todo:
