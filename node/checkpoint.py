@@ -32,6 +32,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -41,7 +42,7 @@ from torch import Tensor
 
 from protolearn.node.errors import NodeError
 from protolearn.stages.config import RunConfig
-from protolearn.stages.stage import StageModule
+from protolearn.stages.stage import PARAM_PREFIX, StageModule, state_leaves, state_root
 
 STAGE_FORMAT = "protolearn-stage/1"
 DEFAULT_KEEP = 3
@@ -136,27 +137,58 @@ def stage_state(
     return out
 
 
+class Snapshot(NamedTuple):
+    """A replica's state as it serves it (node/state_sync.py): after ``applied`` steps, hashing to ``state_hash``."""
+
+    applied: int
+    state_hash: str
+    entries: list[tuple[str, Tensor]]
+    self_test: bytes  # the output on the run's self-test input with this state, raw float32 (b"": none)
+    leaves: list[tuple[str, str]]  # (name, digest) of the entries the hash covers: shared_leaves
+
+
+def shared_entries(entries: Sequence[tuple[str, Tensor]], *, diloco: bool) -> list[tuple[str, Tensor]]:
+    """Of a stage's state as named tensors (``param/<name>``, ``exp_avg/<name>``, ...: :meth:`StageWorker.snapshot`'s
+    names), the ones every replica of the stage holds bit for bit (I2), in the order :func:`shared_state_hash`
+    hashes them: the parameters in name order, then per parameter AdamW's step and moments; in DiLoCo mode
+    (``diloco``, the parameters being the anchor) the outer momentum instead, each replica's inner AdamW state
+    being its own. State not there yet (a fresh optimizer, a momentum of zeros) is left out, so the init and a
+    final model's parameters hash as their parameters alone."""
+    by_name = dict(entries)
+    names = sorted(n.removeprefix(PARAM_PREFIX) for n in by_name if n.startswith(PARAM_PREFIX))
+    out = [(f"{PARAM_PREFIX}{n}", by_name[f"{PARAM_PREFIX}{n}"]) for n in names]
+    if diloco:
+        momentum = [(f"{OUTER_KEY}/{n}", by_name[f"{OUTER_KEY}/{n}"]) for n in names if f"{OUTER_KEY}/{n}" in by_name]
+        if any(bool(t.any()) for _, t in momentum):
+            out += momentum
+    else:
+        out += [(f"{key}/{n}", by_name[f"{key}/{n}"]) for n in names for key in OPTIM_KEYS if f"{key}/{n}" in by_name]
+    return out
+
+
+def shared_leaves(entries: Sequence[tuple[str, Tensor]], *, diloco: bool) -> list[tuple[str, str]]:
+    """(name, digest) of :func:`shared_entries`: what a donor sends ahead of its state, whose
+    :func:`~protolearn.stages.stage.state_root` is its :func:`shared_state_hash`."""
+    return state_leaves(shared_entries(entries, diloco=diloco))
+
+
 def shared_state_hash(
     module: StageModule, optimizer: torch.optim.Optimizer, *, outer_momentum: Mapping[str, Tensor] | None = None,
 ) -> str:
     """The hash of the state that every replica of a stage holds bit for bit (I2): what the replicas report after
     each step, what a donor claims, what a joiner checks before it trains on a donor's state (a donor can lie
-    about any tensor it sends, its optimizer state too), and what a checkpoint is matched against.
-
-    The parameters (:meth:`StageModule.state_hash`), then per parameter in name order AdamW's step and moments;
-    in DiLoCo mode (``outer_momentum`` given, the parameters being the anchor) the outer momentum instead, each
-    replica's inner AdamW state being its own. State not there yet (a fresh optimizer, a momentum of zeros)
-    adds nothing, so the init and a final model's parameters hash as their parameters alone."""
-    extra: list[tuple[str, Tensor]] = []
+    about any tensor it sends, its optimizer state too), and what a checkpoint is matched against:
+    :func:`~protolearn.stages.stage.state_root` of the digests of :func:`shared_entries` (in DiLoCo mode, with
+    ``outer_momentum`` given, the parameters being the anchor)."""
+    params = _params(module, optimizer)
+    entries: list[tuple[str, Tensor]] = [(f"{PARAM_PREFIX}{n}", p) for n, p in params.items()]
     if outer_momentum is not None:
-        if any(bool(m.any()) for m in outer_momentum.values()):
-            extra = [(f"{OUTER_KEY}/{n}", outer_momentum[n]) for n in sorted(outer_momentum)]
+        entries += [(f"{OUTER_KEY}/{n}", m) for n, m in outer_momentum.items()]
     else:
-        params = _params(module, optimizer)
-        for name in sorted(params):
-            st = optimizer.state.get(params[name], {})
-            extra += [(f"{key}/{name}", st[key]) for key in OPTIM_KEYS if key in st]
-    return module.state_hash(extra)
+        for name, p in params.items():
+            st = optimizer.state.get(p, {})
+            entries += [(f"{key}/{name}", st[key]) for key in OPTIM_KEYS if key in st]
+    return state_root(shared_leaves(entries, diloco=outer_momentum is not None))
 
 
 def state_digest(tensors: Mapping[str, Tensor]) -> str:

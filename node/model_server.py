@@ -13,11 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import trio
+from protolearn.node.checkpoint import Snapshot, shared_leaves
 from protolearn.node.export import load_model, read_model_info
-from protolearn.node.state_sync import Snapshot, StateServer
+from protolearn.node.state_sync import StateServer
 from protolearn.protocol.pipeline import Refuse
 from protolearn.protocol.transport import Host
-from protolearn.stages.stage import StageModule, build_stage
+from protolearn.stages.stage import StageModule, build_stage, state_root
 
 
 class ModelServer(StateServer):
@@ -51,6 +52,7 @@ class ModelServer(StateServer):
         def take() -> Snapshot:
             entries = [(f"param/{n}", p.detach().cpu().clone()) for n, p in module.named_parameters()]
             # Parameters alone: what shared_state_hash gives a taker that installs them with no optimizer state.
-            return self.step, module.state_hash(), entries, b""
+            leaves = shared_leaves(entries, diloco=False)
+            return Snapshot(self.step, state_root(leaves), entries, b"", leaves)
 
         return await trio.to_thread.run_sync(take)

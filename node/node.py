@@ -58,7 +58,8 @@ from protolearn.node.reachability import Reachability
 from protolearn.node.relay_watch import RelayWatch
 from protolearn.node.replica_hashes import ReplicaHashes
 from protolearn.node.router import Router
-from protolearn.node.state_sync import Snapshot, StateServer
+from protolearn.node.checkpoint import Snapshot
+from protolearn.node.state_sync import StateServer
 from protolearn.node.step_timing import StepTimer
 from protolearn.node.syncing import StageSync
 from protolearn.node.worker import StageWorker
@@ -239,7 +240,7 @@ class Node:
             return None
         # The applied count is read in the thread, under the compute lock the finisher applies steps under.
         snap = await trio.to_thread.run_sync(self.worker.shared_snapshot, lambda: core.applied, self.run.integrity.self_test, limiter=self.compute)
-        self.hashes.served(snap[0])
+        self.hashes.served(snap.applied)
         return snap
 
     async def sync_state(self, open_step: int) -> None:

@@ -11,8 +11,12 @@ and takes the result only if every donor described the same state (applied steps
 
 The joining side checks everything before installing it: the run hash, that every name is one of its
 own parameters or their AdamW moments with the exact dtype and shape (the header is checked before the
-payload is read), finiteness, and finally that the installed state (parameters and moments) hashes to what the donor
-claimed and to what the stage's other replicas report to the coordinator, when they report that step.
+payload is read), finiteness, and the hash. :class:`StateInfo` announces the digest of every tensor the state's
+hash covers (:func:`~protolearn.node.checkpoint.shared_leaves`); they must add up to the claimed hash
+(:func:`~protolearn.stages.stage.state_root`), the claim is judged against what the stage's other replicas
+report to the coordinator before a tensor is taken (``check``), and each tensor must match its digest as it
+arrives. A lying donor therefore costs a joiner one message or one tensor, never a whole download, and the
+error names it. Last, the installed state must hash to the claim (nothing outside it came along).
 """
 
 from __future__ import annotations
@@ -20,28 +24,41 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable, Collection
+from typing import NamedTuple
 
 import torch
 import trio
 
+from protolearn.node.checkpoint import Snapshot
 from protolearn.node.errors import StateSyncError
 from protolearn.node.worker import StageWorker
 from protolearn.protocol.errors import ProtocolError
-from protolearn.protocol.pipeline import MAX_BUNDLE_TENSORS, MAX_STATE_PARTS, STATE, Refuse, StateBundle, StateInfo, StateRequest
+from protolearn.protocol.pipeline import MAX_BUNDLE_TENSORS, MAX_STATE_PARTS, STATE, Refuse, StateBundle, StateInfo, StateLeaf, StateRequest
 from protolearn.protocol.transport import FramedStream
 from protolearn.protocol.tensors import TensorLimits, from_frame, to_frame
 from protolearn.protocol.transport import Host
+from protolearn.stages.stage import state_root, tensor_digest
 
 log = logging.getLogger("protolearn.node")
 
-# (applied, param hash, entries, the self-test output with this state as raw float32 bytes)
-Snapshot = tuple[int, str, list[tuple[str, torch.Tensor]], bytes]
+# Asked of a donor's claim (donor, applied steps, state hash) once its tensors' digests add up to that hash and
+# before any tensor is taken: raises StateSyncError to refuse the state (node/syncing.py judges it).
+Check = Callable[[str, int, str], Awaitable[None]]
 
 # A donor sends its tensors in runs of at most this many bytes (a larger tensor alone), each as one frame.
 BUNDLE_BYTES = 8 * 1024 * 1024
 # State streams a replica serves at once, and how many of them peers outside its stage (exporters, strangers) share.
 MAX_STREAMS = 4
 MAX_STRANGER_STREAMS = 2
+
+
+class Fetched(NamedTuple):
+    """A downloaded state: after ``applied`` steps, claimed to hash to ``state_hash``, sent by ``donors``."""
+
+    applied: int
+    state_hash: str
+    entries: dict[str, torch.Tensor]
+    donors: list[str]  # those whose share arrived and was kept, each once
 
 
 def bundles(entries: list[tuple[int, str, torch.Tensor]]) -> list[list[tuple[int, str, torch.Tensor]]]:
@@ -103,9 +120,10 @@ class StateServer:
         if req.part >= req.parts:
             await s.send(Refuse(code="state", reason=f"part {req.part} of {req.parts} does not exist"))
             return
-        applied, param_hash, entries, self_test = snap
+        applied, param_hash, entries, self_test, leaves = snap
         await s.send(StateInfo(
             stage=req.stage, applied=applied, run_hash=self.run_hash, param_hash=param_hash, num_tensors=len(entries), self_test=self_test,
+            leaves=[StateLeaf(name=n, digest=d) for n, d in leaves],
         ))
         mine = [(i, name, t) for i, (name, t) in enumerate(entries) if i % req.parts == req.part]
         for run in bundles(mine):
@@ -116,36 +134,41 @@ class StateServer:
 
 async def fetch_state(
     host: Host, donor: str, worker: StageWorker, run_hash: str, *, timeout_s: float, part: int = 0, parts: int = 1,
-    self_tests: dict[str, bytes] | None = None,
-) -> tuple[int, str, dict[str, torch.Tensor]]:
+    self_tests: dict[str, bytes] | None = None, check: Check | None = None,
+) -> Fetched:
     """Download and validate ``donor``'s state (or its share ``part`` of ``parts``) for ``worker``'s stage;
-    returns (applied, hash, entries), and puts the donor's self-test output in ``self_tests``.
+    puts the donor's self-test output in ``self_tests`` once its state arrived. ``check`` judges
+    the donor's claim before a tensor is taken (see :data:`Check`); every tensor the hash covers must match
+    the digest the donor announced for it.
 
     Nothing is installed here; the caller installs in its compute thread and compares hashes.
     """
-    applied, param_hash, _total, entries = await _fetch(
-        host, donor, worker, run_hash, timeout_s=timeout_s, part=part, parts=parts, self_tests=self_tests,
+    applied, param_hash, _total, entries, leaves = await _fetch(
+        host, donor, worker, run_hash, timeout_s=timeout_s, part=part, parts=parts, self_tests=self_tests, check=check,
     )
     if parts == 1:
-        _check_complete(donor, worker, entries)
-    return applied, param_hash, entries
+        _check_complete(donor, worker, entries, leaves)
+    return Fetched(applied, param_hash, entries, [donor])
 
 
 async def fetch_state_split(
     host: Host, donors: list[str], worker: StageWorker, run_hash: str, *, timeout_s: float, self_tests: dict[str, bytes] | None = None,
-) -> tuple[int, str, dict[str, torch.Tensor]]:
+    check: Check | None = None,
+) -> Fetched:
     """Download the state from up to MAX_STATE_PARTS ``donors`` at once, each sending an equal share of the tensors.
 
     A share that fails (its donor left, refused or broke the stream) is asked of another donor, one that sent
     no share first, then one whose own share arrived, so the shares already received are kept when one donor
-    leaves partway; a donor whose share failed is not asked again. Raises :class:`StateSyncError` when a share found no
+    leaves partway; a donor whose share failed is not asked again (one whose claim ``check`` refused, or whose
+    tensor did not match its digest, among them). Raises :class:`StateSyncError` when a share found no
     donor, or unless every share described the same state; the caller then falls back to one donor at a time.
     """
     parts = min(len(donors), MAX_STATE_PARTS)
-    got: list[tuple[int, str, int, dict[str, torch.Tensor]] | None] = [None] * parts
+    got: list[tuple[int, str, int, dict[str, torch.Tensor], dict[str, str]] | None] = [None] * parts
     errors: list[str] = []
     unused = list(donors[parts:])  # those that sent no share, taken in order
     finished: list[str] = []  # those whose share arrived, free to send a lost one
+    senders: list[str] = [""] * parts  # who sent each share that arrived
     running = parts  # shares downloading now
     changed = trio.Event()  # set when a share arrives or fails: a donor may be free, or none may come
 
@@ -169,7 +192,7 @@ async def fetch_state_split(
         donor: str | None = donors[k]
         while donor is not None:
             try:
-                got[k] = await _fetch(host, donor, worker, run_hash, timeout_s=timeout_s, part=k, parts=parts, self_tests=self_tests)
+                got[k] = await _fetch(host, donor, worker, run_hash, timeout_s=timeout_s, part=k, parts=parts, self_tests=self_tests, check=check)
             except (ProtocolError, StateSyncError) as err:
                 errors.append(f"{donor}: {err}")
                 tell(-1)
@@ -179,6 +202,7 @@ async def fetch_state_split(
                     log.info("state share %d of %d failed (%s); asking %s for it", k, parts, errors[-1], donor)
             else:
                 finished.append(donor)
+                senders[k] = donor
                 tell(-1)
                 return
 
@@ -191,12 +215,14 @@ async def fetch_state_split(
     if len(described) != 1:
         raise StateSyncError(f"the {parts} donors hold different states {sorted((a, h[:12]) for a, h, _ in described)}")
     entries: dict[str, torch.Tensor] = {}
+    leaves: dict[str, str] = {}
     for r in got:
         assert r is not None  # every share arrived, or this raised above
         entries.update(r[3])
+        leaves = r[4]  # the same in every share: they hash to the same state
     (applied, param_hash, _total), = described
-    _check_complete(",".join(donors[:parts]), worker, entries)
-    return applied, param_hash, entries
+    _check_complete(",".join(donors[:parts]), worker, entries, leaves)
+    return Fetched(applied, param_hash, entries, list(dict.fromkeys(senders)))
 
 
 async def _receive_bundle(
@@ -234,16 +260,43 @@ async def _receive_bundle(
     return out
 
 
-def _check_complete(donor: str, worker: StageWorker, entries: dict[str, torch.Tensor]) -> None:
+def _check_complete(donor: str, worker: StageWorker, entries: dict[str, torch.Tensor], leaves: dict[str, str]) -> None:
     missing = [n for n in worker.names if f"param/{n}" not in entries]
     if missing:
         raise ProtocolError(donor, f"state lacks {len(missing)} parameters, e.g. {missing[0]}")
+    unsent = [n for n in leaves if n not in entries]
+    if unsent:
+        raise ProtocolError(donor, f"state lacks {len(unsent)} of the tensors its hash covers, e.g. {unsent[0][:80]!r}")
+
+
+def _claimed_leaves(donor: str, worker: StageWorker, info: StateInfo) -> dict[str, str]:
+    """The donor's (name, digest) leaves, each a tensor of this stage named once, every parameter among them,
+    and adding up to the hash it claims (:func:`~protolearn.stages.stage.state_root`)."""
+    pairs = [(leaf.name, leaf.digest) for leaf in info.leaves]
+    leaves = dict(pairs)
+    if len(leaves) != len(pairs) or len(leaves) > info.num_tensors:
+        raise ProtocolError(donor, f"state of {info.num_tensors} tensors announced {len(info.leaves)} digests, some twice or too many")
+    unknown = next((n for n in leaves if worker.expected(n) is None), None)
+    if unknown is not None:
+        raise ProtocolError(donor, f"announced a digest of {unknown[:80]!r}, which is not part of this stage's state")
+    missing = [n for n in worker.names if f"param/{n}" not in leaves]
+    if missing:
+        raise ProtocolError(donor, f"announced no digest of {len(missing)} parameters, e.g. {missing[0]}")
+    root = state_root(pairs)
+    if root != info.param_hash:
+        raise ProtocolError(donor, f"its tensors' digests hash to {root[:12]}, not to the state hash {info.param_hash[:12]} it claims")
+    return leaves
+
+
+def _mismatched(tensors: dict[str, torch.Tensor], leaves: dict[str, str]) -> str | None:
+    """The first of ``tensors`` that the hash covers whose digest is not the announced one (None: all match)."""
+    return next((n for n, t in tensors.items() if n in leaves and tensor_digest(n, t) != leaves[n]), None)
 
 
 async def _fetch(
     host: Host, donor: str, worker: StageWorker, run_hash: str, *, timeout_s: float, part: int, parts: int,
-    self_tests: dict[str, bytes] | None = None,
-) -> tuple[int, str, int, dict[str, torch.Tensor]]:
+    self_tests: dict[str, bytes] | None = None, check: Check | None = None,
+) -> tuple[int, str, int, dict[str, torch.Tensor], dict[str, str]]:
     entries: dict[str, torch.Tensor] = {}
     try:
         with trio.fail_after(timeout_s):
@@ -254,15 +307,22 @@ async def _fetch(
                     raise StateSyncError(f"replica {donor} refused to share its state: {info.reason}")
                 if info.stage != worker.stage or info.run_hash != run_hash:
                     raise StateSyncError(f"replica {donor} offered stage {info.stage} of run {info.run_hash[:12]}, not stage {worker.stage} of {run_hash[:12]}")
-                if self_tests is not None and info.self_test:
-                    self_tests[donor] = info.self_test
                 most = (5 if worker.outer is not None else 4) * len(worker.names)  # parameters, AdamW's 3, DiLoCo's momentum
                 if info.num_tensors > most:
                     raise ProtocolError(donor, f"state of {info.num_tensors} tensors; stage {worker.stage} has at most {most}")
+                leaves = _claimed_leaves(donor, worker, info)
+                if check is not None:
+                    await check(donor, info.applied, info.param_hash)
                 want = list(range(part, info.num_tensors, parts))
                 while len(entries) < len(want):
                     bundle = await s.receive(StateBundle)
-                    entries.update(await _receive_bundle(s, donor, worker, bundle, want[len(entries):], entries))
+                    got = await _receive_bundle(s, donor, worker, bundle, want[len(entries):], entries)
+                    bad = await trio.to_thread.run_sync(_mismatched, got, leaves)
+                    if bad is not None:
+                        raise ProtocolError(donor, f"state tensor {bad[:80]!r} does not match the digest it announced for it")
+                    entries.update(got)
+                if self_tests is not None and info.self_test:  # a state refused or broken off leaves no result behind
+                    self_tests[donor] = info.self_test
     except trio.TooSlowError:
         raise StateSyncError(f"state sync from replica {donor} did not finish within {timeout_s:g} s") from None
-    return info.applied, info.param_hash, info.num_tensors, entries
+    return info.applied, info.param_hash, info.num_tensors, entries, leaves

@@ -73,7 +73,7 @@ async def _fetch_stage(
     for peer in replicas:
         try:
             async with one_at_a_time.setdefault(peer, trio.Lock()):
-                applied, claimed, entries = await fetch_state(host, peer, worker, run_hash, timeout_s=timeout_s)
+                applied, claimed, entries, _ = await fetch_state(host, peer, worker, run_hash, timeout_s=timeout_s)
         except (ProtocolError, StateSyncError) as err:
             last = f"{peer}: {err}"
             log.warning("export: fetching stage %d from %s failed: %s", worker.stage, peer, err)

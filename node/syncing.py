@@ -19,6 +19,8 @@ and installs a state only if it is the stage's, by this rule (a donor can lie ab
   majority of one, which is all a joiner can know there;
 - after 0 steps the state is the deterministic init from the run seed, which this node built itself:
   the installed state must hash to that (no reporter needed, and nobody has one yet);
+- the rule is applied to a donor's claim (applied steps, hash) before any tensor is taken, and the download
+  then checks each tensor against the digests that add up to that hash (:mod:`protolearn.node.state_sync`);
 - with nothing to compare with (the hashes request failed, nobody reported that step yet, or its
   reporters are split), nothing is installed: the check is asked again a few times (a donor's report
   can be a heartbeat behind its state), then the download is refused and retried, with a progress
@@ -59,7 +61,7 @@ from protolearn.node.coordinator_link import CoordinatorLink
 from protolearn.node.errors import SelfTestError, StateSyncError
 from protolearn.node.persistence import StagePersistence
 from protolearn.node.progress import Progress
-from protolearn.node.state_sync import fetch_state, fetch_state_split
+from protolearn.node.state_sync import Fetched, fetch_state, fetch_state_split
 from protolearn.node.worker import StageWorker
 from protolearn.precision import allowance
 from protolearn.protocol.boundary import distance
@@ -144,6 +146,10 @@ class StageSync:
         self.clock = clock
         # The hash of the deterministic init, taken before anything is installed (the state after 0 steps).
         self._init_hash: str | None = None
+        # The claims (applied, hash) judged in this sync: "" where the stage's, else why not; and the lock one
+        # judge at a time holds (the shares of a split download each ask, and the first answer serves them all).
+        self._judged: dict[tuple[int, str], str] = {}
+        self._judging = trio.Lock()
 
     async def sync(self, open_step: int) -> int:
         """Take the stage's state from a live replica, or keep the deterministic init on a fresh run.
@@ -156,6 +162,7 @@ class StageSync:
         """
         deadline = self.clock() + self.config.sync_timeout_s
         tried, last, planned_for = 0, "", None
+        self._judged.clear()
         if self._init_hash is None:  # the worker is as built: the run seed's init
             self._init_hash = await trio.to_thread.run_sync(self.worker.state_hash, limiter=self.compute)
         while True:
@@ -184,20 +191,22 @@ class StageSync:
                 self_tests: dict[str, bytes] = {}
                 try:
                     if len(source) > 1:
-                        applied, claimed, entries = await fetch_state_split(
+                        fetched = await fetch_state_split(
                             self.host, source, self.worker, self.run_hash, timeout_s=self.config.sync_timeout_s, self_tests=self_tests,
+                            check=self._judge_claim,
                         )
                     else:
-                        applied, claimed, entries = await fetch_state(
+                        fetched = await fetch_state(
                             self.host, source[0], self.worker, self.run_hash, timeout_s=self.config.sync_timeout_s, self_tests=self_tests,
+                            check=self._judge_claim,
                         )
-                    await self._install(source, applied, claimed, entries)
+                    await self._install(fetched)
                 except (ProtocolError, StateSyncError) as err:
                     last = str(err)
                     log.warning("state sync failed donors=%s reason=%s", source, last)
                     continue
                 await self._self_test(self_tests)
-                return applied
+                return fetched.applied
             if self.clock() > deadline:
                 raise StateSyncError(
                     f"could not sync stage {self.stage} from its replicas within {self.config.sync_timeout_s:g} s "
@@ -239,21 +248,34 @@ class StageSync:
             return ""
         return "no replica reported one yet" if self.link.step > 0 else ""
 
-    async def _install(self, donors: list[str], applied: int, claimed: str, entries: dict[str, torch.Tensor]) -> None:
-        """Install downloaded state if it is the stage's (see the module docstring); else raise, and the
-        caller tries again. A refused state was loaded into the worker, and the next download replaces it."""
+    async def _judge_claim(self, donor: str, applied: int, claimed: str) -> None:
+        """Refuse ``donor``'s claim, a state after ``applied`` steps that hashes to ``claimed``, before a tensor of
+        it is taken, unless it is the stage's by the rule in the module docstring (raises StateSyncError). The
+        download then checks each tensor against the digests that add up to ``claimed``."""
+        claim = (applied, claimed)
+        async with self._judging:
+            for poll in range(CHECK_POLLS):
+                if claim in self._judged:
+                    break
+                reported = await self._reported()  # also refreshes the frontier (link.step)
+                verdict, why = judge_state(applied, claimed, reported, frontier=self.link.step, init_hash=self._init_hash or "")
+                if verdict == "ok":
+                    self._judged[claim] = ""
+                elif verdict == "refuse" or poll == CHECK_POLLS - 1:
+                    self._judged[claim] = why
+                else:  # the donors' own reports of this step may be a heartbeat behind their state: ask again
+                    await trio.sleep(CHECK_POLL_S)
+        if self._judged[claim]:
+            raise StateSyncError(f"state from {donor} refused before its download: {self._judged[claim]}")
+
+    async def _install(self, fetched: Fetched) -> None:
+        """Install downloaded state, whose claim :meth:`_judge_claim` found the stage's and whose tensors matched
+        their digests, if it hashes to that claim once installed (no tensor outside the claim came with it); else
+        raise, and the caller tries again. A refused state was loaded into the worker, and the next download replaces it."""
+        applied, claimed, entries, donors = fetched
         got = await trio.to_thread.run_sync(self.worker.load, entries, limiter=self.compute)
         if got != claimed:
             raise StateSyncError(f"state from {donors} hashes to {got[:12]}, they claimed {claimed[:12]}")
-        for poll in range(CHECK_POLLS):
-            reported = await self._reported()  # also refreshes the frontier (link.step)
-            verdict, why = judge_state(applied, got, reported, frontier=self.link.step, init_hash=self._init_hash or "")
-            if verdict == "ok":
-                break
-            if verdict == "refuse" or poll == CHECK_POLLS - 1:
-                raise StateSyncError(f"state from {donors} refused: {why}")
-            # The donors' own reports of this step may be a heartbeat behind their state: ask again.
-            await trio.sleep(CHECK_POLL_S)
         self.progress.event("synced", donor=donors[0], donors=donors, applied=applied, hash=got)
         who = ", ".join(d[-8:] for d in donors)
         self.progress.say(f"stage {self.stage}: took the state after {applied} steps from replica{'s' if len(donors) > 1 else ''} {who} (hash {got[:12]})")

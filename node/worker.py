@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-from protolearn.node.checkpoint import OPTIM_KEYS, OUTER_KEY, shared_state_hash
+from protolearn.node.checkpoint import OPTIM_KEYS, OUTER_KEY, Snapshot, shared_leaves, shared_state_hash
 from protolearn.stages.config import RunConfig
 from protolearn.stages.optim import apply_step, make_optimizer
 from protolearn.stages.outer import flatten, nesterov_step, pseudo_gradient, unflatten_into
-from protolearn.stages.stage import StageModule, build_stage
+from protolearn.stages.stage import StageModule, build_stage, state_root
 
 T = TypeVar("T")
 
@@ -367,16 +367,19 @@ class StageWorker:
                     out.append((f"{k}/{n}", st[k].detach().cpu().clone()))
         return out
 
-    def shared_snapshot(self, applied: Callable[[], int], self_test: bool) -> tuple[int, str, list[tuple[str, torch.Tensor]], bytes]:
-        """What this replica serves a joiner: (steps its state is after, its hash, :meth:`snapshot`, and the
-        self-test output computed with it as raw float32 bytes, or b""). ``applied()``: this replica's applied
-        steps, read here, with the parameters it goes with (the caller holds the compute lock); in DiLoCo mode
-        the state is the anchor instead, after its own steps."""
+    def shared_snapshot(self, applied: Callable[[], int], self_test: bool) -> Snapshot:
+        """What this replica serves a joiner (:data:`~protolearn.node.checkpoint.Snapshot`): the steps its state is
+        after, its hash, :meth:`snapshot`, the self-test output computed with it as raw float32 bytes (or b"") and
+        the digests of the shared part of it (:func:`~protolearn.node.checkpoint.shared_leaves`), whose root is
+        the hash. ``applied()``: this replica's applied steps, read here, with the parameters it goes with (the
+        caller holds the compute lock); in DiLoCo mode the state is the anchor instead, after its own steps."""
+        entries = self.snapshot()
+        leaves = shared_leaves(entries, diloco=self.outer is not None)
         if self.outer is None:
             test = self.self_test().numpy().tobytes() if self_test else b""
-            return applied(), self.state_hash(), self.snapshot(), test
+            return Snapshot(applied(), state_root(leaves), entries, test, leaves)
         test = self.with_anchor(self.self_test).numpy().tobytes() if self_test else b""
-        return self.outer.anchor_applied, self.outer.anchor_hash, self.snapshot(), test
+        return Snapshot(self.outer.anchor_applied, state_root(leaves), entries, test, leaves)
 
     def expected(self, name: str) -> tuple[torch.dtype, list[int]] | None:
         """The dtype and shape a snapshot entry must have, or None if the name is not one of ours."""

@@ -149,6 +149,13 @@ class StateRequest(Message):
     parts: Annotated[int, Field(ge=1, le=MAX_STATE_PARTS)] = 1
 
 
+class StateLeaf(Record):
+    """One tensor of a state as its hash covers it: its name and digest (stages/stage.py tensor_digest)."""
+
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+    digest: Hash
+
+
 class StateInfo(Message):
     """The snapshot that follows: after ``applied`` optimizer steps, with this parameter hash."""
 
@@ -161,6 +168,10 @@ class StateInfo(Message):
     # The donor's output on the run's self-test input with exactly this state, raw float32 (node/worker.py
     # self_test): the joiner computes the same and compares, which catches a broken device before it trains.
     self_test: Annotated[bytes, Field(max_length=MAX_SELF_TEST_BYTES)] = b""
+    # (name, digest) of every tensor ``param_hash`` covers, in its order (stages/stage.py state_root): a joiner
+    # checks them against that hash, and the hash against its stage's reports, before it takes a tensor, and then
+    # each tensor as it arrives, so a lie costs it one message, or one tensor, and names who told it.
+    leaves: Annotated[list[StateLeaf], Field(max_length=MAX_STATE_TENSORS)] = []
 
 
 class StateBundle(Message):

@@ -26,6 +26,9 @@ from protolearn.stages.model import Embed, Head, init_parameters, lm_loss, make_
 from protolearn.stages.partition import PartitionPlan
 from protolearn.subspace import Subspace, make_subspace
 
+# The name under which a parameter is hashed and sent (beside its optimizer state, e.g. ``exp_avg/<name>``).
+PARAM_PREFIX = "param/"
+
 
 class _ProjectGrad(torch.autograd.Function):
     """Identity forward; backward projects the gradient onto span(U): g -> (g U) Uᵀ.
@@ -247,16 +250,34 @@ class StageModule(nn.Module):
         return sorted(name for name, _ in self.named_parameters())
 
     @torch.no_grad()
-    def state_hash(self, extra: Iterable[tuple[str, torch.Tensor]] = ()) -> str:
-        """sha256 over (name, dtype, shape, raw bytes) of every parameter in name order, then of each
-        ``extra`` (name, tensor) in the order given (state beside the parameters); bit-exact."""
-        h = hashlib.sha256()
+    def state_hash(self) -> str:
+        """The hash of the parameters (:func:`state_root` of their :data:`PARAM_PREFIX`-named digests, in name
+        order): the state of a stage with no optimizer state yet; bit-exact."""
         params = dict(self.named_parameters())
-        for name, t in [(n, params[n]) for n in sorted(params)] + list(extra):
-            t = t.detach().to("cpu").contiguous()
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+        return state_root(state_leaves([(f"{PARAM_PREFIX}{n}", params[n]) for n in sorted(params)]))
+
+
+def tensor_digest(name: str, t: torch.Tensor) -> str:
+    """sha256 over ``name``, the dtype, the shape and the raw bytes of one tensor: a leaf of :func:`state_root`."""
+    t = t.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def state_leaves(entries: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, str]]:
+    """(name, :func:`tensor_digest`) of each (name, tensor), in the order given."""
+    return [(name, tensor_digest(name, t)) for name, t in entries]
+
+
+def state_root(leaves: Iterable[tuple[str, str]]) -> str:
+    """The hash of a state from its tensors' (name, digest) leaves, in order. Being a hash of hashes, it lets a
+    joiner check the digests a donor claims against the hash the stage's replicas report before it downloads
+    a byte, and then each tensor as it arrives (node/state_sync.py)."""
+    h = hashlib.sha256()
+    for name, digest in leaves:
+        h.update(f"{name}|{digest}\n".encode())
+    return h.hexdigest()
 
 
 def build_stage(run: RunConfig, stage: int, device: str | torch.device = "cpu") -> StageModule:

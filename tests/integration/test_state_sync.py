@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 import trio
 
+from protolearn.node.checkpoint import shared_leaves
 from protolearn.node.config import NodeConfig
 from protolearn.node.errors import SelfTestError, StateSyncError
 from protolearn.node.persistence import StagePersistence
@@ -21,7 +23,7 @@ from protolearn.node.syncing import StageSync
 from protolearn.node.worker import StageWorker
 from protolearn.protocol import coordination as cm
 from protolearn.protocol.errors import ProtocolError
-from protolearn.protocol.pipeline import STATE, StateBundle, StateInfo, StateRequest
+from protolearn.protocol.pipeline import STATE, StateBundle, StateInfo, StateLeaf, StateRequest
 from protolearn.protocol.tensors import to_frame
 from protolearn.stages.config import RunConfig
 
@@ -58,18 +60,18 @@ def test_a_joiner_takes_one_share_from_each_replica_and_gets_the_whole_state(ope
 
                 async def snap(w=w, served=served):
                     served.append(1)
-                    return w.applied, w.state_hash(), w.snapshot(), w.self_test().numpy().tobytes()
+                    return w.shared_snapshot(lambda: w.applied, True)
 
                 StateServer(host, 1, RUN.run_hash(), snap).register()
             joiner = StageWorker(RUN, 1)
-            applied, claimed, entries = await fetch_state_split(
+            applied, claimed, entries, _ = await fetch_state_split(
                 hosts[2], [h.peer_id for h in hosts[:2]], joiner, RUN.run_hash(), timeout_s=20.0
             )
             assert [len(s) for _, s in donors] == [1, 1]  # both replicas served a share
             assert applied == 7 and joiner.load(entries) == claimed == donors[0][0].state_hash()
             assert len(entries) == len(donors[0][0].snapshot())  # parameters and optimizer moments, all of them
             # A single donor still sends everything.
-            _, alone, whole = await fetch_state(hosts[2], hosts[0].peer_id, joiner, RUN.run_hash(), timeout_s=20.0)
+            _, alone, whole, _ = await fetch_state(hosts[2], hosts[0].peer_id, joiner, RUN.run_hash(), timeout_s=20.0)
             assert alone == claimed and whole.keys() == entries.keys()
 
     run_trio(main, timeout=60)
@@ -81,7 +83,7 @@ def test_replicas_that_hold_different_states_are_not_mixed(open_hosts, run_trio)
             for host, (w, _) in zip(hosts[:2], [_donor(7), _donor(7, bump=0.5)], strict=True):
 
                 async def snap(w=w):
-                    return w.applied, w.state_hash(), w.snapshot(), w.self_test().numpy().tobytes()
+                    return w.shared_snapshot(lambda: w.applied, True)
 
                 StateServer(host, 1, RUN.run_hash(), snap).register()
             with pytest.raises(StateSyncError, match="different states"):
@@ -127,7 +129,7 @@ def test_a_joiner_refuses_a_lying_donor_and_takes_the_majoritys_state(open_hosts
             for host, (w, _) in zip(hosts[:2], [liar, honest], strict=True):
 
                 async def snap(w=w):
-                    return w.applied, w.state_hash(), w.snapshot(), w.self_test().numpy().tobytes()
+                    return w.shared_snapshot(lambda: w.applied, True)
 
                 StateServer(host, 1, RUN.run_hash(), snap).register()
             lying, true = hosts[0].peer_id, hosts[1].peer_id
@@ -144,13 +146,16 @@ def test_a_joiner_refuses_a_lying_donor_and_takes_the_majoritys_state(open_hosts
     run_trio(main, timeout=90)
 
 
-@pytest.mark.parametrize("claims", ["the-stage-hash", "its-own-hash"])
+@pytest.mark.parametrize("claims", ["its-own-hash", "the-stage-hash-and-digests"])
 def test_a_donor_that_lies_about_the_optimizer_state_alone_is_refused_before_the_joiner_trains(
-    open_hosts, run_trio, tmp_path: Path, claims: str,
+    open_hosts, run_trio, tmp_path: Path, caplog: pytest.LogCaptureFixture, claims: str,
 ) -> None:
     """The replicas' hash covers AdamW's moments, not only the parameters: a donor that sends the stage's
     parameters with other moments (which would make the joiner's next update differ from its stage's, and cost
-    it a resync that nobody could pin on the donor) is refused at install, whichever hash it claims."""
+    it a resync that nobody could pin on the donor) is refused, whichever hash it claims. Claiming its own, it is
+    refused before it sends a tensor (the claim is judged first); claiming the stage's, with the stage's tensor
+    digests, it is refused at its first lying tensor. Either way the joiner names it, takes its share of the split
+    download from the honest replica, and trains on the stage's state."""
     honest, liar = _donor(7, moments=0.1), _donor(7, moments=0.1)
     with torch.no_grad():
         liar[0].optimizer.state[liar[0].params[0]]["exp_avg"].mul_(-50.0)
@@ -162,19 +167,25 @@ def test_a_donor_that_lies_about_the_optimizer_state_alone_is_refused_before_the
             for host, (w, _) in zip(hosts[:2], [liar, honest], strict=True):
 
                 async def snap(w=w):
-                    claim = good if w is liar[0] and claims == "the-stage-hash" else w.state_hash()
-                    return w.applied, claim, w.snapshot(), w.self_test().numpy().tobytes()
+                    mine = w.shared_snapshot(lambda: w.applied, True)
+                    if w is liar[0] and claims == "the-stage-hash-and-digests":
+                        stage = honest[0].shared_snapshot(lambda: 7, False)
+                        return mine._replace(state_hash=stage.state_hash, leaves=stage.leaves)
+                    return mine
 
                 StateServer(host, 1, RUN.run_hash(), snap).register()
             lying, true = hosts[0].peer_id, hosts[1].peer_id
-            reported = [(true, 6, good), ("other", 6, good), (lying, 6, good if claims == "the-stage-hash" else liar[0].state_hash())]
+            reported = [(true, 6, good), ("other", 6, good), (lying, 6, good if claims != "its-own-hash" else liar[0].state_hash())]
             sync, worker, progress = _syncer(tmp_path, hosts[2], _Coordinator(7, reported), [lying, true], [], 30.0)
-            with progress:
+            with progress, caplog.at_level(logging.INFO, logger="protolearn.node"):
                 assert await sync.sync(7) == 7
             assert worker.state_hash() == good
             assert torch.equal(worker.optimizer.state[worker.params[0]]["exp_avg"], honest[0].optimizer.state[honest[0].params[0]]["exp_avg"])
             synced = [e for e in map(json.loads, (tmp_path / "node.jsonl").read_text().splitlines()) if e.get("event") == "synced"]
-            assert [e["donors"] for e in synced] == [[true]]  # the split download and the liar alone were refused
+            assert [e["donors"] for e in synced] == [[true]]  # the liar's share came from the honest replica
+            why = "refused before its download" if claims == "its-own-hash" else "does not match the digest it announced"
+            failed = [r.getMessage() for r in caplog.records if "state share" in r.getMessage()]
+            assert len(failed) == 1 and lying in failed[0] and why in failed[0], failed
 
     run_trio(main, timeout=90)
 
@@ -195,7 +206,7 @@ def test_a_joiner_passes_the_self_test_or_stops_with_one_line(open_hosts, run_tr
 
             async def snap():
                 test = w.self_test() * (1.5 if case == "lying-donor" else 1.0)
-                return w.applied, w.state_hash(), w.snapshot(), test.numpy().tobytes()
+                return w.shared_snapshot(lambda: w.applied, False)._replace(self_test=test.numpy().tobytes())
 
             StateServer(hosts[0], 1, RUN.run_hash(), snap).register()
             link = _Coordinator(7, [(hosts[0].peer_id, 6, good)])
@@ -227,7 +238,7 @@ def test_with_no_hash_to_check_against_a_joiner_installs_nothing(open_hosts, run
 
             async def snap():
                 served.append(1)
-                return liar[0].applied, liar[0].state_hash(), liar[0].snapshot(), b""
+                return liar[0].shared_snapshot(lambda: liar[0].applied, False)
 
             StateServer(hosts[0], 1, RUN.run_hash(), snap).register()
             waiting: list[str] = []
@@ -254,11 +265,11 @@ def test_a_share_whose_donor_fails_is_taken_from_another_and_the_others_are_kept
                     served.append(1)
                     if gone:
                         return None  # the server refuses: this replica no longer serves the stage
-                    return w.applied, w.state_hash(), w.snapshot(), b""
+                    return w.shared_snapshot(lambda: w.applied, False)
 
                 StateServer(host, 1, RUN.run_hash(), snap).register()
             joiner = StageWorker(RUN, 1)
-            applied, claimed, entries = await fetch_state_split(
+            applied, claimed, entries, _ = await fetch_state_split(
                 hosts[3], [h.peer_id for h in hosts[:3]], joiner, RUN.run_hash(), timeout_s=20.0
             )
             assert (applied, claimed) == (7, donors[0][0].state_hash())
@@ -281,7 +292,7 @@ def test_a_lost_share_from_a_replica_at_another_step_is_not_mixed_in(open_hosts,
 
                 async def snap(w=w, served=served, gone=(k == 1)):
                     served.append(1)
-                    return None if gone else (w.applied, w.state_hash(), w.snapshot(), b"")
+                    return None if gone else w.shared_snapshot(lambda: w.applied, False)
 
                 StateServer(host, 1, RUN.run_hash(), snap).register()
             joiner = StageWorker(RUN, 1)
@@ -308,7 +319,7 @@ def test_when_every_donor_fails_the_split_download_fails_at_once(open_hosts, run
     run_trio(main, timeout=60)
 
 
-@pytest.mark.parametrize("lie", ["out_of_order", "foreign_name", "repeated_name", "wrong_size", "non_finite", "oversized"])
+@pytest.mark.parametrize("lie", ["out_of_order", "foreign_name", "repeated_name", "wrong_size", "non_finite", "oversized", "claim_mismatch", "digest_mismatch"])
 def test_a_donor_whose_bundles_break_the_layout_is_refused_by_name_before_its_bytes_are_kept(
     open_hosts, run_trio, monkeypatch: pytest.MonkeyPatch, lie: str,
 ) -> None:
@@ -321,8 +332,15 @@ def test_a_donor_whose_bundles_break_the_layout_is_refused_by_name_before_its_by
 
     async def liar(peer: str, s) -> None:
         await s.receive(StateRequest)
-        await s.send(StateInfo(stage=1, applied=7, run_hash=RUN.run_hash(), param_hash=donor.state_hash(), num_tensors=len(entries)))
+        leaves = shared_leaves(entries, diloco=False)
+        claim = donor.state_hash()
+        if lie == "claim_mismatch":  # digests of other tensors than the state it claims
+            leaves = [(n, d[::-1]) if i == 0 else (n, d) for i, (n, d) in enumerate(leaves)]
+        await s.send(StateInfo(stage=1, applied=7, run_hash=RUN.run_hash(), param_hash=claim, num_tensors=len(entries),
+                               leaves=[StateLeaf(name=n, digest=d) for n, d in leaves]))
         first = [entries[0], entries[1]]
+        if lie == "digest_mismatch":  # in the layout, but not the bytes it announced
+            first = [entries[0], (entries[1][0], entries[1][1] + 1.0)]
         if lie == "out_of_order":
             first = [entries[1]]
         elif lie == "foreign_name":
@@ -354,19 +372,20 @@ def test_a_donor_whose_bundles_break_the_layout_is_refused_by_name_before_its_by
             assert err.value.peer == bad.peer_id
             print(f"{lie}: {err.value.reason}")
             expected = {"out_of_order": "expected the next of", "foreign_name": "unexpected state tensor", "repeated_name": "unexpected state tensor", "wrong_size": "exceeds the limit",
-                        "non_finite": "non-finite", "oversized": "a donor bundles at most"}[lie]
+                        "non_finite": "non-finite", "oversized": "a donor bundles at most",
+                        "claim_mismatch": "not to the state hash", "digest_mismatch": "does not match the digest it announced"}[lie]
             assert expected in err.value.reason
             # The joiner goes on: an honest donor's state arrives whole.
             honest = StageWorker(RUN, 1)
             StateServer(bad, 1, RUN.run_hash(), lambda: _snap(donor)).register()
-            _, claimed, got = await fetch_state(joiner, bad.peer_id, honest, RUN.run_hash(), timeout_s=20.0)
+            _, claimed, got, _ = await fetch_state(joiner, bad.peer_id, honest, RUN.run_hash(), timeout_s=20.0)
             assert honest.load(got) == claimed == donor.state_hash()
 
     run_trio(main, timeout=60)
 
 
 async def _snap(w: StageWorker):
-    return 7, w.state_hash(), w.snapshot(), b""
+    return w.shared_snapshot(lambda: 7, False)
 
 
 def test_a_stranger_holding_state_streams_open_does_not_keep_a_joiner_out(open_hosts, run_trio) -> None:
@@ -380,7 +399,7 @@ def test_a_stranger_holding_state_streams_open_does_not_keep_a_joiner_out(open_h
             w = donor[0]
 
             async def snap():
-                return w.applied, w.state_hash(), w.snapshot(), b""
+                return w.shared_snapshot(lambda: w.applied, False)
 
             StateServer(server, 1, RUN.run_hash(), snap, members=lambda: {joiner.peer_id}).register()
             async with contextlib.AsyncExitStack() as held:
@@ -390,7 +409,7 @@ def test_a_stranger_holding_state_streams_open_does_not_keep_a_joiner_out(open_h
                 with trio.fail_after(10):
                     while server.active_streams(STATE) < 2:
                         await trio.sleep(0.01)
-                applied, claimed, entries = await fetch_state(joiner, server.peer_id, StageWorker(RUN, 1), RUN.run_hash(), timeout_s=10.0)
+                applied, claimed, entries, _ = await fetch_state(joiner, server.peer_id, StageWorker(RUN, 1), RUN.run_hash(), timeout_s=10.0)
                 assert (applied, claimed) == (7, w.state_hash()) and server.active_streams(STATE) >= 2
 
     run_trio(main, timeout=60)

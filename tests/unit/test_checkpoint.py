@@ -18,6 +18,7 @@ from protolearn.node.checkpoint import (
     load_stage_state,
     read_checkpoint_info,
     save_checkpoint,
+    shared_leaves,
     shared_state_hash,
     stage_state,
 )
@@ -26,7 +27,7 @@ from protolearn.stages.config import RunConfig, validate_run
 from protolearn.stages.model import Transformer
 from protolearn.stages.optim import apply_step, make_optimizer
 from protolearn.stages.reference import ReferenceTrainer
-from protolearn.stages.stage import StageModule, build_stage
+from protolearn.stages.stage import StageModule, build_stage, state_root
 
 RAW = {
     "name": "tiny",
@@ -155,6 +156,11 @@ def test_save_checkpoint_is_named_by_stage_and_step_and_keeps_the_newest_k(tmp_p
     assert load_checkpoint(path, run, 1, m, o) == 5
     assert same_state(stage_state(m, o), stage_state(pipe.stages[1], pipe.optims[1]))
     assert shared_state_hash(m, o) == info.state_hash
+    # The hash is a hash of its tensors' digests: what a donor announces before sending them (node/state_sync.py).
+    leaves = shared_leaves(list(stage_state(m, o).items()), diloco=False)
+    assert state_root(leaves) == info.state_hash and len(leaves) == 4 * len(m.param_names())
+    # A fresh stage (no optimizer state yet) hashes as its parameters alone.
+    assert shared_state_hash(*fresh(run, 1)) == fresh(run, 1)[0].state_hash()
 
 
 def test_latest_checkpoint_ignores_leftover_temp_files_and_other_names(tmp_path: Path, trained: Pipe) -> None:

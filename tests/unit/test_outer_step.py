@@ -15,6 +15,7 @@ import torch
 from protolearn.node.checkpoint import OUTER_KEY, load_checkpoint, save_checkpoint
 from protolearn.node.worker import StageWorker
 from protolearn.stages.outer import flatten, nesterov_step, pseudo_gradient, unflatten_into
+from protolearn.stages.stage import state_root
 from tests.support.runs import tiny_run
 
 H = 3
@@ -95,6 +96,10 @@ def test_a_joiner_takes_the_anchor_and_its_momentum_not_the_donors_inner_state()
     assert donor.step_hash() != anchor_hash
     snapshot = dict(donor.snapshot())
     assert donor.step_hash() != anchor_hash  # taking the snapshot put its own parameters back
+    # What it serves: the anchor's hash, from the digests of the anchor and the momentum only (not its inner state).
+    served = donor.shared_snapshot(lambda: H + 1, False)
+    assert served.applied == H and served.state_hash == state_root(served.leaves) == anchor_hash
+    assert {n.split("/", 1)[0] for n, _ in served.leaves} == {"param", OUTER_KEY}
     joiner = StageWorker(run, 0)
     assert all(joiner.expected(n) is not None for n in snapshot)
     assert joiner.load(snapshot) == anchor_hash
