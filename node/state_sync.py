@@ -37,7 +37,7 @@ from protolearn.protocol.pipeline import MAX_BUNDLE_TENSORS, MAX_STATE_PARTS, ST
 from protolearn.protocol.transport import FramedStream
 from protolearn.protocol.tensors import TensorLimits, from_frame, to_frame
 from protolearn.protocol.transport import Host
-from protolearn.stages.stage import state_root, tensor_digest
+from protolearn.stages.stage import PARAM_PREFIX, state_root, tensor_digest
 
 log = logging.getLogger("protolearn.node")
 
@@ -121,6 +121,8 @@ class StateServer:
             await s.send(Refuse(code="state", reason=f"part {req.part} of {req.parts} does not exist"))
             return
         applied, param_hash, entries, self_test, leaves = snap
+        if req.params_only:
+            entries = [(name, t) for name, t in entries if name.startswith(PARAM_PREFIX)]
         await s.send(StateInfo(
             stage=req.stage, applied=applied, run_hash=self.run_hash, param_hash=param_hash, num_tensors=len(entries), self_test=self_test,
             leaves=[StateLeaf(name=n, digest=d) for n, d in leaves],
@@ -134,20 +136,22 @@ class StateServer:
 
 async def fetch_state(
     host: Host, donor: str, worker: StageWorker, run_hash: str, *, timeout_s: float, part: int = 0, parts: int = 1,
-    self_tests: dict[str, bytes] | None = None, check: Check | None = None,
+    self_tests: dict[str, bytes] | None = None, check: Check | None = None, params_only: bool = False,
 ) -> Fetched:
     """Download and validate ``donor``'s state (or its share ``part`` of ``parts``) for ``worker``'s stage;
     puts the donor's self-test output in ``self_tests`` once its state arrived. ``check`` judges
     the donor's claim before a tensor is taken (see :data:`Check`); every tensor the hash covers must match
-    the digest the donor announced for it.
+    the digest the donor announced for it. ``params_only``: the parameters alone (an export needs no optimizer
+    state), still checked through the digests of the whole state, which add up to the hash its replicas report.
 
     Nothing is installed here; the caller installs in its compute thread and compares hashes.
     """
     applied, param_hash, _total, entries, leaves = await _fetch(
         host, donor, worker, run_hash, timeout_s=timeout_s, part=part, parts=parts, self_tests=self_tests, check=check,
+        params_only=params_only,
     )
     if parts == 1:
-        _check_complete(donor, worker, entries, leaves)
+        _check_complete(donor, worker, entries, {n: d for n, d in leaves.items() if n.startswith(PARAM_PREFIX)} if params_only else leaves)
     return Fetched(applied, param_hash, entries, [donor])
 
 
@@ -227,17 +231,18 @@ async def fetch_state_split(
 
 async def _receive_bundle(
     s: FramedStream, donor: str, worker: StageWorker, bundle: StateBundle, due: list[int], have: dict[str, torch.Tensor],
+    only: str = "",
 ) -> dict[str, torch.Tensor]:
     """The tensors ``bundle`` names, read from the frame that follows it. They must be the next of ``due`` in order,
     each one of the stage's own with its dtype and shape and none of those in ``have`` already, and all together no more than a donor bundles (BUNDLE_BYTES,
-    or one tensor alone): every check is made before a payload byte is read."""
+    or one tensor alone), each named with the prefix ``only`` if given: every check is made before a payload byte is read."""
     if len(bundle.names) != len(bundle.indices) or bundle.indices != due[: len(bundle.indices)]:
         raise ProtocolError(donor, f"state bundle of tensors {bundle.indices[:4]}..., expected the next of {due[:4]}...")
     layout: list[tuple[str, torch.dtype, list[int], int]] = []
     named: set[str] = set()
     for name in bundle.names:
         expected = worker.expected(name)
-        if expected is None or name in named or name in have:
+        if expected is None or name in named or name in have or not name.startswith(only):
             raise ProtocolError(donor, f"unexpected state tensor {name[:80]!r}")
         named.add(name)
         dtype, shape = expected
@@ -269,12 +274,12 @@ def _check_complete(donor: str, worker: StageWorker, entries: dict[str, torch.Te
         raise ProtocolError(donor, f"state lacks {len(unsent)} of the tensors its hash covers, e.g. {unsent[0][:80]!r}")
 
 
-def _claimed_leaves(donor: str, worker: StageWorker, info: StateInfo) -> dict[str, str]:
+def _claimed_leaves(donor: str, worker: StageWorker, info: StateInfo, most: int) -> dict[str, str]:
     """The donor's (name, digest) leaves, each a tensor of this stage named once, every parameter among them,
     and adding up to the hash it claims (:func:`~protolearn.stages.stage.state_root`)."""
     pairs = [(leaf.name, leaf.digest) for leaf in info.leaves]
     leaves = dict(pairs)
-    if len(leaves) != len(pairs) or len(leaves) > info.num_tensors:
+    if len(leaves) != len(pairs) or len(leaves) > most:
         raise ProtocolError(donor, f"state of {info.num_tensors} tensors announced {len(info.leaves)} digests, some twice or too many")
     unknown = next((n for n in leaves if worker.expected(n) is None), None)
     if unknown is not None:
@@ -295,13 +300,13 @@ def _mismatched(tensors: dict[str, torch.Tensor], leaves: dict[str, str]) -> str
 
 async def _fetch(
     host: Host, donor: str, worker: StageWorker, run_hash: str, *, timeout_s: float, part: int, parts: int,
-    self_tests: dict[str, bytes] | None = None, check: Check | None = None,
+    self_tests: dict[str, bytes] | None = None, check: Check | None = None, params_only: bool = False,
 ) -> tuple[int, str, int, dict[str, torch.Tensor], dict[str, str]]:
     entries: dict[str, torch.Tensor] = {}
     try:
         with trio.fail_after(timeout_s):
             async with host.open_stream(donor, STATE) as s:
-                await s.send(StateRequest(stage=worker.stage, part=part, parts=parts))
+                await s.send(StateRequest(stage=worker.stage, part=part, parts=parts, params_only=params_only))
                 info = await s.receive((StateInfo, Refuse))
                 if isinstance(info, Refuse):
                     raise StateSyncError(f"replica {donor} refused to share its state: {info.reason}")
@@ -310,13 +315,13 @@ async def _fetch(
                 most = (5 if worker.outer is not None else 4) * len(worker.names)  # parameters, AdamW's 3, DiLoCo's momentum
                 if info.num_tensors > most:
                     raise ProtocolError(donor, f"state of {info.num_tensors} tensors; stage {worker.stage} has at most {most}")
-                leaves = _claimed_leaves(donor, worker, info)
+                leaves = _claimed_leaves(donor, worker, info, most)
                 if check is not None:
                     await check(donor, info.applied, info.param_hash)
                 want = list(range(part, info.num_tensors, parts))
                 while len(entries) < len(want):
                     bundle = await s.receive(StateBundle)
-                    got = await _receive_bundle(s, donor, worker, bundle, want[len(entries):], entries)
+                    got = await _receive_bundle(s, donor, worker, bundle, want[len(entries):], entries, PARAM_PREFIX if params_only else "")
                     bad = await trio.to_thread.run_sync(_mismatched, got, leaves)
                     if bad is not None:
                         raise ProtocolError(donor, f"state tensor {bad[:80]!r} does not match the digest it announced for it")

@@ -1,12 +1,14 @@
 """Export from a live swarm: fetch every stage's parameters from a live replica and write one model file.
 
 :func:`export_swarm` asks the coordinator for its run and live membership (``coord.members``), then
-fetches each stage's state from one of its live replicas over the state-sync protocol
+fetches each stage's parameters from one of its live replicas over the state-sync protocol
 (:func:`~protolearn.node.state_sync.fetch_state`: the same validation a joining replica applies, by
-name, dtype, shape and finiteness). A replica's word is not enough: the state it sent must hash to what
-it claimed and, by a joiner's rule (:func:`~protolearn.node.syncing.judge_state`), to what a strict
-majority of the stage's replicas reported to the coordinator, so one lying replica cannot hand over the
-exported model (nor the final model the coordinator keeps and serves, which it fetches this way). All
+name, dtype, shape and finiteness). It takes the parameters alone, a third of a state's bytes (no optimizer
+state), yet a replica's word is not enough: the digests it announces for its whole state must add up to the
+hash it claims, that hash must be, by a joiner's rule (:func:`~protolearn.node.syncing.judge_state`), what a
+strict majority of the stage's replicas reported to the coordinator (judged before a tensor is taken), and
+each parameter must match its digest, so one lying replica cannot hand over the exported model (nor the final
+model the coordinator keeps and serves, which it fetches this way). All
 stages are fetched concurrently, one at a time from each peer; because the swarm keeps training, the stages can answer at different
 steps, so stages behind the newest are fetched again until every stage is at one step (or
 ``timeout_s`` passes). The parameters are then written with :func:`~protolearn.node.export.write_model`:
@@ -69,27 +71,27 @@ async def _fetch_stage(
     docstring); ``coordinator`` None: the source is the coordinator's own kept model, which needs no majority.
     One fetch per peer at a time (``one_at_a_time``, a lock per peer): a state server takes at most two streams
     from one peer, and the coordinator's kept model serves every stage."""
+
+    async def check(peer: str, applied: int, claimed: str) -> None:
+        """The replica's claim must be the stage's (a state after 0 steps the run's init: hashed only then, every
+        stage's init would cost seconds at scale); judged before a tensor is taken."""
+        if coordinator is None:
+            return
+        init = await trio.to_thread.run_sync(lambda: build_stage(worker.run, worker.stage).state_hash()) if applied == 0 else ""
+        verdict, why = await _judge(host, coordinator, worker.stage, applied, claimed, init, timeout_s)
+        if verdict != "ok":
+            raise StateSyncError(f"refused: {why}")
+
     last = "no replica tried"
     for peer in replicas:
         try:
             async with one_at_a_time.setdefault(peer, trio.Lock()):
-                applied, claimed, entries, _ = await fetch_state(host, peer, worker, run_hash, timeout_s=timeout_s)
+                # The parameters alone, each matching its digest among those of the whole state, whose hash is the stage's.
+                applied, _, entries, _ = await fetch_state(host, peer, worker, run_hash, timeout_s=timeout_s, check=check, params_only=True)
         except (ProtocolError, StateSyncError) as err:
             last = f"{peer}: {err}"
             log.warning("export: fetching stage %d from %s failed: %s", worker.stage, peer, err)
             continue
-        got = await trio.to_thread.run_sync(worker.load, entries)
-        if got != claimed:
-            last = f"{peer}: its state hashes to {got[:12]}, it claimed {claimed[:12]}"
-            continue
-        if coordinator is not None:
-            # A state after 0 steps must be the run's init: hashed only then (every stage's init would cost seconds at scale).
-            init = await trio.to_thread.run_sync(lambda: build_stage(worker.run, worker.stage).state_hash()) if applied == 0 else ""
-            verdict, why = await _judge(host, coordinator, worker.stage, applied, got, init, timeout_s)
-            if verdict != "ok":
-                last = f"{peer}: {why}"
-                log.warning("export: refused stage %d from %s: %s", worker.stage, peer, why)
-                continue
         return applied, {n: entries[f"param/{n}"] for n in worker.names}
     raise ExportError(f"could not fetch stage {worker.stage} from any of its {len(replicas)} live replicas ({last})")
 

@@ -147,6 +147,8 @@ class StateRequest(Message):
     stage: StageIndex
     part: Annotated[int, Field(ge=0, lt=MAX_STATE_PARTS)] = 0
     parts: Annotated[int, Field(ge=1, le=MAX_STATE_PARTS)] = 1
+    # The parameters alone (an export): the state's hash is still checked, through the digests of all of it.
+    params_only: bool = False
 
 
 class StateLeaf(Record):

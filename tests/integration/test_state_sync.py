@@ -190,6 +190,39 @@ def test_a_donor_that_lies_about_the_optimizer_state_alone_is_refused_before_the
     run_trio(main, timeout=90)
 
 
+def test_an_export_takes_the_parameters_alone_still_checked_against_the_whole_states_hash(open_hosts, run_trio) -> None:
+    """An export needs no optimizer state: it asks for the parameters alone (a third of the bytes), and each must
+    match its digest among those of the whole state, whose root is the hash the stage's replicas report. A donor
+    that sends other parameters under the stage's digests is refused at the first one, by name."""
+    honest, liar = _donor(7, moments=0.1), _donor(7, moments=0.1)
+    with torch.no_grad():
+        liar[0].params[0].add_(1.0)
+    stage = honest[0].shared_snapshot(lambda: 7, False)
+
+    async def main() -> None:
+        async with open_hosts(3) as hosts:
+            for host, (w, _) in zip(hosts[:2], [honest, liar], strict=True):
+
+                async def snap(w=w):
+                    return w.shared_snapshot(lambda: 7, False)._replace(state_hash=stage.state_hash, leaves=stage.leaves)
+
+                StateServer(host, 1, RUN.run_hash(), snap).register()
+            claims: list[tuple[int, str]] = []
+
+            async def check(donor: str, applied: int, claimed: str) -> None:
+                claims.append((applied, claimed))
+
+            got = await fetch_state(hosts[2], hosts[0].peer_id, StageWorker(RUN, 1), RUN.run_hash(), timeout_s=20.0, check=check, params_only=True)
+            assert claims == [(7, stage.state_hash)] and got.state_hash == stage.state_hash
+            assert set(got.entries) == {f"param/{n}" for n in honest[0].names}  # no moments crossed
+            assert all(torch.equal(got.entries[f"param/{n}"], p) for n, p in zip(honest[0].names, honest[0].params))
+            with pytest.raises(ProtocolError, match="does not match the digest") as err:
+                await fetch_state(hosts[2], hosts[1].peer_id, StageWorker(RUN, 1), RUN.run_hash(), timeout_s=20.0, params_only=True)
+            assert err.value.peer == hosts[1].peer_id
+
+    run_trio(main, timeout=60)
+
+
 @pytest.mark.parametrize("case", ["sound-device", "broken-device", "lying-donor"])
 def test_a_joiner_passes_the_self_test_or_stops_with_one_line(open_hosts, run_trio, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Issue 11, probation: a joiner compares its output on the run's self-test input with its donor's,
