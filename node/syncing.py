@@ -146,9 +146,10 @@ class StageSync:
         self.clock = clock
         # The hash of the deterministic init, taken before anything is installed (the state after 0 steps).
         self._init_hash: str | None = None
-        # The claims (applied, hash) judged in this sync: "" where the stage's, else why not; and the lock one
-        # judge at a time holds (the shares of a split download each ask, and the first answer serves them all).
-        self._judged: dict[tuple[int, str], str] = {}
+        # The claims (applied, hash) judged in this sync: (why not, or "" where the stage's; when). A claim found
+        # the stage's stays so; any other verdict serves the shares of the same download (each asks, one judge at a
+        # time under the lock) for SYNC_RETRY_S, and a later attempt asks again: the reports may have caught up.
+        self._judged: dict[tuple[int, str], tuple[str, float]] = {}
         self._judging = trio.Lock()
 
     async def sync(self, open_step: int) -> int:
@@ -254,19 +255,21 @@ class StageSync:
         download then checks each tensor against the digests that add up to ``claimed``."""
         claim = (applied, claimed)
         async with self._judging:
-            for poll in range(CHECK_POLLS):
-                if claim in self._judged:
-                    break
-                reported = await self._reported()  # also refreshes the frontier (link.step)
-                verdict, why = judge_state(applied, claimed, reported, frontier=self.link.step, init_hash=self._init_hash or "")
-                if verdict == "ok":
-                    self._judged[claim] = ""
-                elif verdict == "refuse" or poll == CHECK_POLLS - 1:
-                    self._judged[claim] = why
-                else:  # the donors' own reports of this step may be a heartbeat behind their state: ask again
-                    await trio.sleep(CHECK_POLL_S)
-        if self._judged[claim]:
-            raise StateSyncError(f"state from {donor} refused before its download: {self._judged[claim]}")
+            why, when = self._judged.get(claim, ("?", -math.inf))
+            if why and self.clock() - when >= SYNC_RETRY_S:
+                for poll in range(CHECK_POLLS):
+                    reported = await self._reported()  # also refreshes the frontier (link.step)
+                    verdict, why = judge_state(applied, claimed, reported, frontier=self.link.step, init_hash=self._init_hash or "")
+                    if verdict == "ok":
+                        why = ""
+                        break
+                    if verdict == "refuse":
+                        break
+                    if poll < CHECK_POLLS - 1:  # the donors' own reports of this step may be a heartbeat behind their state
+                        await trio.sleep(CHECK_POLL_S)
+                self._judged[claim] = (why, self.clock())
+        if why:
+            raise StateSyncError(f"state from {donor} refused before its download: {why}")
 
     async def _install(self, fetched: Fetched) -> None:
         """Install downloaded state, whose claim :meth:`_judge_claim` found the stage's and whose tensors matched

@@ -285,6 +285,43 @@ def test_with_no_hash_to_check_against_a_joiner_installs_nothing(open_hosts, run
     run_trio(main, timeout=60)
 
 
+def test_a_claim_the_reports_could_not_tell_yet_is_judged_again_once_they_can(open_hosts, run_trio, tmp_path: Path) -> None:
+    """The stage's reports of the donor's step arrive only after a first judgement of its claim gave up waiting
+    for them: a later attempt of the same sync judges the same claim again and installs it, rather than refusing
+    it for the rest of the sync (the stage may be idle, so no newer claim would come)."""
+    donor = _donor(7)
+    good = donor[0].state_hash()
+
+    async def main() -> None:
+        async with open_hosts(2) as hosts:
+            StateServer(hosts[0], 1, RUN.run_hash(), lambda: _snap(donor[0])).register()
+            # Only a report of an older step at first: a replica whose report of step 6 is a heartbeat late.
+            link = _Coordinator(7, [(hosts[0].peer_id, 5, "older"), ("other", 5, "older")])
+            sync, worker, progress = _syncer(tmp_path, hosts[1], link, [hosts[0].peer_id], [], 30.0)
+            asked = trio.Event()
+            judge = sync._judge_claim
+
+            async def judged(*args) -> None:
+                try:
+                    await judge(*args)
+                finally:
+                    asked.set()
+
+            sync._judge_claim = judged  # type: ignore[method-assign]
+
+            async def reports_catch_up() -> None:
+                await asked.wait()  # the first judgement ran out of polls
+                link.reported = [(hosts[0].peer_id, 6, good), ("other", 6, good)]
+
+            with progress:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(reports_catch_up)
+                    assert await sync.sync(7) == 7
+            assert worker.state_hash() == good
+
+    run_trio(main, timeout=60)
+
+
 def test_a_share_whose_donor_fails_is_taken_from_another_and_the_others_are_kept(open_hosts, run_trio) -> None:
     """Three replicas split the state; one refuses partway (it left its stage). Its share comes from another
     replica, and the two shares already received are not downloaded again."""
