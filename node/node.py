@@ -35,6 +35,7 @@ import trio
 from protolearn.node.adversary import Attack, parse_adversary
 from protolearn.node.averaging import Averager
 from protolearn.node.replica_sync import ReplicaSync
+from protolearn.node.checkpoint import Snapshot
 from protolearn.node.config import NodeConfig
 from protolearn.node.compute_watch import ComputeWatch
 from protolearn.node.coordinator_link import CoordinatorLink, CoordinatorRefused
@@ -58,7 +59,6 @@ from protolearn.node.reachability import Reachability
 from protolearn.node.relay_watch import RelayWatch
 from protolearn.node.replica_hashes import ReplicaHashes
 from protolearn.node.router import Router
-from protolearn.node.checkpoint import Snapshot
 from protolearn.node.state_sync import StateServer
 from protolearn.node.step_timing import StepTimer
 from protolearn.node.syncing import StageSync
